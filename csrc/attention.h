@@ -1,0 +1,46 @@
+// The one contract between the prefix tree (Python) and the decode-attention kernels.
+//
+// Pool layout for one layer:  K [slots, kv_heads, head_dim, chunk]  (transposed: scores are
+// vertical FMAs over the chunk's tokens), V [slots, kv_heads, chunk, head_dim].
+// Batch order is the tree's leaf order, so every shared chunk covers a contiguous range of rows.
+#pragma once
+#include <cstdint>
+
+namespace chunkgen {
+
+enum class KVType { F32, BF16, F16 };
+
+struct DecodeProblem {
+  // queries [batch, q_heads, head_dim] fp32, contiguous; output the same shape.
+  const float* q;
+  float* out;
+  const void* k;  // one layer of the pool
+  const void* v;
+  KVType kv_type;
+  int batch, q_heads, kv_heads, head_dim, chunk;
+  float scale;
+
+  // Chunks read by more than one sequence of the batch: slot, valid tokens, rows [begin, end).
+  int num_shared;
+  const int32_t* shared_slot;
+  const int32_t* shared_len;
+  const int32_t* shared_begin;
+  const int32_t* shared_end;
+  // CSR: the shared chunks on each sequence's path, root first (indices into shared_*).
+  const int32_t* seq_shared_ptr;  // [batch + 1]
+  const int32_t* seq_shared_idx;
+  // Private chunks of each sequence: a row of `priv_stride` slots, `priv_count` used; every private
+  // chunk is full except the last, which holds `priv_last_len` tokens.
+  const int32_t* priv_slot;  // [batch, priv_stride]
+  int priv_stride;
+  const int32_t* priv_count;     // [batch]
+  const int32_t* priv_last_len;  // [batch]
+
+  // false: the "paged" baseline: every sequence reads its shared chunks itself.
+  bool chunk_first;
+};
+
+void decode_attention_cpu(const DecodeProblem& p);
+int simd_width();  // fp32 lanes the CPU kernel was compiled for
+
+}  // namespace chunkgen

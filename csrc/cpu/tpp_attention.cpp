@@ -1,0 +1,431 @@
+// Two-phase partition (TPP) decode attention on the CPU.
+//
+// Phase 1 (chunk-first): for each shared chunk and KV head, the queries of every covered sequence
+// (times the GQA group) form one matrix multiplied against the chunk once; partial (o, m, l) rows go
+// to a workspace. Phase 2 (sequence-first): for each sequence and KV head, merge the shared partials
+// and continue over the private chunks with online softmax. Long private tails are split into
+// segments (merged in phase 3) so both cores have work whatever the tree looks like.
+//
+// SIMD width comes from the build machine (-march=native): GCC vector extensions keep one source
+// for AVX-512, AVX2 and narrower targets.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../attention.h"
+
+namespace chunkgen {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kRowBlock = 32;  // rows of a chunk-first matrix kept hot together
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu u = __builtin_convertvector(h, vu) << 16;
+  return (vf)u;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp on a vector (Cephes polynomial, ~1 ulp in the range softmax uses); scalar expf per score
+// would cost as much as the matrix products themselves.
+inline vf vexp(vf x) {
+  x = vmax(vmin(x, splat(88.3762626647949f)), splat(-87.3365447504f));
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vi ti = __builtin_convertvector(fx, vi);
+  vf tf = __builtin_convertvector(ti, vf);
+  tf = tf + __builtin_convertvector((vi)(tf > fx), vf);  // floor: subtract 1 where trunc rounded up
+  x = x - tf * 0.693359375f + tf * 2.12194440e-4f;
+  vf z = x * x;
+  vf y = splat(1.9875691500E-4f);
+  y = y * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * z + x + 1.0f;
+  vi n = (__builtin_convertvector(tf, vi) + 127) << 23;
+  return y * (vf)n;
+}
+
+// s[r, 0:nv*W] = q[r] . K^T for RB rows; K^T is [d, C], so each score vector is vertical FMAs.
+template <typename T, int RB>
+inline void scores(const float* q, const T* kt, int nv, int C, int d, float* s) {
+  int jv = 0;
+  for (; jv + 2 <= nv; jv += 2) {
+    vf acc[RB][2] = {};
+    const T* kp = kt + jv * W;
+    for (int t = 0; t < d; ++t, kp += C) {
+      const vf k0 = load(kp), k1 = load(kp + W);
+      for (int r = 0; r < RB; ++r) {
+        const vf qb = splat(q[r * d + t]);
+        acc[r][0] += qb * k0;
+        acc[r][1] += qb * k1;
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      store(s + r * C + jv * W, acc[r][0]);
+      store(s + r * C + jv * W + W, acc[r][1]);
+    }
+  }
+  if (jv < nv) {
+    vf acc[RB] = {};
+    const T* kp = kt + jv * W;
+    for (int t = 0; t < d; ++t, kp += C) {
+      const vf k0 = load(kp);
+      for (int r = 0; r < RB; ++r) acc[r] += splat(q[r * d + t]) * k0;
+    }
+    for (int r = 0; r < RB; ++r) store(s + r * C + jv * W, acc[r]);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + p[r, :n] @ V for RB rows; V is [C, d].
+template <typename T, int RB>
+inline void weighted_values(const float* p, int C, const T* v, int n, int d, float* o,
+                            const float* alpha) {
+  const int dv = d / W;
+  int c = 0;
+  for (; c + 2 <= dv; c += 2) {
+    vf acc[RB][2];
+    for (int r = 0; r < RB; ++r) {
+      acc[r][0] = load(o + r * d + c * W) * alpha[r];
+      acc[r][1] = load(o + r * d + c * W + W) * alpha[r];
+    }
+    const T* vp = v + c * W;
+    for (int j = 0; j < n; ++j, vp += d) {
+      const vf v0 = load(vp), v1 = load(vp + W);
+      for (int r = 0; r < RB; ++r) {
+        const vf pb = splat(p[r * C + j]);
+        acc[r][0] += pb * v0;
+        acc[r][1] += pb * v1;
+      }
+    }
+    for (int r = 0; r < RB; ++r) {
+      store(o + r * d + c * W, acc[r][0]);
+      store(o + r * d + c * W + W, acc[r][1]);
+    }
+  }
+  if (c < dv) {
+    vf acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = load(o + r * d + c * W) * alpha[r];
+    const T* vp = v + c * W;
+    for (int j = 0; j < n; ++j, vp += d) {
+      const vf v0 = load(vp);
+      for (int r = 0; r < RB; ++r) acc[r] += splat(p[r * C + j]) * v0;
+    }
+    for (int r = 0; r < RB; ++r) store(o + r * d + c * W, acc[r]);
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, o, m, l, s, alpha;
+  void reserve(int rows, int d, int C) {
+    const size_t r = static_cast<size_t>(rows);
+    if (q.size() < r * d) q.resize(r * d);
+    if (o.size() < r * d) o.resize(r * d);
+    if (m.size() < r) m.resize(r), l.resize(r), alpha.resize(r);
+    if (s.size() < r * C) s.resize(r * C);
+  }
+  void reset_state(int rows, int d) {
+    std::fill_n(o.data(), static_cast<size_t>(rows) * d, 0.f);
+    std::fill_n(m.data(), rows, kNegInf);
+    std::fill_n(l.data(), rows, 0.f);
+  }
+};
+
+// Online-softmax update of R scaled query rows (q [R, d]) with the first n tokens of one chunk.
+template <typename T>
+void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, int d, float* o,
+                  float* m, float* l, float* s, float* alpha) {
+  const int nv = (n + W - 1) / W;
+  int r = 0;
+  for (; r + 4 <= R; r += 4) scores<T, 4>(q + r * d, kt, nv, C, d, s + r * C);
+  for (; r < R; ++r) scores<T, 1>(q + r * d, kt, nv, C, d, s + r * C);
+
+  for (r = 0; r < R; ++r) {
+    float* sr = s + static_cast<size_t>(r) * C;
+    for (int j = n; j < nv * W; ++j) sr[j] = kNegInf;
+    vf mx = splat(kNegInf);
+    for (int jv = 0; jv < nv; ++jv) mx = vmax(mx, load(sr + jv * W));
+    const float mnew = std::max(m[r], hmax(mx));
+    const vf mv = splat(mnew);
+    for (int jv = 0; jv < nv; ++jv) store(sr + jv * W, vexp(load(sr + jv * W) - mv));
+    for (int j = n; j < nv * W; ++j) sr[j] = 0.f;  // padded lanes carry no weight
+    vf sum = {};
+    for (int jv = 0; jv < nv; ++jv) sum += load(sr + jv * W);
+    alpha[r] = std::exp(m[r] - mnew);
+    l[r] = l[r] * alpha[r] + hsum(sum);
+    m[r] = mnew;
+  }
+
+  for (r = 0; r + 4 <= R; r += 4)
+    weighted_values<T, 4>(s + r * C, C, v, n, d, o + r * d, alpha + r);
+  for (; r < R; ++r) weighted_values<T, 1>(s + r * C, C, v, n, d, o + r * d, alpha + r);
+}
+
+// Fold a partial (po, pm, pl) into a running state (o, m, l).
+inline void merge_partial(float* o, float& m, float& l, const float* po, float pm, float pl, int d) {
+  if (pl == 0.f) return;
+  const float mn = std::max(m, pm);
+  const float a = std::exp(m - mn), b = std::exp(pm - mn);
+  for (int i = 0; i < d; ++i) o[i] = o[i] * a + po[i] * b;
+  l = l * a + pl * b;
+  m = mn;
+}
+
+inline void write_normalized(float* dst, const float* o, float l, int d) {
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int i = 0; i < d; ++i) dst[i] = o[i] * inv;
+}
+
+struct SharedItem {
+  int chunk, head, begin, end;
+};
+struct SeqItem {
+  int seq, head, seg;
+};
+
+// Reused between calls so that a steady decode loop does not allocate.
+struct Workspace {
+  std::vector<int64_t> shared_row;  // first partial row of each shared chunk
+  std::vector<float> part_o, part_m, part_l;
+  std::vector<SharedItem> shared_items;
+  std::vector<int32_t> chunk_slot, chunk_len, seq_chunk_ptr;  // chunks each sequence reads itself
+  std::vector<int32_t> seq_nseg, seg_row;
+  std::vector<float> seg_o, seg_m, seg_l;
+  std::vector<SeqItem> seq_items;
+};
+
+Workspace& workspace() {
+  static Workspace ws;
+  return ws;
+}
+
+template <typename Vec>
+void grow(Vec& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
+template <typename T>
+void run(const DecodeProblem& p) {
+  const int B = p.batch, Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim,
+            C = p.chunk;
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const size_t head_elems = static_cast<size_t>(d) * C;
+  const size_t slot_elems = head_elems * Hk;
+  const int nthreads = omp_get_max_threads();
+  const int target_items = 4 * nthreads;
+  Workspace& ws = workspace();
+
+  // ---- plan phase 1: (shared chunk, kv head, sequence range) items.
+  const int S = p.chunk_first ? p.num_shared : 0;
+  grow(ws.shared_row, S + 1);
+  ws.shared_row[0] = 0;
+  int64_t shared_work = 0;
+  for (int c = 0; c < S; ++c) {
+    const int cover = p.shared_end[c] - p.shared_begin[c];
+    ws.shared_row[c + 1] = ws.shared_row[c] + cover;
+    shared_work += static_cast<int64_t>(cover) * Hk;
+  }
+  const int per_item = static_cast<int>(
+      std::max<int64_t>(4, (shared_work + target_items - 1) / target_items));
+  ws.shared_items.clear();
+  for (int c = 0; c < S; ++c)
+    for (int h = 0; h < Hk; ++h)
+      for (int b = p.shared_begin[c]; b < p.shared_end[c]; b += per_item)
+        ws.shared_items.push_back({c, h, b, std::min(b + per_item, p.shared_end[c])});
+  const size_t part_rows = static_cast<size_t>(ws.shared_row[S]) * Hq;
+  grow(ws.part_o, part_rows * d);
+  grow(ws.part_m, part_rows);
+  grow(ws.part_l, part_rows);
+
+  // ---- plan phase 2: the chunks each sequence reads itself, split into segments.
+  grow(ws.seq_chunk_ptr, B + 1);
+  ws.chunk_slot.clear();
+  ws.chunk_len.clear();
+  ws.seq_chunk_ptr[0] = 0;
+  for (int b = 0; b < B; ++b) {
+    if (!p.chunk_first) {
+      for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
+        const int c = p.seq_shared_idx[i];
+        ws.chunk_slot.push_back(p.shared_slot[c]);
+        ws.chunk_len.push_back(p.shared_len[c]);
+      }
+    }
+    const int np = p.priv_count[b];
+    for (int i = 0; i < np; ++i) {
+      ws.chunk_slot.push_back(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i]);
+      ws.chunk_len.push_back(i + 1 == np ? p.priv_last_len[b] : C);
+    }
+    ws.seq_chunk_ptr[b + 1] = static_cast<int32_t>(ws.chunk_slot.size());
+  }
+  const int base_items = B * Hk;
+  const int max_seg = base_items >= target_items ? 1 : (target_items + base_items - 1) / base_items;
+  grow(ws.seq_nseg, B);
+  grow(ws.seg_row, B + 1);
+  ws.seg_row[0] = 0;
+  ws.seq_items.clear();
+  for (int b = 0; b < B; ++b) {
+    const int nc = ws.seq_chunk_ptr[b + 1] - ws.seq_chunk_ptr[b];
+    const int nseg = std::max(1, std::min(nc, max_seg));
+    ws.seq_nseg[b] = nseg;
+    ws.seg_row[b + 1] = ws.seg_row[b] + (nseg > 1 ? nseg : 0);
+    for (int h = 0; h < Hk; ++h)
+      for (int sgi = 0; sgi < nseg; ++sgi) ws.seq_items.push_back({b, h, sgi});
+  }
+  const size_t seg_rows = static_cast<size_t>(ws.seg_row[B]) * Hq;
+  grow(ws.seg_o, seg_rows * d);
+  grow(ws.seg_m, seg_rows);
+  grow(ws.seg_l, seg_rows);
+
+  const float scale = p.scale;
+  const int n_shared_items = static_cast<int>(ws.shared_items.size());
+  const int n_seq_items = static_cast<int>(ws.seq_items.size());
+
+#pragma omp parallel
+  {
+    thread_local Scratch sc;
+
+    // ---- phase 1: chunk-first.
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n_shared_items; ++it) {
+      const SharedItem& w = ws.shared_items[it];
+      const int c = w.chunk, h = w.head;
+      const T* kt = K + p.shared_slot[c] * slot_elems + h * head_elems;
+      const T* v = V + p.shared_slot[c] * slot_elems + h * head_elems;
+      const int seq_block = std::max(1, kRowBlock / G);
+      for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
+        const int b1 = std::min(w.end, b0 + seq_block);
+        const int R = (b1 - b0) * G;
+        sc.reserve(R, d, C);
+        for (int b = b0; b < b1; ++b)
+          for (int g = 0; g < G; ++g) {
+            const float* src = p.q + (static_cast<size_t>(b) * Hq + h * G + g) * d;
+            float* dst = sc.q.data() + static_cast<size_t>((b - b0) * G + g) * d;
+            for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
+          }
+        sc.reset_state(R, d);
+        attend_chunk<T>(sc.q.data(), R, kt, v, p.shared_len[c], C, d, sc.o.data(), sc.m.data(),
+                        sc.l.data(), sc.s.data(), sc.alpha.data());
+        for (int b = b0; b < b1; ++b)
+          for (int g = 0; g < G; ++g) {
+            const int r = (b - b0) * G + g;
+            const size_t pr =
+                static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+            std::memcpy(ws.part_o.data() + pr * d, sc.o.data() + static_cast<size_t>(r) * d,
+                        sizeof(float) * d);
+            ws.part_m[pr] = sc.m[r];
+            ws.part_l[pr] = sc.l[r];
+          }
+      }
+    }
+
+    // ---- phase 2: sequence-first.
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n_seq_items; ++it) {
+      const SeqItem& w = ws.seq_items[it];
+      const int b = w.seq, h = w.head, nseg = ws.seq_nseg[b];
+      sc.reserve(G, d, C);
+      const float* src = p.q + (static_cast<size_t>(b) * Hq + h * G) * d;
+      for (int i = 0; i < G * d; ++i) sc.q[i] = src[i] * scale;
+      sc.reset_state(G, d);
+      if (w.seg == 0 && p.chunk_first) {
+        for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
+          const int c = p.seq_shared_idx[i];
+          for (int g = 0; g < G; ++g) {
+            const size_t pr =
+                static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+            merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d,
+                          ws.part_m[pr], ws.part_l[pr], d);
+          }
+        }
+      }
+      const int c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
+      const int lo = c0 + static_cast<int>(static_cast<int64_t>(nc) * w.seg / nseg);
+      const int hi = c0 + static_cast<int>(static_cast<int64_t>(nc) * (w.seg + 1) / nseg);
+      for (int i = lo; i < hi; ++i) {
+        const int n = ws.chunk_len[i];
+        if (n <= 0) continue;
+        const size_t off = ws.chunk_slot[i] * slot_elems + h * head_elems;
+        attend_chunk<T>(sc.q.data(), G, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                        sc.l.data(), sc.s.data(), sc.alpha.data());
+      }
+      for (int g = 0; g < G; ++g) {
+        const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
+        if (nseg == 1) {
+          write_normalized(p.out + row * d, sc.o.data() + g * d, sc.l[g], d);
+        } else {
+          const size_t sr = static_cast<size_t>(ws.seg_row[b] + w.seg) * Hq + h * G + g;
+          std::memcpy(ws.seg_o.data() + sr * d, sc.o.data() + g * d, sizeof(float) * d);
+          ws.seg_m[sr] = sc.m[g];
+          ws.seg_l[sr] = sc.l[g];
+        }
+      }
+    }
+
+    // ---- phase 3: merge the segments of long private tails.
+#pragma omp for schedule(static)
+    for (int row = 0; row < B * Hq; ++row) {
+      const int b = row / Hq, qh = row % Hq, nseg = ws.seq_nseg[b];
+      if (nseg == 1) continue;
+      sc.reserve(1, d, C);
+      sc.reset_state(1, d);
+      for (int sgi = 0; sgi < nseg; ++sgi) {
+        const size_t sr = static_cast<size_t>(ws.seg_row[b] + sgi) * Hq + qh;
+        merge_partial(sc.o.data(), sc.m[0], sc.l[0], ws.seg_o.data() + sr * d, ws.seg_m[sr],
+                      ws.seg_l[sr], d);
+      }
+      write_normalized(p.out + static_cast<size_t>(row) * d, sc.o.data(), sc.l[0], d);
+    }
+  }
+}
+
+}  // namespace
+
+int simd_width() { return W; }
+
+void decode_attention_cpu(const DecodeProblem& p) {
+  if (p.kv_type == KVType::F32)
+    run<float>(p);
+  else
+    run<uint16_t>(p);
+}
+
+}  // namespace chunkgen

@@ -1,0 +1,42 @@
+"""Build the native kernels against the installed torch (install with --no-build-isolation).
+
+CHUNKGEN_CUDA=1 forces the CUDA kernels, CHUNKGEN_CUDA=0 forces a CPU-only build; by default CUDA
+is built when both a CUDA toolkit and a CUDA build of torch are present.
+CHUNKGEN_MARCH overrides -march (default: native, i.e. the machine that builds is the one that runs).
+"""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("CHUNKGEN_CUDA")
+    if forced is not None:
+        return forced.strip().lower() in {"1", "true", "yes", "on"}
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+cxx_flags = ["-O3", f"-march={os.environ.get('CHUNKGEN_MARCH', 'native')}", "-fopenmp", "-std=c++17"]
+sources = ["csrc/bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+
+if want_cuda() and cuda_sources:
+    print("chunkgen: building CPU and CUDA kernels")
+    ext = cpp_extension.CUDAExtension(
+        "chunkgen._C",
+        sources + cuda_sources,
+        define_macros=[("CHUNKGEN_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math", "-std=c++17"]},
+        extra_link_args=["-fopenmp"],
+    )
+else:
+    print("chunkgen: building CPU kernels only (no CUDA toolkit + CUDA torch, or CHUNKGEN_CUDA=0)")
+    ext = cpp_extension.CppExtension(
+        "chunkgen._C", sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"]
+    )
+
+setup(ext_modules=[ext], cmdclass={"build_ext": cpp_extension.BuildExtension})
