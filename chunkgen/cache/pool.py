@@ -1,0 +1,125 @@
+"""ChunkPool: K/V storage for every chunk of every layer, handed out in fixed-size slots."""
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """The memory budget has no free slot left; the caller decides (evict, wait, preempt)."""
+
+
+class ChunkPool:
+    """Slots of `chunk_size` tokens of K and V for all layers, with a free list and a byte budget.
+
+    Layout (what the kernels read): K `[layers, slots, kv_heads, head_dim, chunk]` (keys stored
+    transposed so a chunk's scores are vertical FMAs), V `[layers, slots, kv_heads, chunk, head_dim]`.
+
+    The budget's worth of slots is reserved once as uninitialised memory; slots are handed to the
+    free list in slabs, and on the CPU the OS backs a slab's pages only when they are first written,
+    so memory in use follows `capacity`, not the budget.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        dtype: torch.dtype,
+        budget_bytes: int,
+        device: torch.device | str = "cpu",
+        slab_slots: int = 64,
+    ) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.chunk_size, self.dtype, self.device = chunk_size, dtype, torch.device(device)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_slot = 2 * num_layers * kv_heads * head_dim * chunk_size * itemsize
+        self.max_slots = int(budget_bytes) // self.bytes_per_slot
+        if self.max_slots < 1:
+            raise ValueError(
+                f"KV memory budget of {budget_bytes} bytes holds no chunk "
+                f"(one chunk of {chunk_size} tokens needs {self.bytes_per_slot} bytes)"
+            )
+        self.slab_slots = max(1, slab_slots)
+        self.k = torch.empty(
+            num_layers, self.max_slots, kv_heads, head_dim, chunk_size, dtype=dtype, device=self.device
+        )
+        self.v = torch.empty(
+            num_layers, self.max_slots, kv_heads, chunk_size, head_dim, dtype=dtype, device=self.device
+        )
+        self.capacity = 0  # slots handed to the free list so far
+        self._free: list[int] = []
+        self.used = 0
+        self.peak = 0
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.used += 1
+        self.peak = max(self.peak, self.used)
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+        self.used -= 1
+
+    def can_allocate(self, n: int) -> bool:
+        return len(self._free) + (self.max_slots - self.capacity) >= n
+
+    @property
+    def free_slots(self) -> int:
+        """Slots that can still be allocated without evicting anything."""
+        return len(self._free) + self.max_slots - self.capacity
+
+    def _grow(self) -> None:
+        n = min(self.slab_slots, self.max_slots - self.capacity)
+        if n <= 0:
+            raise PoolExhausted(
+                f"KV cache budget exhausted: all {self.max_slots} chunks "
+                f"({self.max_slots * self.bytes_per_slot} bytes) are in use"
+            )
+        # Popped from the end: lower slot numbers are used first, which keeps touched pages dense.
+        self._free.extend(range(self.capacity + n - 1, self.capacity - 1, -1))
+        self.capacity += n
+
+    # -- data movement ----------------------------------------------------------------------
+    def copy_tokens(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n tokens of slot src into slot dst, in every layer."""
+        if n > 0:
+            self.k[:, dst, :, :, :n] = self.k[:, src, :, :, :n]
+            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+
+    def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer."""
+        self.k[layer, slots, :, :, offsets] = k.to(self.dtype)
+        self.v[layer, slots, :, offsets] = v.to(self.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K, V `[kv_heads, n_tokens, head_dim]` of a path of slots (all full but the last)."""
+        c = self.chunk_size
+        k = self.k[layer, slots].permute(1, 0, 3, 2).reshape(self.kv_heads, -1, self.head_dim)
+        v = self.v[layer, slots].permute(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)
+        assert k.shape[1] == len(slots) * c
+        return k[:, :n_tokens], v[:, :n_tokens]
+
+    # -- accounting -------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self.used * self.bytes_per_slot
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak * self.bytes_per_slot
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity * self.bytes_per_slot
+
+    def check(self) -> None:
+        """Invariants for tests: every handed-out slot is free xor used, and the counts add up."""
+        assert len(set(self._free)) == len(self._free), "a slot is on the free list twice"
+        assert all(0 <= s < self.capacity for s in self._free)
+        assert len(self._free) + self.used == self.capacity
