@@ -1,0 +1,243 @@
+"""The step loop: admit and prefill new sequences, decode one token for every running one."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from chunkgen.cache import ChunkPool, KernelContext, PoolExhausted, PrefixTree
+from chunkgen.engine.sampler import make_generator, sample
+from chunkgen.engine.scheduler import Scheduler
+from chunkgen.engine.sequence import Request, Result, Sequence
+from chunkgen.model.llama import LlamaModel
+
+
+@dataclass
+class EngineConfig:
+    chunk_size: int = 64
+    kv_memory: int = 4 << 30  # bytes
+    max_batch: int = 32
+    kv_dtype: torch.dtype | None = None  # default: the model's dtype
+    share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
+    chunk_first: bool = True  # off: the paged baseline kernel
+
+
+@dataclass
+class EngineStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+def _default_kv_dtype(model: LlamaModel) -> torch.dtype:
+    # The CPU kernel reads fp32 or bf16 K/V; fp16 is a GPU format.
+    if model.device.type == "cpu" and model.dtype == torch.float16:
+        return torch.float32
+    return model.dtype
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = cfg = config or EngineConfig()
+        self.pool = ChunkPool(
+            model.num_layers, model.kv_heads, model.head_dim, cfg.chunk_size,
+            cfg.kv_dtype or _default_kv_dtype(model),
+            cfg.kv_memory, device=model.device,
+        )
+        self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
+        self.ctx = KernelContext(self.tree, chunk_first=cfg.chunk_first)
+        self.scheduler = Scheduler(cfg.max_batch, group_prefix_tokens=4 * cfg.chunk_size)
+        self.stats = EngineStats()
+        self.eos_ids = self._eos_ids()
+        self._seqs: dict[int, Sequence] = {}
+        self._pending: dict[int, list[Sequence]] = {}  # request key -> its samples, until all finish
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for source in (getattr(self.tokenizer, "eos_token_id", None), getattr(gen, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return ids
+
+    # -- public -------------------------------------------------------------------------------
+    def add(self, requests: Iterable[Request]) -> None:
+        seqs = []
+        for req in requests:
+            if len(req.prompt_tokens) == 0:
+                raise ValueError(f"request {req.id!r} has an empty prompt")
+            if len(req.prompt_tokens) >= self.model.max_context:
+                raise PromptTooLong(
+                    f"request {req.id!r}: prompt of {len(req.prompt_tokens)} tokens does not fit the "
+                    f"model's context of {self.model.max_context}"
+                )
+            samples = [Sequence(req, i, make_generator(req.params, i)) for i in range(req.params.n)]
+            self._pending[id(req)] = samples
+            seqs.extend(samples)
+        self.scheduler.add(seqs)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def stream(self, requests: Iterable[Request] = ()) -> Iterator[Result]:
+        """Results as they finish (completion order)."""
+        self.add(requests)
+        while self.has_work:
+            yield from self.step()
+
+    def step(self) -> list[Result]:
+        done: list[Sequence] = []
+        self._admit(done)
+        if self.scheduler.running:
+            self._decode(done)
+        return self._collect(done)
+
+    # -- admission and prefill ----------------------------------------------------------------
+    def _admit(self, done: list[Sequence]) -> None:
+        sched, tree = self.scheduler, self.tree
+        while (seq := sched.next_to_admit()) is not None:
+            kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
+            try:
+                cached = tree.insert(seq.seq_id, kv_tokens)
+            except PoolExhausted:
+                if sched.running:
+                    return  # wait for running sequences to finish and free chunks
+                raise PoolExhausted(
+                    f"request {seq.request.id!r} needs more KV memory than the whole budget "
+                    f"({self.pool.max_slots} chunks of {self.pool.chunk_size} tokens)"
+                ) from None
+            # Keep one free chunk per running sequence for its next append, or preemption churns.
+            headroom = self.pool.free_slots + len(tree._evictable)
+            if sched.running and headroom < len(sched.running) + 1:
+                tree.remove(seq.seq_id)
+                return
+            sched.admitted(seq)
+            self._seqs[seq.seq_id] = seq
+            t0 = time.perf_counter()
+            try:
+                self._prefill(seq, kv_tokens, cached)
+            except BaseException:
+                tree.remove(seq.seq_id, keep_cache=False)  # its K/V were not all written
+                raise
+            self.stats.prefill_s += time.perf_counter() - t0
+            if seq.finish_reason:
+                self._finish(seq, done)
+
+    def _prefill(self, seq: Sequence, kv_tokens: list[int], cached: int) -> None:
+        n = len(kv_tokens)
+        slots = self.tree.slots(seq.seq_id)
+        if seq.preempted:
+            if cached < n:
+                self.model.prefill(kv_tokens, cached, slots, self.pool)
+                self.stats.prefilled_tokens += n - cached
+            return
+        seq.cached_tokens = cached
+        self.stats.prompt_tokens += n
+        self.stats.prefilled_tokens += n - cached
+        # A fully cached prompt still needs its last position's logits: recompute that one token.
+        logits = self.model.prefill(kv_tokens, min(cached, n - 1), slots, self.pool, write_from=cached)
+        token = sample(logits[None], [seq.params], [seq.generator])[0]
+        self._accept(seq, token)
+
+    # -- decode -------------------------------------------------------------------------------
+    def _decode(self, done: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        sched, tree = self.scheduler, self.tree
+        where: dict[int, tuple[int, int]] = {}
+        for seq in list(sched.running):
+            if seq not in sched.running:
+                continue  # preempted below while making room for an older one
+            while True:
+                try:
+                    slot, offset, _ = tree.append(seq.seq_id, seq.tokens[-1])
+                    where[seq.seq_id] = (slot, offset)
+                    break
+                except PoolExhausted:
+                    victim = sched.youngest()
+                    self._preempt(victim)
+                    where.pop(victim.seq_id, None)
+                    if victim is seq:
+                        break
+        if not where:
+            return
+        self.ctx.refresh()
+        order = [self._seqs[s] for s in self.ctx.order]
+        rows = [where[s.seq_id] for s in order]
+        tokens = torch.tensor([s.tokens[-1] for s in order], device=self.model.device)
+        positions = torch.tensor([len(s.tokens) - 1 for s in order], device=self.model.device)
+        slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        offsets = torch.tensor([r[1] for r in rows], dtype=torch.long)
+        logits = self.model.decode(tokens, positions, slots, offsets, self.pool, self.ctx)
+        next_tokens = sample(logits, [s.params for s in order], [s.generator for s in order])
+        for seq, token in zip(order, next_tokens):
+            self._accept(seq, token)
+            if seq.finish_reason:
+                self._finish(seq, done)
+        self.stats.decode_steps += 1
+        self.stats.batch_sizes.append(len(order))
+        self.stats.decode_s += time.perf_counter() - t0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.tree.remove(seq.seq_id)
+        del self._seqs[seq.seq_id]
+        self.scheduler.preempted(seq)
+        self.stats.preemptions += 1
+
+    # -- tokens and endings -------------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int) -> None:
+        seq.tokens.append(token)
+        self.stats.generated_tokens += 1
+        p = seq.params
+        out = seq.output
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.finish_reason, seq.text = "stop", text[:cut]
+                return
+        if seq.finish_reason is None and (
+            len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context
+        ):
+            seq.finish_reason = "length"
+        if seq.finish_reason:
+            seq.text = self.tokenizer.decode(out, skip_special_tokens=True)
+
+    def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
+        self.tree.remove(seq.seq_id)
+        del self._seqs[seq.seq_id]
+        self.scheduler.finished(seq)
+        self.stats.finished += 1
+        done.append(seq)
+
+    def _collect(self, done: list[Sequence]) -> list[Result]:
+        results = []
+        for seq in done:
+            samples = self._pending[id(seq.request)]
+            if all(s.finish_reason for s in samples):
+                del self._pending[id(seq.request)]
+                first = samples[0]
+                results.append(Result(
+                    id=seq.request.id, prompt_tokens=first.num_prompt,
+                    cached_tokens=first.cached_tokens or 0,
+                    completions=[s.completion() for s in samples],
+                ))
+        return results

@@ -1,0 +1,77 @@
+"""What the engine is asked (Request), what it tracks (Sequence) and what it returns (Result)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chunkgen.engine.sampler import SamplingParams
+
+
+@dataclass
+class Request:
+    id: Any
+    prompt_tokens: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class Result:
+    id: Any
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose K/V were already in the cache when it was admitted
+    completions: list[Completion]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completions[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.completions[0].finish_reason
+
+
+class Sequence:
+    """One sample of one request as it moves through the engine."""
+
+    _next_id = 0
+
+    def __init__(self, request: Request, index: int, generator: torch.Generator | None) -> None:
+        self.seq_id = Sequence._next_id
+        Sequence._next_id += 1
+        self.request = request
+        self.index = index
+        self.generator = generator
+        self.tokens: list[int] = list(request.prompt_tokens)  # prompt + generated so far
+        self.num_prompt = len(request.prompt_tokens)
+        self.cached_tokens: int | None = None  # set at first admission
+        self.preempted = False  # re-admitted sequences recompute K/V and sample nothing at prefill
+        self.finish_reason: str | None = None
+        self.text = ""
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    def completion(self) -> Completion:
+        return Completion(self.text, self.output, self.finish_reason or "length")
