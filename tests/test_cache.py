@@ -29,6 +29,7 @@ def write_kv(pool: ChunkPool, tree: PrefixTree, seq, start: int, end: int) -> No
         val = token_kv(tokens, pos)
         pool.k[:, s, :, :, o] = val
         pool.v[:, s, :, o] = val
+    tree.mark_ready(seq)
 
 
 def check_all(pool: ChunkPool, tree: PrefixTree, expected: dict) -> None:
@@ -127,6 +128,7 @@ def test_finished_prefix_stays_cached_then_evicted_lru():
     pool = make_pool(16, slots=4)
     tree = PrefixTree(pool)
     tree.insert("a", list(range(48)))
+    tree.mark_ready("a")
     tree.remove("a")
     assert pool.used == 3 and tree.cached_chunks == 3
     assert tree.insert("b", list(range(48)) + [1]) == 48  # cache hit, no prefill
@@ -157,6 +159,7 @@ def test_forest_of_unrelated_prompts_and_contiguous_ranges():
     tree = PrefixTree(pool)
     for i in range(6):
         tree.insert(i, [i % 2] * 40 + [100 + i])
+        tree.mark_ready(i)
     ctx = KernelContext(tree)
     ctx.check()
     assert len(ctx.shared_chunks) == 4  # two trees, two shared full chunks each
@@ -168,6 +171,7 @@ def test_context_updates_in_place_until_structure_changes():
     tree = PrefixTree(pool)
     for i in range(4):
         tree.insert(i, [1] * 32 + [i])
+        tree.mark_ready(i)
     ctx = KernelContext(tree)
     rebuilds = ctx.rebuilds
     for _ in range(40):  # crosses chunk boundaries: private chunks grow without a rebuild
@@ -184,3 +188,15 @@ def test_context_updates_in_place_until_structure_changes():
     tree.remove(0)
     ctx.refresh()
     assert ctx.rebuilds == rebuilds + 1 and ctx.batch_size == 3
+
+
+def test_chunks_being_prefilled_are_not_matched_until_ready():
+    pool = make_pool(16)
+    tree = PrefixTree(pool)
+    tree.insert("a", list(range(40)))
+    assert tree.pending_gain(list(range(40)) + [5]) == 40
+    assert tree.insert("b", list(range(40)) + [5]) == 0  # a's K/V do not exist yet
+    tree.mark_ready("a")
+    assert tree.pending_gain(list(range(40)) + [6]) == 0
+    assert tree.insert("c", list(range(40)) + [6]) == 40
+    tree.check()

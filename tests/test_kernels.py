@@ -21,6 +21,7 @@ def build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_p
         cut = rnd.randrange(0, shared_len + 1) if rnd.random() < 0.3 else shared_len
         toks = system[:cut] + [rnd.randrange(50) for _ in range(rnd.randrange(0 if cut else 1, max_private + 1))]
         tree.insert(s, toks)
+        tree.mark_ready(s)
     for _ in range(decode_steps):
         for s in range(n_seqs):
             tree.append(s, rnd.randrange(50))
@@ -59,17 +60,18 @@ def test_kernel_edge_trees(case):
     chunk, kvh, hq, d = 64, 3, 9, 64
     pool = ChunkPool(1, kvh, d, chunk, torch.float32, budget_bytes=1 << 27)
     tree = PrefixTree(pool)
+    insert = lambda s, toks: (tree.insert(s, toks), tree.mark_ready(s))
     if case == "batch1_many_chunks":
-        tree.insert(0, list(range(64 * 40 + 17)))
+        insert(0, list(range(64 * 40 + 17)))
     elif case == "all_identical":
         for s in range(16):
-            tree.insert(s, list(range(300)))
+            insert(s, list(range(300)))
     elif case == "no_sharing":
         for s in range(16):
-            tree.insert(s, [s + 1000] + list(range(200 + s)))
+            insert(s, [s + 1000] + list(range(200 + s)))
     else:  # prompts that end exactly on a shared full chunk: nothing private at all
         for s in range(5):
-            tree.insert(s, list(range(128)))
+            insert(s, list(range(128)))
     pool.k.normal_()
     pool.v.normal_()
     ctx = KernelContext(tree)

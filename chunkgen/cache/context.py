@@ -97,7 +97,7 @@ class KernelContext:
     def check(self) -> None:
         """Every shared chunk covers exactly the rows whose path holds it, and they are contiguous."""
         for c, chunk in enumerate(self.shared_chunks):
-            rows = [self.row_of[s] for s, p in self.tree.paths.items() if any(x is chunk for x in p)]
+            rows = sorted(self.row_of[s] for s, p in self.tree.paths.items() if any(x is chunk for x in p))
             assert rows == list(range(int(self.shared_begin[c]), int(self.shared_end[c]))), (
                 f"shared chunk {c} covers rows {rows}, context says "
                 f"[{int(self.shared_begin[c])}, {int(self.shared_end[c])})"

@@ -26,6 +26,7 @@ class Chunk:
     children: list["Chunk"] = field(default_factory=list)
     ref: int = 0
     last_used: int = 0
+    ready: bool = False  # K/V written; only ready chunks are matched by later prompts
 
     def __repr__(self) -> str:  # the default would recurse through parent/children
         return f"Chunk(slot={self.slot}, n={len(self.tokens)}, ref={self.ref}, children={len(self.children)})"
@@ -71,27 +72,8 @@ class PrefixTree:
         tokens = list(tokens)
         if not tokens:
             raise ValueError("cannot insert an empty sequence")
+        path, copy_src, copy_len, i = self._match(tokens, include_pending=False)
         C = self.chunk_size
-        path: list[Chunk] = []
-        node, i = self.root, 0
-        copy_src, copy_len = None, 0
-        while self.share and i < len(tokens):
-            rest = tokens[i : i + C]
-            best, best_len = None, 0
-            for child in node.children:
-                n = _common_prefix(child.tokens, rest)
-                if n > best_len:
-                    best, best_len = child, n
-            if best is None:
-                break
-            if best_len == len(best.tokens) == len(rest) and (len(rest) == C or i + len(rest) == len(tokens)):
-                path.append(best)  # whole chunk matches (a full chunk, or an identical tail)
-                i += best_len
-                node = best
-                continue
-            copy_src, copy_len = best, best_len  # diverges inside this chunk: copy, don't recompute
-            break
-
         n_new = -(-(len(tokens) - i) // C)
         for c in path:
             self._acquire(c)
@@ -129,6 +111,43 @@ class PrefixTree:
         self.version += 1
         return cached
 
+    def _match(self, tokens: list[int], include_pending: bool) -> tuple[list[Chunk], Chunk | None, int, int]:
+        """Longest cached prefix: (whole chunks to share, chunk to copy a partial match from,
+        tokens to copy, tokens covered by the shared chunks)."""
+        C = self.chunk_size
+        path: list[Chunk] = []
+        node, i = self.root, 0
+        while self.share and i < len(tokens):
+            rest = tokens[i : i + C]
+            best, best_len = None, 0
+            for child in node.children:
+                if child.ready or include_pending:
+                    n = _common_prefix(child.tokens, rest)
+                    if n > best_len:
+                        best, best_len = child, n
+            if best is None:
+                break
+            if best_len == len(best.tokens) == len(rest):
+                path.append(best)  # whole chunk matches (a full chunk, or an identical tail)
+                i += best_len
+                node = best
+                continue
+            return path, best, best_len, i  # diverges inside this chunk: copy, don't recompute
+        return path, None, 0, i
+
+    def pending_gain(self, tokens: Sequence[int]) -> int:
+        """How many more prompt tokens would be cached once the chunks still being prefilled are
+        ready: a large gain means the prompt should wait for them instead of recomputing."""
+        tokens = list(tokens)
+        _, _, with_len, with_i = self._match(tokens, include_pending=True)
+        _, _, now_len, now_i = self._match(tokens, include_pending=False)
+        return (with_i + with_len) - (now_i + now_len)
+
+    def mark_ready(self, seq: SeqId) -> None:
+        """The sequence's K/V are all written: its chunks may now be matched by other prompts."""
+        for chunk in self.paths[seq]:
+            chunk.ready = True
+
     # -- decode ------------------------------------------------------------------------------
     def append(self, seq: SeqId, token: int) -> tuple[int, int, Append]:
         """Reserve the next position of `seq` for `token`; returns (slot, offset, what happened)."""
@@ -141,7 +160,7 @@ class PrefixTree:
             kind = Append.IN_PLACE
             slot, offset = tail.slot, n
         elif n < C:  # another live sequence reads this partial tail: copy it before writing
-            chunk = Chunk(slot=self._allocate(), tokens=tail.tokens + [token], parent=tail.parent)
+            chunk = Chunk(slot=self._allocate(), tokens=tail.tokens + [token], parent=tail.parent, ready=True)
             self.pool.copy_tokens(tail.slot, chunk.slot, n)
             self._attach(chunk)
             self._acquire(chunk)
@@ -150,7 +169,7 @@ class PrefixTree:
             self.version += 1
             kind, slot, offset = Append.COPIED, chunk.slot, n
         else:
-            chunk = Chunk(slot=self._allocate(), tokens=[token], parent=tail)
+            chunk = Chunk(slot=self._allocate(), tokens=[token], parent=tail, ready=True)
             self._attach(chunk)
             self._acquire(chunk)
             path.append(chunk)

@@ -11,7 +11,7 @@ from chunkgen.cache import ChunkPool, KernelContext, PoolExhausted, PrefixTree
 from chunkgen.engine.sampler import make_generator, sample
 from chunkgen.engine.scheduler import Scheduler
 from chunkgen.engine.sequence import Request, Result, Sequence
-from chunkgen.model.llama import LlamaModel
+from chunkgen.model.llama import LlamaModel, PrefillItem
 
 
 @dataclass
@@ -22,6 +22,7 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
     share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
     chunk_first: bool = True  # off: the paged baseline kernel
+    max_prefill_tokens: int = 8192  # new tokens computed in one batched prefill
 
 
 @dataclass
@@ -111,14 +112,36 @@ class Engine:
 
     # -- admission and prefill ----------------------------------------------------------------
     def _admit(self, done: list[Sequence]) -> None:
+        while wave := self._form_wave():
+            t0 = time.perf_counter()
+            try:
+                self._prefill(wave)
+            except BaseException:
+                for seq, _, _ in wave:  # their K/V were not all written: never reuse them
+                    self.tree.remove(seq.seq_id, keep_cache=False)
+                    self.scheduler.finished(seq)
+                raise
+            self.stats.prefill_s += time.perf_counter() - t0
+            for seq, _, _ in wave:
+                if seq.finish_reason:
+                    self._finish(seq, done)
+
+    def _form_wave(self) -> list[tuple[Sequence, list[int], int]]:
+        """Admit sequences for one batched prefill. A prompt that would reuse chunks still being
+        prefilled in this wave waits for the next wave, so a shared prefix is computed once."""
         sched, tree = self.scheduler, self.tree
+        wave: list[tuple[Sequence, list[int], int]] = []
+        budget = self.config.max_prefill_tokens
         while (seq := sched.next_to_admit()) is not None:
             kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
+            if wave and (tree.pending_gain(kv_tokens) >= self.pool.chunk_size or budget <= 0):
+                break
             try:
                 cached = tree.insert(seq.seq_id, kv_tokens)
             except PoolExhausted:
                 if sched.running:
-                    return  # wait for running sequences to finish and free chunks
+                    break  # wait for running sequences to finish and free chunks
+                sched.drop_waiting_head()
                 raise PoolExhausted(
                     f"request {seq.request.id!r} needs more KV memory than the whole budget "
                     f"({self.pool.max_slots} chunks of {self.pool.chunk_size} tokens)"
@@ -126,35 +149,36 @@ class Engine:
             # Keep one free chunk per running sequence for its next append, or preemption churns.
             headroom = self.pool.free_slots + len(tree._evictable)
             if sched.running and headroom < len(sched.running) + 1:
-                tree.remove(seq.seq_id)
-                return
+                tree.remove(seq.seq_id, keep_cache=False)
+                break
             sched.admitted(seq)
             self._seqs[seq.seq_id] = seq
-            t0 = time.perf_counter()
-            try:
-                self._prefill(seq, kv_tokens, cached)
-            except BaseException:
-                tree.remove(seq.seq_id, keep_cache=False)  # its K/V were not all written
-                raise
-            self.stats.prefill_s += time.perf_counter() - t0
-            if seq.finish_reason:
-                self._finish(seq, done)
+            wave.append((seq, kv_tokens, cached))
+            budget -= len(kv_tokens) - cached
+        return wave
 
-    def _prefill(self, seq: Sequence, kv_tokens: list[int], cached: int) -> None:
-        n = len(kv_tokens)
-        slots = self.tree.slots(seq.seq_id)
-        if seq.preempted:
-            if cached < n:
-                self.model.prefill(kv_tokens, cached, slots, self.pool)
-                self.stats.prefilled_tokens += n - cached
-            return
-        seq.cached_tokens = cached
-        self.stats.prompt_tokens += n
-        self.stats.prefilled_tokens += n - cached
-        # A fully cached prompt still needs its last position's logits: recompute that one token.
-        logits = self.model.prefill(kv_tokens, min(cached, n - 1), slots, self.pool, write_from=cached)
-        token = sample(logits[None], [seq.params], [seq.generator])[0]
-        self._accept(seq, token)
+    def _prefill(self, wave: list[tuple[Sequence, list[int], int]]) -> None:
+        items = []
+        for seq, kv_tokens, cached in wave:
+            n = len(kv_tokens)
+            fresh = not seq.preempted
+            if fresh:
+                seq.cached_tokens = cached
+                self.stats.prompt_tokens += n
+            self.stats.prefilled_tokens += n - cached
+            # A fully cached prompt still needs its last position's logits: recompute that token.
+            start = min(cached, n - 1) if fresh else cached
+            items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), fresh))
+        todo = [(it, w) for it, w in zip(items, wave) if it.start < len(it.tokens)]
+        logits = self.model.prefill([it for it, _ in todo], self.pool) if todo else []
+        for seq, _, _ in wave:
+            self.tree.mark_ready(seq.seq_id)
+        fresh = [(w[0], lg) for (it, w), lg in zip(todo, logits) if lg is not None]
+        if fresh:
+            tokens = sample(torch.stack([lg for _, lg in fresh]), [s.params for s, _ in fresh],
+                            [s.generator for s, _ in fresh])
+            for (seq, _), token in zip(fresh, tokens):
+                self._accept(seq, token)
 
     # -- decode -------------------------------------------------------------------------------
     def _decode(self, done: list[Sequence]) -> None:

@@ -23,6 +23,17 @@ class UnsupportedModel(ValueError):
 
 
 @dataclass
+class PrefillItem:
+    """One sequence's share of a prefill batch: K/V of [0, start) are already in the pool along
+    path_slots; positions [start, len(tokens)) are computed and those >= write_from are stored."""
+    tokens: list[int]
+    start: int
+    write_from: int
+    path_slots: list[int]
+    want_logits: bool = True
+
+
+@dataclass
 class LayerWeights:
     ln_attn: torch.Tensor
     w_qkv: torch.Tensor
@@ -124,45 +135,61 @@ class LlamaModel:
 
     # -- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, tokens: list[int], start: int, path_slots: list[int], pool: ChunkPool,
-                write_from: int | None = None) -> torch.Tensor:
-        """Run positions [start, len(tokens)) of one sequence whose K/V for [0, start) are in the
-        pool along `path_slots`; K/V of positions >= write_from (default start) are stored.
-        Returns the logits of the last position."""
-        n = len(tokens)
-        write_from = start if write_from is None else write_from
+    def prefill(self, items: list[PrefillItem], pool: ChunkPool) -> list[torch.Tensor | None]:
+        """Run several sequences' uncached positions as one batch of tokens.
+
+        Linear layers see all new tokens at once; attention runs per sequence over its cached
+        prefix (read from the pool) plus its new tokens, causally. Returns last-position logits
+        for the items that want them."""
         C = pool.chunk_size
-        ids = torch.tensor(tokens[start:], device=self.device)
-        positions = torch.arange(start, n, device=self.device)
-        w_pos = list(range(max(write_from, start), n))
-        w_slots = torch.tensor([path_slots[p // C] for p in w_pos], dtype=torch.long)
-        w_offs = torch.tensor([p % C for p in w_pos], dtype=torch.long)
-        w_rows = slice(len(positions) - len(w_pos), None)
-        prefix_slots = torch.tensor(path_slots[: -(-start // C)], dtype=torch.long)
-        causal = None
-        if start > 0 and n - start > 1:
-            causal = torch.ones(n - start, n, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        x = F.embedding(ids, self.embed)
-        cos, sin = self._rope(x, positions)
+        ids, positions, w_slots, w_offs, w_rows, spans = [], [], [], [], [], []
+        row = 0
+        for it in items:
+            n = len(it.tokens)
+            ids.extend(it.tokens[it.start :])
+            positions.extend(range(it.start, n))
+            for p in range(max(it.write_from, it.start), n):
+                w_slots.append(it.path_slots[p // C])
+                w_offs.append(p % C)
+                w_rows.append(row + p - it.start)
+            spans.append((row, row + n - it.start))
+            row += n - it.start
+        dev = self.device
+        w_slots_t = torch.tensor(w_slots, dtype=torch.long)
+        w_offs_t = torch.tensor(w_offs, dtype=torch.long)
+        w_rows_t = torch.tensor(w_rows, dtype=torch.long, device=dev)
+        prefix = [torch.tensor(it.path_slots[: -(-it.start // C)], dtype=torch.long) for it in items]
+        masks = []
+        for it in items:
+            t, n = len(it.tokens) - it.start, len(it.tokens)
+            masks.append(torch.ones(t, n, dtype=torch.bool, device=dev).tril(diagonal=it.start)
+                         if it.start > 0 and t > 1 else None)
+        x = F.embedding(torch.tensor(ids, device=dev), self.embed)
+        cos, sin = self._rope(x, torch.tensor(positions, device=dev))
+        attn = torch.empty(len(ids), self.q_heads, self.head_dim, dtype=x.dtype, device=dev)
         group = self.q_heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
-            if w_pos:
-                pool.write(i, w_slots, w_offs, k[w_rows], v[w_rows])
-            if start > 0:
-                pk, pv = pool.gather(i, prefix_slots, start)
-                k_all = torch.cat([pk.to(k.dtype), k.transpose(0, 1)], dim=1)
-                v_all = torch.cat([pv.to(v.dtype), v.transpose(0, 1)], dim=1)
-            else:
-                k_all, v_all = k.transpose(0, 1), v.transpose(0, 1)
-            k_all = k_all.repeat_interleave(group, dim=0)
-            v_all = v_all.repeat_interleave(group, dim=0)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k_all, v_all, attn_mask=causal,
-                is_causal=start == 0 and n > 1, scale=self.scale,
-            )
-            x = self._finish_layer(x, attn.transpose(0, 1), layer)
-        return self._logits(x[-1:])[0]
+            if w_rows:
+                pool.write(i, w_slots_t, w_offs_t, k[w_rows_t], v[w_rows_t])
+            for it, (a, b), pre, mask in zip(items, spans, prefix, masks):
+                kn, vn = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+                if it.start > 0:
+                    pk, pv = pool.gather(i, pre, it.start)
+                    kn = torch.cat([pk.to(kn.dtype), kn], dim=1)
+                    vn = torch.cat([pv.to(vn.dtype), vn], dim=1)
+                # 4-D inputs with K/V expanded to every query head: torch's fused CPU attention
+                # takes only that form (3-D or GQA inputs fall back to a ~6x slower path).
+                out = F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], kn.repeat_interleave(group, 0)[None],
+                    vn.repeat_interleave(group, 0)[None], attn_mask=mask,
+                    is_causal=it.start == 0 and b - a > 1, scale=self.scale,
+                )
+                attn[a:b] = out[0].transpose(0, 1)
+            x = self._finish_layer(x, attn, layer)
+        last = [b - 1 for (a, b), it in zip(spans, items) if it.want_logits]
+        logits = iter(self._logits(x[last]) if last else ())
+        return [next(logits) if it.want_logits else None for it in items]
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()
