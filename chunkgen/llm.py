@@ -25,6 +25,18 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: chat messages go through the model's chat template when it has one."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    if prompt and isinstance(prompt[0], dict):
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"]
+    return list(prompt)
+
+
 class LLM:
     """A model on the prefix-tree engine. Sharing between prompts is found automatically."""
 
@@ -54,15 +66,7 @@ class LLM:
         return Engine(self.model, self.tokenizer, cfg)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: chat messages go through the model's chat template."""
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        if prompt and isinstance(prompt[0], dict):
-            if getattr(self.tokenizer, "chat_template", None):
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return self.tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"]
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Results in completion order, as soon as each finishes."""

@@ -29,7 +29,9 @@ class ChunkPool:
         budget_bytes: int,
         device: torch.device | str = "cpu",
         slab_slots: int = 64,
+        storage: bool = True,
     ) -> None:
+        """storage=False keeps only the bookkeeping (for planning, e.g. `inspect-tree`)."""
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.chunk_size, self.dtype, self.device = chunk_size, dtype, torch.device(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -41,12 +43,11 @@ class ChunkPool:
                 f"(one chunk of {chunk_size} tokens needs {self.bytes_per_slot} bytes)"
             )
         self.slab_slots = max(1, slab_slots)
-        self.k = torch.empty(
-            num_layers, self.max_slots, kv_heads, head_dim, chunk_size, dtype=dtype, device=self.device
-        )
-        self.v = torch.empty(
-            num_layers, self.max_slots, kv_heads, chunk_size, head_dim, dtype=dtype, device=self.device
-        )
+        self.has_storage = storage
+        shape_k = (num_layers, self.max_slots if storage else 0, kv_heads, head_dim, chunk_size)
+        shape_v = (num_layers, self.max_slots if storage else 0, kv_heads, chunk_size, head_dim)
+        self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
+        self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
         self.capacity = 0  # slots handed to the free list so far
         self._free: list[int] = []
         self.used = 0
@@ -87,7 +88,7 @@ class ChunkPool:
     # -- data movement ----------------------------------------------------------------------
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
         """Copy the first n tokens of slot src into slot dst, in every layer."""
-        if n > 0:
+        if n > 0 and self.has_storage:
             self.k[:, dst, :, :, :n] = self.k[:, src, :, :, :n]
             self.v[:, dst, :, :n] = self.v[:, src, :, :n]
 

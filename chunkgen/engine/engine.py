@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 import torch
 
 from chunkgen.cache import ChunkPool, KernelContext, PoolExhausted, PrefixTree
+from chunkgen.cache.stats import unshared_chunks
 from chunkgen.engine.sampler import make_generator, sample
 from chunkgen.engine.scheduler import Scheduler
 from chunkgen.engine.sequence import Request, Result, Sequence
@@ -36,6 +37,8 @@ class EngineStats:
     preemptions: int = 0
     finished: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    kv_peak_bytes: int = 0  # pool slots in use at the worst moment (live + cached chunks)
+    kv_unshared_peak_bytes: int = 0  # what the live sequences would have needed without sharing
 
 
 class PromptTooLong(ValueError):
@@ -201,6 +204,10 @@ class Engine:
                         break
         if not where:
             return
+        self.stats.kv_peak_bytes = self.pool.peak_bytes
+        self.stats.kv_unshared_peak_bytes = max(
+            self.stats.kv_unshared_peak_bytes, unshared_chunks(self.tree) * self.pool.bytes_per_slot
+        )
         self.ctx.refresh()
         order = [self._seqs[s] for s in self.ctx.order]
         rows = [where[s.seq_id] for s in order]

@@ -1,0 +1,3 @@
+from chunkgen.cli import app
+
+app(prog_name="chunkgen")

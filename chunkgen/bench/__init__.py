@@ -1,0 +1,1 @@
+"""Benchmarks behind `chunkgen bench`: the decode-attention kernel, and whole runs."""

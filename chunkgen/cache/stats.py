@@ -1,0 +1,50 @@
+"""Memory figures of the cache: one source for inspect-tree, run summaries and bench."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from chunkgen.cache.tree import PrefixTree
+
+
+@dataclass
+class TreeStats:
+    sequences: int
+    tokens: int  # tokens of all live sequences
+    chunks_shared: int  # chunks the live sequences use, with sharing
+    chunks_unshared: int  # chunks they would use if each had its own
+    bytes_shared: int
+    bytes_unshared: int
+    sharing_ratio: float  # fraction of chunks saved by sharing
+    cached_chunks: int  # chunks kept for reuse that no live sequence reads
+    cache_hit_tokens: int  # prompt tokens found in the tree at insert time, since the start
+    inserted_tokens: int
+    alignment_loss: float  # unused token slots in the live chunks / tokens stored
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def unshared_chunks(tree: PrefixTree) -> int:
+    c = tree.chunk_size
+    return sum(-(-n // c) for n in tree.lengths.values())
+
+
+def tree_stats(tree: PrefixTree) -> TreeStats:
+    live = {id(ch): ch for path in tree.paths.values() for ch in path}
+    shared = len(live)
+    unshared = unshared_chunks(tree)
+    stored = sum(len(ch.tokens) for ch in live.values())
+    per = tree.pool.bytes_per_slot
+    return TreeStats(
+        sequences=len(tree.paths),
+        tokens=sum(tree.lengths.values()),
+        chunks_shared=shared,
+        chunks_unshared=unshared,
+        bytes_shared=shared * per,
+        bytes_unshared=unshared * per,
+        sharing_ratio=1.0 - shared / unshared if unshared else 0.0,
+        cached_chunks=tree.cached_chunks,
+        cache_hit_tokens=tree.cache_hit_tokens,
+        inserted_tokens=tree.inserted_tokens,
+        alignment_loss=(shared * tree.chunk_size - stored) / stored if stored else 0.0,
+    )

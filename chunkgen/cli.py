@@ -1,0 +1,259 @@
+"""The command line: wiring and printing only; the work lives in jobs/, engine/ and bench/."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.tree import Tree
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Offline batched generation on a prefix-aware chunked KV cache.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
+app.add_typer(bench_app, name="bench")
+err = Console(stderr=True)
+
+EXIT_BAD_INPUT_LINES = 3
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(1)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _read_items(queries: Path, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str):
+    """(format, iterator of Job | ErrorRecord) for the query file; bad templates stop here."""
+    from chunkgen.jobs.requests import detect_format, read_openai_jobs, read_template_jobs
+    from chunkgen.jobs.templates import TemplateError, load_templates
+
+    if not queries.is_file():
+        _fail(f"{queries}: queries file not found")
+    fmt = detect_format(queries) if fmt == "auto" else fmt
+    if fmt == "openai":
+        return fmt, read_openai_jobs(queries, defaults)
+    if template is None:
+        _fail(f"{queries} holds template rows: pass --template (a .toml file or a directory of them)")
+    try:
+        templates = load_templates(template)
+    except TemplateError as exc:
+        _fail(str(exc))
+    return fmt, read_template_jobs(queries, templates, defaults, id_field)
+
+
+def _load_llm(model: Optional[str], **kwargs):
+    from chunkgen.llm import LLM
+    from chunkgen.model import ModelNotFound, UnsupportedModel
+
+    try:
+        with err.status("loading model…"):
+            return LLM(model=model, **kwargs)
+    except (ModelNotFound, UnsupportedModel, ValueError) as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def run(
+    queries: Path = typer.Option(..., "--queries", "-q", help="JSONL queries, or an OpenAI batch file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Default for rows that do not set it."),
+    temperature: Optional[float] = typer.Option(None),
+    top_p: Optional[float] = typer.Option(None),
+    top_k: Optional[int] = typer.Option(None),
+    seed: Optional[int] = typer.Option(None),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
+    max_batch: int = typer.Option(32, help="Sequences decoded together."),
+    kv_memory: str = typer.Option("4GiB", help="KV cache budget, e.g. 2GiB."),
+    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (multiple of 16)."),
+    resume: bool = typer.Option(False, help="Continue an interrupted run: skip ids already in --out."),
+    ordered: bool = typer.Option(False, help="Write results in input order (buffers finished ones)."),
+    fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
+    id_field: str = typer.Option("id", help="Field of each row that holds its id."),
+    no_share: bool = typer.Option(False, help="Disable prefix sharing (for comparisons)."),
+    quiet: bool = typer.Option(False, help="No progress bar; summary only."),
+    json_log: bool = typer.Option(False, help="Progress and summary as JSON lines on stderr."),
+) -> None:
+    """Generate an answer for every query and stream them to --out."""
+    from chunkgen.jobs.results import OutputExists, ResultWriter
+    from chunkgen.jobs.run import run_job
+
+    if fmt not in ("auto", "template", "openai"):
+        _fail(f"--format must be auto, template or openai, not {fmt!r}")
+    defaults = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                      top_k=top_k, seed=seed, stop=stop).items() if v is not None}
+    fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+    llm = _load_llm(model, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
+                    max_batch=max_batch, share_prefix=not no_share)
+    try:
+        writer = ResultWriter(out, fmt, model_name=llm.model_path.name, resume=resume, ordered=ordered)
+    except (OutputExists, ValueError) as exc:
+        _fail(str(exc))
+
+    progress = None
+    task = None
+    if not quiet and not json_log:
+        progress = Progress(
+            TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=err, transient=False,
+        )
+        progress.start()
+        task = progress.add_task("run", total=None, info="")
+
+    def on_progress(p) -> None:
+        info = (f"{p.generated_tokens / p.elapsed_s:6.1f} tok/s  batch {p.running:3d}  "
+                f"KV {_human(p.kv_used_bytes)}  cache hits {100 * p.cache_hit_rate:4.1f}%")
+        if progress is not None:
+            progress.update(task, completed=p.done, total=p.total, info=info)
+        elif json_log:
+            print(json.dumps({"event": "progress", **p.__dict__}), file=sys.stderr, flush=True)
+
+    try:
+        summary = run_job(llm.engine, llm.encode, items, writer, llm.model.max_context, on_progress)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if json_log:
+        print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
+    else:
+        table = Table(title=f"chunkgen run → {out}", show_header=False)
+        table.add_row("requests answered", str(summary.requests))
+        table.add_row("skipped (already in output)", str(summary.skipped))
+        table.add_row("bad input lines", str(summary.errors))
+        table.add_row("wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)")
+        table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
+        table.add_row("prompt tokens (from cache)", f"{summary.prompt_tokens} ({summary.cached_tokens})")
+        table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
+        err.print(table)
+    if summary.errors:
+        err.print(f"[yellow]{summary.errors} bad input line(s) were written as error records to {out}[/]")
+        raise typer.Exit(EXIT_BAD_INPUT_LINES)
+
+
+@app.command("inspect-tree")
+def inspect_tree(
+    queries: Path = typer.Option(..., "--queries", "-q"),
+    template: Optional[Path] = typer.Option(None, "--template", "-t"),
+    model: Optional[str] = typer.Option(None),
+    chunk_size: int = typer.Option(64),
+    dtype: str = typer.Option("fp32", help="KV dtype the figures assume."),
+    fmt: str = typer.Option("auto", "--format"),
+    id_field: str = typer.Option("id"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON here."),
+) -> None:
+    """Insert every prompt into a prefix tree (no model run) and show sharing and memory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chunkgen.cache import ChunkPool, PrefixTree
+    from chunkgen.cache.stats import tree_stats
+    from chunkgen.jobs.requests import ErrorRecord
+    from chunkgen.llm import encode_prompt
+    from chunkgen.model import ModelNotFound, parse_dtype, resolve_model
+
+    _, items = _read_items(queries, template, fmt, {}, id_field)
+    try:
+        path = resolve_model(model)
+    except ModelNotFound as exc:
+        _fail(str(exc))
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path)
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    pool = ChunkPool(cfg.num_hidden_layers, kv_heads, head_dim, chunk_size, parse_dtype(dtype),
+                     budget_bytes=1 << 62, storage=False)
+    tree = PrefixTree(pool)
+    bad = 0
+    for item in items:
+        if isinstance(item, ErrorRecord):
+            bad += 1
+            continue
+        tree.insert(item.id, encode_prompt(tok, item.messages))
+        tree.mark_ready(item.id)
+    st = tree_stats(tree)
+    figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
+               "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,
+               "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
+               "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
+    view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size})")
+    _draw(tree.root, view, chunk_size)
+    console = Console()
+    console.print(view)
+    table = Table(title="KV memory for these prompts", show_header=True)
+    table.add_column("")
+    table.add_column("chunks", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_row("with sharing", str(st.chunks_shared), _human(st.bytes_shared))
+    table.add_row("without sharing", str(st.chunks_unshared), _human(st.bytes_unshared))
+    console.print(table)
+    console.print(f"sharing ratio {100 * st.sharing_ratio:.1f}%  ·  prefill tokens saved "
+                  f"{st.cache_hit_tokens} of {st.inserted_tokens}  ·  alignment loss {100 * st.alignment_loss:.1f}%")
+    if json_out:
+        json_out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def _draw(node, view: Tree, chunk: int) -> None:
+    """Shared runs are collapsed into one line; a fan-out of private tails is summarised."""
+    for child in node.children:
+        run, cur = 1, child
+        while len(cur.children) == 1 and cur.children[0].ref == cur.ref:
+            cur, run = cur.children[0], run + 1
+        if cur.ref <= 1 and not cur.children:
+            continue
+        branch = view.add(f"{run} chunk(s) shared by {cur.ref} prompts")
+        private = sum(1 for c in cur.children if c.ref <= 1)
+        if private:
+            branch.add(f"[dim]{private} private tail(s)[/]")
+        _draw(cur, branch, chunk)
+
+
+@bench_app.command("kernel")
+def bench_kernel(
+    quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
+    dtype: str = typer.Option("fp32", help="KV dtype: fp32 or bf16."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+    repeats: int = typer.Option(10, help="Timed runs per cell (median reported)."),
+) -> None:
+    """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
+    from chunkgen.bench.kernel import default_grid, run_grid
+    from chunkgen.model import parse_dtype
+
+    rows = run_grid(default_grid(quick), parse_dtype(dtype), repeats=3 if quick else repeats,
+                    on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
+                                               f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
+    _print_kernel_table(rows)
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _print_kernel_table(rows: list[dict]) -> None:
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    table = Table(title="decode attention latency (µs, median)")
+    for col in ("shape", "n_p", "n_s", *impls, "tpp speedup vs best other"):
+        table.add_column(col, justify="right")
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        key = (f"b{r['batch']} h{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} c{r['chunk']} {r['dtype']}", r["n_p"], r["n_s"])
+        cells.setdefault(key, {})[r["impl"]] = r["us"]
+    for (shape, n_p, n_s), by in cells.items():
+        others = [v for k, v in by.items() if k != "chunk_tpp"]
+        speed = f"{min(others) / by['chunk_tpp']:.2f}x" if others and "chunk_tpp" in by else "-"
+        table.add_row(shape, str(n_p), str(n_s), *[f"{by[i]:.0f}" if i in by else "-" for i in impls], speed)
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover
+    app()
