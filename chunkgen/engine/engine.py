@@ -262,8 +262,8 @@ class Engine:
     def _collect(self, done: list[Sequence]) -> list[Result]:
         results = []
         for seq in done:
-            samples = self._pending[id(seq.request)]
-            if all(s.finish_reason for s in samples):
+            samples = self._pending.get(id(seq.request))
+            if samples is not None and all(s.finish_reason for s in samples):
                 del self._pending[id(seq.request)]
                 first = samples[0]
                 results.append(Result(

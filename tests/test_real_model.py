@@ -1,0 +1,38 @@
+"""A few checks on the embedded default model (SmolLM2-135M-Instruct, dequantized from GGUF)."""
+from __future__ import annotations
+
+import torch
+
+from chunkgen.engine import SamplingParams
+from chunkgen.jobs.templates import load_template
+from chunkgen.llm import LLM
+from tests.conftest import PROMPTS
+from tests.test_engine import assert_parity
+
+QUESTIONS = [
+    "How many people does the authority supply?", "What is the design capacity of the works?",
+    "How often are reservoirs inspected?", "What was leakage in 2023?", "Who closes the incident log?",
+    "How long are records kept?", "What is the chlorine target?", "How many pumping stations are there?",
+    "When do the large pumps run?", "How big is the solar farm?", "What is the pressure range?",
+    "How many sampling taps are there?", "What triggers an incident?", "Where do the boreholes lie?",
+    "What is the largest reservoir?", "How much notice is given before an interruption?",
+]
+
+
+def test_default_model_greedy_parity_with_transformers(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=str(default_model_dir), kv_memory="1GiB")
+    t = load_template(PROMPTS / "document_qa.toml")
+    prompts = [t.messages({"question": q}) for q in QUESTIONS]
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=12))
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    exact = 0
+    with torch.inference_mode():
+        for p, r in zip(prompts, results):
+            ids = llm.encode(p)
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+            assert_parity(hf, ids, r.token_ids, ref)
+            exact += r.token_ids == ref
+    assert exact >= 14, f"only {exact}/16 answers equal token for token"
+    assert results[-1].cached_tokens > 1200  # the handbook was prefilled once and shared
