@@ -35,6 +35,9 @@ typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Query rows per register block: RB rows x 2 vectors of accumulators must fit the register file
+// (16 vector registers below AVX-512, 32 with it).
+constexpr int kRB = W == 16 ? 8 : 6;
 constexpr int kRowBlock = 32;  // rows of a chunk-first matrix kept hot together
 
 inline vf splat(float x) { return vf{} + x; }
@@ -169,16 +172,42 @@ struct Scratch {
   }
 };
 
+// Row blocks of kRB rows, then one block of the remaining rows (never one row at a time).
+template <typename T, int RB>
+inline void scores_rows(const float* q, int R, const T* kt, int nv, int C, int d, float* s) {
+  if constexpr (RB > 1) {
+    if (R < RB) return scores_rows<T, RB - 1>(q, R, kt, nv, C, d, s);
+  }
+  int r = 0;
+  for (; r + RB <= R; r += RB) scores<T, RB>(q + r * d, kt, nv, C, d, s + static_cast<size_t>(r) * C);
+  if constexpr (RB > 1) {
+    if (r < R) scores_rows<T, RB - 1>(q + r * d, R - r, kt, nv, C, d, s + static_cast<size_t>(r) * C);
+  }
+}
+
+template <typename T, int RB>
+inline void values_rows(const float* p, int R, int C, const T* v, int n, int d, float* o,
+                        const float* alpha) {
+  if constexpr (RB > 1) {
+    if (R < RB) return values_rows<T, RB - 1>(p, R, C, v, n, d, o, alpha);
+  }
+  int r = 0;
+  for (; r + RB <= R; r += RB)
+    weighted_values<T, RB>(p + static_cast<size_t>(r) * C, C, v, n, d, o + r * d, alpha + r);
+  if constexpr (RB > 1) {
+    if (r < R)
+      values_rows<T, RB - 1>(p + static_cast<size_t>(r) * C, R - r, C, v, n, d, o + r * d, alpha + r);
+  }
+}
+
 // Online-softmax update of R scaled query rows (q [R, d]) with the first n tokens of one chunk.
 template <typename T>
 void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, int d, float* o,
                   float* m, float* l, float* s, float* alpha) {
   const int nv = (n + W - 1) / W;
-  int r = 0;
-  for (; r + 4 <= R; r += 4) scores<T, 4>(q + r * d, kt, nv, C, d, s + r * C);
-  for (; r < R; ++r) scores<T, 1>(q + r * d, kt, nv, C, d, s + r * C);
+  scores_rows<T, kRB>(q, R, kt, nv, C, d, s);
 
-  for (r = 0; r < R; ++r) {
+  for (int r = 0; r < R; ++r) {
     float* sr = s + static_cast<size_t>(r) * C;
     for (int j = n; j < nv * W; ++j) sr[j] = kNegInf;
     vf mx = splat(kNegInf);
@@ -194,9 +223,7 @@ void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, 
     m[r] = mnew;
   }
 
-  for (r = 0; r + 4 <= R; r += 4)
-    weighted_values<T, 4>(s + r * C, C, v, n, d, o + r * d, alpha + r);
-  for (; r < R; ++r) weighted_values<T, 1>(s + r * C, C, v, n, d, o + r * d, alpha + r);
+  values_rows<T, kRB>(s, R, C, v, n, d, o, alpha);
 }
 
 // Fold a partial (po, pm, pl) into a running state (o, m, l).
