@@ -16,6 +16,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include "../attention.h"
 
 namespace chunkgen {
@@ -40,7 +44,17 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kRB = W == 16 ? 8 : 6;
 constexpr int kRowBlock = 32;  // rows of a chunk-first matrix kept hot together
 
+// A plain broadcast: `vf{} + x` would add 0.0f first (not a no-op under IEEE signed zeros) and
+// put a scalar add on the inner loops' critical path; a lane loop becomes a chain of inserts.
+#if defined(__AVX512F__)
+inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#elif defined(__AVX__)
+inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#elif defined(__SSE__)
+inline vf splat(float x) { return (vf)_mm_set1_ps(x); }
+#else
 inline vf splat(float x) { return vf{} + x; }
+#endif
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);
@@ -97,7 +111,7 @@ inline void scores(const float* q, const T* kt, int nv, int C, int d, float* s) 
     for (int t = 0; t < d; ++t, kp += C) {
       const vf k0 = load(kp), k1 = load(kp + W);
       for (int r = 0; r < RB; ++r) {
-        const vf qb = splat(q[r * d + t]);
+        const vf qb = splat(q[r * d + t]);  // d is the row stride: one index per (r, t)
         acc[r][0] += qb * k0;
         acc[r][1] += qb * k1;
       }
@@ -133,8 +147,9 @@ inline void weighted_values(const float* p, int C, const T* v, int n, int d, flo
     const T* vp = v + c * W;
     for (int j = 0; j < n; ++j, vp += d) {
       const vf v0 = load(vp), v1 = load(vp + W);
+      const float* pj = p + j;
       for (int r = 0; r < RB; ++r) {
-        const vf pb = splat(p[r * C + j]);
+        const vf pb = splat(pj[static_cast<size_t>(r) * C]);
         acc[r][0] += pb * v0;
         acc[r][1] += pb * v1;
       }
