@@ -17,6 +17,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True)
+stdout = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
 
 EXIT_BAD_INPUT_LINES = 3
 
@@ -190,7 +191,7 @@ def inspect_tree(
                "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size})")
     _draw(tree.root, view, chunk_size)
-    console = Console()
+    console = stdout
     console.print(view)
     table = Table(title="KV memory for these prompts", show_header=True)
     table.add_column("")
@@ -239,6 +240,62 @@ def bench_kernel(
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
+@bench_app.command("e2e")
+def bench_e2e(
+    model: Optional[str] = typer.Option(None),
+    n_shared: str = typer.Option("1024,2048", help="Shared prompt lengths in tokens, comma-separated."),
+    n_queries: int = typer.Option(32),
+    max_new_tokens: int = typer.Option(64),
+    max_batch: int = typer.Option(32),
+    dtype: str = typer.Option("fp32"),
+    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
+                                help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen."),
+    quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full."""
+    from chunkgen.bench.e2e import SYSTEMS, run_e2e
+
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = set(chosen) - set(SYSTEMS)
+    if unknown:
+        _fail(f"unknown systems {sorted(unknown)}; choose from {list(SYSTEMS)}")
+    chosen = [s for s in SYSTEMS if s in chosen]  # hf first: the others are compared with it
+    if quick:
+        n_shared, n_queries, max_new_tokens = "512", 8, 16
+    lengths = [int(x) for x in n_shared.split(",")]
+    llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
+    rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype,
+                   on_row=lambda r: err.print(f"  {r['system']:>16} n_shared={r['n_shared']}: "
+                                              f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s",
+                                              highlight=False))
+    table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}")
+    for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "gen tok/s", "decode tok/s",
+                "KV peak", "RSS peak", "= hf"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["system"], str(r["n_shared"]), f"{r['wall_s']:.1f}", f"{r['prefill_s']:.1f}",
+                      f"{r['decode_s']:.1f}", f"{r['gen_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
+                      _human(r["kv_peak_bytes"]), _human(r["rss_peak_bytes"]),
+                      "-" if r["outputs_equal_to_hf"] is None else f"{r['outputs_equal_to_hf']}/{r['n_queries']}")
+    stdout.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+@bench_app.command("tree")
+def bench_tree(sequences: int = typer.Option(64), json_out: Optional[Path] = typer.Option(None, "--json")) -> None:
+    """Per-step cost of the prefix tree's bookkeeping (appends + kernel context), and of a rebuild."""
+    from chunkgen.bench.tree import tree_overhead
+
+    r = tree_overhead(sequences)
+    stdout.print(f"{r['sequences']} sequences, {r['steps']} decode steps: tree work per step "
+                    f"{r['step_us_median']:.0f} µs median ({r['step_us_p90']:.0f} µs p90), "
+                    f"{r['rebuilds_during_steps']} rebuilds; full context rebuild {r['rebuild_us_median']:.0f} µs")
+    if json_out:
+        json_out.write_text(json.dumps(r, indent=2) + "\n")
+
+
 def _print_kernel_table(rows: list[dict]) -> None:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     table = Table(title="decode attention latency (µs, median)")
@@ -252,7 +309,7 @@ def _print_kernel_table(rows: list[dict]) -> None:
         others = [v for k, v in by.items() if k != "chunk_tpp"]
         speed = f"{min(others) / by['chunk_tpp']:.2f}x" if others and "chunk_tpp" in by else "-"
         table.add_row(shape, str(n_p), str(n_s), *[f"{by[i]:.0f}" if i in by else "-" for i in impls], speed)
-    Console().print(table)
+    stdout.print(table)
 
 
 def main() -> None:  # pragma: no cover

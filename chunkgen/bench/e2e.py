@@ -1,0 +1,158 @@
+"""End-to-end throughput and KV memory, after the paper's Table 4: one shared system prompt of an
+exact token length, distinct short queries, greedy decoding of a fixed length, the same for every
+system, all systems measured in one process one after the other."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+
+from chunkgen.engine import Request, SamplingParams
+from chunkgen.llm import LLM
+
+SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
+
+
+@dataclass
+class Workload:
+    n_shared: int
+    prompts: list[list[int]]
+    max_new_tokens: int
+
+
+def build_workload(llm: LLM, n_shared: int, n_queries: int, max_new_tokens: int) -> Workload:
+    """The shipped templates' system prompts, repeated and cut at exactly n_shared tokens, then a
+    distinct question per query."""
+    import tomllib
+
+    text = "\n\n".join(tomllib.loads(p.read_text())["system"] for p in sorted(PROMPTS_DIR.glob("*.toml")))
+    base = llm.encode(text)
+    shared = (base * (n_shared // len(base) + 1))[:n_shared]
+    prompts = []
+    for i in range(n_queries):
+        q = llm.tokenizer(f"\nQuestion {i + 1}: what is {3 * i + 7} times {i + 2}, and why?\nAnswer:",
+                          add_special_tokens=False)["input_ids"]
+        prompts.append(shared + q)
+    return Workload(n_shared, prompts, max_new_tokens)
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs (sampled every 10 ms)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+class _FirstTokenClock:
+    """A generate() streamer that notes when the first new token exists (end of prefill)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa")
+    hf.eval()
+    width = max(len(p) for p in work.prompts)
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in work.prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
+    clock = _FirstTokenClock()
+    with PeakRSS() as rss, torch.inference_mode():
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=work.max_new_tokens,
+                          min_new_tokens=work.max_new_tokens, do_sample=False, streamer=clock,
+                          pad_token_id=pad)
+        wall = time.perf_counter() - t0
+    gen = out[:, width:].tolist()
+    n_gen = sum(len(g) for g in gen)
+    cfg = hf.config
+    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # The dense cache generate() grows: every row padded to the longest prompt, plus the new tokens.
+    kv_bytes = (2 * cfg.num_hidden_layers * len(work.prompts) * kv_heads * head_dim
+                * (width + work.max_new_tokens - 1) * torch.empty((), dtype=hf.dtype).element_size())
+    prefill = (clock.first or t0) - t0
+    row = dict(wall_s=wall, prefill_s=prefill, decode_s=wall - prefill, gen_tokens_per_s=n_gen / wall,
+               decode_tokens_per_s=(n_gen - len(gen)) / max(wall - prefill, 1e-9), kv_peak_bytes=kv_bytes,
+               rss_peak_bytes=rss.peak)
+    del hf
+    return row, gen
+
+
+def run_engine(llm: LLM, work: Workload, **overrides) -> tuple[dict, list[list[int]]]:
+    engine = llm.new_engine(**overrides)
+    params = SamplingParams(max_new_tokens=work.max_new_tokens, ignore_eos=True)
+    reqs = [Request(i, p, params) for i, p in enumerate(work.prompts)]
+    gen: list[list[int]] = [[] for _ in reqs]
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        for res in engine.stream(reqs):
+            gen[res.id] = res.token_ids
+        wall = time.perf_counter() - t0
+    s = engine.stats
+    n_gen = sum(len(g) for g in gen)
+    row = dict(wall_s=wall, prefill_s=s.prefill_s, decode_s=s.decode_s, gen_tokens_per_s=n_gen / wall,
+               decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
+               kv_peak_bytes=engine.pool.peak_bytes, rss_peak_bytes=rss.peak)
+    return row, gen
+
+
+ENGINE_SETTINGS = {
+    "chunkgen_noshare": {"share_prefix": False},
+    "chunkgen_paged": {"chunk_first": False},
+    "chunkgen": {},
+}
+
+
+def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, systems: list[str],
+            dtype_name: str, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    rows = []
+    for ns in n_shared:
+        work = build_workload(llm, ns, n_queries, max_new_tokens)
+        reference = None
+        for system in systems:
+            if system == "hf":
+                row, gen = run_hf(llm, work)
+                reference = gen
+            else:
+                row, gen = run_engine(llm, work, **ENGINE_SETTINGS[system])
+            row = {"system": system, "n_shared": ns, "n_queries": n_queries,
+                   "max_new_tokens": max_new_tokens, "dtype": dtype_name, **row,
+                   "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference))
+                                           if reference is not None else None)}
+            rows.append(row)
+            if on_row:
+                on_row(row)
+    return rows
