@@ -71,7 +71,8 @@ def run(
     out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
     model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16."),
+    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16/bf16 on GPU)."),
+    device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Default for rows that do not set it."),
     temperature: Optional[float] = typer.Option(None),
     top_p: Optional[float] = typer.Option(None),
@@ -99,7 +100,7 @@ def run(
                                       top_k=top_k, seed=seed, stop=stop).items() if v is not None}
     fmt, items = _read_items(queries, template, fmt, defaults, id_field)
     llm = _load_llm(model, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
-                    max_batch=max_batch, share_prefix=not no_share)
+                    max_batch=max_batch, share_prefix=not no_share, device=device)
     try:
         writer = ResultWriter(out, fmt, model_name=llm.model_path.name, resume=resume, ordered=ordered)
     except (OutputExists, ValueError) as exc:

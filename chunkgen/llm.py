@@ -50,8 +50,15 @@ class LLM:
         share_prefix: bool = True,
         chunk_first: bool = True,
         kv_dtype: str | torch.dtype | None = None,
+        device: str = "cpu",
     ) -> None:
-        hf_model, self.tokenizer, self.model_path = load_hf(model, parse_dtype(dtype))
+        if device.startswith("cuda"):
+            from chunkgen._native import native_cuda_available
+
+            if not torch.cuda.is_available() or not native_cuda_available():
+                raise ValueError("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen "
+                                 "built with its CUDA kernels (CHUNKGEN_CUDA=1 at install)")
+        hf_model, self.tokenizer, self.model_path = load_hf(model, parse_dtype(dtype), device)
         self.model = LlamaModel(hf_model)
         self.config = EngineConfig(
             chunk_size=chunk_size, kv_memory=parse_bytes(kv_memory), max_batch=max_batch,

@@ -3,13 +3,19 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
+
+#ifdef CHUNKGEN_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include "attention.h"
 
 namespace chunkgen {
 
 #ifdef CHUNKGEN_WITH_CUDA
-void decode_attention_cuda(const DecodeProblem& p, const torch::Tensor& q);
+void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, float* part_o,
+                               float* part_m, float* part_l, void* stream);
 #endif
 
 namespace {
@@ -27,13 +33,65 @@ void check_range(const torch::Tensor& t, int64_t lo, int64_t hi, const char* nam
                       hi, ")");
 }
 
+#ifdef CHUNKGEN_WITH_CUDA
+// The kernel context lives on the host (the tree is Python); the device keeps one packed copy and
+// re-uploads it only when the context's stamp changes, i.e. when the tree or a count changed.
+struct DeviceContext {
+  int64_t stamp = -1;
+  torch::Device device{torch::kCPU};
+  torch::Tensor buffer;
+};
+
+void run_on_cuda(DecodeProblem& p, int64_t stamp, torch::Device device) {
+  static DeviceContext cache;
+  const int S = p.num_shared, B = p.batch;
+  std::vector<int32_t> part_off(S + 1, 0);
+  for (int c = 0; c < S; ++c) part_off[c + 1] = part_off[c] + p.shared_end[c] - p.shared_begin[c];
+  const int64_t nnz = p.seq_shared_ptr[B];
+  const int64_t priv = static_cast<int64_t>(B) * p.priv_stride;
+  // Layout: slot, len, begin, end, part_off, seq_shared_ptr, seq_shared_idx, priv_slot, count, last_len.
+  const int64_t sizes[] = {S, S, S, S, S + 1, B + 1, nnz, priv, B, B};
+  const int32_t* sources[] = {p.shared_slot, p.shared_len, p.shared_begin, p.shared_end, part_off.data(),
+                              p.seq_shared_ptr, p.seq_shared_idx, p.priv_slot, p.priv_count, p.priv_last_len};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  if (stamp < 0 || stamp != cache.stamp || cache.device != device || cache.buffer.numel() < total) {
+    auto host = torch::empty({std::max<int64_t>(total, 1)}, torch::dtype(torch::kInt32).pinned_memory(true));
+    int32_t* dst = host.data_ptr<int32_t>();
+    for (int i = 0; i < 10; ++i) {
+      std::copy(sources[i], sources[i] + sizes[i], dst);
+      dst += sizes[i];
+    }
+    cache.buffer = host.to(device, /*non_blocking=*/true);
+    cache.stamp = stamp;
+    cache.device = device;
+  }
+  const int32_t* d = cache.buffer.data_ptr<int32_t>();
+  const int32_t** targets[] = {&p.shared_slot, &p.shared_len, &p.shared_begin, &p.shared_end, nullptr,
+                               &p.seq_shared_ptr, &p.seq_shared_idx, &p.priv_slot, &p.priv_count,
+                               &p.priv_last_len};
+  const int32_t* dev_part_off = nullptr;
+  for (int i = 0; i < 10; ++i) {
+    if (targets[i]) *targets[i] = d; else dev_part_off = d;
+    d += sizes[i];
+  }
+  const int64_t rows = static_cast<int64_t>(part_off[S]) * p.q_heads;
+  auto f32 = torch::dtype(torch::kFloat32).device(device);
+  auto part_o = torch::empty({std::max<int64_t>(rows * p.head_dim, 1)}, f32);
+  auto part_m = torch::empty({std::max<int64_t>(rows, 1)}, f32);
+  auto part_l = torch::empty({std::max<int64_t>(rows, 1)}, f32);
+  decode_attention_cuda_raw(p, dev_part_off, part_o.data_ptr<float>(), part_m.data_ptr<float>(),
+                            part_l.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream());
+}
+#endif
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                torch::Tensor shared_slot, torch::Tensor shared_len,
                                torch::Tensor shared_begin, torch::Tensor shared_end,
                                torch::Tensor seq_shared_ptr, torch::Tensor seq_shared_idx,
                                torch::Tensor priv_slot, torch::Tensor priv_count,
                                torch::Tensor priv_last_len, double scale, bool chunk_first,
-                               c10::optional<torch::Tensor> out_opt) {
+                               c10::optional<torch::Tensor> out_opt, int64_t stamp) {
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be [batch, q_heads, head_dim], got ", q.sizes());
   TORCH_CHECK_TYPE(q.scalar_type() == torch::kFloat32, "q must be float32, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.is_contiguous(), "q must be contiguous");
@@ -141,7 +199,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     return out;
   }
 #ifdef CHUNKGEN_WITH_CUDA
-  decode_attention_cuda(p, q);
+  run_on_cuda(p, stamp, q.device());
   return out;
 #else
   TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; q is on ", q.device());
@@ -158,7 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("shared_begin"), py::arg("shared_end"), py::arg("seq_shared_ptr"),
         py::arg("seq_shared_idx"), py::arg("priv_slot"), py::arg("priv_count"),
         py::arg("priv_last_len"), py::arg("scale"), py::arg("chunk_first") = true,
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("stamp") = -1);
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
 #ifdef CHUNKGEN_WITH_CUDA
   m.attr("with_cuda") = true;

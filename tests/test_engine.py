@@ -36,7 +36,8 @@ def assert_parity(hf, prompt_ids, ours, theirs, top=3):
     i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b) if any(
         a != b for a, b in zip(ours, theirs)) else min(len(ours), len(theirs))
     assert i < min(len(ours), len(theirs)), f"lengths differ without a divergence: {ours} vs {theirs}"
-    logits = hf(torch.tensor([prompt_ids + theirs[:i]])).logits[0, -1]
+    device = next(hf.parameters()).device
+    logits = hf(torch.tensor([prompt_ids + theirs[:i]], device=device)).logits[0, -1]
     topk = logits.topk(top).indices.tolist()
     assert ours[i] in topk and theirs[i] in topk, f"gross mismatch at {i}: {ours[i]} vs {theirs[i]}"
 

@@ -5,9 +5,13 @@ appends tokens updates token counts and, every chunk_size steps, one private slo
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from chunkgen.cache.tree import Chunk, PrefixTree, SeqId
+
+_stamps = itertools.count()  # unique across contexts: the GPU copy is keyed by it
 
 
 class KernelContext:
@@ -18,6 +22,7 @@ class KernelContext:
         self.order: list[SeqId] = []
         self.row_of: dict[SeqId, int] = {}
         self.rebuilds = 0
+        self.stamp = -1  # changes whenever any array changes; the device copy follows it
         self.refresh()
 
     @property
@@ -43,6 +48,7 @@ class KernelContext:
         self.priv_last_len.copy_(
             torch.tensor([len(t.tokens) if t.ref == 1 else 0 for t in self._tails], dtype=torch.int32)
         )
+        self.stamp = next(_stamps)
 
     def _rebuild(self) -> None:
         tree = self.tree
@@ -93,6 +99,7 @@ class KernelContext:
         self._tails = tails
         self.version = tree.version
         self.rebuilds += 1
+        self.stamp = next(_stamps)
 
     def check(self) -> None:
         """Every shared chunk covers exactly the rows whose path holds it, and they are contiguous."""

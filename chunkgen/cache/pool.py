@@ -95,12 +95,14 @@ class ChunkPool:
     def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer."""
+        slots, offsets = slots.to(self.device), offsets.to(self.device)
         self.k[layer, slots, :, :, offsets] = k.to(self.dtype)
         self.v[layer, slots, :, offsets] = v.to(self.dtype)
 
     def gather(self, layer: int, slots: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V `[kv_heads, n_tokens, head_dim]` of a path of slots (all full but the last)."""
         c = self.chunk_size
+        slots = slots.to(self.device)
         k = self.k[layer, slots].permute(1, 0, 3, 2).reshape(self.kv_heads, -1, self.head_dim)
         v = self.v[layer, slots].permute(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)
         assert k.shape[1] == len(slots) * c

@@ -57,6 +57,8 @@ def make_generator(params: SamplingParams, index: int) -> torch.Generator | None
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """Next token per row of `logits` [batch, vocab] (fp32)."""
     out = logits.argmax(dim=-1).tolist()
+    if not all(p.greedy for p in params):
+        logits = logits.float().cpu()  # per-request CPU generators: draws independent of the device
     for row, (p, g) in enumerate(zip(params, generators)):
         if p.greedy:
             continue

@@ -218,7 +218,7 @@ class LlamaModel:
         """One token per sequence, all in `ctx.order`; returns logits [batch, vocab] (fp32)."""
         x = F.embedding(tokens, self.embed)
         cos, sin = self._rope(x, positions)
-        out = torch.empty(len(tokens), self.q_heads, self.head_dim, dtype=torch.float32)
+        out = torch.empty(len(tokens), self.q_heads, self.head_dim, dtype=torch.float32, device=x.device)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             pool.write(i, slots, offsets, k, v)

@@ -111,7 +111,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use fp32, bf16 or fp16") from None
 
 
-def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32):
+def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(transformers model, tokenizer, directory) for a model spec."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,5 +119,5 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32):
     path = resolve_model(spec)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.eval()
+    model.to(device).eval()
     return model, tokenizer, path
