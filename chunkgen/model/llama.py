@@ -73,6 +73,53 @@ def _cat_bias(*linears) -> torch.Tensor | None:
                       for l in linears])
 
 
+MAX_CASCADE_TOKENS = 512  # new tokens per cascade product: bounds its [heads, rows, prefix] scores
+
+
+def _cascade_groups(items: list[PrefillItem], spans: list[tuple[int, int]], chunk: int):
+    """[(shared full-chunk prefix or None, [(item, span), ...])]: items that read the same cached
+    full chunks are grouped (at most MAX_CASCADE_TOKENS new tokens per group); others stand alone."""
+    by_prefix: dict[tuple[int, ...], list] = {}
+    alone = []
+    for it, span in zip(items, spans):
+        full = tuple(it.path_slots[: it.start // chunk])
+        (by_prefix.setdefault(full, []) if full else alone).append((it, span))
+    groups: list = [(None, [m]) for m in alone]
+    for prefix, members in by_prefix.items():
+        if len(members) == 1:
+            groups.append((None, members))
+            continue
+        batch, tokens = [], 0
+        for m in members:
+            t = m[1][1] - m[1][0]
+            if batch and tokens + t > MAX_CASCADE_TOKENS:
+                groups.append((list(prefix), batch))
+                batch, tokens = [], 0
+            batch.append(m)
+            tokens += t
+        groups.append((list(prefix), batch))
+    return groups
+
+
+def _by_kv_head(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[tokens, q_heads, d] -> [kv_heads, group, tokens, d] in fp32 (query head = h * group + g)."""
+    t, hq, d = q.shape
+    return q.float().transpose(0, 1).reshape(kv_heads, hq // kv_heads, t, d)
+
+
+def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float):
+    """Unnormalized attention of q [Hk, G, T, d] over k, v [Hk, n, d]: (o, row max m, row sum l)."""
+    hk, g, t, d = q.shape
+    s = torch.matmul(q.reshape(hk, g * t, d), k.transpose(1, 2)).view(hk, g, t, -1) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1)
+    p = torch.exp(s - m[..., None])
+    o = torch.matmul(p.view(hk, g * t, -1), v).view(hk, g, t, d)
+    return o, m, p.sum(-1)
+
+
 class LlamaModel:
     def __init__(self, hf_model) -> None:
         cfg = hf_model.config
@@ -177,38 +224,74 @@ class LlamaModel:
         w_slots_t = torch.tensor(w_slots, dtype=torch.long)
         w_offs_t = torch.tensor(w_offs, dtype=torch.long)
         w_rows_t = torch.tensor(w_rows, dtype=torch.long, device=dev)
-        prefix = [torch.tensor(it.path_slots[: -(-it.start // C)], dtype=torch.long) for it in items]
-        masks = []
-        for it in items:
-            t, n = len(it.tokens) - it.start, len(it.tokens)
-            masks.append(torch.ones(t, n, dtype=torch.bool, device=dev).tril(diagonal=it.start)
-                         if it.start > 0 and t > 1 else None)
+        groups = _cascade_groups(items, spans, C)
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
         cos, sin = self._rope(x, torch.tensor(positions, device=dev))
         attn = torch.empty(len(ids), self.q_heads, self.head_dim, dtype=x.dtype, device=dev)
-        group = self.q_heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             if w_rows:
                 pool.write(i, w_slots_t, w_offs_t, k[w_rows_t], v[w_rows_t])
-            for it, (a, b), pre, mask in zip(items, spans, prefix, masks):
-                kn, vn = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
-                if it.start > 0:
-                    pk, pv = pool.gather(i, pre, it.start)
-                    kn = torch.cat([pk.to(kn.dtype), kn], dim=1)
-                    vn = torch.cat([pv.to(vn.dtype), vn], dim=1)
-                # 4-D inputs with K/V expanded to every query head: torch's fused CPU attention
-                # takes only that form (3-D or GQA inputs fall back to a ~6x slower path).
-                out = F.scaled_dot_product_attention(
-                    q[a:b].transpose(0, 1)[None], kn.repeat_interleave(group, 0)[None],
-                    vn.repeat_interleave(group, 0)[None], attn_mask=mask,
-                    is_causal=it.start == 0 and b - a > 1, scale=self.scale,
-                )
-                attn[a:b] = out[0].transpose(0, 1)
+            for prefix, members in groups:
+                if prefix is None:
+                    (it, (a, b)), = members
+                    attn[a:b] = self._attend_alone(i, it, q[a:b], k[a:b], v[a:b], pool)
+                else:
+                    self._attend_cascade(i, prefix, members, q, k, v, pool, attn)
             x = self._finish_layer(x, attn, layer)
         last = [b - 1 for (a, b), it in zip(spans, items) if it.want_logits]
         logits = iter(self._logits(x[last]) if last else ())
         return [next(logits) if it.want_logits else None for it in items]
+
+    def _attend_alone(self, layer: int, it: PrefillItem, q, k, v, pool: ChunkPool) -> torch.Tensor:
+        """One sequence: its cached prefix from the pool plus its new tokens, causal."""
+        C, t, n = pool.chunk_size, len(it.tokens) - it.start, len(it.tokens)
+        kn, vn = k.transpose(0, 1), v.transpose(0, 1)
+        mask = None
+        if it.start > 0:
+            pre = torch.tensor(it.path_slots[: -(-it.start // C)], dtype=torch.long)
+            pk, pv = pool.gather(layer, pre, it.start)
+            kn = torch.cat([pk.to(kn.dtype), kn], dim=1)
+            vn = torch.cat([pv.to(vn.dtype), vn], dim=1)
+            if t > 1:
+                mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=it.start)
+        group = self.q_heads // self.kv_heads
+        # 4-D inputs with K/V expanded to every query head: torch's fused CPU attention takes only
+        # that form (3-D or GQA inputs fall back to a ~6x slower path).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kn.repeat_interleave(group, 0)[None],
+            vn.repeat_interleave(group, 0)[None], attn_mask=mask,
+            is_causal=it.start == 0 and t > 1, scale=self.scale,
+        )
+        return out[0].transpose(0, 1)
+
+    def _attend_cascade(self, layer: int, prefix: list[int], members, q, k, v, pool: ChunkPool,
+                        attn: torch.Tensor) -> None:
+        """Sequences whose cached prefix starts with the same full chunks: the new tokens of all of
+        them attend to those chunks in one product (read once, as in the chunk-first phase), then
+        each attends to the rest of its own path causally; the two parts merge by log-sum-exp."""
+        C, Hk, G, d = pool.chunk_size, self.kv_heads, self.q_heads // self.kv_heads, self.head_dim
+        n_p = len(prefix) * C
+        kp, vp = pool.gather(layer, torch.tensor(prefix, dtype=torch.long), n_p)
+        rows = torch.cat([q[a:b] for _, (a, b) in members])  # [T, Hq, d]
+        o1, m1, l1 = _partial_attention(_by_kv_head(rows, Hk), kp.float(), vp.float(), None, self.scale)
+        off = 0
+        for it, (a, b) in members:
+            t = b - a
+            own = it.path_slots[len(prefix) : -(-it.start // C)]
+            rest = it.start - n_p
+            kr, vr = k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float()
+            if rest > 0:
+                ok, ov = pool.gather(layer, torch.tensor(own, dtype=torch.long), rest)
+                kr, vr = torch.cat([ok.float(), kr], dim=1), torch.cat([ov.float(), vr], dim=1)
+            mask = torch.ones(t, rest + t, dtype=torch.bool, device=q.device).tril(diagonal=rest)
+            o2, m2, l2 = _partial_attention(_by_kv_head(q[a:b], Hk), kr, vr, mask, self.scale)
+            sl = slice(off, off + t)
+            m = torch.maximum(m1[:, :, sl], m2)
+            w1, w2 = torch.exp(m1[:, :, sl] - m), torch.exp(m2 - m)
+            o = (o1[:, :, sl] * w1[..., None] + o2 * w2[..., None]) / (l1[:, :, sl] * w1 + l2 * w2)[..., None]
+            attn[a:b] = o.permute(2, 0, 1, 3).reshape(t, Hk * G, d).to(attn.dtype)
+            off += t
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()
