@@ -87,6 +87,7 @@ def run(
     fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, help="Disable prefix sharing (for comparisons)."),
+    shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
     quiet: bool = typer.Option(False, help="No progress bar; summary only."),
     json_log: bool = typer.Option(False, help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -99,6 +100,14 @@ def run(
     defaults = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, seed=seed, stop=stop).items() if v is not None}
     fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+    if shard is not None:
+        from chunkgen.scale.shard import Shard
+
+        try:
+            part = Shard.parse(shard)
+        except ValueError as exc:
+            _fail(str(exc))
+        items = (item for item in items if part.owns(item))
     llm = _load_llm(model, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                     max_batch=max_batch, share_prefix=not no_share, device=device)
     try:
@@ -228,12 +237,16 @@ def bench_kernel(
     dtype: str = typer.Option("fp32", help="KV dtype: fp32 or bf16."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     repeats: int = typer.Option(10, help="Timed runs per cell (median reported)."),
+    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", help="Implementations to time."),
 ) -> None:
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
-    from chunkgen.bench.kernel import default_grid, run_grid
+    from chunkgen.bench.kernel import IMPLS, default_grid, run_grid
     from chunkgen.model import parse_dtype
 
-    rows = run_grid(default_grid(quick), parse_dtype(dtype), repeats=3 if quick else repeats,
+    chosen = tuple(i.strip() for i in impls.split(",") if i.strip())
+    if not chosen or set(chosen) - set(IMPLS):
+        _fail(f"--impls takes a subset of {','.join(IMPLS)}")
+    rows = run_grid(default_grid(quick), parse_dtype(dtype), repeats=3 if quick else repeats, impls=chosen,
                     on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
                                                f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
     _print_kernel_table(rows)

@@ -154,3 +154,46 @@ def test_inspect_tree_reports_sharing(tiny_model, tmp_path):
     assert fig["sequences"] == 16 and fig["chunks_shared"] < fig["chunks_unshared"]
     assert fig["sharing_ratio"] > 0.8 and fig["bytes_shared"] < fig["bytes_unshared"]
     assert "shared by 16 prompts" in res.output
+
+
+def test_template_directory_forms_a_forest_and_ordered_output(tiny_model, tmp_path):
+    queries = tmp_path / "mixed.jsonl"
+    rows = []
+    for i in range(4):
+        rows.append({"id": f"math-{i}", "template": "arithmetic_cot", "question": f"What is {i} + {i}?"})
+        rows.append({"id": f"doc-{i}", "template": "document_qa", "question": f"Question {i}?"})
+    queries.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--ordered")
+    assert res.exit_code == 0, res.output
+    recs = records(out)
+    assert [r["id"] for r in recs] == [r["id"] for r in rows]  # input order despite completion order
+    assert all(r["template"] == r["id"].replace("math", "arithmetic_cot").replace("doc", "document_qa").rsplit("-", 1)[0]
+               for r in recs)
+    # two system prompts: the later queries of each template hit their own tree's cache
+    assert recs[-1]["usage"]["cached_tokens"] > 0 and recs[-2]["usage"]["cached_tokens"] > 0
+
+
+def test_shards_split_by_prefix_and_cover_every_line_once(tiny_model, tmp_path):
+    queries = tmp_path / "mixed.jsonl"
+    rows = []
+    for i in range(3):
+        for name in ("arithmetic_cot", "document_qa", "tool_dispatcher"):
+            field = "request" if name == "tool_dispatcher" else "question"
+            rows.append({"id": f"{name}-{i}", "template": name, field: f"item {i}"})
+    lines = [json.dumps(r) for r in rows] + ["not json"]
+    queries.write_text("\n".join(lines) + "\n")
+    outs = []
+    for k in range(3):
+        out = tmp_path / f"shard{k}.jsonl"
+        res = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--shard", f"{k}/3",
+                      "--max-new-tokens", "2")
+        assert res.exit_code in (0, EXIT_BAD_INPUT_LINES), res.output
+        outs.append(records(out) if out.exists() else [])
+    ids = [r.get("id") or f"line:{r['line']}" for recs in outs for r in recs]
+    assert sorted(ids) == sorted([r["id"] for r in rows] + ["line:10"])  # each exactly once
+    for recs in outs:  # a template's rows never straddle shards
+        for name in {r["template"] for r in recs if "template" in r}:
+            assert sum(r.get("template") == name for r in recs) == 3
+    bad = run_cli(*base_args(tiny_model, tmp_path / "x.jsonl", queries=queries, template=PROMPTS), "--shard", "3/3")
+    assert bad.exit_code == 1 and "i/N" in bad.output

@@ -130,3 +130,15 @@ def test_unsupported_architecture_is_named(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
         LlamaModel(model)
+
+
+def test_bf16_weights_and_kv(tiny_model):
+    llm = LLM(model=str(tiny_model), dtype="bf16", chunk_size=16, kv_memory="32MiB")
+    assert llm.engine.pool.dtype == torch.bfloat16
+    prompts = template_prompts("arithmetic_cot", 4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    shared = llm.generate(prompts, params)
+    engine = llm.new_engine(share_prefix=False)
+    alone = {r.id: r for r in engine.stream([Request(i, llm.encode(p), params) for i, p in enumerate(prompts)])}
+    assert all(len(r.token_ids) == 12 for r in shared)
+    assert sum(alone[i].token_ids == r.token_ids for i, r in enumerate(shared)) >= 3

@@ -114,11 +114,11 @@ def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS) -> li
     return rows
 
 
-def run_grid(grid: list[Shape], dtype: torch.dtype, repeats: int = 10,
+def run_grid(grid: list[Shape], dtype: torch.dtype, repeats: int = 10, impls=IMPLS,
              on_row: Callable[[dict], None] | None = None) -> list[dict]:
     rows = []
     for shape in grid:
-        for row in run_shape(shape, dtype, repeats):
+        for row in run_shape(shape, dtype, repeats, impls):
             rows.append(row)
             if on_row:
                 on_row(row)

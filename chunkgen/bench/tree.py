@@ -29,7 +29,7 @@ def tree_overhead(n_seqs: int = 64, shared: int = 1700, steps: int = 300, chunk:
     rebuild = []
     for _ in range(50):
         t0 = time.perf_counter()
-        ctx._rebuild()
+        ctx.rebuild()
         rebuild.append(time.perf_counter() - t0)
     return {"sequences": n_seqs, "steps": steps, "step_us_median": statistics.median(per_step) * 1e6,
             "step_us_p90": statistics.quantiles(per_step, n=10)[-1] * 1e6,

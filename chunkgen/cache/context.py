@@ -32,7 +32,7 @@ class KernelContext:
     def refresh(self) -> None:
         """Bring the arrays up to date with the tree, as cheaply as its changes allow."""
         if self.version != self.tree.version:
-            self._rebuild()
+            self.rebuild()
             return
         paths = self.tree.paths
         for row, seq in enumerate(self.order):
@@ -40,7 +40,7 @@ class KernelContext:
             if tail is not self._tails[row]:  # the tail filled up and a new private chunk began
                 count = int(self.priv_count[row])
                 if count == self.priv_slot.shape[1]:
-                    self._rebuild()
+                    self.rebuild()
                     return
                 self.priv_slot[row, count] = tail.slot
                 self.priv_count[row] = count + 1
@@ -50,7 +50,8 @@ class KernelContext:
         )
         self.stamp = next(_stamps)
 
-    def _rebuild(self) -> None:
+    def rebuild(self) -> None:
+        """Recompute every array from the tree (what a structure change needs)."""
         tree = self.tree
         self.order = tree.batch_order()
         self.row_of = {seq: i for i, seq in enumerate(self.order)}

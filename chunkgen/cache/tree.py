@@ -224,6 +224,11 @@ class PrefixTree:
             stack.extend(node.children)
 
     @property
+    def evictable_chunks(self) -> int:
+        """Cached leaves that can be evicted right now (evicting them may expose more)."""
+        return len(self._evictable)
+
+    @property
     def cached_chunks(self) -> int:
         """Chunks no live sequence reads, kept for later prompts with the same prefix."""
         return sum(1 for c in self.iter_chunks() if c.ref == 0)

@@ -150,7 +150,7 @@ class Engine:
                     f"({self.pool.max_slots} chunks of {self.pool.chunk_size} tokens)"
                 ) from None
             # Keep one free chunk per running sequence for its next append, or preemption churns.
-            headroom = self.pool.free_slots + len(tree._evictable)
+            headroom = self.pool.free_slots + tree.evictable_chunks
             if sched.running and headroom < len(sched.running) + 1:
                 tree.remove(seq.seq_id, keep_cache=False)
                 break
@@ -161,7 +161,7 @@ class Engine:
         return wave
 
     def _prefill(self, wave: list[tuple[Sequence, list[int], int]]) -> None:
-        items = []
+        items, owners = [], []
         for seq, kv_tokens, cached in wave:
             n = len(kv_tokens)
             fresh = not seq.preempted
@@ -171,16 +171,17 @@ class Engine:
             self.stats.prefilled_tokens += n - cached
             # A fully cached prompt still needs its last position's logits: recompute that token.
             start = min(cached, n - 1) if fresh else cached
-            items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), fresh))
-        todo = [(it, w) for it, w in zip(items, wave) if it.start < len(it.tokens)]
-        logits = self.model.prefill([it for it, _ in todo], self.pool) if todo else []
+            if start < n:  # a re-admitted sequence whose K/V are all cached has nothing to compute
+                items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), fresh))
+                owners.append(seq)
+        logits = self.model.prefill(items, self.pool) if items else []
         for seq, _, _ in wave:
             self.tree.mark_ready(seq.seq_id)
-        fresh = [(w[0], lg) for (it, w), lg in zip(todo, logits) if lg is not None]
-        if fresh:
-            tokens = sample(torch.stack([lg for _, lg in fresh]), [s.params for s, _ in fresh],
-                            [s.generator for s, _ in fresh])
-            for (seq, _), token in zip(fresh, tokens):
+        sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]
+        if sampled:
+            tokens = sample(torch.stack([lg for _, lg in sampled]), [s.params for s, _ in sampled],
+                            [s.generator for s, _ in sampled])
+            for (seq, _), token in zip(sampled, tokens):
                 self._accept(seq, token)
 
     # -- decode -------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Splitting one job over several processes or machines without splitting a shared prefix."""
