@@ -297,6 +297,45 @@ def bench_e2e(
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
 
 
+@bench_app.command("step")
+def bench_step(
+    model: Optional[str] = typer.Option(None),
+    n_shared: int = typer.Option(2048),
+    n_queries: int = typer.Option(32),
+    steps: int = typer.Option(30),
+    dtype: str = typer.Option("fp32"),
+) -> None:
+    """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
+    from chunkgen.bench.e2e import build_workload
+    from chunkgen.bench.step import profile_decode_steps
+
+    llm = _load_llm(model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB")
+    r = profile_decode_steps(llm, build_workload(llm, n_shared, n_queries, steps).prompts, steps)
+    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, mean of {r['steps']} steps): "
+                 f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
+                 f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
+
+
+@bench_app.command("machine")
+def bench_machine() -> None:
+    """The ceilings the kernel is compared with: fp32 FMA GFLOP/s and streaming-read GB/s."""
+    import time
+
+    import torch
+
+    from chunkgen._native import native
+
+    gflops = native().fma_peak_gflops()
+    x = torch.ones(256 * 1024 * 1024 // 4)
+    x.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    gbs = 5 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    stdout.print(f"fp32 FMA peak {gflops:.0f} GFLOP/s ({native().simd_width()} lanes, all threads); "
+                 f"streaming read {gbs:.1f} GB/s (torch sum over 256 MiB)")
+
+
 @bench_app.command("tree")
 def bench_tree(sequences: int = typer.Option(64), json_out: Optional[Path] = typer.Option(None, "--json")) -> None:
     """Per-step cost of the prefix tree's bookkeeping (appends + kernel context), and of a rebuild."""

@@ -13,6 +13,8 @@
 
 namespace chunkgen {
 
+double fma_peak_gflops(int64_t iters);
+
 #ifdef CHUNKGEN_WITH_CUDA
 void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, float* part_o,
                                float* part_m, float* part_l, void* stream);
@@ -218,6 +220,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("priv_last_len"), py::arg("scale"), py::arg("chunk_first") = true,
         py::arg("out") = py::none(), py::arg("stamp") = -1);
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
+  m.def("fma_peak_gflops", &chunkgen::fma_peak_gflops, "measured fp32 FMA GFLOP/s on all OpenMP threads",
+        py::arg("iters") = 200000000);
 #ifdef CHUNKGEN_WITH_CUDA
   m.attr("with_cuda") = true;
 #else
