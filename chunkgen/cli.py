@@ -200,7 +200,7 @@ def inspect_tree(
                "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
                "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size})")
-    _draw(tree.root, view, chunk_size)
+    _draw(tree.root, view)
     console = stdout
     console.print(view)
     table = Table(title="KV memory for these prompts", show_header=True)
@@ -216,7 +216,7 @@ def inspect_tree(
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def _draw(node, view: Tree, chunk: int) -> None:
+def _draw(node, view: Tree) -> None:
     """Shared runs are collapsed into one line; a fan-out of private tails is summarised."""
     for child in node.children:
         run, cur = 1, child
@@ -228,7 +228,7 @@ def _draw(node, view: Tree, chunk: int) -> None:
         private = sum(1 for c in cur.children if c.ref <= 1)
         if private:
             branch.add(f"[dim]{private} private tail(s)[/]")
-        _draw(cur, branch, chunk)
+        _draw(cur, branch)
 
 
 @bench_app.command("kernel")

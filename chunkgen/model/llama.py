@@ -69,7 +69,7 @@ class LayerWeights:
 def _cat_bias(*linears) -> torch.Tensor | None:
     if all(l.bias is None for l in linears):
         return None
-    return torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features, dtype=l.weight.dtype)
+    return torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features, dtype=l.weight.dtype, device=l.weight.device)
                       for l in linears])
 
 
