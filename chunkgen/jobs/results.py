@@ -50,27 +50,13 @@ def _repair_and_read(path: Path) -> set[str]:
     return done
 
 
-class ResultWriter:
-    def __init__(self, path: str | Path, fmt: str, model_name: str, resume: bool = False,
-                 ordered: bool = False) -> None:
-        self.path = Path(path)
+class RecordFormat:
+    """Turns results and errors into output records: chunkgen's own lines, or OpenAI batch output.
+    Separate from the writer so remote workers can format what the driver writes."""
+
+    def __init__(self, fmt: str, model_name: str) -> None:
         self.fmt = fmt
         self.model_name = model_name
-        self.done: set[str] = set()
-        if self.path.exists() and self.path.stat().st_size > 0:
-            if not resume:
-                raise OutputExists(
-                    f"{self.path} already has results; pass --resume to continue it, or choose "
-                    "another --out"
-                )
-            self.done = _repair_and_read(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", encoding="utf-8")
-        self.ordered = ordered
-        self._buffer: dict[int, str] = {}
-        self._next = 0
-        self.results = 0
-        self.errors = 0
 
     # -- records ------------------------------------------------------------------------------
     def result_record(self, job: Job, res: Result) -> dict[str, Any]:
@@ -102,6 +88,28 @@ class ResultWriter:
                     "error": {"code": "invalid_request", "line": err.line, "field": err.field,
                               "message": err.message}}
         return {"id": err.id, "line": err.line, "error": {"field": err.field, "message": err.message}}
+
+
+class ResultWriter(RecordFormat):
+    def __init__(self, path: str | Path, fmt: str, model_name: str, resume: bool = False,
+                 ordered: bool = False) -> None:
+        super().__init__(fmt, model_name)
+        self.path = Path(path)
+        self.done: set[str] = set()
+        if self.path.exists() and self.path.stat().st_size > 0:
+            if not resume:
+                raise OutputExists(
+                    f"{self.path} already has results; pass --resume to continue it, or choose "
+                    "another --out"
+                )
+            self.done = _repair_and_read(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+        self.ordered = ordered
+        self._buffer: dict[int, str] = {}
+        self._next = 0
+        self.results = 0
+        self.errors = 0
 
     # -- writing ------------------------------------------------------------------------------
     def write(self, record: dict[str, Any], index: int | None = None) -> None:
