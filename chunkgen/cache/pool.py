@@ -66,9 +66,6 @@ class ChunkPool:
         self._free.append(slot)
         self.used -= 1
 
-    def can_allocate(self, n: int) -> bool:
-        return len(self._free) + (self.max_slots - self.capacity) >= n
-
     @property
     def free_slots(self) -> int:
         """Slots that can still be allocated without evicting anything."""

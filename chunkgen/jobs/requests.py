@@ -33,12 +33,6 @@ class ErrorRecord:
     field: str | None
     message: str
 
-    def describe(self, source: str | Path) -> str:
-        where = f"{source}:{self.line}"
-        who = f" (id {self.id})" if self.id is not None else ""
-        what = f" field '{self.field}'" if self.field else ""
-        return f"{where}{who}{what}: {self.message}"
-
 
 class _RowError(Exception):
     def __init__(self, field: str | None, message: str) -> None:
