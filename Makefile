@@ -25,9 +25,22 @@ bench-kernel: install
 	$(PYTHON) -m chunkgen bench kernel --json results/bench_kernel.json
 
 # Compile the CUDA kernels with nvcc for A100 and H100 even without a GPU, so a syntax or template
-# error fails CI; skipped (with a note) where no nvcc is installed.
+# error fails CI; then type-check the binding's CUDA branch against torch's headers (the CPU wheel
+# ships c10/cuda but not the one header CMake writes, so a stand-in is generated). Needs torch,
+# so it runs after `install`. Skipped (with a note) where no nvcc is installed.
 cuda-check:
 	@if command -v nvcc >/dev/null; then \
+	  set -e; \
 	  nvcc -std=c++17 -O3 -c csrc/cuda/tpp_attention.cu -o /dev/null \
-	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 && echo "CUDA kernels compile (sm_80, sm_90)"; \
+	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90; \
+	  echo "CUDA kernels compile (sm_80, sm_90)"; \
+	  cuda_inc=$$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^" ]*\).*/\1/p' | head -1); \
+	  shim=$$(mktemp -d); mkdir -p $$shim/c10/cuda/impl; \
+	  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > $$shim/c10/cuda/impl/cuda_cmake_macros.h; \
+	  torch_inc=$$($(PYTHON) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))"); \
+	  py_inc=$$($(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	  g++ -std=c++20 -fsyntax-only -w -DCHUNKGEN_WITH_CUDA -DTORCH_EXTENSION_NAME=_C -I$$shim $$torch_inc \
+	    -I$$cuda_inc -I$$py_inc csrc/bindings.cpp; \
+	  rm -rf $$shim; \
+	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi

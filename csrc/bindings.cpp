@@ -16,8 +16,8 @@ namespace chunkgen {
 double fma_peak_gflops(int64_t iters);
 
 #ifdef CHUNKGEN_WITH_CUDA
-void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, float* part_o,
-                               float* part_m, float* part_l, void* stream);
+void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows,
+                               float* part_o, float* part_m, float* part_l, void* stream);
 #endif
 
 namespace {
@@ -48,7 +48,11 @@ void run_on_cuda(DecodeProblem& p, int64_t stamp, torch::Device device) {
   static DeviceContext cache;
   const int S = p.num_shared, B = p.batch;
   std::vector<int32_t> part_off(S + 1, 0);
-  for (int c = 0; c < S; ++c) part_off[c + 1] = part_off[c] + p.shared_end[c] - p.shared_begin[c];
+  int max_rows = 0;
+  for (int c = 0; c < S; ++c) {
+    part_off[c + 1] = part_off[c] + p.shared_end[c] - p.shared_begin[c];
+    max_rows = std::max(max_rows, p.shared_end[c] - p.shared_begin[c]);
+  }
   const int64_t nnz = p.seq_shared_ptr[B];
   const int64_t priv = static_cast<int64_t>(B) * p.priv_stride;
   // Layout: slot, len, begin, end, part_off, seq_shared_ptr, seq_shared_idx, priv_slot, count, last_len.
@@ -82,7 +86,7 @@ void run_on_cuda(DecodeProblem& p, int64_t stamp, torch::Device device) {
   auto part_o = torch::empty({std::max<int64_t>(rows * p.head_dim, 1)}, f32);
   auto part_m = torch::empty({std::max<int64_t>(rows, 1)}, f32);
   auto part_l = torch::empty({std::max<int64_t>(rows, 1)}, f32);
-  decode_attention_cuda_raw(p, dev_part_off, part_o.data_ptr<float>(), part_m.data_ptr<float>(),
+  decode_attention_cuda_raw(p, dev_part_off, max_rows, part_o.data_ptr<float>(), part_m.data_ptr<float>(),
                             part_l.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream());
 }
 #endif

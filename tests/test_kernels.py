@@ -13,13 +13,22 @@ from chunkgen.kernels.reference import reference_decode_attention
 
 
 def build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_private=100, decode_steps=0):
+    """A random tree: most prompts extend one system prompt, some stop inside it, some repeat an
+    earlier prompt exactly (so a partly filled chunk is shared). K/V are random where tokens are and
+    NaN everywhere else, like uninitialised pool memory: a kernel that reads past a chunk's length
+    fails loudly."""
     rnd = random.Random(seed)
     pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 27)
     tree = PrefixTree(pool)
     system = [rnd.randrange(50) for _ in range(shared_len)]
+    prompts = []
     for s in range(n_seqs):
-        cut = rnd.randrange(0, shared_len + 1) if rnd.random() < 0.3 else shared_len
-        toks = system[:cut] + [rnd.randrange(50) for _ in range(rnd.randrange(0 if cut else 1, max_private + 1))]
+        if prompts and rnd.random() < 0.2:
+            toks = list(rnd.choice(prompts))
+        else:
+            cut = rnd.randrange(0, shared_len + 1) if rnd.random() < 0.3 else shared_len
+            toks = system[:cut] + [rnd.randrange(50) for _ in range(rnd.randrange(0 if cut else 1, max_private + 1))]
+        prompts.append(toks)
         tree.insert(s, toks)
         tree.mark_ready(s)
     for _ in range(decode_steps):
@@ -27,8 +36,15 @@ def build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_p
             tree.append(s, rnd.randrange(50))
     gen = torch.Generator().manual_seed(seed)
     n = pool.capacity
-    pool.k[:, :n] = torch.randn(pool.k[:, :n].shape, generator=gen).to(dtype)
-    pool.v[:, :n] = torch.randn(pool.v[:, :n].shape, generator=gen).to(dtype)
+    written = torch.zeros(n, chunk, dtype=torch.bool)
+    for s in range(n_seqs):
+        slots, offsets = tree.positions(s, 0, tree.lengths[s])
+        written[torch.tensor(slots), torch.tensor(offsets)] = True
+    k = torch.randn(pool.k[0, :n].shape, generator=gen)  # [slots, kv_heads, head_dim, chunk]
+    v = torch.randn(pool.v[0, :n].shape, generator=gen)  # [slots, kv_heads, chunk, head_dim]
+    k.masked_fill_(~written[:, None, None, :], float("nan"))
+    v.masked_fill_(~written[:, None, :, None], float("nan"))
+    pool.k[0, :n], pool.v[0, :n] = k.to(dtype), v.to(dtype)
     return pool, tree
 
 
@@ -99,6 +115,6 @@ def test_bad_arguments_raise_python_errors():
         decode_attention(torch.randn(ctx.batch_size, 4, 32), k, v, ctx, 1.0)
     with pytest.raises(ValueError):
         decode_attention(q[:1], k, v, ctx, 1.0)  # batch differs from the context
-    ctx.priv_slot[0, 0] = 10**6
+    ctx.priv_slot[int(ctx.priv_count.argmax()), 0] = 10**6  # a row that reads its first private slot
     with pytest.raises(ValueError, match="outside the pool"):
         decode_attention(q, k, v, ctx, 1.0)

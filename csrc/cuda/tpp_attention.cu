@@ -2,13 +2,28 @@
 // The index arrays in the problem point to device memory (uploaded by the binding when the kernel
 // context changes). No torch headers here: CI compiles this file with plain nvcc.
 //
-// Phase 1: one block per (shared chunk, KV head); its warps take the covered query rows (sequences
-// times the GQA group) and write partial (o, m, l) rows. Phase 2: one warp per (sequence, query
-// head): merge the shared partials, continue over the private chunks, normalise.
+// Phase 1 (chunk-first), one block per (shared chunk, KV head, row split): the chunk's K and V go to
+// shared memory once; the covered query rows (sequences x GQA group) are taken 16 at a time as a
+// matrix, scores and the weighted sum are tensor-core products (fp16/bf16 in, fp32 accumulate), and
+// each row leaves a partial (o, m, l). fp32 K/V take a SIMT path with the same output.
+// Phase 2 (sequence-first), one block per (sequence, KV head): the warps share out the work items
+// of the sequence (shared partials to merge, or shared chunks to read in the paged mode, then
+// private chunks), each keeping a running (o, m, l) for the whole GQA group; a final reduction
+// across warps merges them and normalises.
+//
+// Partials are laid out per (chunk, KV head) with the chunk's rows contiguous:
+//   row(c, h, r) = part_off[c] * q_heads + h * rows_c + r,  rows_c = (end_c - begin_c) * G,
+//   r = (sequence - begin_c) * G + g.
+#ifndef CHUNKGEN_CUDA_EMULATION
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
+#define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -18,17 +33,32 @@
 namespace chunkgen {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kMaxDimsPerLane = 8;  // head_dim <= 256
+namespace wmma = nvcuda::wmma;
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTile = 16;       // query rows per tensor-core tile (the m of m16n16k16)
+constexpr int kHeadBlock = 4;   // GQA heads whose scores share one read of K (and of V)
+constexpr int kMaxHeadDim = 256;
+
+#ifndef CHUNKGEN_CUDA_EMULATION
+__device__ __forceinline__ unsigned char* shared_bytes() {
+  extern __shared__ __align__(128) unsigned char smem[];
+  return smem;
+}
+#endif
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
@@ -39,163 +69,412 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-struct RowState {
-  float o[kMaxDimsPerLane];  // lane owns dims lane, lane + 32, ...
-  float m, l;
-  __device__ void reset() {
-    for (int i = 0; i < kMaxDimsPerLane; ++i) o[i] = 0.f;
-    m = -INFINITY;
-    l = 0.f;
+// exp(a - b) that treats an empty state (m = -inf) as weight 0 instead of NaN.
+__device__ __forceinline__ float rescale(float a, float b) { return a == -INFINITY ? 0.f : __expf(a - b); }
+
+__host__ __device__ constexpr size_t align128(size_t bytes) { return (bytes + 127) / 128 * 128; }
+
+__device__ __forceinline__ size_t head_offset(int slot, int h, int kv_heads, int d, int C) {
+  return (static_cast<size_t>(slot) * kv_heads + h) * d * C;
+}
+
+__device__ __forceinline__ size_t part_row(const DecodeProblem& p, const int32_t* part_off, int c,
+                                           int h, int seq, int g) {
+  const int G = p.q_heads / p.kv_heads, n_seqs = p.shared_end[c] - p.shared_begin[c];
+  return static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * n_seqs * G +
+         (seq - p.shared_begin[c]) * G + g;
+}
+
+// ---- SIMT: one warp, one sequence, the G query heads of one KV head -----------------------------
+
+// Per-warp shared memory: scaled queries, running outputs, score scratch, and the row statistics.
+struct WarpState {
+  float* q;      // [G, d]
+  float* o;      // [G, d]
+  float* p;      // [G, C]
+  float* m;      // [G]
+  float* l;      // [G]
+  float* alpha;  // [G]
+
+  __device__ static size_t floats(int G, int d, int C) { return static_cast<size_t>(G) * (2 * d + C + 3); }
+  __device__ static WarpState at(float* base, int G, int d, int C) {
+    WarpState s;
+    s.q = base;
+    s.o = s.q + G * d;
+    s.p = s.o + G * d;
+    s.m = s.p + G * C;
+    s.l = s.m + G;
+    s.alpha = s.l + G;
+    return s;
+  }
+  // q_rows: the first of G consecutive query rows in the [batch * q_heads, d] query matrix.
+  __device__ void reset(const float* q_rows, float scale, int G, int d) {
+    const int lane = threadIdx.x & 31;
+    for (int i = lane; i < G * d; i += 32) {
+      q[i] = q_rows[i] * scale;
+      o[i] = 0.f;
+    }
+    for (int g = lane; g < G; g += 32) {
+      m[g] = -INFINITY;
+      l[g] = 0.f;
+    }
+    __syncwarp();
   }
 };
 
-// One warp folds the first n tokens of a chunk into a row's state. q_s: the scaled query (shared
-// memory, d floats); p_s: C floats of per-warp scratch. K is [d, C] (transposed), V is [C, d].
+// Fold the first n tokens of one chunk (K [d, C] transposed, V [C, d]) into the warp's state.
 template <typename T>
-__device__ void warp_attend(const float* q_s, const T* kt, const T* v, int n, int C, int d,
-                            RowState& st, float* p_s) {
+__device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G, int d, int C) {
   const int lane = threadIdx.x & 31;
-  float mx = -INFINITY;
+  // Scores: a lane owns tokens j = lane, lane + 32, ...; reads of a K row are coalesced.
   for (int j = lane; j < n; j += 32) {
-    float s = 0.f;
-    for (int t = 0; t < d; ++t) s += q_s[t] * to_float(kt[t * C + j]);  // lanes read along a K row
-    p_s[j] = s;
-    mx = fmaxf(mx, s);
-  }
-  mx = warp_max(mx);
-  const float mnew = fmaxf(st.m, mx);
-  float sum = 0.f;
-  for (int j = lane; j < n; j += 32) {
-    const float e = __expf(p_s[j] - mnew);
-    p_s[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  __syncwarp();
-  const float alpha = __expf(st.m - mnew);
-  for (int i = 0; i < kMaxDimsPerLane; ++i) {
-    const int dim = lane + 32 * i;
-    if (dim >= d) break;
-    float acc = st.o[i] * alpha;
-    for (int j = 0; j < n; ++j) acc += p_s[j] * to_float(v[j * d + dim]);
-    st.o[i] = acc;
-  }
-  st.l = st.l * alpha + sum;
-  st.m = mnew;
-  __syncwarp();
-}
-
-__device__ void load_query(const float* q, float scale, int d, float* q_s) {
-  const int lane = threadIdx.x & 31;
-  for (int t = lane; t < d; t += 32) q_s[t] = q[t] * scale;
-  __syncwarp();
-}
-
-template <typename T>
-__global__ void chunk_first_kernel(DecodeProblem p, const int32_t* part_off, float* part_o,
-                                   float* part_m, float* part_l) {
-  extern __shared__ float smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
-  const int c = blockIdx.x / Hk, h = blockIdx.x % Hk;
-  float* q_s = smem + warp * (d + C);
-  float* p_s = q_s + d;
-  const int begin = p.shared_begin[c], end = p.shared_end[c], n = p.shared_len[c];
-  const size_t head_elems = static_cast<size_t>(d) * C;
-  const size_t off = static_cast<size_t>(p.shared_slot[c]) * Hk * head_elems + h * head_elems;
-  const T* kt = static_cast<const T*>(p.k) + off;
-  const T* v = static_cast<const T*>(p.v) + off;
-  RowState st;
-  for (int r = warp; r < (end - begin) * G; r += kWarps) {
-    const int b = begin + r / G, qh = h * G + r % G;
-    load_query(p.q + (static_cast<size_t>(b) * p.q_heads + qh) * d, p.scale, d, q_s);
-    st.reset();
-    warp_attend<T>(q_s, kt, v, n, C, d, st, p_s);
-    const size_t pr = static_cast<size_t>(part_off[c] + b - begin) * p.q_heads + qh;
-    for (int i = 0; i < kMaxDimsPerLane && lane + 32 * i < d; ++i) part_o[pr * d + lane + 32 * i] = st.o[i];
-    if (lane == 0) {
-      part_m[pr] = st.m;
-      part_l[pr] = st.l;
+    for (int g0 = 0; g0 < G; g0 += kHeadBlock) {
+      float acc[kHeadBlock] = {0.f, 0.f, 0.f, 0.f};
+      for (int t = 0; t < d; ++t) {
+        const float k = to_float(kt[t * C + j]);
+#pragma unroll
+        for (int u = 0; u < kHeadBlock; ++u)
+          if (g0 + u < G) acc[u] += s.q[(g0 + u) * d + t] * k;
+      }
+#pragma unroll
+      for (int u = 0; u < kHeadBlock; ++u)
+        if (g0 + u < G) s.p[(g0 + u) * C + j] = acc[u];
     }
   }
+  __syncwarp();
+  // Online softmax, one head at a time; every lane ends with the same statistics.
+  for (int g = 0; g < G; ++g) {
+    float mx = -INFINITY;
+    for (int j = lane; j < n; j += 32) mx = fmaxf(mx, s.p[g * C + j]);
+    mx = warp_max(mx);
+    const float m_old = s.m[g], m_new = fmaxf(m_old, mx);
+    float sum = 0.f;
+    for (int j = lane; j < n; j += 32) {
+      const float e = __expf(s.p[g * C + j] - m_new);
+      s.p[g * C + j] = e;
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    const float a = rescale(m_old, m_new), l_new = s.l[g] * a + sum;
+    __syncwarp();
+    if (lane == 0) {
+      s.m[g] = m_new;
+      s.l[g] = l_new;
+      s.alpha[g] = a;
+    }
+  }
+  __syncwarp();
+  // Weighted values: a lane owns dims lane, lane + 32, ...; reads of a V row are coalesced.
+  for (int dim = lane; dim < d; dim += 32) {
+    for (int g0 = 0; g0 < G; g0 += kHeadBlock) {
+      float acc[kHeadBlock];
+#pragma unroll
+      for (int u = 0; u < kHeadBlock; ++u) acc[u] = g0 + u < G ? s.o[(g0 + u) * d + dim] * s.alpha[g0 + u] : 0.f;
+      for (int j = 0; j < n; ++j) {
+        const float x = to_float(v[j * d + dim]);
+#pragma unroll
+        for (int u = 0; u < kHeadBlock; ++u)
+          if (g0 + u < G) acc[u] += s.p[(g0 + u) * C + j] * x;
+      }
+#pragma unroll
+      for (int u = 0; u < kHeadBlock; ++u)
+        if (g0 + u < G) s.o[(g0 + u) * d + dim] = acc[u];
+    }
+  }
+  __syncwarp();
 }
+
+// Merge one saved partial (o, m, l) per head into the warp's state.
+__device__ void warp_merge(WarpState& s, const float* po, const float* pm, const float* pl, int G, int d) {
+  const int lane = threadIdx.x & 31;
+  for (int g = 0; g < G; ++g) {
+    if (pl[g] == 0.f) continue;
+    const float m_old = s.m[g], m_new = fmaxf(m_old, pm[g]);
+    const float a = rescale(m_old, m_new), b = __expf(pm[g] - m_new);
+    for (int dim = lane; dim < d; dim += 32) s.o[g * d + dim] = s.o[g * d + dim] * a + po[g * d + dim] * b;
+    const float l_new = s.l[g] * a + pl[g] * b;
+    __syncwarp();
+    if (lane == 0) {
+      s.m[g] = m_new;
+      s.l[g] = l_new;
+    }
+    __syncwarp();
+  }
+}
+
+// ---- phase 1 --------------------------------------------------------------------------------
+
+// Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * splits blocks.
+template <typename T>
+__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits,
+                                       float* part_o, float* part_m, float* part_l) {
+  const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
+  const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int begin = p.shared_begin[c], n = p.shared_len[c];
+  const int rows = (p.shared_end[c] - begin) * G;
+  const int tiles = (rows + kTile - 1) / kTile;
+  if (split >= tiles) return;
+
+  unsigned char* base = shared_bytes();
+  T* ks = reinterpret_cast<T*>(base);                                    // [d, C]
+  T* vs = reinterpret_cast<T*>(base + align128(sizeof(T) * d * C));      // [C, d]
+  T* qs = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(vs) + align128(sizeof(T) * C * d));  // [16, d]
+  float* ss = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(qs) + align128(sizeof(T) * kTile * d));  // [16, C]
+  T* ps = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(ss) + align128(sizeof(float) * kTile * C));      // [16, C]
+  float* os = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ps) + align128(sizeof(T) * kTile * C));  // [16, d]
+  float* ms = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(os) + align128(sizeof(float) * kTile * d));
+  float* ls = ms + kTile;
+
+  // The chunk's K and V, 16 bytes per thread and step. V rows past the chunk's length are zeroed:
+  // their probabilities are 0, but the pool bytes there may be anything, NaN included.
+  {
+    const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
+    const uint4* kg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.k) + off);
+    const uint4* vg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v) + off);
+    uint4* kd = reinterpret_cast<uint4*>(ks);
+    uint4* vd = reinterpret_cast<uint4*>(vs);
+    constexpr int per_vec = 16 / sizeof(T);
+    const int vecs = d * C / per_vec;
+    for (int i = threadIdx.x; i < vecs; i += kThreads) {
+      kd[i] = kg[i];
+      vd[i] = (i * per_vec) / d < n ? vg[i] : make_uint4(0, 0, 0, 0);
+    }
+  }
+  const size_t part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
+
+  for (int tile = split; tile < tiles; tile += splits) {
+    const int r0 = tile * kTile, tile_rows = rows - r0 < kTile ? rows - r0 : kTile;
+    // Scaled queries of this tile's rows; missing rows are zero.
+    for (int i = threadIdx.x; i < kTile * d; i += kThreads) {
+      const int r = i / d, t = i % d;
+      float x = 0.f;
+      if (r < tile_rows) {
+        const int seq = begin + (r0 + r) / G, g = (r0 + r) % G;
+        x = p.q[(static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t] * p.scale;
+      }
+      qs[i] = from_float<T>(x);
+    }
+    __syncthreads();
+
+    // S[16, C] = Q[16, d] K[d, C]: warps take 16-column tiles of S.
+    for (int ct = warp; ct < C / 16; ct += kWarps) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int kt = 0; kt < d / 16; ++kt) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+        wmma::load_matrix_sync(a, qs + kt * 16, d);
+        wmma::load_matrix_sync(b, ks + kt * 16 * C + ct * 16, C);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(ss + ct * 16, acc, C, wmma::mem_row_major);
+    }
+    __syncthreads();
+
+    // Softmax of each row over the chunk's n tokens; P rounded to T for the second product.
+    for (int r = warp; r < kTile; r += kWarps) {
+      float mx = -INFINITY;
+      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ss[r * C + j]);
+      mx = warp_max(mx);
+      float sum = 0.f;
+      for (int j = lane; j < C; j += 32) {
+        const float e = j < n ? __expf(ss[r * C + j] - mx) : 0.f;
+        ps[r * C + j] = from_float<T>(e);
+        sum += e;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        ms[r] = mx;
+        ls[r] = sum;
+      }
+    }
+    __syncthreads();
+
+    // O[16, d] = P[16, C] V[C, d]: warps take 16-column tiles of O.
+    for (int ct = warp; ct < d / 16; ct += kWarps) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int kt = 0; kt < C / 16; ++kt) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+        wmma::load_matrix_sync(a, ps + kt * 16, C);
+        wmma::load_matrix_sync(b, vs + kt * 16 * d + ct * 16, d);
+        wmma::mma_sync(acc, a, b, acc);
+      }
+      wmma::store_matrix_sync(os + ct * 16, acc, d, wmma::mem_row_major);
+    }
+    __syncthreads();
+
+    for (int i = threadIdx.x; i < tile_rows * d; i += kThreads)
+      part_o[(part_base + r0) * d + i] = os[i];
+    for (int r = threadIdx.x; r < tile_rows; r += kThreads) {
+      part_m[part_base + r0 + r] = ls[r] > 0.f ? ms[r] : -INFINITY;
+      part_l[part_base + r0 + r] = ls[r];
+    }
+    // No barrier here: before the next tile's first barrier only qs is written, and it is not read
+    // above.
+  }
+}
+
+// SIMT chunk-first for fp32 K/V: each warp takes whole sequences of the chunk's range.
+template <typename T>
+__global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off, int splits,
+                                        float* part_o, float* part_m, float* part_l) {
+  const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
+  const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int begin = p.shared_begin[c], end = p.shared_end[c];
+  WarpState s = WarpState::at(reinterpret_cast<float*>(shared_bytes()) + warp * WarpState::floats(G, d, C), G, d, C);
+  const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
+  for (int seq = begin + split * kWarps + warp; seq < end; seq += splits * kWarps) {
+    s.reset(p.q + (static_cast<size_t>(seq) * p.q_heads + h * G) * d, p.scale, G, d);
+    warp_attend<T>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off,
+                   p.shared_len[c], G, d, C);
+    const size_t row = part_row(p, part_off, c, h, seq, 0);
+    for (int i = lane; i < G * d; i += 32) part_o[row * d + i] = s.o[i];
+    for (int g = lane; g < G; g += 32) {
+      part_m[row + g] = s.m[g];
+      part_l[row + g] = s.l[g];
+    }
+    __syncwarp();
+  }
+}
+
+// ---- phase 2 --------------------------------------------------------------------------------
 
 template <typename T>
 __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, const float* part_o,
                                       const float* part_m, const float* part_l) {
-  extern __shared__ float smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int row = blockIdx.x * kWarps + warp;
-  if (row >= p.batch * p.q_heads) return;
-  const int Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, C = p.chunk;
-  const int b = row / Hq, qh = row % Hq, h = qh / G;
-  float* q_s = smem + warp * (d + C);
-  float* p_s = q_s + d;
-  load_query(p.q + static_cast<size_t>(row) * d, p.scale, d, q_s);
-  RowState st;
-  st.reset();
-  const size_t head_elems = static_cast<size_t>(d) * C;
+  const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
+  const int b = blockIdx.x / Hk, h = blockIdx.x % Hk;
+  const int warp = threadIdx.x / 32;
+  float* base = reinterpret_cast<float*>(shared_bytes());
+  const size_t per_warp = WarpState::floats(G, d, C);
+  WarpState s = WarpState::at(base + warp * per_warp, G, d, C);
+  const float* q_rows = p.q + (static_cast<size_t>(b) * p.q_heads + h * G) * d;
+  s.reset(q_rows, p.scale, G, d);
+
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
-  for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
-    const int c = p.seq_shared_idx[i];
-    if (p.chunk_first) {
-      const size_t pr = static_cast<size_t>(part_off[c] + b - p.shared_begin[c]) * Hq + qh;
-      const float pl = part_l[pr];
-      if (pl == 0.f) continue;
-      const float pm = part_m[pr], mn = fmaxf(st.m, pm);
-      const float a = __expf(st.m - mn), bb = __expf(pm - mn);
-      for (int k = 0; k < kMaxDimsPerLane && lane + 32 * k < d; ++k)
-        st.o[k] = st.o[k] * a + part_o[pr * d + lane + 32 * k] * bb;
-      st.l = st.l * a + pl * bb;
-      st.m = mn;
+  const int first = p.seq_shared_ptr[b], n_shared = p.seq_shared_ptr[b + 1] - first;
+  const int n_priv = p.priv_count[b];
+  for (int item = warp; item < n_shared + n_priv; item += kWarps) {
+    if (item < n_shared) {
+      const int c = p.seq_shared_idx[first + item];
+      if (p.chunk_first) {
+        const size_t row = part_row(p, part_off, c, h, b, 0);
+        warp_merge(s, part_o + row * d, part_m + row, part_l + row, G, d);
+      } else {
+        const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
+        warp_attend<T>(s, K + off, V + off, p.shared_len[c], G, d, C);
+      }
     } else {
-      const size_t off = static_cast<size_t>(p.shared_slot[c]) * Hk * head_elems + h * head_elems;
-      warp_attend<T>(q_s, K + off, V + off, p.shared_len[c], C, d, st, p_s);
+      const int i = item - n_shared;
+      const int n = i + 1 == n_priv ? p.priv_last_len[b] : C;
+      if (n <= 0) continue;
+      const size_t off = head_offset(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i], h, Hk, d, C);
+      warp_attend<T>(s, K + off, V + off, n, G, d, C);
     }
   }
-  const int np = p.priv_count[b];
-  for (int i = 0; i < np; ++i) {
-    const int slot = p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i];
-    const int n = i + 1 == np ? p.priv_last_len[b] : C;
-    if (n <= 0) continue;
-    const size_t off = static_cast<size_t>(slot) * Hk * head_elems + h * head_elems;
-    warp_attend<T>(q_s, K + off, V + off, n, C, d, st, p_s);
+  __syncthreads();
+
+  // Reduce across warps: out = sum_w o_w e^(m_w - m) / sum_w l_w e^(m_w - m).
+  for (int i = threadIdx.x; i < G * d; i += kThreads) {
+    const int g = i / d;
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, WarpState::at(base + w * per_warp, G, d, C).m[g]);
+    float o = 0.f, l = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const WarpState sw = WarpState::at(base + w * per_warp, G, d, C);
+      if (sw.l[g] == 0.f) continue;
+      const float a = __expf(sw.m[g] - m);
+      o += sw.o[i] * a;
+      l += sw.l[g] * a;
+    }
+    p.out[(static_cast<size_t>(b) * p.q_heads + h * G) * d + i] = l > 0.f ? o / l : 0.f;
   }
-  const float inv = st.l > 0.f ? 1.f / st.l : 0.f;
-  for (int k = 0; k < kMaxDimsPerLane && lane + 32 * k < d; ++k)
-    p.out[static_cast<size_t>(row) * d + lane + 32 * k] = st.o[k] * inv;
 }
+
+// ---- host side ------------------------------------------------------------------------------
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+struct DeviceLimits {
+  int sms = 0;
+  int max_smem = 0;
+};
+
+DeviceLimits device_limits() {
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  DeviceLimits lim;
+  check(cudaDeviceGetAttribute(&lim.sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  check(cudaDeviceGetAttribute(&lim.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "shared memory limit");
+  return lim;
+}
+
+// Kernels asking for more than the default 48 KiB of dynamic shared memory must opt in first.
+template <typename Kernel>
+void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const char* what) {
+  if (bytes > static_cast<size_t>(lim.max_smem))
+    throw std::invalid_argument(std::string(what) + " needs " + std::to_string(bytes) +
+                                " bytes of shared memory; this GPU allows " + std::to_string(lim.max_smem));
+  if (bytes > 48 * 1024)
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+          "cudaFuncSetAttribute");
+}
+
 template <typename T>
-void launch(const DecodeProblem& p, const int32_t* part_off, float* part_o, float* part_m,
+size_t mma_smem_bytes(int d, int C) {
+  return align128(sizeof(T) * d * C) * 2 + align128(sizeof(T) * kTile * d) + align128(sizeof(float) * kTile * C) +
+         align128(sizeof(T) * kTile * C) + align128(sizeof(float) * kTile * d) + sizeof(float) * 2 * kTile;
+}
+
+template <typename T, bool kTensorCores>
+void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m,
             float* part_l, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * kWarps * (p.head_dim + p.chunk);
+  const DeviceLimits lim = device_limits();
+  const int G = p.q_heads / p.kv_heads;
+  const size_t warp_smem = sizeof(float) * kWarps * (static_cast<size_t>(G) * (2 * p.head_dim + p.chunk + 3));
   if (p.chunk_first && p.num_shared > 0) {
-    chunk_first_kernel<T><<<p.num_shared * p.kv_heads, 32 * kWarps, smem, stream>>>(p, part_off, part_o,
-                                                                                  part_m, part_l);
+    // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
+    const int items = p.num_shared * p.kv_heads;
+    const int per_block = kTensorCores ? kTile : kWarps;
+    const int most = (max_rows * (kTensorCores ? G : 1) + per_block - 1) / per_block;
+    const int splits = std::max(1, std::min(most, (2 * lim.sms + items - 1) / items));
+    if constexpr (kTensorCores) {
+      const size_t smem = mma_smem_bytes<T>(p.head_dim, p.chunk);
+      reserve_smem(chunk_first_mma_kernel<T>, smem, lim, "chunk-first kernel");
+      CHUNKGEN_LAUNCH(chunk_first_mma_kernel<T>, items * splits, kThreads, smem, stream, p, part_off, splits,
+                      part_o, part_m, part_l);
+    } else {
+      reserve_smem(chunk_first_simt_kernel<T>, warp_smem, lim, "chunk-first kernel");
+      CHUNKGEN_LAUNCH(chunk_first_simt_kernel<T>, items * splits, kThreads, warp_smem, stream, p, part_off,
+                      splits, part_o, part_m, part_l);
+    }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
-  const int rows = p.batch * p.q_heads;
-  sequence_first_kernel<T><<<(rows + kWarps - 1) / kWarps, 32 * kWarps, smem, stream>>>(
-      p, part_off, part_o, part_m, part_l);
+  reserve_smem(sequence_first_kernel<T>, warp_smem, lim, "sequence-first kernel");
+  CHUNKGEN_LAUNCH(sequence_first_kernel<T>, p.batch * p.kv_heads, kThreads, warp_smem, stream, p, part_off,
+                  part_o, part_m, part_l);
   check(cudaGetLastError(), "sequence-first kernel launch");
 }
 
 }  // namespace
 
-void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, float* part_o,
+// part_off: device [num_shared + 1], prefix sums of the shared chunks' sequence counts; max_rows:
+// the largest sequence count of one shared chunk; part_*: part_off[num_shared] * q_heads rows.
+void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o,
                                float* part_m, float* part_l, void* stream) {
-  if (p.head_dim > 32 * kMaxDimsPerLane) throw std::invalid_argument("head_dim > 256 is not supported on CUDA");
+  if (p.head_dim > kMaxHeadDim) throw std::invalid_argument("head_dim > 256 is not supported on CUDA");
   auto s = static_cast<cudaStream_t>(stream);
   switch (p.kv_type) {
-    case KVType::F32: launch<float>(p, part_off, part_o, part_m, part_l, s); break;
-    case KVType::F16: launch<__half>(p, part_off, part_o, part_m, part_l, s); break;
-    case KVType::BF16: launch<__nv_bfloat16>(p, part_off, part_o, part_m, part_l, s); break;
+    case KVType::F32: launch<float, false>(p, part_off, max_rows, part_o, part_m, part_l, s); break;
+    case KVType::F16: launch<__half, true>(p, part_off, max_rows, part_o, part_m, part_l, s); break;
+    case KVType::BF16: launch<__nv_bfloat16, true>(p, part_off, max_rows, part_o, part_m, part_l, s); break;
   }
 }
 

@@ -1,0 +1,276 @@
+// A thread-level CUDA emulator, just large enough to run csrc/cuda/tpp_attention.cu on the CPU so
+// the kernels' indexing, masking, splitting and synchronisation are tested on machines without a GPU.
+//
+// Every CUDA thread is an OS thread; a block's threads run together and meet at real barriers
+// (__syncthreads, __syncwarp, and the two halves of a shuffle), so a missing barrier shows up as a
+// race, not as lockstep luck. Blocks run one after another. WMMA fragments hold whole tiles: each
+// lane loads and multiplies the full tile, lane 0 stores it. Loads check the alignment and leading
+// dimension rules of the real API. Launches check dynamic shared memory against the 48 KiB default
+// and the opt-in limit. Errors are recorded and reported by the harness, not thrown across threads.
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __align__(n) alignas(n)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+struct uint4 {
+  unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// ---- 16-bit floats with the bit layouts torch uses -----------------------------------------
+struct __half {
+  uint16_t bits;
+};
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+inline __half __float2half(float f) {
+  const _Float16 h = static_cast<_Float16>(f);  // round to nearest even
+  __half r;
+  std::memcpy(&r.bits, &h, 2);
+  return r;
+}
+inline float __half2float(__half h) {
+  _Float16 x;
+  std::memcpy(&x, &h.bits, 2);
+  return static_cast<float>(x);
+}
+inline __nv_bfloat16 __float2bfloat16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  __nv_bfloat16 r;
+  if (std::isnan(f)) {
+    r.bits = 0x7fc0;
+    return r;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  r.bits = static_cast<uint16_t>(u >> 16);
+  return r;
+}
+inline float __bfloat162float(__nv_bfloat16 b) {
+  const uint32_t u = static_cast<uint32_t>(b.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float __expf(float x) { return std::exp(x); }
+
+// ---- runtime ---------------------------------------------------------------------------------
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+using cudaStream_t = void*;
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+
+namespace emu {
+
+constexpr size_t kDefaultSmem = 48 * 1024;
+
+struct Device {
+  int sms = 132;
+  int max_smem = 227 * 1024;  // H100
+  std::map<const void*, size_t> smem_optin;
+  cudaError_t last = cudaSuccess;
+  std::mutex mu;
+  std::string errors;  // misuse found while kernels ran
+  void fail(const std::string& what) {
+    std::lock_guard<std::mutex> g(mu);
+    if (errors.size() < 4000) errors += what + "\n";
+  }
+};
+inline Device& device() {
+  static Device d;
+  return d;
+}
+
+struct Warp {
+  std::barrier<> sync{32};
+  float slot[32];
+};
+
+struct Block {
+  explicit Block(int threads, size_t smem_bytes)
+      : sync(threads), warps(static_cast<size_t>((threads + 31) / 32)), bytes(smem_bytes),
+        storage(new (std::align_val_t{128}) unsigned char[smem_bytes + 128]) {
+    std::memset(storage.get(), 0xff, smem_bytes + 128);  // unwritten shared memory reads as NaN, not zeros
+  }
+  struct AlignedDelete {
+    void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t{128}); }
+  };
+  std::barrier<> sync;
+  std::vector<Warp> warps;
+  size_t bytes;
+  std::unique_ptr<unsigned char[], AlignedDelete> storage;  // aligned like a GPU's shared memory window
+  unsigned char* data() { return storage.get(); }
+};
+inline thread_local Block* block = nullptr;
+
+inline Warp& my_warp() { return block->warps[threadIdx.x / 32]; }
+inline unsigned lane() { return threadIdx.x & 31; }
+
+inline void check_shared(const void* p, size_t bytes, const char* what) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  if (b < block->data() || b + bytes > block->data() + block->bytes)
+    device().fail(std::string(what) + ": access outside the block's dynamic shared memory");
+}
+
+template <typename... P, typename... A>
+void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... args) {
+  Device& dev = device();
+  auto it = dev.smem_optin.find(reinterpret_cast<const void*>(kernel));
+  const size_t limit = it == dev.smem_optin.end() ? kDefaultSmem : it->second;
+  if (smem > limit || threads > 1024 || threads % 32 != 0 || grid <= 0) {
+    dev.last = cudaErrorInvalidValue;
+    dev.fail("launch rejected: grid " + std::to_string(grid) + ", " + std::to_string(threads) + " threads, " +
+             std::to_string(smem) + " bytes of shared memory (limit " + std::to_string(limit) + ")");
+    return;
+  }
+  for (int b = 0; b < grid; ++b) {
+    Block blk(threads, smem);
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t, b] {
+        threadIdx = dim3{static_cast<unsigned>(t), 1, 1};
+        blockIdx = dim3{static_cast<unsigned>(b), 1, 1};
+        blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
+        gridDim = dim3{static_cast<unsigned>(grid), 1, 1};
+        block = &blk;
+        kernel(args...);
+        // An exited thread no longer holds back its block's or its warp's barriers, as on a GPU.
+        my_warp().sync.arrive_and_drop();
+        blk.sync.arrive_and_drop();
+      });
+    for (auto& th : pool) th.join();
+  }
+}
+
+}  // namespace emu
+
+#define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  ::emu::launch(kernel, static_cast<int>(grid), static_cast<int>(block), static_cast<size_t>(smem), __VA_ARGS__)
+
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
+  *v = a == cudaDevAttrMultiProcessorCount ? emu::device().sms : emu::device().max_smem;
+  return cudaSuccess;
+}
+template <typename F>
+cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute, int bytes) {
+  if (bytes > emu::device().max_smem) return cudaErrorInvalidValue;
+  emu::device().smem_optin[reinterpret_cast<const void*>(kernel)] = static_cast<size_t>(bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::device().last;
+  emu::device().last = cudaSuccess;
+  return e;
+}
+inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "invalid argument"; }
+
+// ---- device functions -------------------------------------------------------------------------
+inline unsigned char* shared_bytes_emu() { return emu::block->data(); }
+#define shared_bytes shared_bytes_emu
+
+inline void __syncthreads() { emu::block->sync.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().sync.arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int mask) {
+  emu::Warp& w = emu::my_warp();
+  w.slot[emu::lane()] = v;
+  w.sync.arrive_and_wait();
+  const float r = w.slot[emu::lane() ^ static_cast<unsigned>(mask)];
+  w.sync.arrive_and_wait();
+  return r;
+}
+
+// ---- WMMA --------------------------------------------------------------------------------------
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
+  static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
+  float x[rows * cols];  // the whole tile, row-major, in every lane
+};
+
+template <typename T> inline float elem(const T& v) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
+  else return static_cast<float>(v);
+}
+
+template <typename T>
+void check_tile(const T* p, unsigned ldm, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) emu::device().fail(std::string(what) + ": pointer not 256-bit aligned");
+  if ((ldm * sizeof(T)) % 16 != 0) emu::device().fail(std::string(what) + ": ldm not a multiple of 16 bytes");
+}
+
+template <typename Use, int M, int N, int K, typename T, typename L, typename S>
+void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const S* p, unsigned ldm) {
+  using F = fragment<Use, M, N, K, T, L>;
+  static_assert(std::is_same_v<S, T>, "fragment and memory element types differ");
+  check_tile(p, ldm, "load_matrix_sync");
+  emu::check_shared(p, 0, "load_matrix_sync");
+  constexpr bool col = std::is_same_v<L, col_major>;
+  for (int r = 0; r < F::rows; ++r)
+    for (int c = 0; c < F::cols; ++c) f.x[r * F::cols + c] = elem(col ? p[c * ldm + r] : p[r * ldm + c]);
+  if (!col) emu::check_shared(p + (F::rows - 1) * ldm, F::cols * sizeof(S), "load_matrix_sync");
+}
+
+template <typename Use, int M, int N, int K, typename T, typename L>
+void fill_fragment(fragment<Use, M, N, K, T, L>& f, float v) {
+  for (float& e : f.x) e = v;
+}
+
+template <int M, int N, int K, typename T, typename La, typename Lb>
+void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, La>& a,
+              const fragment<matrix_b, M, N, K, T, Lb>& b, const fragment<accumulator, M, N, K, float>& c) {
+  float out[M * N];
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float s = c.x[i * N + j];
+      for (int k = 0; k < K; ++k) s += a.x[i * K + k] * b.x[k * N + j];
+      out[i * N + j] = s;
+    }
+  std::memcpy(d.x, out, sizeof(out));
+}
+
+template <int M, int N, int K>
+void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ldm, layout_t layout) {
+  check_tile(p, ldm, "store_matrix_sync");
+  emu::check_shared(p, 0, "store_matrix_sync");
+  if (emu::lane() != 0) return;
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * N + c];
+}
+}  // namespace wmma
+}  // namespace nvcuda

@@ -1,0 +1,66 @@
+// Runs the CUDA decode-attention kernels under the emulator, with a flat C ABI for ctypes. Mirrors
+// what the binding does before a real launch: partial offsets, the largest shared range, the
+// partial buffers (filled with NaN, so a row the kernels forget to write cannot pass).
+#include "cuda_emu.h"
+
+#include "../../csrc/cuda/tpp_attention.cu"
+
+#include <algorithm>
+#include <limits>
+
+extern "C" int emu_decode_attention(const float* q, float* out, const void* k, const void* v, int kv_type,
+                                    int batch, int q_heads, int kv_heads, int head_dim, int chunk, float scale,
+                                    int num_shared, const int32_t* shared_slot, const int32_t* shared_len,
+                                    const int32_t* shared_begin, const int32_t* shared_end,
+                                    const int32_t* seq_shared_ptr, const int32_t* seq_shared_idx,
+                                    const int32_t* priv_slot, int priv_stride, const int32_t* priv_count,
+                                    const int32_t* priv_last_len, int chunk_first, int sms, char* err,
+                                    int err_len) {
+  using namespace chunkgen;
+  DecodeProblem p{};
+  p.q = q;
+  p.out = out;
+  p.k = k;
+  p.v = v;
+  p.kv_type = static_cast<KVType>(kv_type);
+  p.batch = batch;
+  p.q_heads = q_heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.chunk = chunk;
+  p.scale = scale;
+  p.num_shared = num_shared;
+  p.shared_slot = shared_slot;
+  p.shared_len = shared_len;
+  p.shared_begin = shared_begin;
+  p.shared_end = shared_end;
+  p.seq_shared_ptr = seq_shared_ptr;
+  p.seq_shared_idx = seq_shared_idx;
+  p.priv_slot = priv_slot;
+  p.priv_stride = priv_stride;
+  p.priv_count = priv_count;
+  p.priv_last_len = priv_last_len;
+  p.chunk_first = chunk_first != 0;
+
+  std::vector<int32_t> part_off(num_shared + 1, 0);
+  int max_rows = 0;
+  for (int c = 0; c < num_shared; ++c) {
+    part_off[c + 1] = part_off[c] + shared_end[c] - shared_begin[c];
+    max_rows = std::max(max_rows, shared_end[c] - shared_begin[c]);
+  }
+  const size_t rows = static_cast<size_t>(part_off[num_shared]) * q_heads;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> part_o(std::max<size_t>(rows * head_dim, 1), nan), part_m(std::max<size_t>(rows, 1), nan),
+      part_l(std::max<size_t>(rows, 1), nan);
+  emu::device().sms = sms;
+  emu::device().errors.clear();
+  std::string message;
+  try {
+    decode_attention_cuda_raw(p, part_off.data(), max_rows, part_o.data(), part_m.data(), part_l.data(), nullptr);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  message += emu::device().errors;
+  std::snprintf(err, err_len, "%s", message.c_str());
+  return message.empty() ? 0 : 1;
+}
