@@ -271,19 +271,30 @@ def _draw(node, view: Tree) -> None:
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    dtype: str = typer.Option("fp32", help="KV dtype: fp32 or bf16."),
+    dtype: Optional[str] = typer.Option(None, help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
+                                                   "fp16, bf16 or fp32 on CUDA (default fp16)."),
+    device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     repeats: int = typer.Option(10, help="Timed runs per cell (median reported)."),
     impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", help="Implementations to time."),
 ) -> None:
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
+    import torch
+
+    from chunkgen._native import native_cuda_available
     from chunkgen.bench.kernel import IMPLS, default_grid, run_grid
     from chunkgen.model import parse_dtype
 
     chosen = tuple(i.strip() for i in impls.split(",") if i.strip())
     if not chosen or set(chosen) - set(IMPLS):
         _fail(f"--impls takes a subset of {','.join(IMPLS)}")
-    rows = run_grid(default_grid(quick), parse_dtype(dtype), repeats=3 if quick else repeats, impls=chosen,
+    on_cuda = device.startswith("cuda")
+    if on_cuda and not (torch.cuda.is_available() and native_cuda_available()):
+        _fail("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen built with its CUDA kernels")
+    kv_dtype = parse_dtype(dtype or ("fp16" if on_cuda else "fp32"))
+    if not on_cuda and kv_dtype == torch.float16:
+        _fail("the CPU kernel takes fp32 or bf16 K/V; fp16 is for --device cuda")
+    rows = run_grid(default_grid(quick), kv_dtype, repeats=3 if quick else repeats, impls=chosen, device=device,
                     on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
                                                f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
     _print_kernel_table(rows)
@@ -393,7 +404,8 @@ def _print_kernel_table(rows: list[dict]) -> None:
         table.add_column(col, justify="right")
     cells: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        key = (f"b{r['batch']} h{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} c{r['chunk']} {r['dtype']}", r["n_p"], r["n_s"])
+        key = (f"b{r['batch']} h{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} c{r['chunk']} {r['dtype']} {r['device']}",
+               r["n_p"], r["n_s"])
         cells.setdefault(key, {})[r["impl"]] = r["us"]
     for (shape, n_p, n_s), by in cells.items():
         others = [v for k, v in by.items() if k != "chunk_tpp"]

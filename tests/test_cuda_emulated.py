@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from chunkgen.cache import KernelContext
+from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels.reference import reference_decode_attention
 from tests.test_kernels import build_tree
 
@@ -68,3 +68,46 @@ def test_emulated_cuda_kernel_matches_reference(emulated, seed, n_seqs, shared_l
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 27)
+    tree = PrefixTree(pool)
+    for s, toks in enumerate(prompts):
+        tree.insert(s, toks)
+        tree.mark_ready(s)
+    gen = torch.Generator().manual_seed(0)
+    n = pool.capacity
+    pool.k[0, :n] = torch.randn(pool.k[0, :n].shape, generator=gen).to(dtype)
+    pool.v[0, :n] = torch.randn(pool.v[0, :n].shape, generator=gen).to(dtype)
+    return pool, tree
+
+
+@pytest.mark.parametrize("case", ["one_long_sequence", "identical_prompts", "large_shared_memory"])
+def test_emulated_cuda_kernel_edge_trees(emulated, case):
+    if case == "one_long_sequence":  # 41 private chunks shared out over the warps of one block
+        heads, d, chunk, dtype = (9, 3), 64, 64, torch.float16
+        prompts = [list(range(64 * 40 + 17))]
+    elif case == "identical_prompts":  # everything shared, a partly filled tail chunk included
+        heads, d, chunk, dtype = (8, 2), 128, 64, torch.bfloat16
+        prompts = [list(range(300))] * 16
+    else:  # d 128 x chunk 128: the tensor-core kernel needs the opt-in beyond 48 KiB
+        heads, d, chunk, dtype = (32, 4), 128, 128, torch.float16
+        prompts = [list(range(400)) + [1000 + s] * (s + 1) for s in range(6)]
+    pool, tree = _tree_of(prompts, chunk, heads[1], d, dtype)
+    for chunk_first in (True, False):
+        ctx = KernelContext(tree, chunk_first=chunk_first)
+        q = torch.randn(ctx.batch_size, heads[0], d, generator=torch.Generator().manual_seed(1))
+        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d ** -0.5, chunk_first, sms=8)
+        ref = reference_decode_attention(q, pool, tree, 0, ctx.order, d ** -0.5)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_emulated_cuda_kernel_refuses_what_does_not_fit(emulated):
+    """A GQA group too large for one block's shared memory is a clear error, not a bad launch."""
+    pool, tree = _tree_of([list(range(100))] * 2, 256, 1, 256, torch.float16)
+    ctx = KernelContext(tree)
+    q = torch.randn(ctx.batch_size, 64, 256)
+    with pytest.raises(AssertionError, match="needs .* bytes of shared memory; this GPU allows"):
+        run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, 1 / 16, True, sms=8)

@@ -1,7 +1,9 @@
 """Decode attention microbenchmark after the paper's Table 3: every implementation of a row is
-timed in the same run on the same data shape, so ratios are meaningful on a noisy machine."""
+timed in the same run on the same data shape, so ratios are meaningful on a noisy machine. On the
+CPU or a CUDA device; on CUDA, sdpa is torch's flash attention where the dtype allows it."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -40,7 +42,9 @@ def default_grid(quick: bool = False) -> list[Shape]:
     return grid
 
 
-def _median_us(fn: Callable[[], object], repeats: int) -> float:
+def _median_us(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        return _median_us_cuda(fn, repeats)
     fn()
     times = []
     for _ in range(repeats):
@@ -50,13 +54,42 @@ def _median_us(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _tree(shape: Shape, dtype: torch.dtype, share: bool) -> tuple[ChunkPool, PrefixTree, KernelContext]:
+def _median_us_cuda(fn: Callable[[], object], repeats: int) -> float:
+    """Kernel time between CUDA events, after warm-up (first launches pay for module loading and
+    the kernel context upload)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return statistics.median(times)
+
+
+def _sdpa_backend(device: torch.device, dtype: torch.dtype):
+    """Flash attention on CUDA for fp16/bf16 (what the paper compares with); torch's own choice
+    otherwise."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return contextlib.nullcontext()
+
+
+def _tree(shape: Shape, dtype: torch.dtype, share: bool,
+          device: torch.device) -> tuple[ChunkPool, PrefixTree, KernelContext]:
     c = shape.chunk
     per_seq = -(-shape.n_p // c)
     slots = (per_seq if share else per_seq * shape.batch) + per_seq * shape.batch
     itemsize = torch.empty((), dtype=dtype).element_size()
     pool = ChunkPool(1, shape.kv_heads, shape.head_dim, c, dtype,
-                     budget_bytes=slots * 2 * shape.kv_heads * shape.head_dim * c * itemsize, slab_slots=1 << 20)
+                     budget_bytes=slots * 2 * shape.kv_heads * shape.head_dim * c * itemsize, slab_slots=1 << 20,
+                     device=device)
     tree = PrefixTree(pool, share=share)
     system = list(range(shape.n_s))
     for b in range(shape.batch):
@@ -68,21 +101,24 @@ def _tree(shape: Shape, dtype: torch.dtype, share: bool) -> tuple[ChunkPool, Pre
     return pool, tree, KernelContext(tree)
 
 
-def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS) -> list[dict]:
+def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS,
+              device: torch.device | str = "cpu") -> list[dict]:
+    device = torch.device(device)
     B, Hq, Hk, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.n_p
     G = Hq // Hk
     scale = d ** -0.5
-    q = torch.randn(B, Hq, d)
+    q = torch.randn(B, Hq, d, device=device)
     rows = []
+    time_us = lambda fn: _median_us(fn, repeats, device)
 
     def record(impl: str, us: float) -> None:
         rows.append({"n_p": shape.n_p, "n_s": shape.n_s, "batch": B, "q_heads": Hq, "kv_heads": Hk,
                      "head_dim": d, "chunk": shape.chunk, "dtype": str(dtype).replace("torch.", ""),
-                     "impl": impl, "us": us})
+                     "device": str(device), "impl": impl, "us": us})
 
     if "naive" in impls or "sdpa" in impls:
-        k = torch.empty(B, Hk, n, d, dtype=dtype).uniform_(-1, 1)
-        v = torch.empty(B, Hk, n, d, dtype=dtype).uniform_(-1, 1)
+        k = torch.empty(B, Hk, n, d, dtype=dtype, device=device).uniform_(-1, 1)
+        v = torch.empty(B, Hk, n, d, dtype=dtype, device=device).uniform_(-1, 1)
         qd = q.to(dtype)
         if "naive" in impls:
             qg = qd.view(B, Hk, G, d)
@@ -91,34 +127,37 @@ def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS) -> li
                 s = torch.matmul(qg, k.transpose(-1, -2)) * scale
                 return torch.matmul(s.softmax(-1), v)
 
-            record("naive", _median_us(naive, repeats))
+            record("naive", time_us(naive))
         if "sdpa" in impls:
-            # torch's fused CPU attention wants equal head counts: expand K/V once, outside timing.
+            # Fused attention kernels want equal head counts: expand K/V once, outside timing.
             ke = k.repeat_interleave(G, 1) if G > 1 else k
             ve = v.repeat_interleave(G, 1) if G > 1 else v
             q4 = qd.view(B, Hq, 1, d)
-            record("sdpa", _median_us(lambda: F.scaled_dot_product_attention(q4, ke, ve, scale=scale), repeats))
+            with _sdpa_backend(device, dtype):
+                record("sdpa", time_us(lambda: F.scaled_dot_product_attention(q4, ke, ve, scale=scale)))
             del ke, ve
         del k, v
-    out = torch.empty(B, Hq, d)
+    out = torch.empty(B, Hq, d, device=device)
+    kernel = lambda pool, ctx, chunk_first: lambda: decode_attention(
+        q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out)
     if "paged" in impls:
-        pool, tree, ctx = _tree(shape, dtype, share=False)
-        record("paged", _median_us(lambda: decode_attention(q, pool.k[0], pool.v[0], ctx, scale, chunk_first=False, out=out), repeats))
+        pool, tree, ctx = _tree(shape, dtype, False, device)
+        record("paged", time_us(kernel(pool, ctx, False)))
         del pool, tree, ctx
     if "paged_shared" in impls or "chunk_tpp" in impls:
-        pool, tree, ctx = _tree(shape, dtype, share=True)
+        pool, tree, ctx = _tree(shape, dtype, True, device)
         if "paged_shared" in impls:
-            record("paged_shared", _median_us(lambda: decode_attention(q, pool.k[0], pool.v[0], ctx, scale, chunk_first=False, out=out), repeats))
+            record("paged_shared", time_us(kernel(pool, ctx, False)))
         if "chunk_tpp" in impls:
-            record("chunk_tpp", _median_us(lambda: decode_attention(q, pool.k[0], pool.v[0], ctx, scale, chunk_first=True, out=out), repeats))
+            record("chunk_tpp", time_us(kernel(pool, ctx, True)))
     return rows
 
 
 def run_grid(grid: list[Shape], dtype: torch.dtype, repeats: int = 10, impls=IMPLS,
-             on_row: Callable[[dict], None] | None = None) -> list[dict]:
+             on_row: Callable[[dict], None] | None = None, device: torch.device | str = "cpu") -> list[dict]:
     rows = []
     for shape in grid:
-        for row in run_shape(shape, dtype, repeats, impls):
+        for row in run_shape(shape, dtype, repeats, impls, device):
             rows.append(row)
             if on_row:
                 on_row(row)

@@ -407,12 +407,17 @@ struct DeviceLimits {
   int max_smem = 0;
 };
 
+// Read once per device: a decode step calls the kernels once per layer.
 DeviceLimits device_limits() {
+  constexpr int kMaxDevices = 64;
+  static DeviceLimits cache[kMaxDevices];
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
-  DeviceLimits lim;
-  check(cudaDeviceGetAttribute(&lim.sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
-  check(cudaDeviceGetAttribute(&lim.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "shared memory limit");
+  DeviceLimits& lim = cache[dev < kMaxDevices ? dev : 0];
+  if (lim.sms == 0 || dev >= kMaxDevices) {
+    check(cudaDeviceGetAttribute(&lim.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "shared memory limit");
+    check(cudaDeviceGetAttribute(&lim.sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  }
   return lim;
 }
 

@@ -86,7 +86,8 @@ namespace emu {
 constexpr size_t kDefaultSmem = 48 * 1024;
 
 struct Device {
-  int sms = 132;
+  std::map<int, int> sms{{0, 132}};  // per device ordinal: the kernels cache limits per device
+  int current = 0;
   int max_smem = 227 * 1024;  // H100
   std::map<const void*, size_t> smem_optin;
   cudaError_t last = cudaSuccess;
@@ -170,11 +171,11 @@ void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... arg
   ::emu::launch(kernel, static_cast<int>(grid), static_cast<int>(block), static_cast<size_t>(smem), __VA_ARGS__)
 
 inline cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
+  *d = emu::device().current;
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
-  *v = a == cudaDevAttrMultiProcessorCount ? emu::device().sms : emu::device().max_smem;
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int dev) {
+  *v = a == cudaDevAttrMultiProcessorCount ? emu::device().sms.at(dev) : emu::device().max_smem;
   return cudaSuccess;
 }
 template <typename F>

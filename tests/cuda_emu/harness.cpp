@@ -52,7 +52,15 @@ extern "C" int emu_decode_attention(const float* q, float* out, const void* k, c
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> part_o(std::max<size_t>(rows * head_dim, 1), nan), part_m(std::max<size_t>(rows, 1), nan),
       part_l(std::max<size_t>(rows, 1), nan);
-  emu::device().sms = sms;
+  // One emulated device per SM count, as the kernels cache each device's limits.
+  emu::Device& dev = emu::device();
+  dev.current = -1;
+  for (const auto& [ordinal, count] : dev.sms)
+    if (count == sms) dev.current = ordinal;
+  if (dev.current < 0) {
+    dev.current = static_cast<int>(dev.sms.size());
+    dev.sms[dev.current] = sms;
+  }
   emu::device().errors.clear();
   std::string message;
   try {
