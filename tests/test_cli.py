@@ -197,3 +197,22 @@ def test_shards_split_by_prefix_and_cover_every_line_once(tiny_model, tmp_path):
             assert sum(r.get("template") == name for r in recs) == 3
     bad = run_cli(*base_args(tiny_model, tmp_path / "x.jsonl", queries=queries, template=PROMPTS), "--shard", "3/3")
     assert bad.exit_code == 1 and "i/N" in bad.output
+
+
+def test_bench_kernel_quick_rows_and_refusals(tmp_path):
+    import torch
+
+    from chunkgen import native_cuda_available
+
+    out = tmp_path / "rows.json"
+    res = run_cli("bench", "kernel", "--quick", "--impls", "paged,chunk_tpp", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())
+    assert {(r["impl"], r["n_s"], r["device"]) for r in rows} == {
+        (i, s, "cpu") for i in ("paged", "chunk_tpp") for s in (0, 1024)}
+    assert all(r["us"] > 0 for r in rows)
+    res = runner.invoke(app, ["bench", "kernel", "--quick", "--dtype", "fp16"])
+    assert res.exit_code == 1 and "fp16 is for --device cuda" in res.output
+    if not (torch.cuda.is_available() and native_cuda_available()):
+        res = runner.invoke(app, ["bench", "kernel", "--quick", "--device", "cuda"])
+        assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
