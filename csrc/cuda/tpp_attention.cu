@@ -87,33 +87,36 @@ __device__ __forceinline__ size_t part_row(const DecodeProblem& p, const int32_t
 
 // ---- SIMT: one warp, one sequence, the G query heads of one KV head -----------------------------
 
-// Per-warp shared memory: scaled queries, running outputs, score scratch, and the row statistics.
-struct WarpState {
-  float* q;      // [G, d]
-  float* o;      // [G, d]
-  float* p;      // [G, C]
-  float* m;      // [G]
-  float* l;      // [G]
-  float* alpha;  // [G]
+// Scaled queries of G consecutive rows of the [batch * q_heads, d] query matrix, copied by the
+// threads [first, first + stride) of the block.
+__device__ void load_queries(float* dst, const float* q_rows, float scale, int n, int first, int stride) {
+  for (int i = first; i < n; i += stride) dst[i] = q_rows[i] * scale;
+}
 
-  __device__ static size_t floats(int G, int d, int C) { return static_cast<size_t>(G) * (2 * d + C + 3); }
-  __device__ static WarpState at(float* base, int G, int d, int C) {
+// One warp's running state in shared memory, for the G query heads of one KV head. The queries
+// are read-only and may be shared by the warps of a block.
+struct WarpState {
+  const float* q;  // [G, d]
+  float* o;        // [G, d]
+  float* p;        // [G, C]  score / probability scratch
+  float* m;        // [G]
+  float* l;        // [G]
+  float* alpha;    // [G]
+
+  __host__ __device__ static size_t floats(int G, int d, int C) { return static_cast<size_t>(G) * (d + C + 3); }
+  __device__ static WarpState at(float* base, const float* q, int G, int d, int C) {
     WarpState s;
-    s.q = base;
-    s.o = s.q + G * d;
+    s.q = q;
+    s.o = base;
     s.p = s.o + G * d;
     s.m = s.p + G * C;
     s.l = s.m + G;
     s.alpha = s.l + G;
     return s;
   }
-  // q_rows: the first of G consecutive query rows in the [batch * q_heads, d] query matrix.
-  __device__ void reset(const float* q_rows, float scale, int G, int d) {
+  __device__ void reset(int G, int d) {
     const int lane = threadIdx.x & 31;
-    for (int i = lane; i < G * d; i += 32) {
-      q[i] = q_rows[i] * scale;
-      o[i] = 0.f;
-    }
+    for (int i = lane; i < G * d; i += 32) o[i] = 0.f;
     for (int g = lane; g < G; g += 32) {
       m[g] = -INFINITY;
       l[g] = 0.f;
@@ -325,10 +328,13 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
   const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int begin = p.shared_begin[c], end = p.shared_end[c];
-  WarpState s = WarpState::at(reinterpret_cast<float*>(shared_bytes()) + warp * WarpState::floats(G, d, C), G, d, C);
+  // Each warp has its own sequence, so its own copy of the queries in front of its state.
+  float* mine = reinterpret_cast<float*>(shared_bytes()) + warp * (G * d + WarpState::floats(G, d, C));
+  WarpState s = WarpState::at(mine + G * d, mine, G, d, C);
   const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
   for (int seq = begin + split * kWarps + warp; seq < end; seq += splits * kWarps) {
-    s.reset(p.q + (static_cast<size_t>(seq) * p.q_heads + h * G) * d, p.scale, G, d);
+    load_queries(mine, p.q + (static_cast<size_t>(seq) * p.q_heads + h * G) * d, p.scale, G * d, lane, 32);
+    s.reset(G, d);
     warp_attend<T>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off,
                    p.shared_len[c], G, d, C);
     const size_t row = part_row(p, part_off, c, h, seq, 0);
@@ -349,11 +355,14 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
   const int b = blockIdx.x / Hk, h = blockIdx.x % Hk;
   const int warp = threadIdx.x / 32;
-  float* base = reinterpret_cast<float*>(shared_bytes());
+  // The block's one copy of the G queries, then one state per warp.
+  float* q_s = reinterpret_cast<float*>(shared_bytes());
+  float* base = q_s + G * d;
   const size_t per_warp = WarpState::floats(G, d, C);
-  WarpState s = WarpState::at(base + warp * per_warp, G, d, C);
-  const float* q_rows = p.q + (static_cast<size_t>(b) * p.q_heads + h * G) * d;
-  s.reset(q_rows, p.scale, G, d);
+  load_queries(q_s, p.q + (static_cast<size_t>(b) * p.q_heads + h * G) * d, p.scale, G * d, threadIdx.x, kThreads);
+  __syncthreads();
+  WarpState s = WarpState::at(base + warp * per_warp, q_s, G, d, C);
+  s.reset(G, d);
 
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -383,10 +392,10 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   for (int i = threadIdx.x; i < G * d; i += kThreads) {
     const int g = i / d;
     float m = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, WarpState::at(base + w * per_warp, G, d, C).m[g]);
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, WarpState::at(base + w * per_warp, q_s, G, d, C).m[g]);
     float o = 0.f, l = 0.f;
     for (int w = 0; w < kWarps; ++w) {
-      const WarpState sw = WarpState::at(base + w * per_warp, G, d, C);
+      const WarpState sw = WarpState::at(base + w * per_warp, q_s, G, d, C);
       if (sw.l[g] == 0.f) continue;
       const float a = __expf(sw.m[g] - m);
       o += sw.o[i] * a;
@@ -443,7 +452,10 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
             float* part_l, cudaStream_t stream) {
   const DeviceLimits lim = device_limits();
   const int G = p.q_heads / p.kv_heads;
-  const size_t warp_smem = sizeof(float) * kWarps * (static_cast<size_t>(G) * (2 * p.head_dim + p.chunk + 3));
+  const size_t gd = static_cast<size_t>(G) * p.head_dim;
+  const size_t state = WarpState::floats(G, p.head_dim, p.chunk);
+  const size_t simt_smem = sizeof(float) * kWarps * (gd + state);   // a query copy per warp
+  const size_t seq_smem = sizeof(float) * (gd + kWarps * state);    // one query copy per block
   if (p.chunk_first && p.num_shared > 0) {
     // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
     const int items = p.num_shared * p.kv_heads;
@@ -456,14 +468,14 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
       CHUNKGEN_LAUNCH(chunk_first_mma_kernel<T>, items * splits, kThreads, smem, stream, p, part_off, splits,
                       part_o, part_m, part_l);
     } else {
-      reserve_smem(chunk_first_simt_kernel<T>, warp_smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(chunk_first_simt_kernel<T>, items * splits, kThreads, warp_smem, stream, p, part_off,
+      reserve_smem(chunk_first_simt_kernel<T>, simt_smem, lim, "chunk-first kernel");
+      CHUNKGEN_LAUNCH(chunk_first_simt_kernel<T>, items * splits, kThreads, simt_smem, stream, p, part_off,
                       splits, part_o, part_m, part_l);
     }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
-  reserve_smem(sequence_first_kernel<T>, warp_smem, lim, "sequence-first kernel");
-  CHUNKGEN_LAUNCH(sequence_first_kernel<T>, p.batch * p.kv_heads, kThreads, warp_smem, stream, p, part_off,
+  reserve_smem(sequence_first_kernel<T>, seq_smem, lim, "sequence-first kernel");
+  CHUNKGEN_LAUNCH(sequence_first_kernel<T>, p.batch * p.kv_heads, kThreads, seq_smem, stream, p, part_off,
                   part_o, part_m, part_l);
   check(cudaGetLastError(), "sequence-first kernel launch");
 }
