@@ -137,10 +137,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK_VALUE(priv_count.numel() == B && priv_last_len.numel() == B,
                     "priv_count and priv_last_len must have batch entries");
   check_range(shared_slot, 0, slots, "shared_slot");
-  check_range(shared_len, 0, C + 1, "shared_len");
+  // An empty shared chunk would make a softmax over no scores (NaN): the tree never shares one.
+  check_range(shared_len, 1, C + 1, "shared_len");
   check_range(shared_begin, 0, B, "shared_begin");
   check_range(shared_end, 1, B + 1, "shared_end");
-  check_range(seq_shared_idx, 0, std::max<int64_t>(S, 1), "seq_shared_idx");
+  check_range(seq_shared_idx, 0, S, "seq_shared_idx");
   check_range(priv_count, 0, priv_slot.size(1) + 1, "priv_count");
   check_range(priv_last_len, 0, C + 1, "priv_last_len");
   {
@@ -161,6 +162,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     const int32_t* se = shared_end.data_ptr<int32_t>();
     for (int64_t c = 0; c < S; ++c)
       TORCH_CHECK_VALUE(sb[c] < se[c], "shared chunk ", c, " covers an empty range");
+    // The chunk-first phase writes a shared chunk's partial results for rows [begin, end) only, and
+    // each row merges those of the chunks on its list: a listed chunk must cover the row.
+    const int32_t* idx = seq_shared_idx.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int32_t i = ptr[b]; i < ptr[b + 1]; ++i) {
+        const int32_t c = idx[i];
+        TORCH_CHECK_VALUE(sb[c] <= b && b < se[c], "row ", b, " lists shared chunk ", c,
+                          ", which covers rows [", sb[c], ", ", se[c], ")");
+      }
   }
 
   torch::Tensor out = out_opt.has_value() ? *out_opt : torch::empty_like(q);

@@ -51,6 +51,8 @@ ops = st.lists(
         st.tuples(st.just("insert"), st.integers(0, 3), st.integers(0, 120), st.lists(st.integers(0, 5), min_size=0, max_size=40)),
         st.tuples(st.just("append"), st.integers(0, 50), st.integers(1, 20), st.integers(0, 5)),
         st.tuples(st.just("remove"), st.integers(0, 50), st.booleans(), st.just(0)),
+        # inserted but never prefilled (a refused admission, a failed prefill): removed at once
+        st.tuples(st.just("abort"), st.integers(0, 3), st.integers(0, 120), st.lists(st.integers(0, 5), max_size=40)),
     ),
     max_size=30,
 )
@@ -77,6 +79,7 @@ def test_random_interleavings_keep_invariants(ops, chunk, share, slots):
                 continue
             assert 0 <= cached <= len(toks)
             write_kv(pool, tree, next_id, cached, len(toks))
+            assert tree.match_len(toks) == (len(toks) if share else 0)
             expected[next_id] = toks
             next_id += 1
         elif op == "append" and live:
@@ -93,8 +96,22 @@ def test_random_interleavings_keep_invariants(ops, chunk, share, slots):
                 pool.v[:, slot, :, off] = val
         elif op == "remove" and live:
             seq = live[a % len(live)]
-            tree.remove(seq, keep_cache=b)
+            tree.remove(seq)
             del expected[seq]
+        elif op == "abort":
+            toks = prefixes[a][:b] + list(c)
+            if not toks:
+                continue
+            before, used = tree.match_len(toks), pool.used
+            no_eviction = pool.free_slots >= -(-len(toks) // chunk)
+            try:
+                assert tree.insert("aborted", toks) == before
+            except PoolExhausted:
+                check_all(pool, tree, expected)
+                continue
+            tree.remove("aborted")
+            if no_eviction:  # nothing it found is lost, nothing it added stays
+                assert tree.match_len(toks) == before and pool.used == used
         check_all(pool, tree, expected)
 
 
@@ -132,10 +149,63 @@ def test_finished_prefix_stays_cached_then_evicted_lru():
     tree.remove("a")
     assert pool.used == 3 and tree.cached_chunks == 3
     assert tree.insert("b", list(range(48)) + [1]) == 48  # cache hit, no prefill
-    tree.remove("b")
-    assert tree.insert("c", [7] * 40) == 0  # needs 3 slots: evicts the least recently used
+    tree.remove("b")  # its own tail was never written: freed, not cached
+    assert pool.used == 3 and tree.cached_chunks == 3
+    assert tree.insert("c", [7] * 40) == 0  # needs 3 slots: 1 free, 2 evicted from a's path, leaf first
     tree.check()
-    assert pool.used <= 4
+    assert pool.used == 4 and tree.cached_chunks == 1
+    assert tree.match_len(list(range(48))) == 16  # a's first chunk is the one left
+
+
+def test_lru_evicts_least_recently_used_leaves_first():
+    pool = make_pool(16, slots=6)
+    tree = PrefixTree(pool)
+    prompts = [[p] * 32 for p in range(3)]  # three unrelated prompts of two chunks each
+    for p, toks in enumerate(prompts):
+        tree.insert(p, toks)
+        tree.mark_ready(p)
+    for p in range(3):
+        tree.remove(p)
+    assert tree.insert("again", prompts[0]) == 32  # prompt 0 is now the most recently used
+    tree.remove("again")
+    assert [tree.match_len(t) for t in prompts] == [32, 32, 32]
+    tree.insert("new", [9] * 16)  # one slot: the least recently used leaf, prompt 1's tail
+    assert [tree.match_len(t) for t in prompts] == [32, 16, 32]
+    tree.remove("new")  # unwritten: freed
+    tree.insert("new2", [9] * 48)  # three slots: the free one, then prompt 1's first chunk, then 2's tail
+    assert [tree.match_len(t) for t in prompts] == [32, 0, 16]
+    tree.check()
+
+
+def test_removing_a_never_prefilled_sequence_keeps_the_cache_it_found():
+    pool = make_pool(16, slots=16)
+    tree = PrefixTree(pool)
+    system = list(range(96))
+    tree.insert("a", system + [1, 2])
+    tree.mark_ready("a")
+    tree.remove("a")
+    cached, used = tree.cached_chunks, pool.used
+    assert cached == 7 and tree.match_len(system + [5]) == 96
+    assert tree.insert("b", system + [5, 6, 7]) == 96  # refused or failed before its prefill ran
+    tree.remove("b")
+    assert tree.cached_chunks == cached and pool.used == used  # its unwritten tail is gone, the rest stays
+    assert tree.match_len(system + [5]) == 96
+    tree.check()
+
+
+def test_an_insert_refused_for_its_reserve_touches_nothing():
+    pool = make_pool(16, slots=8)
+    tree = PrefixTree(pool)
+    tree.insert("a", list(range(64)))
+    tree.mark_ready("a")
+    tree.remove("a")  # 4 cached chunks, 4 free slots
+    lru = sorted((c.last_used, c.slot) for c in tree.iter_chunks())
+    with pytest.raises(PoolExhausted, match="reserved"):
+        tree.insert("b", list(range(40)) + [7] * 40, reserve=3)  # 3 new chunks: 4 free + 1 evictable - 3 = 2 left
+    assert pool.used == 4 and pool.free_slots == 4 and tree.match_len(list(range(64))) == 64
+    assert sorted((c.last_used, c.slot) for c in tree.iter_chunks()) == lru  # not even the LRU order moved
+    assert tree.insert("b", list(range(40)) + [7] * 40, reserve=1) == 40
+    tree.check()
 
 
 def test_budget_exhaustion_is_typed_and_leaves_state_consistent():
@@ -200,3 +270,111 @@ def test_chunks_being_prefilled_are_not_matched_until_ready():
     assert tree.pending_gain(list(range(40)) + [6]) == 0
     assert tree.insert("c", list(range(40)) + [6]) == 40
     tree.check()
+
+
+# -- prompt matching: indexed lookups against a scan of every child ---------------------------
+
+def scan_match(tree: PrefixTree, tokens: list[int], include_pending: bool) -> tuple[int, int]:
+    """The longest cached prefix found by comparing against every child at every level:
+    (tokens covered by whole shared chunks, tokens copied from a chunk it diverges inside)."""
+    C = tree.chunk_size
+    node, i = tree.root, 0
+    while i < len(tokens):
+        rest = tokens[i : i + C]
+        best, best_len = None, 0
+        for child in node.children:
+            if child.ready or include_pending:
+                n = next((k for k, (a, b) in enumerate(zip(child.tokens, rest)) if a != b), min(len(child.tokens), len(rest)))
+                if n > best_len:
+                    best, best_len = child, n
+        if best is None:
+            return i, 0
+        if best_len == len(best.tokens) == len(rest):
+            i, node = i + best_len, best
+            continue
+        return i, best_len
+    return i, 0
+
+
+def assert_match_close_to_scan(tree: PrefixTree, tokens: list[int], include_pending: bool) -> None:
+    path, src, copied, i = tree._match(tokens, include_pending)
+    assert [t for c in path for t in c.tokens] == tokens[:i]
+    assert all(c.ready or include_pending for c in path)
+    if src is not None:
+        assert src.ready or include_pending
+        assert src.parent is (path[-1] if path else tree.root)
+        assert src.tokens[:copied] == tokens[i : i + copied]
+    ref_i, ref_copied = scan_match(tree, tokens, include_pending)
+    # Never more than the scan (it is exact) and at least the largest power of two of its copy,
+    # the documented approximation; where the scan copies an identical tail, it is shared instead.
+    assert i + copied <= ref_i + ref_copied
+    assert i + copied >= ref_i + (1 << (ref_copied.bit_length() - 1) if ref_copied else 0)
+
+
+def bookkeeping_pool(chunk: int) -> ChunkPool:
+    return ChunkPool(1, 1, 16, chunk, torch.float32, budget_bytes=1 << 40, storage=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    chunk=st.sampled_from([4, 8, 16]),
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=40), min_size=1, max_size=25),
+    pending=st.booleans(),
+    queries=st.lists(st.tuples(st.integers(0, 100), st.integers(0, 40), st.lists(st.integers(0, 3), max_size=20)),
+                     min_size=1, max_size=8),
+)
+def test_indexed_matching_agrees_with_a_scan_of_every_child(chunk, prompts, pending, queries):
+    tree = PrefixTree(bookkeeping_pool(chunk))
+    for n, toks in enumerate(prompts):
+        tree.insert(n, toks)
+        if not (pending and n == len(prompts) - 1):  # one prompt still being prefilled
+            tree.mark_ready(n)
+            if n % 3 == 1:
+                tree.remove(n)  # stays as cache
+    tree.check()
+    for k, cut, tail in queries:
+        q = prompts[k % len(prompts)][:cut] + tail
+        if q:
+            for include_pending in (False, True):
+                assert_match_close_to_scan(tree, q, include_pending)
+
+
+def test_matching_cost_does_not_grow_with_the_number_of_cached_prompts(monkeypatch):
+    from chunkgen.cache import tree as tree_module
+
+    C = 16
+    tree = PrefixTree(bookkeeping_pool(C))
+    system = list(range(1000, 1000 + 2 * C))
+    # 5,000 cached prompts under one node whose third chunks all begin with the same 8 tokens, so
+    # every prefix length up to 8 is shared by all of them.
+    rows = [system + [7] * 8 + [n // 100, n % 100] + [0] * 6 + [1, 2, 3] for n in range(5000)]
+    for n, toks in enumerate(rows):
+        tree.insert(n, toks)
+        tree.mark_ready(n)
+        tree.remove(n)
+    assert len(tree.paths) == 0 and tree.cached_chunks == 2 + 5000 * 2
+
+    calls = 0
+    original = tree_module._common_prefix
+
+    def counting(a, b):
+        nonlocal calls
+        calls += 1
+        return original(a, b)
+
+    monkeypatch.setattr(tree_module, "_common_prefix", counting)
+    queries = [
+        rows[4321],  # a cached prompt: whole chunks all the way
+        rows[4321][:-1] + [9],  # diverges inside its tail
+        system + [7] * 8 + [0, 55, 5],  # diverges inside the 5,000-way chunk
+        system + [7] * 8 + [31, 99, 5],  # same, past what the first candidates share
+        system[:20] + [5] * 30,  # diverges inside the system prompt
+    ]
+    lengths = [tree.match_len(q) for q in queries]
+    assert calls <= tree_module.REFINE_CANDIDATES * len(queries)
+    monkeypatch.setattr(tree_module, "_common_prefix", original)
+    assert lengths[0] == len(rows[4321]) and lengths[1] == len(rows[4321]) - 1
+    assert lengths[2] == 2 * C + 9 and lengths[4] == 20
+    assert 2 * C + 8 <= lengths[3] <= 2 * C + 9  # an approximation may copy a token fewer
+    for q in queries:
+        assert_match_close_to_scan(tree, q, include_pending=False)

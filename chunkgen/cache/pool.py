@@ -8,6 +8,15 @@ class PoolExhausted(RuntimeError):
     """The memory budget has no free slot left; the caller decides (evict, wait, preempt)."""
 
 
+def kv_shape(config) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a Hugging Face decoder config: what one token's K (or V)
+    spans, so every user of the cache sizes it the same way."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
 class ChunkPool:
     """Slots of `chunk_size` tokens of K and V for all layers, with a free list and a byte budget.
 
@@ -52,6 +61,24 @@ class ChunkPool:
         self._free: list[int] = []
         self.used = 0
         self.peak = 0
+
+    @classmethod
+    def for_config(
+        cls,
+        config,
+        chunk_size: int,
+        dtype: torch.dtype,
+        budget_bytes: int,
+        device: torch.device | str = "cpu",
+        storage: bool = True,
+    ) -> "ChunkPool":
+        """A pool shaped for a Hugging Face model config (see kv_shape)."""
+        layers, kv_heads, head_dim = kv_shape(config)
+        return cls(layers, kv_heads, head_dim, chunk_size, dtype, budget_bytes, device=device, storage=storage)
+
+    def chunks_for(self, n_tokens: int) -> int:
+        """Chunks a sequence of n_tokens occupies on its own."""
+        return -(-n_tokens // self.chunk_size)
 
     # -- allocation -------------------------------------------------------------------------
     def allocate(self) -> int:

@@ -4,18 +4,27 @@ Each path from a root to a node is a token prefix; a sequence is a path. Invaria
 - every chunk on a path is full except possibly the last (the sequence's tail), so a partial chunk
   has no children and token position p lives in chunk p // chunk_size at offset p % chunk_size;
 - a sequence writes only into a tail that no other live sequence reads (copy-on-write otherwise);
-- `ref` counts the live sequences whose path passes through a chunk, so it never grows downwards.
+- `ref` counts the live sequences whose path passes through a chunk, so it never grows downwards;
+- a chunk whose K/V are not all written yet (not `ready`) belongs to exactly one live sequence.
 Chunks whose last sequence left stay as a cache until the pool needs their slots (LRU leaves first).
+
+Matching a prompt costs O(prompt length), whatever the number of cached prompts: children are
+indexed by their whole token tuple (a full-chunk match is a dict lookup) and by their first 1, 2,
+4, ... tokens (an in-chunk divergence is found from the longest indexed prefix it shares).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Hashable, Sequence
+from typing import Hashable, Iterator, Sequence
 
 from chunkgen.cache.pool import ChunkPool, PoolExhausted
 
 SeqId = Hashable
+# Candidates compared token by token when a prompt diverges inside a chunk (see _match_partial).
+REFINE_CANDIDATES = 4
 
 
 @dataclass(eq=False)
@@ -27,6 +36,7 @@ class Chunk:
     ref: int = 0
     last_used: int = 0
     ready: bool = False  # K/V written; only ready chunks are matched by later prompts
+    pos: int = 0  # index in parent.children, so a detach is O(1)
 
     def __repr__(self) -> str:  # the default would recurse through parent/children
         return f"Chunk(slot={self.slot}, n={len(self.tokens)}, ref={self.ref}, children={len(self.children)})"
@@ -46,6 +56,12 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+# (id of the parent chunk, tokens) -> the parent's children with those tokens (an ordered set:
+# identical siblings exist, e.g. a chunk still being prefilled and its ready twin, or no sharing).
+_Key = tuple[int, tuple[int, ...]]
+_Index = dict[_Key, dict[Chunk, None]]
+
+
 class PrefixTree:
     def __init__(self, pool: ChunkPool, share: bool = True) -> None:
         self.pool = pool
@@ -56,16 +72,26 @@ class PrefixTree:
         self.lengths: dict[SeqId, int] = {}
         self.version = 0  # bumped when the set of sequences or the shared structure changes
         self._clock = 0
-        self._evictable: dict[Chunk, None] = {}  # ref-0 leaves, in no particular order
+        self._evictable: dict[Chunk, None] = {}  # ref-0 leaves
+        self._lru: list[tuple[int, int, Chunk]] = []  # heap of (last_used, tiebreak, chunk); stale entries skipped
+        self._tiebreak = itertools.count()
+        self._whole: _Index = {}
+        self._prefix: _Index = {}
+        # Prefix lengths indexed: powers of two below the chunk size (a common prefix of a whole
+        # chunk is a whole match, found in _whole).
+        self._levels = [1 << k for k in range(self.chunk_size.bit_length()) if (1 << k) < self.chunk_size]
         self.cache_hit_tokens = 0
         self.inserted_tokens = 0
 
     # -- joins -------------------------------------------------------------------------------
-    def insert(self, seq: SeqId, tokens: Sequence[int]) -> int:
+    def insert(self, seq: SeqId, tokens: Sequence[int], reserve: int = 0) -> int:
         """Add a sequence; returns how many leading tokens already have K/V in the tree.
 
-        The caller must then write K/V for positions [returned, len(tokens)). Raises PoolExhausted
-        (leaving tree and pool unchanged, apart from evicted cache) when the chunks do not fit.
+        The caller must then write K/V for positions [returned, len(tokens)) and call mark_ready.
+        Raises PoolExhausted when the chunks do not fit, leaving the tree unchanged apart from
+        cache evicted while looking for slots; or, before touching anything, when fewer than
+        `reserve` chunks would be left free or evictable afterwards (counting evictable leaves
+        only, so it errs on the safe side).
         """
         if seq in self.paths:
             raise KeyError(f"sequence {seq!r} is already in the tree")
@@ -75,23 +101,29 @@ class PrefixTree:
         path, copy_src, copy_len, i = self._match(tokens, include_pending=False)
         C = self.chunk_size
         n_new = -(-(len(tokens) - i) // C)
+        if reserve > 0:
+            pinned = sum(1 for c in (path[-1] if path else None, copy_src) if c is not None and c in self._evictable)
+            left = self.pool.free_slots + len(self._evictable) - pinned - n_new
+            if left < reserve:
+                raise PoolExhausted(f"inserting would leave {left} chunks free or evictable, {reserve} are reserved")
         for c in path:
             self._acquire(c)
         if copy_src is not None:
-            copy_src.ref += 1  # pinned while slots are found, so eviction cannot take it
-            self._evictable.pop(copy_src, None)
+            self._acquire(copy_src)  # pinned while slots are found, so eviction cannot take it
         slots: list[int] = []
-        try:
-            for _ in range(n_new):
+        while len(slots) < n_new:
+            try:
                 slots.append(self._allocate())
-        except PoolExhausted:
-            for s in slots:
-                self.pool.free(s)
-            for c in path:
-                self._release(c)
-            if copy_src is not None:
+            except PoolExhausted:
+                if copy_src is None:
+                    for s in slots:
+                        self.pool.free(s)
+                    for c in path:
+                        self._release(c)
+                    raise
+                # The pinned copy source may hold the very slot that is missing: recompute instead.
                 self._release(copy_src)
-            raise
+                copy_src, copy_len = None, 0
         if copy_src is not None:
             self.pool.copy_tokens(copy_src.slot, slots[0], copy_len)
             self._release(copy_src)
@@ -114,26 +146,55 @@ class PrefixTree:
     def _match(self, tokens: list[int], include_pending: bool) -> tuple[list[Chunk], Chunk | None, int, int]:
         """Longest cached prefix: (whole chunks to share, chunk to copy a partial match from,
         tokens to copy, tokens covered by the shared chunks)."""
-        C = self.chunk_size
+        C, n = self.chunk_size, len(tokens)
         path: list[Chunk] = []
         node, i = self.root, 0
-        while self.share and i < len(tokens):
-            rest = tokens[i : i + C]
-            best, best_len = None, 0
-            for child in node.children:
+        while self.share and i < n:
+            whole = None
+            for chunk in self._whole.get((id(node), tuple(tokens[i : i + C]))) or ():
+                if chunk.ready or include_pending:
+                    whole = chunk
+                    break
+            if whole is not None:  # a full chunk, or an identical tail
+                path.append(whole)
+                i += len(whole.tokens)
+                node = whole
+                continue
+            best, best_len = self._match_partial(node, tokens[i : i + C], include_pending)
+            if best is None:
+                break
+            return path, best, best_len, i  # diverges inside this chunk: copy, don't recompute
+        return path, None, 0, i
+
+    def _match_partial(self, node: Chunk, rest: list[int], include_pending: bool) -> tuple[Chunk | None, int]:
+        """The child of node sharing the most leading tokens with rest, found from the longest
+        indexed prefix length L (a power of two) any child shares, comparing at most
+        REFINE_CANDIDATES of those children. An approximation: the true best shares fewer than 2L
+        tokens (else it would be indexed at 2L), so this copies more than half of what a scan of
+        every child would, and usually all of it; the rest is recomputed."""
+        for L in reversed(self._levels):
+            if L > len(rest):
+                continue
+            bucket = self._prefix.get((id(node), tuple(rest[:L])))
+            if not bucket:
+                continue
+            best, best_len, tried = None, 0, 0
+            for child in bucket:
                 if child.ready or include_pending:
                     n = _common_prefix(child.tokens, rest)
                     if n > best_len:
                         best, best_len = child, n
-            if best is None:
-                break
-            if best_len == len(best.tokens) == len(rest):
-                path.append(best)  # whole chunk matches (a full chunk, or an identical tail)
-                i += best_len
-                node = best
-                continue
-            return path, best, best_len, i  # diverges inside this chunk: copy, don't recompute
-        return path, None, 0, i
+                    tried += 1
+                    if tried == REFINE_CANDIDATES:
+                        break
+            if best is not None:
+                return best, best_len
+        return None, 0
+
+    def match_len(self, tokens: Sequence[int]) -> int:
+        """Leading tokens whose K/V insert(tokens) would find in the tree now (shared or copied)."""
+        _, _, copy_len, i = self._match(list(tokens), include_pending=False)
+        return i + copy_len
 
     def pending_gain(self, tokens: Sequence[int]) -> int:
         """How many more prompt tokens would be cached once the chunks still being prefilled are
@@ -156,7 +217,11 @@ class PrefixTree:
         C = self.chunk_size
         n = len(tail.tokens)
         if n < C and tail.ref == 1:
+            self._unindex_whole(tail)
             tail.tokens.append(token)
+            self._index_whole(tail)
+            if n + 1 in self._levels:
+                self._add(self._prefix, tail, n + 1)
             kind = Append.IN_PLACE
             slot, offset = tail.slot, n
         elif n < C:  # another live sequence reads this partial tail: copy it before writing
@@ -178,14 +243,15 @@ class PrefixTree:
         return slot, offset, kind
 
     # -- leaves ------------------------------------------------------------------------------
-    def remove(self, seq: SeqId, keep_cache: bool = True) -> None:
-        """Drop a sequence. Its chunks stay as cache unless sharing is off or keep_cache is False
-        (e.g. its K/V were never fully written), in which case unreferenced chunks are freed."""
+    def remove(self, seq: SeqId) -> None:
+        """Drop a sequence. Chunks no other sequence reads stay as cache when sharing is on and
+        their K/V were written (`ready`); the others, e.g. those of a prefill that never ran, are
+        freed. So removing a sequence never loses cache it found when it was inserted."""
         path = self.paths.pop(seq)
         del self.lengths[seq]
         for chunk in reversed(path):
             self._release(chunk)
-            if chunk.ref == 0 and not chunk.children and (not keep_cache or not self.share):
+            if chunk.ref == 0 and not chunk.children and (not chunk.ready or not self.share):
                 self._evictable.pop(chunk, None)
                 self._detach_and_free(chunk)
         self.version += 1
@@ -204,19 +270,28 @@ class PrefixTree:
         return [path[p // C].slot for p in range(start, end)], [p % C for p in range(start, end)]
 
     def batch_order(self) -> list[SeqId]:
-        """Live sequences in leaf (DFS) order: every chunk covers a contiguous run of them."""
+        """Live sequences in leaf (DFS) order: every chunk covers a contiguous run of them.
+        Walks the live paths only, so the cached chunks beside them cost nothing."""
         ending: dict[int, list[SeqId]] = {}
+        live: dict[int, list[Chunk]] = {}  # id(chunk) -> its children that live sequences read
+        seen: set[int] = set()
         for seq, path in self.paths.items():
             ending.setdefault(id(path[-1]), []).append(seq)
+            parent = self.root
+            for chunk in path:
+                if id(chunk) not in seen:
+                    seen.add(id(chunk))
+                    live.setdefault(id(parent), []).append(chunk)
+                parent = chunk
         order: list[SeqId] = []
-        stack = [c for c in reversed(self.root.children) if c.ref > 0]
+        stack = list(reversed(live.get(id(self.root), ())))
         while stack:
             node = stack.pop()
             order.extend(ending.get(id(node), ()))
-            stack.extend(c for c in reversed(node.children) if c.ref > 0)
+            stack.extend(reversed(live.get(id(node), ())))
         return order
 
-    def iter_chunks(self):
+    def iter_chunks(self) -> Iterator[Chunk]:
         stack = list(self.root.children)
         while stack:
             node = stack.pop()
@@ -243,23 +318,67 @@ class PrefixTree:
                     raise
 
     def _evict_one(self) -> bool:
-        if not self._evictable:
-            return False
-        victim = min(self._evictable, key=lambda c: c.last_used)
-        del self._evictable[victim]
-        self._detach_and_free(victim)
-        return True
+        """Free the least recently used cached leaf, if any."""
+        while self._lru:
+            last_used, _, victim = heapq.heappop(self._lru)
+            # Entries go stale when a chunk is used again (new last_used) or stops being a leaf.
+            if victim in self._evictable and victim.last_used == last_used:
+                del self._evictable[victim]
+                self._detach_and_free(victim)
+                return True
+        return False
+
+    def _make_evictable(self, chunk: Chunk) -> None:
+        self._evictable[chunk] = None
+        heapq.heappush(self._lru, (chunk.last_used, next(self._tiebreak), chunk))
+        if len(self._lru) > 2 * len(self._evictable) + 64:  # drop stale entries now and then
+            self._lru = [(c.last_used, next(self._tiebreak), c) for c in self._evictable]
+            heapq.heapify(self._lru)
 
     def _detach_and_free(self, chunk: Chunk) -> None:
         parent = chunk.parent
-        parent.children.remove(chunk)
+        self._unindex_whole(chunk)
+        for L in self._levels:
+            if L > len(chunk.tokens):
+                break
+            self._drop(self._prefix, chunk, L)
+        siblings = parent.children
+        last = siblings.pop()
+        if last is not chunk:  # move the last sibling into its place
+            siblings[chunk.pos] = last
+            last.pos = chunk.pos
         self.pool.free(chunk.slot)
         if parent is not self.root and parent.ref == 0 and not parent.children:
-            self._evictable[parent] = None
+            self._make_evictable(parent)
 
     def _attach(self, chunk: Chunk) -> None:
-        chunk.parent.children.append(chunk)
-        self._evictable.pop(chunk.parent, None)
+        parent = chunk.parent
+        chunk.pos = len(parent.children)
+        parent.children.append(chunk)
+        self._index_whole(chunk)
+        for L in self._levels:
+            if L > len(chunk.tokens):
+                break
+            self._add(self._prefix, chunk, L)
+        self._evictable.pop(parent, None)
+
+    def _index_whole(self, chunk: Chunk) -> None:
+        self._add(self._whole, chunk, len(chunk.tokens))
+
+    def _unindex_whole(self, chunk: Chunk) -> None:
+        self._drop(self._whole, chunk, len(chunk.tokens))
+
+    @staticmethod
+    def _add(index: _Index, chunk: Chunk, n: int) -> None:
+        index.setdefault((id(chunk.parent), tuple(chunk.tokens[:n])), {})[chunk] = None
+
+    @staticmethod
+    def _drop(index: _Index, chunk: Chunk, n: int) -> None:
+        key = (id(chunk.parent), tuple(chunk.tokens[:n]))
+        bucket = index[key]
+        del bucket[chunk]
+        if not bucket:
+            del index[key]
 
     def _acquire(self, chunk: Chunk) -> None:
         chunk.ref += 1
@@ -272,7 +391,7 @@ class PrefixTree:
         self._clock += 1
         chunk.last_used = self._clock
         if chunk.ref == 0 and not chunk.children:
-            self._evictable[chunk] = None
+            self._make_evictable(chunk)
 
     def check(self) -> None:
         """Full invariant check, for tests (O(tree))."""
@@ -288,14 +407,25 @@ class PrefixTree:
             for c in path:
                 refs[id(c)] = refs.get(id(c), 0) + 1
         seen_slots: set[int] = set()
-        n_chunks = 0
+        n_chunks = n_keys = 0
         for c in self.iter_chunks():
             n_chunks += 1
             assert c.ref == refs.get(id(c), 0), f"ref mismatch on {c}"
+            assert c.ready or c.ref == 1, f"{c} is unwritten yet not owned by exactly one sequence"
             assert 1 <= len(c.tokens) <= C
             assert not c.children or len(c.tokens) == C, "a partial chunk cannot have children"
+            assert c.parent.children[c.pos] is c, "stale position in the parent's children"
             assert c.slot not in seen_slots, "two chunks share a slot"
             seen_slots.add(c.slot)
             assert (c in self._evictable) == (c.ref == 0 and not c.children)
+            assert c in self._whole[(id(c.parent), tuple(c.tokens))]
+            for L in self._levels:
+                if L <= len(c.tokens):
+                    assert c in self._prefix[(id(c.parent), tuple(c.tokens[:L]))]
+                    n_keys += 1
+        assert sum(map(len, self._whole.values())) == n_chunks, "whole-token index out of date"
+        assert sum(map(len, self._prefix.values())) == n_keys, "prefix index out of date"
+        queued = {id(c) for last_used, _, c in self._lru if c.last_used == last_used}
+        assert all(id(c) in queued for c in self._evictable), "an evictable chunk is missing from the LRU heap"
         assert n_chunks == self.pool.used, f"{n_chunks} chunks but {self.pool.used} slots used"
         assert not seen_slots & set(self.pool._free), "a slot is both free and used"

@@ -1,4 +1,5 @@
-"""The step loop: admit and prefill new sequences, decode one token for every running one."""
+"""The step loop: each step runs what the scheduler hands over, one prefill wave or one decode
+step for every running sequence, and returns the requests that finished in it."""
 from __future__ import annotations
 
 import time
@@ -7,10 +8,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from chunkgen.cache import ChunkPool, KernelContext, PoolExhausted, PrefixTree
+from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
 from chunkgen.engine.sampler import make_generator, sample
-from chunkgen.engine.scheduler import Scheduler
+from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel, PrefillItem
 
@@ -41,10 +42,6 @@ class EngineStats:
     kv_unshared_peak_bytes: int = 0  # what the live sequences would have needed without sharing
 
 
-class PromptTooLong(ValueError):
-    pass
-
-
 def _default_kv_dtype(model: LlamaModel) -> torch.dtype:
     # The CPU kernel reads fp32 or bf16 K/V; fp16 is a GPU format.
     if model.device.type == "cpu" and model.dtype == torch.float16:
@@ -64,11 +61,12 @@ class Engine:
         )
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
         self.ctx = KernelContext(self.tree, chunk_first=cfg.chunk_first)
-        self.scheduler = Scheduler(cfg.max_batch, group_prefix_tokens=4 * cfg.chunk_size)
+        self.scheduler = Scheduler(self.tree, cfg.max_batch, cfg.max_prefill_tokens,
+                                   group_prefix_tokens=4 * cfg.chunk_size)
         self.stats = EngineStats()
         self.eos_ids = self._eos_ids()
-        self._seqs: dict[int, Sequence] = {}
         self._pending: dict[int, list[Sequence]] = {}  # request key -> its samples, until all finish
+        self._refused: list[Result] = []  # error results of requests refused by add(), for the next step
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -82,23 +80,40 @@ class Engine:
 
     # -- public -------------------------------------------------------------------------------
     def add(self, requests: Iterable[Request]) -> None:
+        """Queue requests; cheap, and allowed between any two steps. A request that can never run
+        comes back from the next step as a Result with `error` set and no completions."""
         seqs = []
         for req in requests:
-            if len(req.prompt_tokens) == 0:
-                raise ValueError(f"request {req.id!r} has an empty prompt")
-            if len(req.prompt_tokens) >= self.model.max_context:
-                raise PromptTooLong(
-                    f"request {req.id!r}: prompt of {len(req.prompt_tokens)} tokens does not fit the "
-                    f"model's context of {self.model.max_context}"
-                )
+            error = self._refusal(req)
+            if error:
+                self._refused.append(Result(req.id, len(req.prompt_tokens), 0, [], error=error))
+                continue
             samples = [Sequence(req, i, make_generator(req.params, i)) for i in range(req.params.n)]
             self._pending[id(req)] = samples
             seqs.extend(samples)
         self.scheduler.add(seqs)
 
+    def _refusal(self, req: Request) -> str | None:
+        n = len(req.prompt_tokens)
+        if n == 0:
+            return "empty prompt"
+        if n >= self.model.max_context:  # room for at least one generated token
+            return f"prompt of {n} tokens does not fit the model's context of {self.model.max_context}"
+        return kv_budget_error(n, self.pool)
+
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return bool(self._refused) or self.scheduler.has_work
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences (one per sample) queued and not running, preempted ones included."""
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding KV chunks: decoding, or in the prefill wave of this step."""
+        return self.scheduler.num_running
 
     def stream(self, requests: Iterable[Request] = ()) -> Iterator[Result]:
         """Results as they finish (completion order)."""
@@ -107,60 +122,40 @@ class Engine:
             yield from self.step()
 
     def step(self) -> list[Result]:
+        """One prefill wave or one decode step (the scheduler decides), then the requests whose
+        samples have all finished: at prefill (e.g. max_new_tokens=1), decoding, or refused."""
+        results, self._refused = self._refused, []
+        if not self.scheduler.has_work:
+            return results
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += batch.preempted
         done: list[Sequence] = []
-        self._admit(done)
-        if self.scheduler.running:
-            self._decode(done)
-        return self._collect(done)
+        for seq in batch.ended:  # out of memory for good: already out of the cache
+            if seq.finish_reason == "length":
+                seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+            self.stats.finished += 1
+            done.append(seq)
+        if batch.prefill:
+            self._run_wave(batch.prefill, done)
+        elif batch.decode:
+            self._decode(batch, done)
+        self.stats.kv_peak_bytes = self.pool.peak_bytes
+        return results + self._collect(done)
 
-    # -- admission and prefill ----------------------------------------------------------------
-    def _admit(self, done: list[Sequence]) -> None:
-        while wave := self._form_wave():
-            t0 = time.perf_counter()
-            try:
-                self._prefill(wave)
-            except BaseException:
-                for seq, _, _ in wave:  # their K/V were not all written: never reuse them
-                    self.tree.remove(seq.seq_id, keep_cache=False)
-                    self.scheduler.finished(seq)
-                raise
-            self.stats.prefill_s += time.perf_counter() - t0
-            for seq, _, _ in wave:
-                if seq.finish_reason:
-                    self._finish(seq, done)
+    # -- prefill ------------------------------------------------------------------------------
+    def _run_wave(self, wave: list[Admission], done: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._prefill(wave)
+        except BaseException:
+            self.scheduler.abort([a.seq for a in wave])  # their unwritten chunks are freed
+            raise
+        self.stats.prefill_s += time.perf_counter() - t0
+        for seq, _, _ in wave:
+            if seq.finish_reason:
+                self._finish(seq, done)
 
-    def _form_wave(self) -> list[tuple[Sequence, list[int], int]]:
-        """Admit sequences for one batched prefill. A prompt that would reuse chunks still being
-        prefilled in this wave waits for the next wave, so a shared prefix is computed once."""
-        sched, tree = self.scheduler, self.tree
-        wave: list[tuple[Sequence, list[int], int]] = []
-        budget = self.config.max_prefill_tokens
-        while (seq := sched.next_to_admit()) is not None:
-            kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
-            if wave and (tree.pending_gain(kv_tokens) >= self.pool.chunk_size or budget <= 0):
-                break
-            try:
-                cached = tree.insert(seq.seq_id, kv_tokens)
-            except PoolExhausted:
-                if sched.running:
-                    break  # wait for running sequences to finish and free chunks
-                sched.drop_waiting_head()
-                raise PoolExhausted(
-                    f"request {seq.request.id!r} needs more KV memory than the whole budget "
-                    f"({self.pool.max_slots} chunks of {self.pool.chunk_size} tokens)"
-                ) from None
-            # Keep one free chunk per running sequence for its next append, or preemption churns.
-            headroom = self.pool.free_slots + tree.evictable_chunks
-            if sched.running and headroom < len(sched.running) + 1:
-                tree.remove(seq.seq_id, keep_cache=False)
-                break
-            sched.admitted(seq)
-            self._seqs[seq.seq_id] = seq
-            wave.append((seq, kv_tokens, cached))
-            budget -= len(kv_tokens) - cached
-        return wave
-
-    def _prefill(self, wave: list[tuple[Sequence, list[int], int]]) -> None:
+    def _prefill(self, wave: list[Admission]) -> None:
         items, owners = [], []
         for seq, kv_tokens, cached in wave:
             n = len(kv_tokens)
@@ -185,33 +180,16 @@ class Engine:
                 self._accept(seq, token)
 
     # -- decode -------------------------------------------------------------------------------
-    def _decode(self, done: list[Sequence]) -> None:
+    def _decode(self, batch: Batch, done: list[Sequence]) -> None:
+        """One token for every sequence of the batch; the scheduler reserved their positions."""
         t0 = time.perf_counter()
-        sched, tree = self.scheduler, self.tree
-        where: dict[int, tuple[int, int]] = {}
-        for seq in list(sched.running):
-            if seq not in sched.running:
-                continue  # preempted below while making room for an older one
-            while True:
-                try:
-                    slot, offset, _ = tree.append(seq.seq_id, seq.tokens[-1])
-                    where[seq.seq_id] = (slot, offset)
-                    break
-                except PoolExhausted:
-                    victim = sched.youngest()
-                    self._preempt(victim)
-                    where.pop(victim.seq_id, None)
-                    if victim is seq:
-                        break
-        if not where:
-            return
-        self.stats.kv_peak_bytes = self.pool.peak_bytes
         self.stats.kv_unshared_peak_bytes = max(
             self.stats.kv_unshared_peak_bytes, unshared_chunks(self.tree) * self.pool.bytes_per_slot
         )
         self.ctx.refresh()
-        order = [self._seqs[s] for s in self.ctx.order]
-        rows = [where[s.seq_id] for s in order]
+        by_id = {s.seq_id: s for s in batch.decode}
+        order = [by_id[s] for s in self.ctx.order]  # the tree holds exactly the running sequences
+        rows = [batch.slots[s.seq_id] for s in order]
         tokens = torch.tensor([s.tokens[-1] for s in order], device=self.model.device)
         positions = torch.tensor([len(s.tokens) - 1 for s in order], device=self.model.device)
         slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
@@ -225,12 +203,6 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(order))
         self.stats.decode_s += time.perf_counter() - t0
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.tree.remove(seq.seq_id)
-        del self._seqs[seq.seq_id]
-        self.scheduler.preempted(seq)
-        self.stats.preemptions += 1
 
     # -- tokens and endings -------------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int) -> None:
@@ -254,9 +226,7 @@ class Engine:
             seq.text = self.tokenizer.decode(out, skip_special_tokens=True)
 
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
-        self.tree.remove(seq.seq_id)
-        del self._seqs[seq.seq_id]
-        self.scheduler.finished(seq)
+        self.scheduler.finish(seq)
         self.stats.finished += 1
         done.append(seq)
 
@@ -267,9 +237,11 @@ class Engine:
             if samples is not None and all(s.finish_reason for s in samples):
                 del self._pending[id(seq.request)]
                 first = samples[0]
+                error = next((s.error for s in samples if s.error), None)
                 results.append(Result(
                     id=seq.request.id, prompt_tokens=first.num_prompt,
                     cached_tokens=first.cached_tokens or 0,
-                    completions=[s.completion() for s in samples],
+                    completions=[] if error else [s.completion() for s in samples],
+                    error=error,
                 ))
         return results

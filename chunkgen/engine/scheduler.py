@@ -1,19 +1,55 @@
-"""Iteration-level batching: who waits, who runs, who joins next, who is preempted."""
+"""Iteration-level batching: who waits, who joins the next prefill wave, who decodes, who is
+preempted, and who can never fit. Decisions only: the cache is changed through PrefixTree calls
+(insert, append, remove) and no tensor is touched; the engine runs what schedule() returns."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from chunkgen.cache import ChunkPool, PoolExhausted, PrefixTree
 from chunkgen.engine.sequence import Sequence
 
 
+class Admission(NamedTuple):
+    """One sequence of a prefill wave: K/V of kv_tokens[cached:] are to be computed."""
+    seq: Sequence
+    kv_tokens: list[int]
+    cached: int
+
+
+@dataclass
+class Batch:
+    """One step of work: a prefill wave or a decode step, never both."""
+    prefill: list[Admission] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)  # each has a position reserved for its last token
+    slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (slot, offset) of that position
+    ended: list[Sequence] = field(default_factory=list)  # finished here: no memory will ever hold them
+    preempted: int = 0
+
+
+def kv_budget_error(n_tokens: int, pool: ChunkPool) -> str | None:
+    """Why a prompt of n_tokens can never be held by the whole KV budget, or None if it can."""
+    need = pool.chunks_for(n_tokens)
+    if need <= pool.max_slots:
+        return None
+    mib = pool.bytes_per_slot / 2**20
+    return (f"prompt needs {need} KV chunks of {pool.chunk_size} tokens ({need * mib:.1f} MiB) but the "
+            f"whole KV budget holds {pool.max_slots} ({pool.max_slots * mib:.1f} MiB); raise --kv-memory")
+
+
 class Scheduler:
-    def __init__(self, max_batch: int, group_prefix_tokens: int) -> None:
+    def __init__(self, tree: PrefixTree, max_batch: int, max_prefill_tokens: int,
+                 group_prefix_tokens: int) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.tree = tree
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens
         self.group_prefix_tokens = group_prefix_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first
+        self.running: list[Sequence] = []  # oldest first; includes the wave being prefilled
+        self.preemptions = 0
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue new sequences. Within one call, sequences with the same leading tokens are queued
@@ -25,29 +61,116 @@ class Scheduler:
             keyed.append((first_seen.setdefault(key, i), i, s))
         self.waiting.extend(s for _, _, s in sorted(keyed, key=lambda t: (t[0], t[1])))
 
-    def next_to_admit(self) -> Sequence | None:
-        if self.waiting and len(self.running) < self.max_batch:
-            return self.waiting[0]
-        return None
+    def schedule(self) -> Batch:
+        """Prefill first: a wave whenever a waiting sequence can be admitted, else a decode step."""
+        batch = Batch()
+        batch.prefill = self._form_wave(batch.ended)
+        if not batch.prefill and self.running:
+            self._reserve_decode(batch)
+        return batch
 
-    def admitted(self, seq: Sequence) -> None:
-        self.waiting.popleft()
-        self.running.append(seq)
+    # -- admission ----------------------------------------------------------------------------
+    def _form_wave(self, ended: list[Sequence]) -> list[Admission]:
+        """Admit waiting sequences, in order, for one batched prefill.
 
-    def drop_waiting_head(self) -> Sequence:
-        return self.waiting.popleft()
+        A prompt that would reuse chunks still being prefilled in this wave waits for the next
+        wave, so a shared prefix is computed once. While others run, a sequence joins only if every
+        running sequence (and it) keeps one free chunk for its next append, or preemption churns;
+        insert checks that before touching the tree, so a refusal leaves the cache as it was.
+        """
+        tree, C = self.tree, self.tree.chunk_size
+        wave: list[Admission] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            # A preempted sequence's last token was sampled but never written: decode writes it.
+            kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
+            if wave and (budget <= 0 or tree.pending_gain(kv_tokens) >= C):
+                break
+            try:
+                cached = tree.insert(seq.seq_id, kv_tokens, reserve=len(self.running) + 1 if self.running else 0)
+            except PoolExhausted:
+                if self.running:
+                    break  # wait for running sequences to finish and free chunks
+                # Alone, with every cached chunk evictable, and it still does not fit: it never will.
+                self.waiting.popleft()
+                self._end_unfittable(seq)
+                ended.append(seq)
+                continue
+            self.waiting.popleft()
+            self.running.append(seq)
+            wave.append(Admission(seq, kv_tokens, cached))
+            budget -= len(kv_tokens) - cached
+        return wave
 
-    def youngest(self) -> Sequence:
-        return self.running[-1]
+    def _end_unfittable(self, seq: Sequence) -> None:
+        if seq.output:  # it ran before and outgrew the budget: its text so far is its answer
+            seq.finish_reason = "length"
+        else:
+            seq.error = kv_budget_error(len(seq.tokens), self.tree.pool) or (
+                f"prompt of {len(seq.tokens)} tokens does not fit the KV budget; raise --kv-memory")
+            seq.finish_reason = "error"
 
-    def preempted(self, seq: Sequence) -> None:
-        """Back to the front of the queue; it will recompute its K/V when memory allows."""
-        self.running.remove(seq)
+    # -- decode -------------------------------------------------------------------------------
+    def _reserve_decode(self, batch: Batch) -> None:
+        """A position for every running sequence's last token. When the pool is full (the tree
+        has already evicted all cache), the youngest sequence is preempted and will recompute; the
+        oldest always progresses, so preemption cannot ping-pong. A sequence that is the only one
+        left and still gets no chunk has outgrown the whole budget: it ends with "length"."""
+        gone: set[int] = set()
+        for seq in list(self.running):  # oldest first, so victims (youngest) never appended yet
+            if seq.seq_id in gone:
+                continue
+            while True:
+                try:
+                    slot, offset, _ = self.tree.append(seq.seq_id, seq.tokens[-1])
+                except PoolExhausted:
+                    if len(self.running) == 1:
+                        self._remove(seq)
+                        seq.finish_reason = "length"
+                        batch.ended.append(seq)
+                        break
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    gone.add(victim.seq_id)
+                    batch.preempted += 1
+                    if victim is seq:
+                        break
+                    continue
+                batch.slots[seq.seq_id] = (slot, offset)
+                break
+        batch.decode = [s for s in self.running if s.seq_id in batch.slots]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to the front of the queue; it recomputes its K/V when memory allows (the ready
+        ones stay as cache, so often there is little to recompute)."""
+        self._remove(seq)
         seq.preempted = True
         self.waiting.appendleft(seq)
+        self.preemptions += 1
 
-    def finished(self, seq: Sequence) -> None:
+    # -- leaving ------------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """The engine is done with a running sequence: its chunks become cache."""
+        self._remove(seq)
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """A prefill failed: drop its sequences (their unwritten chunks are freed, not cached)."""
+        for seq in seqs:
+            self._remove(seq)
+
+    def _remove(self, seq: Sequence) -> None:
+        self.tree.remove(seq.seq_id)
         self.running.remove(seq)
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     @property
     def has_work(self) -> bool:

@@ -28,7 +28,8 @@ class Result:
     id: Any
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose K/V were already in the cache when it was admitted
-    completions: list[Completion]
+    completions: list[Completion]  # empty when error is set
+    error: str | None = None  # why the request could not run (prompt too long for the model or the KV budget)
 
     @property
     def completion_tokens(self) -> int:
@@ -36,15 +37,15 @@ class Result:
 
     @property
     def text(self) -> str:
-        return self.completions[0].text
+        return self.completions[0].text if self.completions else ""
 
     @property
     def token_ids(self) -> list[int]:
-        return self.completions[0].token_ids
+        return self.completions[0].token_ids if self.completions else []
 
     @property
     def finish_reason(self) -> str:
-        return self.completions[0].finish_reason
+        return self.completions[0].finish_reason if self.completions else "error"
 
 
 class Sequence:
@@ -62,7 +63,8 @@ class Sequence:
         self.num_prompt = len(request.prompt_tokens)
         self.cached_tokens: int | None = None  # set at first admission
         self.preempted = False  # re-admitted sequences recompute K/V and sample nothing at prefill
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # "error" when it could not run at all (see error)
+        self.error: str | None = None
         self.text = ""
 
     @property

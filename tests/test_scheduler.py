@@ -1,0 +1,178 @@
+"""The Scheduler on a real prefix tree with bookkeeping only: no model, every decision visible."""
+from __future__ import annotations
+
+import torch
+
+from chunkgen.cache import ChunkPool, PrefixTree
+from chunkgen.engine.sampler import SamplingParams
+from chunkgen.engine.scheduler import Batch, Scheduler
+from chunkgen.engine.sequence import Request, Sequence
+
+C = 16
+
+
+def setup(slots: int, max_batch: int = 8, max_prefill_tokens: int = 8192) -> tuple[PrefixTree, Scheduler]:
+    pool = ChunkPool(1, 1, 16, C, torch.float32, budget_bytes=slots * 2 * 16 * C * 4, storage=False)
+    tree = PrefixTree(pool)
+    return tree, Scheduler(tree, max_batch, max_prefill_tokens, group_prefix_tokens=4 * C)
+
+
+def seqs(prompts: list[list[int]], max_new_tokens: int = 1000) -> list[Sequence]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [Sequence(Request(i, p, params), 0, None) for i, p in enumerate(prompts)]
+
+
+def run(tree: PrefixTree, sched: Scheduler, batch: Batch) -> list[Sequence]:
+    """What the engine does with a batch, minus the model: K/V are written, a token is sampled
+    (token 5) where the engine would sample one, and sequences at max_new_tokens finish."""
+    done = list(batch.ended)
+    for seq, _, _ in batch.prefill:
+        tree.mark_ready(seq.seq_id)
+        if not seq.preempted:
+            seq.tokens.append(5)
+    for seq in batch.decode:
+        seq.tokens.append(5)
+    for seq in [a.seq for a in batch.prefill] + batch.decode:
+        if len(seq.output) >= seq.params.max_new_tokens:
+            seq.finish_reason = "length"
+            sched.finish(seq)
+            done.append(seq)
+    return done
+
+
+def test_a_shared_prefix_is_prefilled_once_then_the_rest_join():
+    tree, sched = setup(slots=64)
+    system = list(range(100, 100 + 3 * C))
+    sched.add(seqs([system + [i] for i in range(4)]))
+    first = sched.schedule()
+    assert [a.seq.request.id for a in first.prefill] == [0]  # the others wait for its chunks
+    run(tree, sched, first)
+    second = sched.schedule()
+    assert [a.seq.request.id for a in second.prefill] == [1, 2, 3]
+    assert all(a.cached == 3 * C for a in second.prefill)
+    assert sched.num_waiting == 0 and sched.num_running == 4
+
+
+def test_one_wave_per_schedule_and_prefill_before_decode():
+    tree, sched = setup(slots=256, max_batch=64, max_prefill_tokens=3 * C)
+    sched.add(seqs([[i] * C for i in range(10)], max_new_tokens=1))
+    waves = []
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch.prefill and not batch.decode  # everything finishes at prefill: no decode step
+        waves.append(len(batch.prefill))
+        done = run(tree, sched, batch)
+        assert len(done) == waves[-1] and sched.num_running == 0
+    assert waves == [3, 3, 3, 1]
+
+
+def test_admission_keeps_a_free_chunk_per_running_sequence():
+    tree, sched = setup(slots=12)
+    sched.add(seqs([[i] * (2 * C - 1) for i in range(8)]))  # two chunks each, the second one not full
+    batch = sched.schedule()
+    # After n admissions: 12 - 2n chunks left for n running sequences' next appends.
+    assert len(batch.prefill) == 4
+    assert tree.pool.free_slots + tree.evictable_chunks >= sched.num_running
+    run(tree, sched, batch)
+    assert sched.schedule().decode  # the waiting ones stay out until chunks free up
+
+
+def test_a_refused_admission_leaves_the_cache_as_it_was():
+    tree, sched = setup(slots=10)
+    system = list(range(200, 200 + 6 * C))
+    sched.add(seqs([system + [1]], max_new_tokens=1))
+    run(tree, sched, sched.schedule())
+    assert tree.cached_chunks == 7 and tree.match_len(system + [2]) == 6 * C
+    # Two long runners fill most of the pool (evicting the cached tail), then a prompt that would
+    # reuse the 6 cached chunks arrives but the runners' headroom is short.
+    sched.add(seqs([[9] * (C - 1), [8] * (C - 1)]))
+    run(tree, sched, sched.schedule())
+    sched.add(seqs([system + [3, 4]]))
+    cached, used, match = tree.cached_chunks, tree.pool.used, tree.match_len(system + [2])
+    assert match == 6 * C and tree.pool.free_slots + tree.evictable_chunks < 2 + 1 + 1
+    batch = sched.schedule()
+    assert not batch.prefill and len(batch.decode) == 2  # refused: the runners decode
+    assert sched.num_waiting == 1
+    assert tree.cached_chunks == cached and tree.match_len(system + [2]) == match
+    tree.check()
+
+
+def test_preemption_takes_the_youngest_and_the_oldest_always_progresses():
+    tree, sched = setup(slots=6)
+    a, b, c = seqs([[1] * (C - 1), [2] * (C - 1), [3] * (C - 1)])
+    sched.add([a, b, c])
+    run(tree, sched, sched.schedule())
+    assert sched.running == [a, b, c]
+    preempted = []
+    lengths = []
+    for _ in range(4 * C):
+        batch = sched.schedule()
+        if batch.preempted:
+            preempted.extend(s for s in (a, b, c) if s in sched.waiting and s not in preempted)
+        lengths.append(len(a.tokens))
+        run(tree, sched, batch)
+        tree.check()
+    assert preempted[:2] == [c, b]  # youngest first
+    assert a in sched.running
+    # a, the oldest, gains a token on every decode step: only a prefill step can pause it.
+    assert lengths[-1] - lengths[0] >= len(lengths) // 2
+
+
+def test_a_sequence_that_outgrows_the_whole_budget_ends_with_length():
+    tree, sched = setup(slots=3)
+    (s,) = seqs([[4] * C])
+    sched.add([s])
+    run(tree, sched, sched.schedule())
+    ended = []
+    for _ in range(10 * C):  # no livelock: it ends well within this
+        if not sched.has_work:
+            break
+        batch = sched.schedule()
+        ended += batch.ended
+        run(tree, sched, batch)
+    assert ended == [s] and s.finish_reason == "length"
+    assert len(s.tokens) == 3 * C + 1  # it filled all three chunks; its last sampled token had no room
+    assert sched.preemptions == 0 and not sched.has_work
+    tree.check()
+
+
+def test_a_readmitted_sequence_that_cannot_fit_ends_with_length():
+    tree, sched = setup(slots=6)
+    old, young = seqs([[1] * (C + 4), [2] * (C + 4)])
+    sched.add([old, young])
+    run(tree, sched, sched.schedule())
+    assert sched.running == [old, young]  # both admitted, with a free chunk each
+    finished = []
+    for _ in range(20 * C):
+        if not sched.has_work:
+            break
+        batch = sched.schedule()
+        finished += run(tree, sched, batch)
+    assert not sched.has_work, "livelock"
+    assert finished[0] is old and old.finish_reason == "length"  # it outgrew the budget first
+    assert young in finished and young.finish_reason == "length" and sched.preemptions >= 1
+    assert len(young.output) > 1  # it kept its text through the preemption
+    tree.check()
+
+
+def test_a_prompt_larger_than_the_budget_is_an_error_not_an_exception():
+    tree, sched = setup(slots=3)
+    big, small = seqs([[1] * (4 * C), [2] * 5], max_new_tokens=2)
+    sched.add([big, small])
+    batch = sched.schedule()
+    assert batch.ended == [big] and big.finish_reason == "error"
+    assert "needs 4 KV chunks of 16 tokens" in big.error and "holds 3" in big.error
+    assert [a.seq for a in batch.prefill] == [small]
+
+
+def test_add_between_steps_and_counts():
+    tree, sched = setup(slots=64, max_batch=2)
+    sched.add(seqs([[1] * 5, [2] * 5, [3] * 5], max_new_tokens=3))
+    assert (sched.num_waiting, sched.num_running) == (3, 0)
+    run(tree, sched, sched.schedule())
+    assert (sched.num_waiting, sched.num_running) == (1, 2)
+    sched.add(seqs([[4] * 5]))
+    assert sched.num_waiting == 2
+    while sched.has_work:
+        run(tree, sched, sched.schedule())
+    assert tree.pool.used == tree.cached_chunks  # everything left is cache
