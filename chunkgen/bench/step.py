@@ -34,7 +34,8 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
     engine = llm.new_engine(max_batch=len(prompts))
     params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
     engine.add([Request(i, p, params) for i, p in enumerate(prompts)])
-    engine.step()  # admission, prefill and the first decode step
+    while engine.num_waiting:  # admission and prefill waves, before the decode steps timed below
+        engine.step()
     totals = {"attention": 0.0, "linear": 0.0, "model": 0.0}
     with _timed(llama, "decode_attention", totals, "attention"), \
             _timed(llama.Linear, "__call__", totals, "linear"), \

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Iterable
 
+from chunkgen.cache.pool import ChunkPool
 from chunkgen.cache.tree import PrefixTree
 
 
@@ -48,3 +50,12 @@ def tree_stats(tree: PrefixTree) -> TreeStats:
         inserted_tokens=tree.inserted_tokens,
         alignment_loss=(shared * tree.chunk_size - stored) / stored if stored else 0.0,
     )
+
+
+def plan_tree(pool: ChunkPool, prompts: Iterable[list[int]]) -> PrefixTree:
+    """The tree a run would build for these prompts, with bookkeeping only (no K/V computed)."""
+    tree = PrefixTree(pool)
+    for seq, tokens in enumerate(prompts):
+        tree.insert(seq, tokens)
+        tree.mark_ready(seq)
+    return tree

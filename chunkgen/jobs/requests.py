@@ -1,20 +1,26 @@
-"""Query files -> validated jobs or error records, line by line.
+"""Query files -> validated jobs or error records, one line at a time.
 
 Two formats: template rows (JSONL objects with an id and the template's placeholder fields) and
-OpenAI Batch API request files (custom_id / method / url / body.messages), detected from the
-first object. A bad line becomes an ErrorRecord naming its line, id and field; the rest go on.
+OpenAI Batch API request files (custom_id / method / url / body). Rows are read as a stream, so a
+file of any length (or standard input) costs memory for one line at a time. A bad line becomes an
+ErrorRecord naming its line, id and field; the rest go on.
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from dataclasses import dataclass, field
+import math
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
-from chunkgen.engine.sampler import SamplingParams
+from chunkgen.engine.sampler import ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
 
 OPENAI_URL = "/v1/chat/completions"
+STDIN = "-"
 
 
 @dataclass
@@ -24,6 +30,14 @@ class Job:
     messages: list[dict[str, str]]
     params: SamplingParams
     template: str | None = None  # template name, or None for OpenAI batch rows
+    data: tuple[str, ...] = ()  # user-supplied text inside `messages`: tokenized as text, never as control tokens
+
+    @property
+    def request_hash(self) -> str:
+        """What the answer depends on; resume compares it to tell a changed request from an answered one."""
+        canon = json.dumps({"messages": self.messages, "params": self.params.as_dict(),
+                            "template": self.template}, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -34,145 +48,231 @@ class ErrorRecord:
     message: str
 
 
-class _RowError(Exception):
+class RowError(Exception):
     def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
         self.field, self.message = field, message
 
 
-def _read_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object or _RowError) for each non-blank line; bytes decoded per line so
+# -- reading ---------------------------------------------------------------------------------------
+def open_queries(path: str | Path) -> BinaryIO:
+    """The query file, or standard input for '-' (and /dev/stdin, which is read the same way)."""
+    if str(path) == STDIN:
+        return sys.stdin.buffer
+    return Path(path).open("rb")
+
+
+def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
+    if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RowError(None, f"invalid UTF-8 at byte {exc.start}")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return RowError(None, f"not valid JSON: {exc.msg} (column {exc.colno})")
+    except RecursionError:
+        return RowError(None, "not valid JSON: nested too deeply")
+    if not isinstance(obj, dict):
+        return RowError(None, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_rows(stream: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+    """(line number, parsed object or RowError) for each non-blank line; bytes are decoded per line so
     one bad line cannot spoil the file."""
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield number, _RowError(None, f"invalid UTF-8 at byte {exc.start}")
-                continue
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield number, _RowError(None, f"not valid JSON: {exc.msg} (column {exc.colno})")
-                continue
-            if not isinstance(obj, dict):
-                yield number, _RowError(None, f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield number, obj
+    for number, raw in enumerate(stream, start=1):
+        if raw.strip():
+            yield number, _parse(number, raw)
 
 
-def detect_format(path: Path) -> str:
-    """'openai' if the first object looks like an OpenAI batch request, else 'template'."""
-    for _, obj in _read_lines(path):
+def _looks_openai(obj: dict[str, Any]) -> bool | None:
+    """True/False when a row decides the format, None when it says nothing (e.g. `{}`)."""
+    if "custom_id" in obj or "body" in obj:
+        return True
+    return False if obj else None
+
+
+def detect_format(rows: Iterator[tuple[int, Any]], lookahead: int = 1000) -> tuple[str, Iterator[tuple[int, Any]]]:
+    """('openai' | 'template', the same rows): decided by the first row that says, among the first
+    `lookahead` valid rows; the rows read to decide are handed back, so a pipe is read once."""
+    seen: list[tuple[int, Any]] = []
+    fmt = "template"
+    for item in rows:
+        seen.append(item)
+        obj = item[1]
         if isinstance(obj, dict):
-            return "openai" if "custom_id" in obj and "body" in obj else "template"
-    return "template"
+            verdict = _looks_openai(obj)
+            if verdict is not None:
+                fmt = "openai" if verdict else "template"
+                break
+        if len(seen) >= lookahead:
+            break
+    return fmt, itertools.chain(seen, rows)
 
 
-def _params(base: dict[str, Any], row: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+# -- fields ----------------------------------------------------------------------------------------
+def _text(v: Any, field: str) -> str:
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise RowError(field, f"must be a string or a number, got {_kind(v)}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise RowError(field, f"must be a finite number, got {v}")
+    return str(v)
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "a list", bool: "a boolean", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _params(base: dict[str, Any], row: dict[str, Any], names: dict[str, str], prefix: str = "") -> SamplingParams:
     """SamplingParams from defaults plus the row's overrides; `names` maps row keys to fields."""
     values = dict(base)
+    source = {}
     for key, target in names.items():
-        if key not in row or row[key] is None:
+        if row.get(key) is None:
             continue
         v = row[key]
-        if target == "stop":
-            if isinstance(v, str):
-                v = [v]
-            if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-                raise _RowError(key, "must be a non-empty string or a list of them")
-        elif target in ("max_new_tokens", "top_k", "seed", "n"):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise _RowError(key, f"must be an integer, got {json.dumps(v)}")
-        elif target in ("temperature", "top_p"):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise _RowError(key, f"must be a number, got {json.dumps(v)}")
+        if target == "stop" and isinstance(v, str):
+            v = [v]
         values[target] = v
+        source[target] = key
     try:
         return SamplingParams(**values)
-    except ValueError as exc:
-        bad = next((k for k, t in names.items() if t in str(exc) and k in row), None)
-        raise _RowError(bad, str(exc)) from None
+    except ParamError as exc:
+        raise RowError(prefix + source.get(exc.field, exc.field), exc.message) from None
 
 
-TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")}
-OPENAI_OVERRIDES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n"}
+def check_defaults(defaults: dict[str, Any]) -> None:
+    """Raises ParamError when the command line's sampling defaults are themselves invalid."""
+    SamplingParams(**defaults)
 
 
-def read_template_jobs(
-    path: Path, templates: dict[str, Template], defaults: dict[str, Any], id_field: str = "id"
-) -> Iterator[Job | ErrorRecord]:
+# -- template rows ---------------------------------------------------------------------------------
+TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n")}
+
+
+def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any],
+                  id_field: str = "id") -> Iterator[Job | ErrorRecord]:
     """Rows of a template query file. With several templates, each row names one in `template`."""
     seen: set[str] = set()
     only = next(iter(templates.values())) if len(templates) == 1 else None
-    for number, obj in _read_lines(path):
-        if isinstance(obj, _RowError):
+    for number, obj in rows:
+        if isinstance(obj, RowError):
             yield ErrorRecord(None, number, obj.field, obj.message)
             continue
         raw_id = obj.get(id_field)
-        rid = f"line-{number}" if raw_id is None else raw_id
+        rid: str | None = None
         try:
-            if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-                rid = None
-                raise _RowError(id_field, "must be a string or an integer")
-            rid = str(rid)
+            if raw_id is None:
+                rid = f"line-{number}"
+            elif isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+                raise RowError(id_field, f"must be a string or an integer, got {_kind(raw_id)}")
+            else:
+                rid = str(raw_id)
             if rid in seen:
-                raise _RowError(id_field, f"duplicate id {rid!r}")
+                raise RowError(id_field, f"duplicate id {rid!r} (an earlier line has it; ids must be unique)")
             seen.add(rid)
             template = only
             if "template" in obj or template is None:
                 name = obj.get("template")
+                if not isinstance(name, str):
+                    raise RowError("template", f"must name one of {sorted(templates)}, got {_kind(name)}")
                 if name not in templates:
-                    raise _RowError("template", f"unknown template {name!r}; known: {sorted(templates)}")
+                    raise RowError("template", f"unknown template {name!r}; known: {sorted(templates)}")
                 template = templates[name]
             values: dict[str, str] = {}
             for name in template.fields:
                 if name not in obj:
-                    raise _RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
-                v = obj[name]
-                if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-                    raise _RowError(name, f"must be a string or a number, got {type(v).__name__}")
-                values[name] = str(v)
+                    raise RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
+                values[name] = _text(obj[name], name)
             params = _params({**template.sampling, **defaults}, obj, TEMPLATE_OVERRIDES)
-            yield Job(rid, number, template.messages(values), params, template.name)
-        except _RowError as err:
+            yield Job(rid, number, template.messages(values), params, template.name,
+                      data=tuple(values.values()))
+        except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)
 
 
-def read_openai_jobs(path: Path, defaults: dict[str, Any]) -> Iterator[Job | ErrorRecord]:
+# -- OpenAI batch rows -----------------------------------------------------------------------------
+OPENAI_OVERRIDES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n"}
+# Accepted and without effect on a local model, as the Batch API accepts them.
+OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
+                  "parallel_tool_calls", "reasoning_effort", "prompt_cache_key", "safety_identifier"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _unsupported(body: dict[str, Any]) -> str | None:
+    """The first body field asking for something chunkgen cannot do (never silently dropped)."""
+    for key, value in body.items():
+        if key in OPENAI_OVERRIDES or key in OPENAI_IGNORED or key == "messages":
+            continue
+        harmless = (
+            (key in ("frequency_penalty", "presence_penalty") and value in (0, None))
+            or (key in ("logprobs", "stream") and value in (False, None))
+            or (key == "top_logprobs" and value in (0, None))
+            or (key in ("logit_bias", "tools", "functions") and not value)
+            or (key in ("tool_choice", "function_call") and value in ("none", None))
+            or (key == "response_format" and (value is None or value == {"type": "text"}))
+            or (key == "modalities" and value in (["text"], None))
+        )
+        if not harmless:
+            return key
+    return None
+
+
+def _content(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text can be run here
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                raise RowError(f"{field}[{j}]", f"only text content parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RowError(field, f"must be a string or a list of text parts, got {_kind(content)}")
+
+
+def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> Iterator[Job | ErrorRecord]:
     seen: set[str] = set()
-    for number, obj in _read_lines(path):
-        if isinstance(obj, _RowError):
+    for number, obj in rows:
+        if isinstance(obj, RowError):
             yield ErrorRecord(None, number, obj.field, obj.message)
             continue
         rid = obj.get("custom_id")
         try:
             if not isinstance(rid, str) or not rid:
                 rid = None
-                raise _RowError("custom_id", "must be a non-empty string")
+                raise RowError("custom_id", "must be a non-empty string")
             if rid in seen:
-                raise _RowError("custom_id", f"duplicate custom_id {rid!r}")
+                raise RowError("custom_id", f"duplicate custom_id {rid!r} (an earlier line has it)")
             seen.add(rid)
             if obj.get("method", "POST") != "POST":
-                raise _RowError("method", "must be POST")
+                raise RowError("method", "must be POST")
             if obj.get("url", OPENAI_URL) != OPENAI_URL:
-                raise _RowError("url", f"only {OPENAI_URL} is supported, got {obj.get('url')!r}")
+                raise RowError("url", f"only {OPENAI_URL} is supported, got {obj.get('url')!r}")
             body = obj.get("body")
             if not isinstance(body, dict):
-                raise _RowError("body", "must be an object")
+                raise RowError("body", f"must be an object, got {_kind(body)}")
+            bad = _unsupported(body)
+            if bad is not None:
+                raise RowError(f"body.{bad}", "is not supported by chunkgen")
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise _RowError("body.messages", "must be a non-empty list")
+                raise RowError("body.messages", "must be a non-empty list")
             clean = []
             for i, m in enumerate(messages):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise _RowError(f"body.messages[{i}]", "must be an object with string 'role' and 'content'")
-                clean.append({"role": m["role"], "content": m["content"]})
-            params = _params(defaults, body, {k: v for k, v in OPENAI_OVERRIDES.items()})
-            yield Job(rid, number, clean, params, None)
-        except _RowError as err:
-            field = err.field if err.field is None or err.field.startswith(("body", "custom_id", "method", "url")) else f"body.{err.field}"
-            yield ErrorRecord(rid, number, field, err.message)
+                field = f"body.messages[{i}]"
+                if not isinstance(m, dict):
+                    raise RowError(field, f"must be an object, got {_kind(m)}")
+                role = m.get("role")
+                if role not in ROLES:
+                    raise RowError(f"{field}.role", f"must be one of {sorted(ROLES)}, got {role!r}")
+                clean.append({"role": ROLES[role], "content": _content(m.get("content"), f"{field}.content")})
+            params = _params(defaults, body, OPENAI_OVERRIDES, prefix="body.")
+            yield Job(rid, number, clean, params, None, data=tuple(m["content"] for m in clean))
+        except RowError as err:
+            yield ErrorRecord(rid, number, err.field, err.message)

@@ -1,4 +1,11 @@
-"""Streaming JSONL results: one flushed line per finished request, resumable after a kill."""
+"""Streaming JSONL results: one flushed line per finished request, resumable after a kill.
+
+Every record carries the input line it answers and a hash of the request (`line`, `request_hash`).
+Resume keys answers by (line, id): an error record never stands for an answer (its row is tried
+again), and an answer whose request has changed since is reported, and re-answered only when asked.
+A record written again in a later run supersedes the earlier one; the file is compacted at the end
+of that run so each key appears once.
+"""
 from __future__ import annotations
 
 import json
@@ -9,45 +16,66 @@ from pathlib import Path
 from typing import Any
 
 from chunkgen.engine.sequence import Result
+from chunkgen.jobs.lock import OutputLock
 from chunkgen.jobs.requests import ErrorRecord, Job
+
+Key = tuple[int | None, str | None]  # (input line, id); line None for records of older versions
 
 
 class OutputExists(FileExistsError):
     pass
 
 
-def error_key(err: ErrorRecord) -> str:
-    return err.id if err.id is not None else f"line:{err.line}"
+class OutputError(ValueError):
+    """The output file cannot be used or written; the message says why and what is safe."""
 
 
-def _repair_and_read(path: Path) -> set[str]:
-    """Ids already answered; a truncated last line (a killed run) is cut off the file."""
-    done: set[str] = set()
+def _is_record(rec: Any) -> bool:
+    if not isinstance(rec, dict):
+        return False
+    if "custom_id" in rec:  # OpenAI batch output
+        return "response" in rec and "error" in rec
+    return "id" in rec and ("text" in rec or "error" in rec)
+
+
+def record_key(rec: dict[str, Any]) -> Key:
+    rid = rec.get("custom_id") if "custom_id" in rec else rec.get("id")
+    line = rec.get("line")
+    return (line if isinstance(line, int) else None, None if rid is None else str(rid))
+
+
+def is_error(rec: dict[str, Any]) -> bool:
+    return rec.get("error") is not None
+
+
+def _scan(path: Path) -> tuple[dict[Key, str | None], set[Key], int]:
+    """(answers: key -> request hash, every key in the file, byte length of the complete records).
+    Refuses, before changing anything, a file holding lines that are not chunkgen records."""
+    answers: dict[Key, str | None] = {}
+    keys: set[Key] = set()
     good_end = 0
     with path.open("rb") as f:
-        data = f.read()
-    pos = 0
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
-        if nl < 0:
-            break  # no newline: the writer died mid-line
-        line = data[pos:nl]
-        try:
-            rec = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            line_no = data.count(b"\n", 0, pos) + 1
-            raise ValueError(f"{path}: line {line_no} is not a result record; "
-                             "refusing to resume into a file chunkgen did not write") from None
-        key = rec.get("custom_id", rec.get("id")) if "custom_id" in rec else rec.get("id")
-        if key is None:
-            err = rec.get("error") or {}
-            key = f"line:{err.get('line', rec.get('line'))}"
-        done.add(str(key))
-        pos = good_end = nl + 1
-    if good_end < len(data):
-        with path.open("r+b") as f:
-            f.truncate(good_end)
-    return done
+        for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                break  # no newline: a run died mid-line; this fragment is cut off
+            if raw.strip():
+                try:
+                    rec = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                    rec = None
+                if not _is_record(rec):
+                    raise OutputError(
+                        f"{path}: line {number} is not a chunkgen result record; refusing to resume into "
+                        "a file chunkgen did not write (is --out your queries file?)"
+                    )
+                key = record_key(rec)
+                keys.add(key)
+                if is_error(rec):
+                    answers.pop(key, None)  # a later error record supersedes an earlier answer
+                else:
+                    answers[key] = rec.get("request_hash")
+            good_end += len(raw)
+    return answers, keys, good_end
 
 
 class RecordFormat:
@@ -58,10 +86,9 @@ class RecordFormat:
         self.fmt = fmt
         self.model_name = model_name
 
-    # -- records ------------------------------------------------------------------------------
     def result_record(self, job: Job, res: Result) -> dict[str, Any]:
-        usage = {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
-                 "completion_tokens": res.completion_tokens}
+        if res.error is not None:
+            return self.error_record(ErrorRecord(job.id, job.line, "prompt", res.error), job.request_hash)
         if self.fmt == "openai":
             body = {
                 "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
@@ -74,58 +101,101 @@ class RecordFormat:
             }
             return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": job.id,
                     "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
-                    "error": None}
-        rec: dict[str, Any] = {"id": job.id, "template": job.template, "text": res.text,
-                               "finish_reason": res.finish_reason, "usage": usage,
-                               "sampling": job.params.as_dict()}
+                    "error": None, "line": job.line, "request_hash": job.request_hash}
+        rec: dict[str, Any] = {"id": job.id, "line": job.line, "template": job.template, "text": res.text,
+                               "finish_reason": res.finish_reason,
+                               "usage": {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
+                                         "completion_tokens": res.completion_tokens},
+                               "sampling": job.params.as_dict(), "request_hash": job.request_hash}
         if len(res.completions) > 1:
             rec["completions"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in res.completions]
         return rec
 
-    def error_record(self, err: ErrorRecord) -> dict[str, Any]:
+    def error_record(self, err: ErrorRecord, request_hash: str | None = None) -> dict[str, Any]:
         if self.fmt == "openai":
             return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": err.id, "response": None,
                     "error": {"code": "invalid_request", "line": err.line, "field": err.field,
-                              "message": err.message}}
-        return {"id": err.id, "line": err.line, "error": {"field": err.field, "message": err.message}}
+                              "message": err.message},
+                    "line": err.line, "request_hash": request_hash}
+        return {"id": err.id, "line": err.line, "error": {"field": err.field, "message": err.message},
+                "request_hash": request_hash}
 
 
 class ResultWriter(RecordFormat):
+    """The one writer of an output file (it holds the file's lock from open to close)."""
+
     def __init__(self, path: str | Path, fmt: str, model_name: str, resume: bool = False,
-                 ordered: bool = False) -> None:
+                 ordered: bool = False, rerun_changed: bool = False) -> None:
         super().__init__(fmt, model_name)
         self.path = Path(path)
-        self.done: set[str] = set()
+        if self.path.is_dir():
+            raise OutputError(f"{self.path} is a directory; --out takes a file path, e.g. {self.path / 'results.jsonl'}")
+        self.lock = OutputLock(self.path).acquire()
+        try:
+            self._open(resume, ordered, rerun_changed)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, resume: bool, ordered: bool, rerun_changed: bool) -> None:
+        self.answers: dict[Key, str | None] = {}
+        self._old_keys: set[Key] = set()
         if self.path.exists() and self.path.stat().st_size > 0:
             if not resume:
                 raise OutputExists(
-                    f"{self.path} already has results; pass --resume to continue it, or choose "
-                    "another --out"
+                    f"{self.path} already has results; pass --resume to continue it, or choose another --out"
                 )
-            self.done = _repair_and_read(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", encoding="utf-8")
+            self.answers, self._old_keys, good_end = _scan(self.path)
+            if good_end < self.path.stat().st_size:
+                self._guard(lambda: os.truncate(self.path, good_end), "repair")
+        self.rerun_changed = rerun_changed
+        self.changed: list[Key] = []  # answered before, but the request differs now
+        self._superseded = False
+        self._f = self._guard(lambda: self.path.open("a", encoding="utf-8"), "open")
         self.ordered = ordered
         self._buffer: dict[int, str] = {}
         self._next = 0
-        self.results = 0
-        self.errors = 0
+        self.closed = False
+
+    def _guard(self, action, what: str):
+        try:
+            return action()
+        except OSError as exc:
+            raise OutputError(
+                f"cannot {what} {self.path}: {exc.strerror or exc}; every record written before this "
+                "point is kept, and a rerun with --resume continues from it"
+            ) from None
+
+    # -- resume -------------------------------------------------------------------------------
+    def answered(self, job: Job) -> bool:
+        """True when an earlier run already answered this request (same line, id and request)."""
+        key: Key = (job.line, job.id)
+        if key not in self.answers:
+            if (None, job.id) in self.answers:  # written by a version without line numbers
+                return True
+            return False
+        if self.answers[key] in (None, job.request_hash):
+            return True
+        self.changed.append(key)
+        return not self.rerun_changed
 
     # -- writing ------------------------------------------------------------------------------
     def write(self, record: dict[str, Any], index: int | None = None) -> None:
         """Write now (completion order), or hold until every earlier index is written (--ordered)."""
+        if record_key(record) in self._old_keys:
+            self._superseded = True
         line = json.dumps(record, ensure_ascii=False) + "\n"
         if not self.ordered or index is None:
             self._emit(line)
-            return
-        self.write_record_line(line, index)
+        else:
+            self._hold(line, index)
 
     def skip(self, index: int) -> None:
         """An index with nothing to write (answered in an earlier run): frees the ordered queue."""
         if self.ordered:
-            self.write_record_line("", index)
+            self._hold("", index)
 
-    def write_record_line(self, line: str, index: int) -> None:
+    def _hold(self, line: str, index: int) -> None:
         self._buffer[index] = line
         while self._next in self._buffer:
             self._emit(self._buffer.pop(self._next))
@@ -133,12 +203,37 @@ class ResultWriter(RecordFormat):
 
     def _emit(self, line: str) -> None:
         if line:
-            self._f.write(line)
-            self._f.flush()  # a killed process loses at most the line being written
+            def put() -> None:
+                self._f.write(line)
+                self._f.flush()  # a killed process loses at most the line being written
+            self._guard(put, "write to")
 
     def close(self) -> None:
-        for i in sorted(self._buffer):
-            self._emit(self._buffer.pop(i))
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for i in sorted(self._buffer):
+                self._emit(self._buffer.pop(i))
+            self._guard(lambda: (self._f.flush(), os.fsync(self._f.fileno())), "flush")
+            self._f.close()
+            if self._superseded:
+                self._guard(self._compact, "compact")
+        finally:
+            self.lock.release()
+
+    def _compact(self) -> None:
+        """Keep only the last record of every key (a key written again in this run supersedes)."""
+        last: dict[Key, int] = {}
+        with self.path.open("rb") as f:
+            for number, raw in enumerate(f):
+                if raw.strip():
+                    last[record_key(json.loads(raw))] = number
+        tmp = self.path.with_name(f".{self.path.name}.compact-{os.getpid()}")
+        with self.path.open("rb") as src, tmp.open("wb") as dst:
+            for number, raw in enumerate(src):
+                if raw.strip() and last[record_key(json.loads(raw))] == number:
+                    dst.write(raw)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, self.path)  # atomic: a kill during compaction leaves the old, longer file

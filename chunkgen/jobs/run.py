@@ -1,19 +1,42 @@
-"""A whole job: query rows in, engine in the middle, records out; the CLI only wires and prints."""
+"""The job loop, in two halves that a local run and a Ray worker share.
+
+`triage` needs the output: it writes error records for bad rows and skips what an earlier run
+answered. `answer` needs the engine: it tokenizes rows a window ahead of the engine (so memory does
+not grow with the file), feeds them between steps, and turns every result, or a request the engine
+refused, into a record. A local run chains the two; on Ray the driver triages and workers answer.
+"""
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
-from chunkgen.engine import Engine, Request
+from chunkgen.engine import Engine, Request, Result
 from chunkgen.jobs.requests import ErrorRecord, Job
-from chunkgen.jobs.results import ResultWriter, error_key
+from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
+
+Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
+
+
+def never() -> bool:
+    return False
+
+
+@dataclass
+class JobCounts:
+    answered: int = 0  # answers written by this run
+    failed: int = 0  # error records written by this run (bad rows, refused requests)
+    skipped: int = 0  # answered by an earlier run (--resume)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass
 class JobProgress:
     done: int
-    total: int
+    total: int | None  # rows in the input when known (not for a pipe)
     errors: int
     generated_tokens: int
     elapsed_s: float
@@ -24,9 +47,10 @@ class JobProgress:
 
 @dataclass
 class JobSummary:
-    requests: int
-    skipped: int  # answered by an earlier run (--resume)
+    requests: int  # answered by this run
+    skipped: int
     errors: int
+    changed: int  # earlier answers whose request has changed since (kept unless --rerun-changed)
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -35,74 +59,111 @@ class JobSummary:
     decode_s: float
     kv_peak_bytes: int
     kv_unshared_peak_bytes: int
+    interrupted: bool = False
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s else 0.0
 
 
-def run_job(
-    engine: Engine,
-    encode: Callable[[list[dict[str, str]]], list[int]],
-    items: Iterable[Job | ErrorRecord],
-    writer: ResultWriter,
-    max_context: int,
-    on_progress: Callable[[JobProgress], None] | None = None,
-) -> JobSummary:
-    t0 = time.perf_counter()
-    jobs: dict[int, Job] = {}
-    requests: list[Request] = []
-    skipped = errors = 0
-
-    def fail(err: ErrorRecord, index: int) -> None:
-        nonlocal errors
-        errors += 1
-        writer.write(writer.error_record(err), index)
-
+def triage(items: Iterable[Job | ErrorRecord], writer: ResultWriter, counts: JobCounts) -> Iterator[tuple[int, Job]]:
+    """The rows still to answer, numbered in input order; bad rows become error records here."""
     for index, item in enumerate(items):
         if isinstance(item, ErrorRecord):
-            if error_key(item) in writer.done:
-                skipped += 1
-                writer.skip(index)
-            else:
-                fail(item, index)
-            continue
-        if item.id in writer.done:
-            skipped += 1
+            writer.write(writer.error_record(item), index)
+            counts.failed += 1
+        elif writer.answered(item):
             writer.skip(index)
-            continue
-        tokens = encode(item.messages)
-        if len(tokens) + 1 > max_context:
-            fail(ErrorRecord(item.id, item.line, "prompt",
-                             f"prompt is {len(tokens)} tokens; the model's context is {max_context}"), index)
-            continue
-        jobs[index] = item
-        requests.append(Request(index, tokens, item.params))
+            counts.skipped += 1
+        else:
+            yield index, item
 
-    engine.add(requests)
-    total = len(requests)
-    done = generated = 0
-    prompt = cached = 0
-    while engine.has_work:
+
+@dataclass
+class Answer:
+    index: int
+    record: dict
+    result: Result | None = None
+
+
+def answer(engine: Engine, encode: Encode, fmt: RecordFormat, jobs: Iterable[tuple[int, Job]],
+           window: int = 256, should_stop: Callable[[], bool] = never,
+           on_step: Callable[[], None] | None = None) -> Iterator[Answer]:
+    """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
+    fewer than `window` wait, so the engine is never starved and the rest of the file stays unread."""
+    source = iter(jobs)
+    pending: dict[int, Job] = {}
+    exhausted = False
+    while not should_stop():
+        if not exhausted and engine.num_waiting < window:
+            batch: list[Request] = []
+            want = window - engine.num_waiting
+            taken = 0
+            for index, job in itertools.islice(source, want):
+                taken += 1
+                try:
+                    tokens = encode(job.messages, job.data)
+                except Exception as exc:  # e.g. the model's chat template rejects these messages
+                    err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
+                    yield Answer(index, fmt.error_record(err, job.request_hash))
+                    continue
+                batch.append(Request(index, tokens, job.params))
+                pending[index] = job
+            exhausted = taken < want
+            if batch:
+                engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
+        if not engine.has_work:
+            if exhausted:
+                return
+            continue
         for res in engine.step():
-            writer.write(writer.result_record(jobs[res.id], res), res.id)
-            done += 1
-            generated += res.completion_tokens
-            prompt += res.prompt_tokens
-            cached += res.cached_tokens
+            yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+        if on_step:
+            on_step()
+
+
+def run_job(
+    engine: Engine,
+    encode: Encode,
+    items: Iterable[Job | ErrorRecord],
+    writer: ResultWriter,
+    total: int | None = None,
+    window: int | None = None,
+    should_stop: Callable[[], bool] = never,
+    on_progress: Callable[[JobProgress], None] | None = None,
+) -> JobSummary:
+    """A whole local job: rows in, records out, nothing held but the window in flight."""
+    t0 = time.perf_counter()
+    counts = JobCounts()
+    window = window or max(64, 4 * engine.config.max_batch)
+
+    def report() -> None:
         if on_progress:
             s = engine.stats
             on_progress(JobProgress(
-                done=done, total=total, errors=errors, generated_tokens=s.generated_tokens,
-                elapsed_s=time.perf_counter() - t0, running=len(engine.scheduler.running),
-                kv_used_bytes=engine.pool.used_bytes,
+                done=counts.answered + counts.failed + counts.skipped, total=total, errors=counts.failed,
+                generated_tokens=s.generated_tokens, elapsed_s=time.perf_counter() - t0,
+                running=engine.num_running, kv_used_bytes=engine.pool.used_bytes,
                 cache_hit_rate=1 - s.prefilled_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             ))
+
+    for a in answer(engine, encode, writer, triage(items, writer, counts), window, should_stop, report):
+        writer.write(a.record, a.index)
+        if is_error(a.record):
+            counts.failed += 1
+        else:
+            counts.answered += 1
+        if a.result is not None and a.result.error is None:
+            counts.prompt_tokens += a.result.prompt_tokens
+            counts.cached_tokens += a.result.cached_tokens
+            counts.completion_tokens += a.result.completion_tokens
+    interrupted = should_stop()
     writer.close()
     s = engine.stats
     return JobSummary(
-        requests=total, skipped=skipped, errors=errors, prompt_tokens=prompt, cached_tokens=cached,
-        completion_tokens=generated, wall_s=time.perf_counter() - t0, prefill_s=s.prefill_s,
-        decode_s=s.decode_s, kv_peak_bytes=s.kv_peak_bytes,
-        kv_unshared_peak_bytes=s.kv_unshared_peak_bytes,
+        requests=counts.answered, skipped=counts.skipped, errors=counts.failed, changed=len(writer.changed),
+        prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
+        completion_tokens=counts.completion_tokens, wall_s=time.perf_counter() - t0, prefill_s=s.prefill_s,
+        decode_s=s.decode_s, kv_peak_bytes=s.kv_peak_bytes, kv_unshared_peak_bytes=s.kv_unshared_peak_bytes,
+        interrupted=interrupted,
     )

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chunkgen.engine.sampler import ParamError, SamplingParams
+
 
 class TemplateError(ValueError):
     """A template cannot be used; the message names the file and the problem."""
@@ -51,7 +53,8 @@ def _placeholders(text: str, path: Path) -> tuple[str, ...]:
     return tuple(names)
 
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n"}
+TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling"}
 
 
 def load_template(path: str | Path) -> Template:
@@ -60,13 +63,20 @@ def load_template(path: str | Path) -> Template:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise TemplateError(f"{path}: template file not found") from None
+    except IsADirectoryError:
+        raise TemplateError(f"{path}: is a directory with no *.toml templates") from None
+    except OSError as exc:
+        raise TemplateError(f"{path}: cannot read the template ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
         raise TemplateError(f"{path}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise TemplateError(f"{path}: not valid TOML: {exc}") from None
-    for key in ("system", "user"):
+    unknown = set(data) - TOP_LEVEL_KEYS
+    if unknown:
+        raise TemplateError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_LEVEL_KEYS)}")
+    for key in ("name", "description", "system", "user"):
         if key in data and not isinstance(data[key], str):
-            raise TemplateError(f"{path}: field '{key}' must be a string")
+            raise TemplateError(f"{path}: field '{key}' must be a string, got {type(data[key]).__name__}")
     if "user" not in data:
         raise TemplateError(f"{path}: missing field 'user' (the per-query message, with {{placeholders}})")
     sampling = data.get("sampling", {})
@@ -75,14 +85,21 @@ def load_template(path: str | Path) -> Template:
     unknown = set(sampling) - SAMPLING_KEYS
     if unknown:
         raise TemplateError(f"{path}: [sampling] has unknown keys {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
+    try:  # types and ranges now, not after the model has loaded
+        SamplingParams(**sampling)
+    except ParamError as exc:
+        raise TemplateError(f"{path}: [sampling] {exc.field}: {exc.message}") from None
+    name = data.get("name", path.stem)
+    if not name.strip():
+        raise TemplateError(f"{path}: field 'name' must not be empty")
     return Template(
-        name=str(data.get("name", path.stem)),
+        name=name,
         path=path,
         system=data.get("system", "").strip(),
         user=data["user"],
         fields=_placeholders(data["user"], path),
         sampling=dict(sampling),
-        description=str(data.get("description", "")),
+        description=data.get("description", ""),
     )
 
 

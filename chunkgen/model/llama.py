@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkgen.cache.context import KernelContext
-from chunkgen.cache.pool import ChunkPool
+from chunkgen.cache.pool import ChunkPool, kv_shape
 from chunkgen.kernels import decode_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -133,10 +133,8 @@ class LlamaModel:
         self.dtype = hf_model.dtype
         self.device = hf_model.device
         inner = hf_model.model
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers, self.kv_heads, self.head_dim = kv_shape(cfg)
         self.q_heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None

