@@ -604,21 +604,11 @@ def bench_step(
 @bench_app.command("machine")
 def bench_machine() -> None:
     """The ceilings the kernel is compared with: fp32 FMA GFLOP/s and streaming-read GB/s."""
-    import time
+    from chunkgen.bench.machine import machine_ceilings
 
-    import torch
-
-    from chunkgen._native import native
-
-    gflops = native().fma_peak_gflops()
-    x = torch.ones(256 * 1024 * 1024 // 4)
-    x.sum()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        x.sum()
-    gbs = 5 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
-    stdout.print(f"fp32 FMA peak {gflops:.0f} GFLOP/s ({native().simd_width()} lanes, all threads); "
-                 f"streaming read {gbs:.1f} GB/s (torch sum over 256 MiB)")
+    r = machine_ceilings()
+    stdout.print(f"fp32 FMA peak {r['fma_gflops']:.0f} GFLOP/s ({r['simd_lanes']} lanes, all threads); "
+                 f"streaming read {r['read_gb_s']:.1f} GB/s (torch sum over {r['read_mib']} MiB)")
 
 
 @bench_app.command("tree")

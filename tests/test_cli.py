@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from chunkgen.cli import EXIT_BAD_INPUT_LINES, app
@@ -276,7 +278,25 @@ def test_unsupported_or_incomplete_models_are_named(tmp_path, tiny_model):
     (empty / "config.json").write_text((tiny_model / "config.json").read_text())
     res = runner.invoke(app, base_args(str(empty), tmp_path / "o.jsonl"))
     assert res.exit_code == 1 and "no weights" in res.output
-    assert not (tmp_path / "o.jsonl").exists()
+    # Weights that are a code-running pickle, a chat template the sandbox refuses: one message each.
+    pickled = tmp_path / "pickled"
+    shutil.copytree(tiny_model, pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({"w": _RunsCode()}, pickled / "pytorch_model.bin")
+    res = runner.invoke(app, base_args(str(pickled), tmp_path / "o.jsonl"))
+    assert res.exit_code == 1 and "safe loader refuses" in res.output and "posix.system" in res.output
+    sandboxed = tmp_path / "sandboxed"
+    shutil.copytree(tiny_model, sandboxed)
+    (sandboxed / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}")
+    res = runner.invoke(app, base_args(str(sandboxed), tmp_path / "o.jsonl"))
+    assert res.exit_code == 1 and "chat template cannot be used" in res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "o.jsonl").exists()  # a run that wrote nothing leaves no file
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
 
 
 def test_help_and_version():

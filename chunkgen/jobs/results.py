@@ -140,6 +140,8 @@ class ResultWriter(RecordFormat):
     def _open(self, resume: bool, ordered: bool, rerun_changed: bool) -> None:
         self.answers: dict[Key, str | None] = {}
         self._old_keys: set[Key] = set()
+        self._created = not self.path.exists()  # removed again if the run ends without a record
+        self._written = 0
         if self.path.exists() and self.path.stat().st_size > 0:
             if not resume:
                 raise OutputExists(
@@ -207,6 +209,7 @@ class ResultWriter(RecordFormat):
                 self._f.write(line)
                 self._f.flush()  # a killed process loses at most the line being written
             self._guard(put, "write to")
+            self._written += 1
 
     def close(self) -> None:
         if self.closed:
@@ -219,6 +222,8 @@ class ResultWriter(RecordFormat):
             self._f.close()
             if self._superseded:
                 self._guard(self._compact, "compact")
+            if self._created and not self._written:
+                self.path.unlink(missing_ok=True)  # e.g. the model failed to load: leave nothing behind
         finally:
             self.lock.release()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -169,7 +170,13 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32, 
         raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except Exception as exc:  # e.g. a pickle that torch's safe loader refuses, a truncated file
+    except pickle.UnpicklingError as exc:
+        # torch's safe loader refused a pickle that would build arbitrary objects (run code); its
+        # own message ends with the offending global and advice we do not want to repeat.
+        why = next((l.strip() for l in str(exc).splitlines() if "GLOBAL" in l), "it holds objects other than tensors")
+        raise ModelNotFound(f"{path}: the weights are a pickle that the safe loader refuses ({why}); "
+                            "use .safetensors weights") from None
+    except Exception as exc:  # e.g. a truncated or damaged file
         raise ModelNotFound(f"{path}: cannot load the weights ({type(exc).__name__}: {exc})") from None
     model.to(device).eval()
     return model, tokenizer, path
