@@ -114,11 +114,16 @@ def test_n_samples_share_the_prompt_and_stop_strings_cut_text(tiny_llm):
     assert len({tuple(c.token_ids) for c in res.completions}) > 1
     greedy = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 30
-    text = greedy.text
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    if stop.strip():
-        cut = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=30, stop=[stop], ignore_eos=True))[0]
-        assert cut.finish_reason == "stop" and stop not in cut.text and text.startswith(cut.text)
+    text, ids = greedy.text, greedy.token_ids
+    decode = lambda t: tiny_llm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+    stop = decode(ids[:15])[len(decode(ids[:12])):]  # what tokens 12-14 add: it occurs, whatever the model says
+    assert stop.strip() and stop in text, f"no usable stop string in {text!r}"
+    cut = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=30, stop=[stop], ignore_eos=True))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)] and stop not in cut.text
+    # token_ids end with the last token whose text ends at or before the cut
+    n = len(cut.token_ids)
+    assert n < 15 and cut.token_ids == ids[:n] and cut.text.startswith(decode(ids[:n]))
+    assert not cut.text.startswith(decode(ids[: n + 1]))
 
 
 def test_later_requests_reuse_the_cached_system_prompt(tiny_llm):

@@ -212,11 +212,16 @@ class Engine:
         out = seq.output
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop:
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.finish_reason, seq.text = "stop", text[:cut]
+        elif p.stop:  # decoded a few tokens at a time; only new text is searched
+            from chunkgen.engine.detokenize import IncrementalDetokenizer
+
+            seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer, p.stop)
+            _, hit = seq.detok.add(token)
+            if not hit and (len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context):
+                _, hit = seq.detok.finish()  # text held back mid-character may end in a stop string
+            if hit:  # the text ends before the stop string, token_ids with the last token wholly before it
+                seq.finish_reason, seq.text = "stop", seq.detok.text
+                del seq.tokens[seq.num_prompt + seq.detok.num_tokens:]
                 return
         if seq.finish_reason is None and (
             len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.sampler import SamplingParams
 
 
@@ -66,6 +67,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "error" when it could not run at all (see error)
         self.error: str | None = None
         self.text = ""
+        self.detok: IncrementalDetokenizer | None = None  # only with stop strings: finds them as text grows
 
     @property
     def params(self) -> SamplingParams:

@@ -1,0 +1,192 @@
+"""Sampling: the kept set and the draw's distribution against a sort-based reference, seeded
+reproducibility whatever the batch, seeds of several samples, and parameter checks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chunkgen.engine.sampler import MAX_SEED, ParamError, SamplingParams, _cut, make_generator, sample, sample_seed
+
+
+def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution sampling must follow, by the book: top-k keeps every token tied with the
+    k-th; top-p keeps the shortest prefix, by probability then token id, whose mass reaches p."""
+    s = logits.double() / temperature
+    if top_k:
+        s = s.masked_fill(s < s.topk(min(top_k, s.numel())).values[-1], -math.inf)
+    probs = s.softmax(-1)
+    if top_p < 1.0:
+        order = sorted(range(probs.numel()), key=lambda i: (-probs[i].item(), i))
+        keep, mass = [], 0.0
+        for i in order:
+            if mass >= top_p:
+                break
+            keep.append(i)
+            mass += probs[i].item()
+        kept = torch.zeros_like(probs, dtype=torch.bool)
+        kept[keep] = True
+        probs = probs * kept
+    return probs / probs.sum()
+
+
+def draw_many(logits: torch.Tensor, params: SamplingParams, n: int, first_seed: int = 0) -> torch.Tensor:
+    """n draws for one row: n copies of it in one batch, each with its own seeded generator."""
+    gens = [make_generator(SamplingParams(temperature=1.0, seed=first_seed + i), 0) for i in range(n)]
+    return torch.tensor(sample(logits.expand(n, -1).contiguous(), [params] * n, gens))
+
+
+def logits_with(kind: str, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g) * 2
+    if kind == "ties":  # what bf16 logits look like: many exact ties, some at the cuts
+        x = (x * 2).round() / 2
+    return x
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties"])
+@pytest.mark.parametrize("vocab,temperature,top_k,top_p", [
+    (60, 1.0, 0, 1.0), (60, 0.7, 0, 0.9), (60, 1.3, 0, 0.5), (60, 1.0, 5, 1.0), (60, 1.0, 12, 0.8),
+    (60, 0.8, 3, 0.3), (60, 1.0, 0, 0.05),
+    (1000, 0.5, 0, 0.7), (1000, 1.0, 30, 1.0),  # kept tokens spread over several blocks of the draw
+])
+def test_draws_stay_in_the_kept_set_and_follow_its_distribution(kind, vocab, temperature, top_k, top_p):
+    logits = logits_with(kind, vocab, seed=top_k + int(100 * top_p))
+    ref = reference(logits, temperature, top_k, top_p)
+    n = 20000
+    draws = draw_many(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), n)
+    freq = torch.bincount(draws, minlength=vocab).double() / n
+    outside = set(draws.tolist()) - set(ref.nonzero().squeeze(1).tolist())
+    assert not outside, f"drew tokens outside the kept set: {sorted(outside)}"
+    assert (freq[ref > 0.01] > 0).all()
+    sigma = (ref * (1 - ref) / n).sqrt()
+    worst = ((freq - ref).abs() / (sigma + 1e-12))[ref > 0].max().item()
+    assert worst < 5.0, f"a frequency is {worst:.1f} standard errors off the kept distribution"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 0.9), (0.6, 0, 0.99), (2.0, 0, 0.5), (1.0, 200, 0.9), (1.0, 3, 0.9), (1.0, 1500, 0.7), (1.0, 40, 1.0),
+])
+def test_the_kept_set_is_exactly_the_reference_on_a_large_vocabulary(temperature, top_k, top_p):
+    """Exactness where draws cannot tell: the weights left after the cut, against the reference,
+    for rows of many shapes in one batch (flat, peaky, tied, with -inf entries)."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(top_k)
+    rows = [torch.randn(vocab, generator=g), torch.randn(vocab, generator=g) * 8,
+            (torch.randn(vocab, generator=g) * 4).round() / 4, torch.randn(vocab, generator=g)]
+    rows[3][::3] = -math.inf
+    rows[0][:8] = rows[0].max() + 1  # eight tokens tied at the top
+    x = torch.stack(rows)
+    s = (x - x.amax(dim=-1, keepdim=True)) / temperature
+    w = s.exp()
+    _cut(s, w, [top_k] * len(rows), [top_p] * len(rows))
+    for row, weights in zip(s, w):
+        ref = reference(row, 1.0, top_k, top_p)
+        assert ((weights > 0) == (ref > 0)).all(), f"kept {int((weights > 0).sum())} tokens, not {int((ref > 0).sum())}"
+        assert torch.allclose(weights.double() / weights.sum(), ref, atol=1e-6)
+
+
+def test_seeded_rows_draw_the_same_alone_and_in_any_batch():
+    vocab = 1000
+    rng = torch.Generator().manual_seed(0)
+    row = torch.randn(vocab, generator=rng) * 1.5
+    mine = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    others = [SamplingParams(), SamplingParams(temperature=1.5, seed=7), SamplingParams(temperature=0.5, top_p=0.3),
+              SamplingParams(temperature=1.0, top_k=5, seed=9)]
+    gen = make_generator(mine, 0)
+    alone = [sample(row[None], [mine], [gen])[0] for _ in range(40)]
+    assert len(set(alone)) > 5  # it does sample
+    for at, size in ((0, 4), (3, 9), (35, 40)):  # first row, between greedy ones, past the first row group
+        params = [others[i % len(others)] for i in range(size)]
+        params[at] = mine
+        gens = [make_generator(p, 0) for p in params]
+        drawn = []
+        for _ in range(40):
+            logits = torch.randn(size, vocab, generator=rng) * 3  # the others change every step
+            logits[at] = row
+            drawn.append(sample(logits, params, gens)[at])
+        assert drawn == alone, f"row {at} of {size} drew differently from the same row alone"
+
+
+def test_greedy_rows_take_the_argmax_and_tiny_temperatures_are_greedy():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 50
+    params = [SamplingParams(), SamplingParams(temperature=1e-300), SamplingParams(temperature=9e-6, seed=3),
+              SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1e-5, seed=2), SamplingParams()]
+    assert [p.greedy for p in params] == [True, True, True, False, False, True]
+    gens = [make_generator(p, 0) for p in params]
+    assert gens[1] is None and gens[2] is None
+    out = sample(logits, params, gens)
+    for i in (0, 1, 2, 5):
+        assert out[i] == int(logits[i].argmax())
+    assert all(0 <= t < 300 for t in out)
+
+
+def test_rows_without_a_distribution_do_not_abort_the_batch():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(2))
+    logits[0, 7] = math.nan
+    logits[1] = -math.inf
+    logits[2, 42] = math.inf
+    logits[3] = 3e38
+    logits[3, :50] = -3e38  # differences past the float range
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=i) for i in range(5)]
+    out = sample(logits, params, [make_generator(p, 0) for p in params])
+    assert out[0] != 7 and 0 <= out[0] < 100 and out[2] == 42 and 0 <= out[3] < 100
+    assert out[4] == sample(logits[4:], params[4:], [make_generator(params[4], 0)])[0]
+
+
+def test_samples_of_a_request_never_share_a_stream_with_another_request():
+    def stream(seed: int, index: int) -> tuple[float, ...]:
+        g = make_generator(SamplingParams(temperature=1.0, seed=seed, n=4), index)
+        return tuple(torch.rand(4, generator=g, dtype=torch.float64).tolist())
+
+    assert stream(1, 1) != stream(2, 0)  # seed + index would make these one stream
+    assert sample_seed(5, 0) == 5  # a single sample keeps drawing what it always drew
+    streams = [stream(s, i) for s in range(300) for i in range(4)]
+    assert len(set(streams)) == len(streams)
+    # torch's CPU generator keys its stream on a seed's low 32 bits: derived seeds keep clear of
+    # every request seed below 2**31 there, and of each other
+    low = [sample_seed(s, i) & 0xFFFFFFFF for s in range(2000) for i in range(1, 8)]
+    assert min(low) >= 2**31 and len(set(low)) == len(low)
+
+
+def test_seeds_span_63_bits():
+    p = SamplingParams(temperature=1.0, seed=MAX_SEED, n=3)
+    gens = [make_generator(p, i) for i in range(3)]
+    assert all(0 <= t < 50 for t in sample(torch.zeros(3, 50), [p] * 3, gens))
+    for bad in (2**63, 2**70, -1):
+        with pytest.raises(ParamError) as e:
+            SamplingParams(seed=bad)
+        assert e.value.field == "seed"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_new_tokens", 0), ("max_new_tokens", 5.0), ("max_new_tokens", "5"), ("max_new_tokens", True),
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.1), ("temperature", "1"),
+    ("temperature", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_p", None),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", False),
+    ("n", 0), ("n", 129), ("n", 2.0),
+    ("seed", 1.0), ("seed", True), ("seed", "7"),
+    ("stop", [""]), ("stop", [3]), ("stop", ["x"] * 17), ("stop", 5),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("stop_token_ids", 2),
+    ("ignore_eos", "yes"),
+])
+def test_each_bad_value_is_a_param_error_naming_its_field(field, value):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**{field: value})
+    assert isinstance(e.value, ValueError)
+    assert e.value.field == field
+    assert str(e.value) == f"{field} {e.value.message}"
+
+
+def test_param_messages_read_well_and_good_values_are_normalised():
+    with pytest.raises(ParamError, match=r"^temperature must be a number >= 0, got nan$"):
+        SamplingParams(temperature=math.nan)
+    with pytest.raises(ParamError, match=r"^max_new_tokens must be an integer >= 1, got 5\.0$"):
+        SamplingParams(max_new_tokens=5.0)
+    p = SamplingParams(temperature=1, top_p=1, stop="###", stop_token_ids=[5], seed=0, n=128)
+    assert p.stop == ("###",) and p.stop_token_ids == (5,) and isinstance(p.temperature, float)
+    assert p.as_dict()["stop"] == ["###"] and p.as_dict()["seed"] == 0
+    with pytest.raises(AttributeError):
+        p.n = 2  # type: ignore[misc]
