@@ -10,6 +10,7 @@ import torch
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
+from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.sampler import make_generator, sample
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
@@ -213,8 +214,6 @@ class Engine:
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif p.stop:  # decoded a few tokens at a time; only new text is searched
-            from chunkgen.engine.detokenize import IncrementalDetokenizer
-
             seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer, p.stop)
             _, hit = seq.detok.add(token)
             if not hit and (len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context):
