@@ -88,17 +88,32 @@ def _check_out(out: Path, queries: str) -> None:
             _usage("--out", f"{out} is the queries file; results go to a file of their own")
 
 
+def _check_format(fmt: str) -> None:
+    if fmt not in ("auto", "template", "openai"):
+        _usage("--format", f"must be auto, template or openai, not {fmt!r}")
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 16 or chunk_size % 16:
+        _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
+
+
+def _dtype_option(dtype: str):
+    from chunkgen.model import parse_dtype
+
+    try:
+        return parse_dtype(dtype)
+    except ValueError as exc:
+        _usage("--dtype", str(exc))
+
+
 def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int:
     """Validates dtype, device, chunk size and the KV budget's format; returns the budget in bytes."""
     import torch
 
     from chunkgen.llm import parse_bytes
-    from chunkgen.model import parse_dtype
 
-    try:
-        parse_dtype(dtype)
-    except ValueError as exc:
-        _usage("--dtype", str(exc))
+    kv_dtype = _dtype_option(dtype)
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
         _usage("--device", f"must be cpu, cuda or cuda:N, not {device!r}")
     if device.startswith("cuda"):
@@ -107,11 +122,10 @@ def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: s
         if not (torch.cuda.is_available() and native_cuda_available()):
             _fail("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen built with its CUDA "
                   "kernels (CHUNKGEN_CUDA=1 at install)")
-    elif parse_dtype(dtype) == torch.float16:
+    elif kv_dtype == torch.float16:
         err.print("[yellow]warning:[/] --dtype fp16 on the CPU runs several times slower than fp32 or bf16; "
                   "fp16 is for --device cuda", highlight=False)
-    if chunk_size < 16 or chunk_size % 16:
-        _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
+    _check_chunk_size(chunk_size)
     try:
         budget = parse_bytes(kv_memory)
     except ValueError as exc:
@@ -320,8 +334,7 @@ def run(
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
 
     # Everything a user can get wrong is checked here, before the model loads.
-    if fmt not in ("auto", "template", "openai"):
-        _usage("--format", f"must be auto, template or openai, not {fmt!r}")
+    _check_format(fmt)
     if max_new_tokens is not None and max_new_tokens < 1:
         _usage("--max-new-tokens", f"must be at least 1, not {max_new_tokens}")
     if rerun_changed and not resume:
@@ -443,16 +456,10 @@ def inspect_tree(
     from chunkgen.cache.stats import plan_tree, tree_stats
     from chunkgen.jobs.requests import ErrorRecord
     from chunkgen.llm import encode_prompt
-    from chunkgen.model import parse_dtype
 
-    if fmt not in ("auto", "template", "openai"):
-        _usage("--format", f"must be auto, template or openai, not {fmt!r}")
-    if chunk_size < 16 or chunk_size % 16:
-        _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
-    try:
-        kv_dtype = parse_dtype(dtype)
-    except ValueError as exc:
-        _usage("--dtype", str(exc))
+    _check_format(fmt)
+    _check_chunk_size(chunk_size)
+    kv_dtype = _dtype_option(dtype)
     _check_queries(queries)
     _, items = _read_items(queries, template, fmt, {}, id_field)
     path = _resolve(model)
