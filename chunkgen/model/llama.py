@@ -267,29 +267,68 @@ class LlamaModel:
                         attn: torch.Tensor) -> None:
         """Sequences whose cached prefix starts with the same full chunks: the new tokens of all of
         them attend to those chunks in one product (read once, as in the chunk-first phase), then
-        each attends to the rest of its own path causally; the two parts merge by log-sum-exp."""
+        to the rest of their own paths (cached chunks past the prefix, then their new tokens,
+        causally) in one padded batched product; the two parts merge by log-sum-exp."""
         C, Hk, G, d = pool.chunk_size, self.kv_heads, self.q_heads // self.kv_heads, self.head_dim
+        dev = q.device
         n_p = len(prefix) * C
         kp, vp = pool.gather(layer, torch.tensor(prefix, dtype=torch.long), n_p)
-        rows = torch.cat([q[a:b] for _, (a, b) in members])  # [T, Hq, d]
-        o1, m1, l1 = _partial_attention(_by_kv_head(rows, Hk), kp.float(), vp.float(), None, self.scale)
-        off = 0
-        for it, (a, b) in members:
-            t = b - a
-            own = it.path_slots[len(prefix) : -(-it.start // C)]
-            rest = it.start - n_p
-            kr, vr = k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float()
-            if rest > 0:
-                ok, ov = pool.gather(layer, torch.tensor(own, dtype=torch.long), rest)
-                kr, vr = torch.cat([ok.float(), kr], dim=1), torch.cat([ov.float(), vr], dim=1)
-            mask = torch.ones(t, rest + t, dtype=torch.bool, device=q.device).tril(diagonal=rest)
-            o2, m2, l2 = _partial_attention(_by_kv_head(q[a:b], Hk), kr, vr, mask, self.scale)
-            sl = slice(off, off + t)
-            m = torch.maximum(m1[:, :, sl], m2)
-            w1, w2 = torch.exp(m1[:, :, sl] - m), torch.exp(m2 - m)
-            o = (o1[:, :, sl] * w1[..., None] + o2 * w2[..., None]) / (l1[:, :, sl] * w1 + l2 * w2)[..., None]
-            attn[a:b] = o.permute(2, 0, 1, 3).reshape(t, Hk * G, d).to(attn.dtype)
+        rows = torch.cat([torch.arange(a, b) for _, (a, b) in members]).to(dev)  # members' new rows
+        qm = _by_kv_head(q[rows], Hk)  # [Hk, G, R, d]
+        o1, m1, l1 = _partial_attention(qm, kp.float(), vp.float(), None, self.scale)
+
+        # The second part, padded to the longest member: member i has `rest` cached tokens past
+        # the prefix (its own chunks) and t new ones. Keys come from one table: every member's own
+        # chunks, then every new token, then a zero row that padding points at.
+        owns = [it.path_slots[len(prefix) : -(-it.start // C)] for it, _ in members]
+        own_slots = [slot for own in owns for slot in own]
+        n_own, R = len(own_slots) * C, len(rows)
+        key_idx, row_idx, rests = [], [], []
+        base = off = 0
+        for (it, (a, b)), own in zip(members, owns):
+            t, rest = b - a, it.start - n_p
+            key_idx.append(list(range(base, base + rest)) + list(range(n_own + off, n_own + off + t)))
+            row_idx.append(list(range(off, off + t)))
+            rests.append(rest)
+            base += len(own) * C
             off += t
+        T = max(len(r) for r in row_idx)
+        L = max(len(kx) for kx in key_idx)
+        pad_key, pad_row = n_own + R, R
+        kidx = torch.tensor([kx + [pad_key] * (L - len(kx)) for kx in key_idx], dtype=torch.long, device=dev)
+        ridx = torch.tensor([r + [pad_row] * (T - len(r)) for r in row_idx], dtype=torch.long, device=dev)
+        M = len(members)
+        zero = torch.zeros(Hk, 1, d, dtype=torch.float32, device=dev)
+        new_k, new_v = k[rows].transpose(0, 1).float(), v[rows].transpose(0, 1).float()
+        if own_slots:
+            ok, ov = pool.gather(layer, torch.tensor(own_slots, dtype=torch.long), n_own)
+            new_k, new_v = torch.cat([ok.float(), new_k], 1), torch.cat([ov.float(), new_v], 1)
+        k2 = torch.cat([new_k, zero], 1)[:, kidx]  # [Hk, M, L, d]
+        v2 = torch.cat([new_v, zero], 1)[:, kidx]
+        q2 = torch.cat([qm, qm.new_zeros(Hk, G, 1, d)], 2)[:, :, ridx]  # [Hk, G, M, T, d]
+        q2 = q2.permute(0, 2, 1, 3, 4).reshape(Hk, M, G * T, d)
+        s2 = torch.matmul(q2, k2.transpose(-1, -2)).view(Hk, M, G, T, L) * self.scale
+        # Query i of a member sits at position rest + i of its own part: it sees keys 0..rest+i.
+        # Padded queries see at least key 0, so no row is all -inf (their output is dropped).
+        limit = torch.tensor(rests, device=dev)[:, None] + torch.arange(T, device=dev)[None, :]
+        visible = torch.arange(L, device=dev)[None, None, :] <= limit[:, :, None]  # [M, T, L]
+        s2 = s2.masked_fill(~visible[None, :, None], float("-inf"))
+        m2 = s2.amax(-1)
+        p2 = torch.exp(s2 - m2[..., None])
+        l2 = p2.sum(-1)
+        o2 = torch.matmul(p2.view(Hk, M, G * T, L), v2).view(Hk, M, G, T, d)
+
+        def by_member(x: torch.Tensor) -> torch.Tensor:  # [Hk, G, R, ...] -> [Hk, M, G, T, ...]
+            x = torch.cat([x, x.new_zeros(x.shape[:2] + (1,) + x.shape[3:])], 2)[:, :, ridx]
+            return x.transpose(1, 2)
+
+        m1, l1, o1 = by_member(m1), by_member(l1), by_member(o1)
+        m = torch.maximum(m1, m2)
+        w1, w2 = torch.exp(m1 - m), torch.exp(m2 - m)
+        o = (o1 * w1[..., None] + o2 * w2[..., None]) / (l1 * w1 + l2 * w2)[..., None]
+        o = o.permute(1, 3, 0, 2, 4).reshape(M * T, Hk * G, d)  # [member, query, heads, d]
+        real = ridx.view(-1) != pad_row
+        attn[rows[ridx.view(-1)[real]]] = o[real].to(attn.dtype)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()
