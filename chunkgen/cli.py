@@ -136,7 +136,30 @@ def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: s
 
 
 SAMPLING_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "json_schema": "--json-schema",
+                    "regex": "--regex", "grammar": "--grammar"}
+
+
+def _constraint_options(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]) -> dict[str, Any]:
+    """--json-schema / --regex / --grammar as sampling defaults (files read, not yet compiled)."""
+    given = [o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        _usage(given[1], f"cannot be combined with {given[0]} (give at most one constraint)")
+    if regex is not None:
+        return {"regex": regex}
+    option, path = ("--json-schema", json_schema) if json_schema is not None else ("--grammar", grammar)
+    if path is None:
+        return {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _usage(option, f"cannot read {path} ({getattr(exc, 'strerror', None) or exc})")
+    if option == "--grammar":
+        return {"grammar": text}
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as exc:
+        _usage(option, f"{path} is not valid JSON: {exc}")
 
 
 def _check_defaults(defaults: dict[str, Any]) -> None:
@@ -313,6 +336,9 @@ def run(
     top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens; 0 is off [default: 0]."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
     stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain answers to this JSON schema (a .json file), for rows and templates that set no constraint."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain answers to match this regex, for rows and templates that set no constraint."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain answers to this Lark grammar (a file), for rows and templates that set no constraint."),
     max_batch: int = typer.Option(32, min=1, help="Sequences decoded together."),
     kv_memory: str = typer.Option("4GiB", help="KV cache budget, e.g. 2GiB."),
     chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
@@ -344,6 +370,7 @@ def run(
     budget = _check_engine_options(dtype, device, chunk_size, kv_memory)
     defaults = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, seed=seed, stop=stop or None).items() if v is not None}
+    defaults.update(_constraint_options(json_schema, regex, grammar))
     _check_defaults(defaults)
     part = None
     if shard is not None:

@@ -89,7 +89,7 @@ def test_openai_body_fields_supported_ignored_and_refused():
                     "user": "u", "metadata": {"k": "v"}, "model": "m", "logprobs": False,
                     "response_format": {"type": "text"}}, "ok"),
         openai_row({"messages": msgs, "tools": [{"type": "function"}]}, "tools"),
-        openai_row({"messages": msgs, "response_format": {"type": "json_object"}}, "rf"),
+        openai_row({"messages": msgs, "response_format": {"type": "xml"}}, "rf"),
         openai_row({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "img"),
         openai_row({"messages": [{"role": "tool", "content": "x"}]}, "role"),
         openai_row({"messages": msgs, "max_tokens": 0}, "zero"),

@@ -10,8 +10,9 @@ import torch
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
+from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
-from chunkgen.engine.sampler import make_generator, sample
+from chunkgen.engine.sampler import ParamError, make_generator, sample
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel, PrefillItem
@@ -66,6 +67,8 @@ class Engine:
                                    group_prefix_tokens=4 * cfg.chunk_size)
         self.stats = EngineStats()
         self.eos_ids = self._eos_ids()
+        self._constraints: Constraints | None = None  # built with the first constrained request
+        self._num_constrained = 0  # live sequences with a matcher: none, no mask work at all
         self._pending: dict[int, list[Sequence]] = {}  # request key -> its samples, until all finish
         self._refused: list[Result] = []  # error results of requests refused by add(), for the next step
 
@@ -90,9 +93,29 @@ class Engine:
                 self._refused.append(Result(req.id, len(req.prompt_tokens), 0, [], error=error))
                 continue
             samples = [Sequence(req, i, make_generator(req.params, i)) for i in range(req.params.n)]
+            if spec_of(req.params) is not None:
+                try:  # each sample walks the grammar on its own
+                    for s in samples:
+                        s.matcher = self.constraints.matcher(req.params)
+                except ParamError as exc:
+                    self._refused.append(Result(req.id, len(req.prompt_tokens), 0, [], error=str(exc)))
+                    continue
+                self._num_constrained += len(samples)
             self._pending[id(req)] = samples
             seqs.extend(samples)
         self.scheduler.add(seqs)
+
+    @property
+    def constraints(self) -> Constraints:
+        if self._constraints is None:
+            self._constraints = Constraints(self.tokenizer, self.model.vocab_size, self.eos_ids)
+        return self._constraints
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Next tokens of `seqs` from their logits rows; constrained rows are masked first."""
+        if self._num_constrained:
+            self.constraints.mask_(logits, [s.matcher for s in seqs])
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
 
     def _refusal(self, req: Request) -> str | None:
         n = len(req.prompt_tokens)
@@ -132,6 +155,7 @@ class Engine:
         self.stats.preemptions += batch.preempted
         done: list[Sequence] = []
         for seq in batch.ended:  # out of memory for good: already out of the cache
+            self._release(seq)
             if seq.finish_reason == "length":
                 seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
             self.stats.finished += 1
@@ -175,8 +199,7 @@ class Engine:
             self.tree.mark_ready(seq.seq_id)
         sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]
         if sampled:
-            tokens = sample(torch.stack([lg for _, lg in sampled]), [s.params for s, _ in sampled],
-                            [s.generator for s, _ in sampled])
+            tokens = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]))
             for (seq, _), token in zip(sampled, tokens):
                 self._accept(seq, token)
 
@@ -196,7 +219,7 @@ class Engine:
         slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
         offsets = torch.tensor([r[1] for r in rows], dtype=torch.long)
         logits = self.model.decode(tokens, positions, slots, offsets, self.pool, self.ctx)
-        next_tokens = sample(logits, [s.params for s in order], [s.generator for s in order])
+        next_tokens = self._sample(order, logits)
         for seq, token in zip(order, next_tokens):
             self._accept(seq, token)
             if seq.finish_reason:
@@ -211,7 +234,14 @@ class Engine:
         self.stats.generated_tokens += 1
         p = seq.params
         out = seq.output
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        m = seq.matcher
+        # Consumed here only: a preempted sequence recomputes its K/V, never its tokens.
+        if m is not None and not m.consume_token(token):  # the mask allowed it: a bug, not the model's
+            seq.finish_reason, seq.error = "error", f"constraint: {m.get_error()}"
+            return
+        # A finished grammar admits nothing but EOS: the answer is complete, as if EOS came.
+        if ((m is not None and m.is_stopped()) or (token in self.eos_ids and not p.ignore_eos)
+                or token in p.stop_token_ids):
             seq.finish_reason = "stop"
         elif p.stop:  # decoded a few tokens at a time; only new text is searched
             seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer, p.stop)
@@ -229,7 +259,13 @@ class Engine:
         if seq.finish_reason:
             seq.text = self.tokenizer.decode(out, skip_special_tokens=True)
 
+    def _release(self, seq: Sequence) -> None:
+        if seq.matcher is not None:
+            seq.matcher = None
+            self._num_constrained -= 1
+
     def _finish(self, seq: Sequence, done: list[Sequence]) -> None:
+        self._release(seq)
         self.scheduler.finish(seq)
         self.stats.finished += 1
         done.append(seq)

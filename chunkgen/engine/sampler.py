@@ -48,6 +48,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    # Constrained decoding (engine/constraint.py), at most one: a JSON schema (kept as its JSON
+    # text so the dataclass stays hashable; a dict is accepted), a regex, a Lark grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -73,13 +78,32 @@ class SamplingParams:
                                                        for t in ids):
             raise ParamError("stop_token_ids", f"must be a list of token ids (integers >= 0), got {ids!r}")
         put("stop_token_ids", tuple(int(t) for t in ids))
+        self._check_constraint(put)
+
+    def _check_constraint(self, put: Callable[[str, Any], None]) -> None:
+        from chunkgen.engine import constraint  # it imports ParamError from here
+
+        given = [k for k in constraint.KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ParamError(given[1], f"cannot be combined with {given[0]} (give at most one constraint)")
+        if not given:
+            return
+        kind = given[0]
+        if kind == "json_schema":
+            put(kind, constraint.normalize_schema(self.json_schema))
+        elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+            raise ParamError(kind, f"must be a non-empty string, got {getattr(self, kind)!r}")
+        constraint.compile_spec(kind, getattr(self, kind))  # cached: a spec compiles once per process
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
     def as_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        # Unset constraints are left out: request hashes and records of unconstrained requests
+        # stay what they were before constraints existed (resume compares those hashes).
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()
+                if not (v is None and k in ("json_schema", "regex", "grammar"))}
 
 
 _M64 = (1 << 64) - 1

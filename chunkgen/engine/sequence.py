@@ -68,6 +68,7 @@ class Sequence:
         self.error: str | None = None
         self.text = ""
         self.detok: IncrementalDetokenizer | None = None  # only with stop strings: finds them as text grows
+        self.matcher: Any = None  # an llguidance LLMatcher for constrained requests (engine/constraint.py)
 
     @property
     def params(self) -> SamplingParams:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
+from chunkgen.engine.constraint import KINDS
 from chunkgen.engine.sampler import ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
 
@@ -126,9 +127,21 @@ def _kind(v: Any) -> str:
     return {dict: "an object", list: "a list", bool: "a boolean", type(None): "null"}.get(type(v), type(v).__name__)
 
 
+def layer(*sources: dict[str, Any]) -> dict[str, Any]:
+    """Sampling values merged left to right, where a constraint (json_schema / regex / grammar)
+    replaces the earlier layers' constraint whatever its kind, rather than clashing with it."""
+    values: dict[str, Any] = {}
+    for src in sources:
+        if any(src.get(k) is not None for k in KINDS):
+            for k in KINDS:
+                values.pop(k, None)
+        values.update(src)
+    return values
+
+
 def _params(base: dict[str, Any], row: dict[str, Any], names: dict[str, str], prefix: str = "") -> SamplingParams:
     """SamplingParams from defaults plus the row's overrides; `names` maps row keys to fields."""
-    values = dict(base)
+    overrides = {}
     source = {}
     for key, target in names.items():
         if row.get(key) is None:
@@ -136,8 +149,9 @@ def _params(base: dict[str, Any], row: dict[str, Any], names: dict[str, str], pr
         v = row[key]
         if target == "stop" and isinstance(v, str):
             v = [v]
-        values[target] = v
+        overrides[target] = v
         source[target] = key
+    values = layer(base, overrides)
     try:
         return SamplingParams(**values)
     except ParamError as exc:
@@ -150,7 +164,8 @@ def check_defaults(defaults: dict[str, Any]) -> None:
 
 
 # -- template rows ---------------------------------------------------------------------------------
-TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n")}
+TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                                     "json_schema", "regex", "grammar")}
 
 
 def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any],
@@ -187,7 +202,7 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
                 if name not in obj:
                     raise RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
                 values[name] = _text(obj[name], name)
-            params = _params({**template.sampling, **defaults}, obj, TEMPLATE_OVERRIDES)
+            params = _params(layer(template.sampling, template.output, defaults), obj, TEMPLATE_OVERRIDES)
             yield Job(rid, number, template.messages(values), params, template.name,
                       data=tuple(values.values()))
         except RowError as err:
@@ -206,7 +221,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 def _unsupported(body: dict[str, Any]) -> str | None:
     """The first body field asking for something chunkgen cannot do (never silently dropped)."""
     for key, value in body.items():
-        if key in OPENAI_OVERRIDES or key in OPENAI_IGNORED or key == "messages":
+        if key in OPENAI_OVERRIDES or key in OPENAI_IGNORED or key in ("messages", "response_format"):
             continue
         harmless = (
             (key in ("frequency_penalty", "presence_penalty") and value in (0, None))
@@ -214,12 +229,36 @@ def _unsupported(body: dict[str, Any]) -> str | None:
             or (key == "top_logprobs" and value in (0, None))
             or (key in ("logit_bias", "tools", "functions") and not value)
             or (key in ("tool_choice", "function_call") and value in ("none", None))
-            or (key == "response_format" and (value is None or value == {"type": "text"}))
             or (key == "modalities" and value in (["text"], None))
         )
         if not harmless:
             return key
     return None
+
+
+def _response_format(value: Any) -> str | dict | None:
+    """The JSON schema a body's response_format asks for (None: free text), as the Chat
+    Completions API takes it: {"type": "text"}, {"type": "json_object"} (any JSON object) or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}."""
+    field = "body.response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RowError(field, f"must be an object, got {_kind(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RowError(field, f"json_schema must be an object, got {_kind(spec)}")
+        schema = spec.get("schema", {})  # OpenAI's default: no schema, any JSON value
+        if not isinstance(schema, (dict, bool)):
+            raise RowError(field, f"json_schema.schema must be an object, got {_kind(schema)}")
+        return schema
+    raise RowError(field, f"type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _content(content: Any, field: str) -> str:
@@ -272,7 +311,12 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 if role not in ROLES:
                     raise RowError(f"{field}.role", f"must be one of {sorted(ROLES)}, got {role!r}")
                 clean.append({"role": ROLES[role], "content": _content(m.get("content"), f"{field}.content")})
-            params = _params(defaults, body, OPENAI_OVERRIDES, prefix="body.")
+            schema = _response_format(body.get("response_format"))
+            base = defaults
+            if body.get("response_format") is not None and schema is None:  # {"type": "text"} asks for free text
+                base = {k: v for k, v in defaults.items() if k not in KINDS}
+            params = _params(base, {**body, "response_format": schema},
+                             {**OPENAI_OVERRIDES, "response_format": "json_schema"}, prefix="body.")
             yield Job(rid, number, clean, params, None, data=tuple(m["content"] for m in clean))
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)

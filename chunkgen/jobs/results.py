@@ -8,6 +8,7 @@ of that run so each key appears once.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -78,6 +79,16 @@ def _scan(path: Path) -> tuple[dict[Key, str | None], set[Key], int]:
     return answers, keys, good_end
 
 
+def _sampling(job: Job) -> dict[str, Any]:
+    """The record's sampling parameters. A constraint is named by its kind and a short hash, not
+    repeated in full: a tool catalogue's schema would be most of every line."""
+    out = job.params.as_dict()
+    for kind in ("json_schema", "regex", "grammar"):
+        if out.get(kind) is not None:
+            out[kind] = "sha256:" + hashlib.sha256(out[kind].encode()).hexdigest()[:16]
+    return out
+
+
 class RecordFormat:
     """Turns results and errors into output records: chunkgen's own lines, or OpenAI batch output.
     Separate from the writer so remote workers can format what the driver writes."""
@@ -106,7 +117,7 @@ class RecordFormat:
                                "finish_reason": res.finish_reason,
                                "usage": {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
                                          "completion_tokens": res.completion_tokens},
-                               "sampling": job.params.as_dict(), "request_hash": job.request_hash}
+                               "sampling": _sampling(job), "request_hash": job.request_hash}
         if len(res.completions) > 1:
             rec["completions"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in res.completions]
         return rec

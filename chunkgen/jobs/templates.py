@@ -1,12 +1,14 @@
 """Prompt templates (TOML): a long shared system prompt plus a user message with {placeholders}."""
 from __future__ import annotations
 
+import json
 import string
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chunkgen.engine.constraint import KINDS
 from chunkgen.engine.sampler import ParamError, SamplingParams
 
 
@@ -23,6 +25,7 @@ class Template:
     fields: tuple[str, ...]  # placeholders of `user`, in order of first appearance
     sampling: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    output: dict[str, Any] = field(default_factory=dict)  # [output]: one constraint (json_schema as loaded)
 
     def messages(self, values: dict[str, str]) -> list[dict[str, str]]:
         """Chat messages for one query. Values are inserted as plain text: braces inside them are
@@ -54,7 +57,35 @@ def _placeholders(text: str, path: Path) -> tuple[str, ...]:
 
 
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n"}
-TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling"}
+TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling", "output"}
+
+
+def _output(data: Any, path: Path) -> dict[str, Any]:
+    """The [output] table: exactly one of json_schema (an inline table, or a .json file relative to
+    the template), regex, grammar (Lark text); compiled now, so a bad one stops the run before the
+    model loads."""
+    if not isinstance(data, dict):
+        raise TemplateError(f"{path}: [output] must be a table")
+    unknown = set(data) - set(KINDS)
+    if unknown:
+        raise TemplateError(f"{path}: [output] has unknown keys {sorted(unknown)}; allowed: {list(KINDS)}")
+    if len(data) != 1:
+        raise TemplateError(f"{path}: [output] takes exactly one of {list(KINDS)}, got {sorted(data) or 'none'}")
+    (key, value), = data.items()
+    if key == "json_schema" and isinstance(value, str):  # a file next to the template
+        schema_path = path.parent / value
+        try:
+            value = json.loads(schema_path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise TemplateError(f"{path}: [output] json_schema: cannot read {schema_path} "
+                                f"({exc.strerror or exc})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise TemplateError(f"{path}: [output] json_schema: {schema_path} is not valid JSON: {exc}") from None
+    try:
+        SamplingParams(**{key: value})
+    except ParamError as exc:
+        raise TemplateError(f"{path}: [output] {key}: {exc.message}") from None
+    return {key: value}
 
 
 def load_template(path: str | Path) -> Template:
@@ -89,6 +120,7 @@ def load_template(path: str | Path) -> Template:
         SamplingParams(**sampling)
     except ParamError as exc:
         raise TemplateError(f"{path}: [sampling] {exc.field}: {exc.message}") from None
+    output = _output(data["output"], path) if "output" in data else {}
     name = data.get("name", path.stem)
     if not name.strip():
         raise TemplateError(f"{path}: field 'name' must not be empty")
@@ -100,6 +132,7 @@ def load_template(path: str | Path) -> Template:
         fields=_placeholders(data["user"], path),
         sampling=dict(sampling),
         description=data.get("description", ""),
+        output=output,
     )
 
 

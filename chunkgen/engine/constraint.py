@@ -1,0 +1,135 @@
+"""Constrained decoding with llguidance: a JSON schema, a regex or a Lark grammar decides which
+tokens may come next; the engine masks every other token's logit before sampling.
+
+Grammars are compiled once per distinct spec (the spec string is the cache key); each sequence
+(each of a request's n samples) walks its own LLMatcher. The llguidance tokenizer costs about a
+second to build, so an engine builds it only when its first constrained request arrives."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from chunkgen.engine.sampler import ParamError
+
+KINDS = ("json_schema", "regex", "grammar")  # SamplingParams fields, at most one set
+# JSON as people and chat models write it, `{"a": 1, "b": [2, 3]}`: with llguidance's default
+# (flexible whitespace) a weak model can pad an answer with blanks until it runs out of tokens.
+# A schema's own "x-guidance" options still win over these.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llg():
+    import llguidance  # imported on first use: unconstrained runs never load it
+
+    return llguidance
+
+
+@lru_cache(maxsize=256)
+def compile_spec(kind: str, spec: str) -> str:
+    """The llguidance grammar of a spec; raises ParamError(kind, llguidance's message) when it
+    does not compile. Checked without a tokenizer, so before any model is loaded."""
+    M = _llg().LLMatcher
+    try:
+        if kind == "json_schema":
+            grammar = M.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
+        elif kind == "regex":
+            grammar = M.grammar_from_regex(spec)
+        elif kind == "grammar":
+            grammar = M.grammar_from_lark(spec)
+        else:
+            raise ValueError(f"unknown constraint kind {kind!r}")
+    except ValueError as exc:
+        raise ParamError(kind, f"does not compile: {exc}") from None
+    error = M.validate_grammar(grammar)
+    if error:
+        raise ParamError(kind, f"does not compile: {error.strip()}")
+    return grammar
+
+
+def normalize_schema(value: Any) -> str:
+    """A JSON schema as the compact JSON string SamplingParams keeps (hashable). Keys keep their
+    order, never sorted: llguidance writes an object's properties in the order the schema lists
+    them, so sorting would make {"function", "arguments"} come out as {"arguments", "function"}."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ParamError("json_schema", f"is not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(value, (dict, bool)):  # true / false are schemas too
+        raise ParamError("json_schema", f"must be a JSON object (a schema), got {type(value).__name__}")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def spec_of(params) -> tuple[str, str] | None:
+    """(kind, spec) of a SamplingParams' constraint, or None."""
+    for kind in KINDS:
+        spec = getattr(params, kind)
+        if spec is not None:
+            return kind, spec
+    return None
+
+
+class Constraints:
+    """One engine's constrained-decoding state: its llguidance tokenizer and mask buffers."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: set[int]) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size  # logits' width; may exceed the tokenizer's (padded embeddings)
+        self.eos_ids = sorted(eos_ids)
+        self._tokenizer = None
+        self._executor = None
+        self._bitmask: torch.Tensor | None = None
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+
+    def _ll_tokenizer(self):
+        if self._tokenizer is None:
+            llg = _llg()
+            from llguidance.hf import from_tokenizer
+
+            # every EOS the engine stops on is the grammar's end-of-text token too
+            self._tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                             eos_token=self.eos_ids or None)
+            self._executor = llg.LLExecutor()
+        return self._tokenizer
+
+    def matcher(self, params):
+        """A fresh matcher for one sequence, or None for an unconstrained one."""
+        spec = spec_of(params)
+        if spec is None:
+            return None
+        m = _llg().LLMatcher(self._ll_tokenizer(), compile_spec(*spec), log_level=0)
+        if m.is_error():  # compiled without a tokenizer, yet refused with this one
+            raise ParamError(spec[0], f"does not compile: {m.get_error()}")
+        return m
+
+    @torch.inference_mode()  # the model's logits are inference tensors: in-place only in this mode
+    def mask_(self, logits: torch.Tensor, matchers: list) -> None:
+        """Sets to -inf, in place, the logits of tokens the rows' matchers forbid (rows whose
+        matcher is None are left alone). Allowed logits are not touched, so a constraint that
+        admits the unconstrained choice does not change it."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
+            self._bitmask = torch.empty((max(len(rows), 8), words), dtype=torch.int32)
+        bitmask = self._bitmask[: len(rows)]
+        fill_next_token_bitmask_par(self._executor, [(matchers[i], j) for j, i in enumerate(rows)], bitmask)
+        # Unpacked here rather than with llguidance.torch.apply_token_bitmask_inplace, which is
+        # torch.compile'd: its first call costs seconds and a C compiler on the CPU.
+        dev = logits.device
+        shifts = self._shifts.get(dev)
+        if shifts is None:
+            shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+        bits = (bitmask.to(dev, non_blocking=True)[:, :, None] >> shifts) & 1
+        forbidden = (bits == 0).view(len(rows), words * 32)[:, : logits.shape[1]]
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(forbidden, float("-inf"))
+        else:
+            sel = torch.tensor(rows, device=dev)
+            logits.index_copy_(0, sel, logits.index_select(0, sel).masked_fill_(forbidden, float("-inf")))

@@ -1,0 +1,228 @@
+"""Constrained decoding (JSON schema, regex, Lark grammar) with llguidance: on the tiny random
+model, whose free answers are garbage, every constrained answer must still be valid."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from chunkgen.engine import SamplingParams
+from chunkgen.engine.sampler import ParamError
+from chunkgen.engine.sequence import Request
+from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
+from chunkgen.jobs.templates import TemplateError, load_template
+from tests.conftest import PROMPTS
+from tests.test_cli import records, run_cli
+from tests.test_jobs import openai_row, rows_of
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},  # bounded in tokens too
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "units": {"enum": ["metric", "imperial"]},
+        "alerts": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["city", "days", "units"],
+    "additionalProperties": False,
+}
+PROMPTS_TEXT = ["Will it rain in Oslo?", "Book a flight to Rome.", "What is 2 + 2?", "Play some jazz.",
+                "Mark task T-1 as done.", "Translate 'hello' into Italian.", "hello", "Restart billing."]
+BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def test_schema_answers_parse_and_validate(tiny_llm):
+    params = SamplingParams(max_new_tokens=128, temperature=1.0, seed=7, json_schema=SCHEMA)
+    results = tiny_llm.generate(PROMPTS_TEXT, params)
+    for r in results:
+        assert r.error is None and r.finish_reason == "stop", (r.text, r.error)
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+def test_regex_and_grammar_answers_match(tiny_llm):
+    pattern = r"[0-9]{3}-[a-z]{2,6}"
+    for r in tiny_llm.generate(PROMPTS_TEXT, SamplingParams(max_new_tokens=24, regex=pattern)):
+        assert r.finish_reason == "stop" and re.fullmatch(pattern, r.text), r.text
+    lark = 'start: "yes" | "no" | "maybe " NUM\nNUM: /[1-9]/'
+    for r in tiny_llm.generate(PROMPTS_TEXT, SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, grammar=lark)):
+        assert r.finish_reason == "stop" and re.fullmatch(r"yes|no|maybe [1-9]", r.text), r.text
+
+
+def test_permissive_constraint_leaves_greedy_unchanged(tiny_model):
+    """`(?s:.*)` admits every text, so the mask must not move the argmax. It does forbid what is
+    not text, byte pieces that make invalid UTF-8 and control tokens, which the random model
+    picks often: this model's logits leave those out, so its free answers are all text."""
+    import torch
+
+    from chunkgen.llm import LLM
+
+    llm = LLM(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=16)
+    tok = llm.tokenizer
+    pieces = tok.convert_ids_to_tokens(list(range(llm.model.vocab_size)))
+    not_text = [i for i, p in enumerate(pieces)
+                if i in set(tok.all_special_ids) | set(tok.added_tokens_decoder) or BYTE_PIECE.fullmatch(p)]
+    bias = torch.zeros(llm.model.vocab_size)
+    bias[not_text] = float("-inf")
+    logits = llm.model._logits
+    llm.model._logits = lambda x: logits(x) + bias
+    free = llm.generate(PROMPTS_TEXT, SamplingParams(max_new_tokens=24))
+    bound = llm.generate(PROMPTS_TEXT, SamplingParams(max_new_tokens=24, regex=r"(?s:.*)"))
+    lark = llm.generate(PROMPTS_TEXT, SamplingParams(max_new_tokens=24, grammar=r"start: /(?s:.*)/"))
+    assert [r.token_ids for r in bound] == [r.token_ids for r in free] == [r.token_ids for r in lark]
+    assert [r.finish_reason for r in bound] == ["length"] * len(PROMPTS_TEXT)
+
+
+def test_each_sample_walks_its_own_matcher(tiny_llm):
+    params = SamplingParams(max_new_tokens=128, temperature=1.0, seed=11, n=2, json_schema=SCHEMA)
+    (r,) = tiny_llm.generate(["Will it rain in Oslo?"], params)
+    texts = [c.text for c in r.completions]
+    assert len(texts) == 2 and texts[0] != texts[1]  # one shared matcher would fail on the second token
+    for t in texts:
+        jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_constrained_and_free_requests_share_a_batch(tiny_llm):
+    eng = tiny_llm.new_engine(max_batch=8, kv_memory=12 * tiny_llm.engine.pool.bytes_per_slot)
+    reqs = [Request(i, tiny_llm.encode(p), SamplingParams(max_new_tokens=128, temperature=1.0, seed=i,
+                                                          json_schema=SCHEMA if i % 2 else None))
+            for i, p in enumerate(PROMPTS_TEXT)]
+    out = {r.id: r for r in eng.stream(reqs)}
+    for i, r in out.items():
+        assert r.error is None
+        if i % 2:
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+    assert eng._num_constrained == 0  # every matcher released
+    assert eng.stats.preemptions > 0  # re-admitted sequences kept their matcher's state
+
+
+def test_bad_specs_are_param_errors():
+    with pytest.raises(ParamError) as e:
+        SamplingParams(json_schema={"type": "no-such-type"})
+    assert e.value.field == "json_schema"
+    with pytest.raises(ParamError) as e:
+        SamplingParams(regex="a(b")
+    assert e.value.field == "regex" and "unclosed group" in e.value.message
+    with pytest.raises(ParamError) as e:
+        SamplingParams(grammar="start: undefined_rule")
+    assert e.value.field == "grammar"
+    with pytest.raises(ParamError) as e:
+        SamplingParams(regex="x", json_schema={"type": "object"})
+    assert "at most one" in e.value.message
+    # a dict and its JSON text are the same params (hashable, equal); key order is kept, as it
+    # is the order the answer's properties are written in
+    a, b = SamplingParams(json_schema={"type": "object", "b": 1}), SamplingParams(json_schema='{"type": "object", "b": 1}')
+    assert a == b and hash(a) == hash(b) and a.json_schema == '{"type":"object","b":1}'
+    assert "json_schema" not in SamplingParams().as_dict()
+
+
+def test_openai_response_format():
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    lines = [
+        openai_row({"messages": msgs, "response_format": {"type": "json_object"}}, "obj"),
+        openai_row({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": schema, "strict": True}}}, "schema"),
+        openai_row({"messages": msgs, "response_format": {"type": "text"}}, "text"),
+        openai_row({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "nope"}}}}, "bad"),
+        openai_row({"messages": msgs, "response_format": {"type": "xml"}}, "kind"),
+    ]
+    got = {i.id: i for i in openai_jobs(rows_of(*lines), {"regex": "[a-z]+"})}
+    assert json.loads(got["obj"].params.json_schema) == {"type": "object"} and got["obj"].params.regex is None
+    assert json.loads(got["schema"].params.json_schema) == schema
+    assert got["text"].params.json_schema is None and got["text"].params.regex is None  # text: free
+    for k in ("bad", "kind"):
+        assert not isinstance(got[k], Job) and got[k].field == "body.response_format"
+
+
+def test_template_output_table_and_row_overrides(tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    path = tmp_path / "t.toml"
+    path.write_text('user = "Q: {q}"\n[output]\njson_schema = "s.json"\n')
+    t = load_template(path)
+    lines = ['{"id": "a", "q": "x"}', '{"id": "b", "q": "x", "regex": "[0-9]+"}',
+             '{"id": "c", "q": "x", "json_schema": {"type": "array"}}', '{"id": "d", "q": "x", "regex": "(("}']
+    got = {j.id: j for j in template_jobs(rows_of(*lines), {t.name: t}, {})}
+    assert json.loads(got["a"].params.json_schema) == SCHEMA
+    assert got["b"].params.regex == "[0-9]+" and got["b"].params.json_schema is None
+    assert json.loads(got["c"].params.json_schema) == {"type": "array"}
+    assert not isinstance(got["d"], Job) and got["d"].field == "regex"
+    inline = tmp_path / "inline.toml"
+    inline.write_text('user = "{q}"\n[output]\njson_schema = { type = "object" }\n')
+    assert load_template(inline).output == {"json_schema": {"type": "object"}}
+    for body, needle in [('json_schema = { type = "nope" }', "json_schema"), ('regex = "a(b"', "regex"),
+                         ('json_schema = "missing.json"', "missing.json"), ('regex = "a"\ngrammar = "b"', "exactly one"),
+                         ('schema = "x"', "unknown keys")]:
+        path.write_text(f'user = "{{q}}"\n[output]\n{body}\n')
+        with pytest.raises(TemplateError) as e:
+            load_template(path)
+        assert str(path) in str(e.value) and needle in str(e.value)
+    shipped = load_template(PROMPTS / "tool_dispatcher.toml")
+    assert shipped.output["json_schema"] == json.loads((PROMPTS / "tool_dispatcher.schema.json").read_text())
+
+
+def test_cli_checks_constraints_before_the_model_loads(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "nope"}')
+    template = tmp_path / "t.toml"
+    template.write_text('user = "{q}"\n[output]\nregex = "a(b"\n')
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "q": "x"}\n')
+    base = ["run", "--queries", str(queries), "--out", str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "no-model")]
+    res = run_cli(*base, "--template", str(PROMPTS / "tool_dispatcher.toml"), "--json-schema", str(bad))
+    assert res.exit_code == 2 and "--json-schema" in res.output
+    res = run_cli(*base, "--template", str(PROMPTS / "tool_dispatcher.toml"), "--regex", "a(b")
+    assert res.exit_code == 2 and "--regex" in res.output
+    res = run_cli(*base, "--template", str(template))
+    assert res.exit_code == 1 and "t.toml" in res.output and "regex" in res.output  # not "model not found"
+
+
+def test_cli_regex_default_applies_to_rows(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    res = run_cli("run", "--template", str(PROMPTS / "arithmetic_cot.toml"), "--queries",
+                  str(PROMPTS / "arithmetic_cot.queries.jsonl"), "--out", str(out), "--model", str(tiny_model),
+                  "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet", "--max-new-tokens", "12",
+                  "--regex", "[0-9]{1,4}")
+    assert res.exit_code == 0, res.output
+    for r in records(out):
+        assert re.fullmatch("[0-9]{1,4}", r["text"]), r["text"]
+
+
+@pytest.mark.real_model
+def test_tool_dispatcher_answers_validate_on_the_default_model(default_model_dir, tmp_path):
+    schema = json.loads((PROMPTS / "tool_dispatcher.schema.json").read_text())
+    out = tmp_path / "out.jsonl"
+    res = run_cli("run", "--template", str(PROMPTS / "tool_dispatcher.toml"), "--queries",
+                  str(PROMPTS / "tool_dispatcher.queries.jsonl"), "--out", str(out), "--model",
+                  str(default_model_dir), "--kv-memory", "1GiB", "--quiet", "--max-new-tokens", "96")
+    assert res.exit_code == 0, res.output
+    recs = records(out)
+    assert len(recs) == 16
+    for r in recs:
+        assert r["finish_reason"] == "stop", r["text"]
+        jsonschema.validate(json.loads(r["text"]), schema)
+
+
+@pytest.mark.real_model
+def test_schema_leaves_a_valid_greedy_answer_unchanged(default_model_dir):
+    """Where the free greedy answer already fits the schema, the constrained one is the same text."""
+    from chunkgen.llm import LLM
+
+    t = load_template(PROMPTS / "tool_dispatcher.toml")
+    schema = t.output["json_schema"]
+    rows = [json.loads(l) for l in (PROMPTS / "tool_dispatcher.queries.jsonl").read_text().splitlines()][:8]
+    prompts = [t.messages({"request": r["request"]}) for r in rows]
+    llm = LLM(model=str(default_model_dir), kv_memory="1GiB")
+    free = llm.generate(prompts, SamplingParams(max_new_tokens=96))
+    bound = llm.generate(prompts, SamplingParams(max_new_tokens=96, json_schema=schema))
+    same = 0
+    for f, b in zip(free, bound):
+        try:
+            jsonschema.validate(json.loads(f.text), schema)
+        except (ValueError, jsonschema.ValidationError):
+            continue
+        assert b.text == f.text
+        same += 1
+    assert same >= 2  # not vacuous
