@@ -31,7 +31,10 @@ def mixed_queries(tmp_path):
     return queries
 
 
-def test_ray_run_equals_local_run_and_survives_a_crashed_worker(tiny_model, tmp_path, local_ray):
+def test_ray_run_equals_local_run_and_survives_a_crashed_worker(tiny_model, tmp_path, local_ray, monkeypatch):
+    import chunkgen.scale.ray as scale_ray
+
+    monkeypatch.setattr(scale_ray, "WINDOW_ROWS", 4)  # the driver holds 4 rows at a time: two windows
     marker = local_ray
     queries = mixed_queries(tmp_path)
     local = tmp_path / "local.jsonl"

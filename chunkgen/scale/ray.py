@@ -4,6 +4,7 @@ one worker only; the driver streams every record into the same output file a loc
 with the same error records and resume."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -55,50 +56,65 @@ class GroupWorker:
                              **{f: [getattr(r, f) if r else 0 for r in ok] for f in USAGE}})
 
 
+# Rows grouped and sent to the cluster at a time: the driver holds one window, never the file. Each
+# window is one Ray Data run, so its workers load the model once per window: large enough that
+# the loads are a small share of the window's work.
+WINDOW_ROWS = 16384
+
+
 def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwargs: dict[str, Any],
                workers: int, cpus_per_worker: float | None = None, address: str | None = None,
                max_group: int = 256, should_stop: Callable[[], bool] = never) -> JobSummary:
     """Run the job on Ray Data. Bad rows and resume are handled on the driver (`triage`), answers on
     the workers (`answer`), every record written by the driver's writer.
 
-    Rows are grouped here, on the driver, into one dataset row per prefix group (split every
-    `max_group` queries so one template can still use every worker): no shuffle stage competes
-    with the engine actors for CPUs."""
-    import ray
-
+    Rows are grouped here, on the driver, a window at a time into one dataset row per prefix group
+    (split every `max_group` queries so one template can still use every worker): no shuffle stage
+    competes with the engine actors for CPUs."""
     t0 = time.perf_counter()
     counts = JobCounts()
-    groups: dict[str, list] = {}
-    for index, job in triage(items, writer, counts):
-        groups.setdefault(prefix_key(job), []).append([index, _encode_job(job)])
-    rows = [{"key": key, "jobs": json.dumps(members[i : i + max_group])}
-            for key, members in groups.items() for i in range(0, len(members), max_group)]
-    if rows and not should_stop():
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     ignore_reinit_error=True)
-        # Fractional CPUs: whole ones for every actor would leave none for Ray Data's own tasks.
-        cpus = cpus_per_worker or max(0.25, min(1.0, ray.cluster_resources().get("CPU", 1) / (workers + 1)))
-        ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-        results = ds.map_batches(
-            GroupWorker, fn_constructor_args=(llm_kwargs, writer.fmt, writer.model_name),
-            batch_size=1, batch_format="pandas", compute=ray.data.ActorPoolStrategy(size=workers),
-            num_cpus=cpus,
-        )
-        for row in results.iter_rows():
-            record = json.loads(row["record"])
-            writer.write(record, int(row["index"]))
-            if is_error(record):
-                counts.failed += 1
-            else:
-                counts.answered += 1
-                for f in USAGE:
-                    setattr(counts, f, getattr(counts, f) + int(row[f]))
-            if should_stop():
-                break
+    pending = triage(items, writer, counts)
+    while not should_stop():
+        window = list(itertools.islice(pending, WINDOW_ROWS))
+        if not window:
+            break
+        _run_window(window, writer, llm_kwargs, workers, cpus_per_worker, address, max_group, should_stop, counts)
     writer.close()
     wall = time.perf_counter() - t0
     return JobSummary(requests=counts.answered, skipped=counts.skipped, errors=counts.failed,
                       changed=len(writer.changed), prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
                       completion_tokens=counts.completion_tokens, wall_s=wall, prefill_s=0.0, decode_s=0.0,
                       kv_peak_bytes=0, kv_unshared_peak_bytes=0, interrupted=should_stop())
+
+
+def _run_window(window: list[tuple[int, Job]], writer: ResultWriter, llm_kwargs: dict[str, Any], workers: int,
+                cpus_per_worker: float | None, address: str | None, max_group: int,
+                should_stop: Callable[[], bool], counts: JobCounts) -> None:
+    import ray
+
+    groups: dict[str, list] = {}
+    for index, job in window:
+        groups.setdefault(prefix_key(job), []).append([index, _encode_job(job)])
+    rows = [{"key": key, "jobs": json.dumps(members[i : i + max_group])}
+            for key, members in groups.items() for i in range(0, len(members), max_group)]
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # Fractional CPUs: whole ones for every actor would leave none for Ray Data's own tasks.
+    cpus = cpus_per_worker or max(0.25, min(1.0, ray.cluster_resources().get("CPU", 1) / (workers + 1)))
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
+    results = ds.map_batches(
+        GroupWorker, fn_constructor_args=(llm_kwargs, writer.fmt, writer.model_name),
+        batch_size=1, batch_format="pandas", compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows))),
+        num_cpus=cpus,
+    )
+    for row in results.iter_rows():
+        record = json.loads(row["record"])
+        writer.write(record, int(row["index"]))
+        if is_error(record):
+            counts.failed += 1
+        else:
+            counts.answered += 1
+            for f in USAGE:
+                setattr(counts, f, getattr(counts, f) + int(row[f]))
+        if should_stop():
+            return
