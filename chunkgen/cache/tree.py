@@ -80,6 +80,8 @@ class PrefixTree:
         # Prefix lengths indexed: powers of two below the chunk size (a common prefix of a whole
         # chunk is a whole match, found in _whole).
         self._levels = [1 << k for k in range(self.chunk_size.bit_length()) if (1 << k) < self.chunk_size]
+        # Tails appended to in place since they were last indexed -> the length they are indexed at.
+        self._grown: dict[Chunk, int] = {}
         self.cache_hit_tokens = 0
         self.inserted_tokens = 0
 
@@ -146,6 +148,7 @@ class PrefixTree:
     def _match(self, tokens: list[int], include_pending: bool) -> tuple[list[Chunk], Chunk | None, int, int]:
         """Longest cached prefix: (whole chunks to share, chunk to copy a partial match from,
         tokens to copy, tokens covered by the shared chunks)."""
+        self._settle_all()
         C, n = self.chunk_size, len(tokens)
         path: list[Chunk] = []
         node, i = self.root, 0
@@ -217,11 +220,9 @@ class PrefixTree:
         C = self.chunk_size
         n = len(tail.tokens)
         if n < C and tail.ref == 1:
-            self._unindex_whole(tail)
+            # Re-indexed when next needed (a match, a detach), not on every decode token.
+            self._grown.setdefault(tail, n)
             tail.tokens.append(token)
-            self._index_whole(tail)
-            if n + 1 in self._levels:
-                self._add(self._prefix, tail, n + 1)
             kind = Append.IN_PLACE
             slot, offset = tail.slot, n
         elif n < C:  # another live sequence reads this partial tail: copy it before writing
@@ -337,6 +338,7 @@ class PrefixTree:
 
     def _detach_and_free(self, chunk: Chunk) -> None:
         parent = chunk.parent
+        self._settle(chunk)
         self._unindex_whole(chunk)
         for L in self._levels:
             if L > len(chunk.tokens):
@@ -362,6 +364,21 @@ class PrefixTree:
             self._add(self._prefix, chunk, L)
         self._evictable.pop(parent, None)
 
+    def _settle(self, chunk: Chunk) -> None:
+        """Bring the indexes of a tail grown in place up to its tokens."""
+        old = self._grown.pop(chunk, None)
+        if old is None:
+            return
+        self._drop(self._whole, chunk, old, tuple(chunk.tokens[:old]))
+        self._index_whole(chunk)
+        for L in self._levels:
+            if old < L <= len(chunk.tokens):
+                self._add(self._prefix, chunk, L)
+
+    def _settle_all(self) -> None:
+        for chunk in list(self._grown):
+            self._settle(chunk)
+
     def _index_whole(self, chunk: Chunk) -> None:
         self._add(self._whole, chunk, len(chunk.tokens))
 
@@ -373,8 +390,8 @@ class PrefixTree:
         index.setdefault((id(chunk.parent), tuple(chunk.tokens[:n])), {})[chunk] = None
 
     @staticmethod
-    def _drop(index: _Index, chunk: Chunk, n: int) -> None:
-        key = (id(chunk.parent), tuple(chunk.tokens[:n]))
+    def _drop(index: _Index, chunk: Chunk, n: int, tokens: tuple[int, ...] | None = None) -> None:
+        key = (id(chunk.parent), tuple(chunk.tokens[:n]) if tokens is None else tokens)
         bucket = index[key]
         del bucket[chunk]
         if not bucket:
@@ -394,7 +411,8 @@ class PrefixTree:
             self._make_evictable(chunk)
 
     def check(self) -> None:
-        """Full invariant check, for tests (O(tree))."""
+        """Full invariant check, for tests (O(tree)); indexes of tails grown in place are settled first."""
+        self._settle_all()
         self.pool.check()
         C = self.chunk_size
         refs: dict[int, int] = {}
