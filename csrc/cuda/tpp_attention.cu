@@ -207,6 +207,34 @@ __device__ void warp_merge(WarpState& s, const float* po, const float* pm, const
 
 // ---- phase 1 --------------------------------------------------------------------------------
 
+// Shared-memory tiles of the tensor-core kernel, for the kernel (pointers) and the host (size).
+// Every row is padded by 16 bytes: unpadded, a 64- or 128-element row is a multiple of 128 bytes
+// and the 16 rows of a fragment load would all fall in the same banks.
+template <typename T>
+struct MmaTiles {
+  static constexpr int kPadT = 16 / sizeof(T), kPadF = 16 / sizeof(float);
+  int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;                 // leading dimensions, in elements
+  size_t ks, vs, qs, ss, ps, os, stats, bytes;                  // byte offsets, each 128-aligned
+  __host__ __device__ MmaTiles(int d, int C)
+      : ks_ld(C + kPadT), vs_ld(d + kPadT), qs_ld(d + kPadT), ss_ld(C + kPadF), ps_ld(C + kPadT), os_ld(d + kPadF) {
+    size_t at = 0;
+    ks = take(at, sizeof(T) * d * ks_ld);         // K [d, C]
+    vs = take(at, sizeof(T) * C * vs_ld);         // V [C, d]
+    qs = take(at, sizeof(T) * kTile * qs_ld);     // Q [16, d]
+    ss = take(at, sizeof(float) * kTile * ss_ld); // S [16, C]
+    ps = take(at, sizeof(T) * kTile * ps_ld);     // P [16, C]
+    os = take(at, sizeof(float) * kTile * os_ld); // O [16, d]
+    stats = take(at, sizeof(float) * 2 * kTile);  // row max, row sum
+    bytes = at;
+  }
+  __host__ __device__ static size_t take(size_t& at, size_t n) {
+    const size_t off = at;
+    at += align128(n);
+    return off;
+  }
+};
+
+
 // Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * splits blocks.
 template <typename T>
 __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits,
@@ -219,29 +247,29 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
   const int tiles = (rows + kTile - 1) / kTile;
   if (split >= tiles) return;
 
+  const MmaTiles<T> L(d, C);
   unsigned char* base = shared_bytes();
-  T* ks = reinterpret_cast<T*>(base);                                    // [d, C]
-  T* vs = reinterpret_cast<T*>(base + align128(sizeof(T) * d * C));      // [C, d]
-  T* qs = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(vs) + align128(sizeof(T) * C * d));  // [16, d]
-  float* ss = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(qs) + align128(sizeof(T) * kTile * d));  // [16, C]
-  T* ps = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(ss) + align128(sizeof(float) * kTile * C));      // [16, C]
-  float* os = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(ps) + align128(sizeof(T) * kTile * C));  // [16, d]
-  float* ms = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(os) + align128(sizeof(float) * kTile * d));
+  T* ks = reinterpret_cast<T*>(base + L.ks);
+  T* vs = reinterpret_cast<T*>(base + L.vs);
+  T* qs = reinterpret_cast<T*>(base + L.qs);
+  float* ss = reinterpret_cast<float*>(base + L.ss);
+  T* ps = reinterpret_cast<T*>(base + L.ps);
+  float* os = reinterpret_cast<float*>(base + L.os);
+  float* ms = reinterpret_cast<float*>(base + L.stats);
   float* ls = ms + kTile;
 
-  // The chunk's K and V, 16 bytes per thread and step. V rows past the chunk's length are zeroed:
-  // their probabilities are 0, but the pool bytes there may be anything, NaN included.
+  // The chunk's K and V, 16 bytes per thread and step, into padded rows. V rows past the chunk's
+  // length are zeroed: their probabilities are 0, but the pool bytes there may be NaN.
   {
     const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
     const uint4* kg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.k) + off);
     const uint4* vg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v) + off);
-    uint4* kd = reinterpret_cast<uint4*>(ks);
-    uint4* vd = reinterpret_cast<uint4*>(vs);
     constexpr int per_vec = 16 / sizeof(T);
-    const int vecs = d * C / per_vec;
-    for (int i = threadIdx.x; i < vecs; i += kThreads) {
-      kd[i] = kg[i];
-      vd[i] = (i * per_vec) / d < n ? vg[i] : make_uint4(0, 0, 0, 0);
+    for (int i = threadIdx.x; i < d * C / per_vec; i += kThreads) {
+      const int e = i * per_vec;
+      *reinterpret_cast<uint4*>(ks + (e / C) * L.ks_ld + e % C) = kg[i];
+      const int token = e / d;
+      *reinterpret_cast<uint4*>(vs + token * L.vs_ld + e % d) = token < n ? vg[i] : make_uint4(0, 0, 0, 0);
     }
   }
   const size_t part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
@@ -256,7 +284,7 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
         const int seq = begin + (r0 + r) / G, g = (r0 + r) % G;
         x = p.q[(static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t] * p.scale;
       }
-      qs[i] = from_float<T>(x);
+      qs[r * L.qs_ld + t] = from_float<T>(x);
     }
     __syncthreads();
 
@@ -267,23 +295,23 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       for (int kt = 0; kt < d / 16; ++kt) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, qs + kt * 16, d);
-        wmma::load_matrix_sync(b, ks + kt * 16 * C + ct * 16, C);
+        wmma::load_matrix_sync(a, qs + kt * 16, L.qs_ld);
+        wmma::load_matrix_sync(b, ks + kt * 16 * L.ks_ld + ct * 16, L.ks_ld);
         wmma::mma_sync(acc, a, b, acc);
       }
-      wmma::store_matrix_sync(ss + ct * 16, acc, C, wmma::mem_row_major);
+      wmma::store_matrix_sync(ss + ct * 16, acc, L.ss_ld, wmma::mem_row_major);
     }
     __syncthreads();
 
     // Softmax of each row over the chunk's n tokens; P rounded to T for the second product.
     for (int r = warp; r < kTile; r += kWarps) {
       float mx = -INFINITY;
-      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ss[r * C + j]);
+      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ss[r * L.ss_ld + j]);
       mx = warp_max(mx);
       float sum = 0.f;
       for (int j = lane; j < C; j += 32) {
-        const float e = j < n ? __expf(ss[r * C + j] - mx) : 0.f;
-        ps[r * C + j] = from_float<T>(e);
+        const float e = j < n ? __expf(ss[r * L.ss_ld + j] - mx) : 0.f;
+        ps[r * L.ps_ld + j] = from_float<T>(e);
         sum += e;
       }
       sum = warp_sum(sum);
@@ -301,16 +329,16 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       for (int kt = 0; kt < C / 16; ++kt) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, ps + kt * 16, C);
-        wmma::load_matrix_sync(b, vs + kt * 16 * d + ct * 16, d);
+        wmma::load_matrix_sync(a, ps + kt * 16, L.ps_ld);
+        wmma::load_matrix_sync(b, vs + kt * 16 * L.vs_ld + ct * 16, L.vs_ld);
         wmma::mma_sync(acc, a, b, acc);
       }
-      wmma::store_matrix_sync(os + ct * 16, acc, d, wmma::mem_row_major);
+      wmma::store_matrix_sync(os + ct * 16, acc, L.os_ld, wmma::mem_row_major);
     }
     __syncthreads();
 
     for (int i = threadIdx.x; i < tile_rows * d; i += kThreads)
-      part_o[(part_base + r0) * d + i] = os[i];
+      part_o[(part_base + r0) * d + i] = os[(i / d) * L.os_ld + i % d];
     for (int r = threadIdx.x; r < tile_rows; r += kThreads) {
       part_m[part_base + r0 + r] = ls[r] > 0.f ? ms[r] : -INFINITY;
       part_l[part_base + r0 + r] = ls[r];
@@ -441,12 +469,6 @@ void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const ch
           "cudaFuncSetAttribute");
 }
 
-template <typename T>
-size_t mma_smem_bytes(int d, int C) {
-  return align128(sizeof(T) * d * C) * 2 + align128(sizeof(T) * kTile * d) + align128(sizeof(float) * kTile * C) +
-         align128(sizeof(T) * kTile * C) + align128(sizeof(float) * kTile * d) + sizeof(float) * 2 * kTile;
-}
-
 template <typename T, bool kTensorCores>
 void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m,
             float* part_l, cudaStream_t stream) {
@@ -463,7 +485,7 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
     const int most = (max_rows * (kTensorCores ? G : 1) + per_block - 1) / per_block;
     const int splits = std::max(1, std::min(most, (2 * lim.sms + items - 1) / items));
     if constexpr (kTensorCores) {
-      const size_t smem = mma_smem_bytes<T>(p.head_dim, p.chunk);
+      const size_t smem = MmaTiles<T>(p.head_dim, p.chunk).bytes;
       reserve_smem(chunk_first_mma_kernel<T>, smem, lim, "chunk-first kernel");
       CHUNKGEN_LAUNCH(chunk_first_mma_kernel<T>, items * splits, kThreads, smem, stream, p, part_off, splits,
                       part_o, part_m, part_l);
