@@ -136,7 +136,9 @@ def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: s
 
 
 SAMPLING_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "json_schema": "--json-schema",
+                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs",
+                    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                    "json_schema": "--json-schema",
                     "regex": "--regex", "grammar": "--grammar"}
 
 
@@ -336,6 +338,9 @@ def run(
     top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens; 0 is off [default: 0]."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
     stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain answers to this JSON schema (a .json file), for rows and templates that set no constraint."),
     regex: Optional[str] = typer.Option(None, "--regex", help="Constrain answers to match this regex, for rows and templates that set no constraint."),
     grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain answers to this Lark grammar (a file), for rows and templates that set no constraint."),
@@ -369,7 +374,9 @@ def run(
     _check_out(out, queries)
     budget = _check_engine_options(dtype, device, chunk_size, kv_memory)
     defaults = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, seed=seed, stop=stop or None).items() if v is not None}
+                                      top_k=top_k, seed=seed, stop=stop or None, logprobs=logprobs,
+                                      presence_penalty=presence_penalty,
+                                      frequency_penalty=frequency_penalty).items() if v is not None}
     defaults.update(_constraint_options(json_schema, regex, grammar))
     _check_defaults(defaults)
     part = None
@@ -439,6 +446,10 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         table.add_row("wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)")
         table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
         table.add_row("prompt tokens (from cache)", f"{summary.prompt_tokens} ({summary.cached_tokens})")
+        if summary.constrained:
+            table.add_row("answers matching their constraint",
+                          f"{summary.matched} of {summary.constrained}"
+                          + (" (the others ran out of tokens first)" if summary.matched < summary.constrained else ""))
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
     if summary.changed:
@@ -582,11 +593,12 @@ def bench_e2e(
     max_batch: int = typer.Option(32),
     dtype: str = typer.Option("fp32"),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
-                                help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen."),
+                                help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
+                                     "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
 ) -> None:
-    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full."""
+    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
@@ -603,12 +615,13 @@ def bench_e2e(
                                               f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s",
                                               highlight=False))
     table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}")
-    for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "gen tok/s", "decode tok/s",
+    for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "mask s", "gen tok/s", "decode tok/s",
                 "KV peak", "RSS peak", "= hf"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["system"], str(r["n_shared"]), f"{r['wall_s']:.1f}", f"{r['prefill_s']:.1f}",
-                      f"{r['decode_s']:.1f}", f"{r['gen_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
+                      f"{r['decode_s']:.1f}", f"{r['mask_s']:.2f}" if "mask_s" in r else "-",
+                      f"{r['gen_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
                       _human(r["kv_peak_bytes"]), _human(r["rss_peak_bytes"]),
                       "-" if r["outputs_equal_to_hf"] is None else f"{r['outputs_equal_to_hf']}/{r['n_queries']}")
     stdout.print(table)

@@ -93,7 +93,7 @@ def test_openai_body_fields_supported_ignored_and_refused():
         openai_row({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "img"),
         openai_row({"messages": [{"role": "tool", "content": "x"}]}, "role"),
         openai_row({"messages": msgs, "max_tokens": 0}, "zero"),
-        openai_row({"messages": msgs, "frequency_penalty": 0.5}, "pen"),
+        openai_row({"messages": msgs, "frequency_penalty": 2.5}, "pen"),
         openai_row({"messages": msgs, "temperature": "hot"}, "temp"),
     ]
     got = {i.id: i for i in openai_jobs(rows_of(*lines), {})}

@@ -1,8 +1,13 @@
 """End-to-end throughput and KV memory, after the paper's Table 4: one shared system prompt of an
 exact token length, distinct short queries, greedy decoding of a fixed length, the same for every
-system, all systems measured in one process one after the other."""
+system, all systems measured in one process one after the other.
+
+`chunkgen_schema` is chunkgen with every answer constrained to a JSON array of the shipped
+tool-dispatcher's function calls, long enough that no answer can end before max_new_tokens: the
+same number of tokens as `chunkgen`, each step paying for a real schema's token masks."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -16,7 +21,7 @@ from chunkgen.cache import kv_shape
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
 
-SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")
+SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen", "chunkgen_schema")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 
 
@@ -110,9 +115,17 @@ def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
     return row, gen
 
 
-def run_engine(llm: LLM, work: Workload, **overrides) -> tuple[dict, list[list[int]]]:
+def tool_calls_schema() -> dict:
+    """A JSON array of tool-dispatcher calls that cannot be complete within any benchmark length."""
+    calls = json.loads((PROMPTS_DIR / "tool_dispatcher.schema.json").read_text())
+    return {"type": "array", "items": calls, "minItems": 100_000}
+
+
+def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides) -> tuple[dict, list[list[int]]]:
     engine = llm.new_engine(**overrides)
-    params = SamplingParams(max_new_tokens=work.max_new_tokens, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=work.max_new_tokens, ignore_eos=True, json_schema=schema)
+    if schema is not None:
+        engine.constraints.matcher(params)  # the one-off tokenizer set-up is not part of the run
     reqs = [Request(i, p, params) for i, p in enumerate(work.prompts)]
     gen: list[list[int]] = [[] for _ in reqs]
     with PeakRSS() as rss:
@@ -122,8 +135,8 @@ def run_engine(llm: LLM, work: Workload, **overrides) -> tuple[dict, list[list[i
         wall = time.perf_counter() - t0
     s = engine.stats
     n_gen = sum(len(g) for g in gen)
-    row = dict(wall_s=wall, prefill_s=s.prefill_s, decode_s=s.decode_s, gen_tokens_per_s=n_gen / wall,
-               decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
+    row = dict(wall_s=wall, prefill_s=s.prefill_s, decode_s=s.decode_s, mask_s=s.mask_s,
+               gen_tokens_per_s=n_gen / wall, decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
                kv_peak_bytes=engine.pool.peak_bytes, rss_peak_bytes=rss.peak)
     return row, gen
 
@@ -132,6 +145,7 @@ ENGINE_SETTINGS = {
     "chunkgen_noshare": {"share_prefix": False},
     "chunkgen_paged": {"chunk_first": False},
     "chunkgen": {},
+    "chunkgen_schema": {},
 }
 
 
@@ -146,11 +160,12 @@ def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, 
                 row, gen = run_hf(llm, work)
                 reference = gen
             else:
-                row, gen = run_engine(llm, work, **ENGINE_SETTINGS[system])
+                schema = tool_calls_schema() if system == "chunkgen_schema" else None
+                row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system])
+            comparable = reference is not None and system != "chunkgen_schema"  # constrained: other answers
             row = {"system": system, "n_shared": ns, "n_queries": n_queries,
                    "max_new_tokens": max_new_tokens, "dtype": dtype_name, **row,
-                   "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference))
-                                           if reference is not None else None)}
+                   "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference)) if comparable else None)}
             rows.append(row)
             if on_row:
                 on_row(row)

@@ -12,6 +12,7 @@ from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
+from chunkgen.engine.logits import StepLogprobs, TokenLogprob, apply_penalties, token_texts
 from chunkgen.engine.sampler import ParamError, make_generator, sample
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
@@ -33,6 +34,7 @@ class EngineConfig:
 class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    mask_s: float = 0.0  # of prefill_s + decode_s: constraint masks (filling and applying them)
     decode_steps: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
@@ -67,6 +69,7 @@ class Engine:
                                    group_prefix_tokens=4 * cfg.chunk_size)
         self.stats = EngineStats()
         self.eos_ids = self._eos_ids()
+        self._token_text = token_texts(tokenizer)
         self._constraints: Constraints | None = None  # built with the first constrained request
         self._num_constrained = 0  # live sequences with a matcher: none, no mask work at all
         self._pending: dict[int, list[Sequence]] = {}  # request key -> its samples, until all finish
@@ -111,11 +114,19 @@ class Engine:
             self._constraints = Constraints(self.tokenizer, self.model.vocab_size, self.eos_ids)
         return self._constraints
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Next tokens of `seqs` from their logits rows; constrained rows are masked first."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        """Next token of each of `seqs` from its logits row, with its logprobs entry when asked.
+        Logprobs are read off the raw logits; penalties, then constraint masks change them before
+        the draw."""
+        params = [s.params for s in seqs]
+        logprobs = StepLogprobs(logits, params)
+        apply_penalties(logits, params, [s.counts for s in seqs])
         if self._num_constrained:
+            t0 = time.perf_counter()
             self.constraints.mask_(logits, [s.matcher for s in seqs])
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            self.stats.mask_s += time.perf_counter() - t0
+        tokens = sample(logits, params, [s.generator for s in seqs])
+        return list(zip(tokens, logprobs.pick(tokens, self._token_text)))
 
     def _refusal(self, req: Request) -> str | None:
         n = len(req.prompt_tokens)
@@ -199,9 +210,9 @@ class Engine:
             self.tree.mark_ready(seq.seq_id)
         sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]
         if sampled:
-            tokens = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]))
-            for (seq, _), token in zip(sampled, tokens):
-                self._accept(seq, token)
+            picks = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]))
+            for (seq, _), (token, entry) in zip(sampled, picks):
+                self._accept(seq, token, entry)
 
     # -- decode -------------------------------------------------------------------------------
     def _decode(self, batch: Batch, done: list[Sequence]) -> None:
@@ -219,9 +230,9 @@ class Engine:
         slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
         offsets = torch.tensor([r[1] for r in rows], dtype=torch.long)
         logits = self.model.decode(tokens, positions, slots, offsets, self.pool, self.ctx)
-        next_tokens = self._sample(order, logits)
-        for seq, token in zip(order, next_tokens):
-            self._accept(seq, token)
+        picks = self._sample(order, logits)
+        for seq, (token, entry) in zip(order, picks):
+            self._accept(seq, token, entry)
             if seq.finish_reason:
                 self._finish(seq, done)
         self.stats.decode_steps += 1
@@ -229,9 +240,13 @@ class Engine:
         self.stats.decode_s += time.perf_counter() - t0
 
     # -- tokens and endings -------------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, entry: TokenLogprob | None = None) -> None:
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(entry)
+        if seq.counts is not None:
+            seq.counts[token] = seq.counts.get(token, 0) + 1
         p = seq.params
         out = seq.output
         m = seq.matcher
@@ -250,7 +265,12 @@ class Engine:
                 _, hit = seq.detok.finish()  # text held back mid-character may end in a stop string
             if hit:  # the text ends before the stop string, token_ids with the last token wholly before it
                 seq.finish_reason, seq.text = "stop", seq.detok.text
+                cut = len(out) - seq.detok.num_tokens
                 del seq.tokens[seq.num_prompt + seq.detok.num_tokens:]
+                if seq.logprobs is not None:
+                    del seq.logprobs[seq.detok.num_tokens:]
+                if m is not None and cut:
+                    m.rollback(cut)  # so whether the answer satisfies its constraint is judged on what is kept
                 return
         if seq.finish_reason is None and (
             len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context
@@ -261,6 +281,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.matcher is not None:
+            seq.matched = seq.finish_reason != "error" and seq.matcher.is_accepting()
             seq.matcher = None
             self._num_constrained -= 1
 

@@ -12,6 +12,8 @@ import torch
 MAX_N = 128
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # alternatives per token, as the Chat Completions API allows
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2], as OpenAI and vLLM take them
 GREEDY_BELOW = 1e-5  # as vLLM: smaller temperatures overflow the scaled logits, so take the argmax
 
 
@@ -48,6 +50,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    # Log-probabilities of the model's own distribution (before penalties, constraints and
+    # temperature, as vLLM returns by default): None for none, k for the chosen token's plus the
+    # k most likely alternatives at every step.
+    logprobs: int | None = None
+    # Subtracted from the logit of every token already generated (prompt tokens do not count):
+    # presence once per token seen, frequency once per occurrence, as vLLM and OpenAI apply them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # Constrained decoding (engine/constraint.py), at most one: a JSON schema (kept as its JSON
     # text so the dataclass stays hashable; a dict is accepted), a regex, a Lark grammar.
     json_schema: str | None = None
@@ -65,6 +75,11 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", _integer("seed", self.seed, 0, MAX_SEED, "2**63 - 1"))
         put("n", _integer("n", self.n, 1, MAX_N))
+        if self.logprobs is not None:
+            put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _number(name, getattr(self, name), f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                              lambda v: -MAX_PENALTY <= v <= MAX_PENALTY))
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string is one stop
@@ -99,11 +114,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
     def as_dict(self) -> dict:
-        # Unset constraints are left out: request hashes and records of unconstrained requests
-        # stay what they were before constraints existed (resume compares those hashes).
+        # Fields added after the first release are left out while unset: request hashes and records
+        # of requests that do not use them stay what they were (resume compares those hashes).
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()
-                if not (v is None and k in ("json_schema", "regex", "grammar"))}
+                if _OPTIONAL.get(k, ...) != v}
+
+
+_OPTIONAL = {"json_schema": None, "regex": None, "grammar": None, "logprobs": None,
+             "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 _M64 = (1 << 64) - 1

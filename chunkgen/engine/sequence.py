@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from chunkgen.engine.detokenize import IncrementalDetokenizer
+from chunkgen.engine.logits import TokenLogprob
 from chunkgen.engine.sampler import SamplingParams
 
 
@@ -22,6 +23,8 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    matched: bool | None = None  # constrained requests: the whole text satisfies the constraint
 
 
 @dataclass
@@ -48,6 +51,16 @@ class Result:
     def finish_reason(self) -> str:
         return self.completions[0].finish_reason if self.completions else "error"
 
+    @property
+    def constrained(self) -> int:
+        """Completions made under a constraint (a JSON schema, regex or grammar)."""
+        return sum(c.matched is not None for c in self.completions)
+
+    @property
+    def matched(self) -> int:
+        """Completions that satisfy their constraint (the others ran out of tokens first)."""
+        return sum(bool(c.matched) for c in self.completions)
+
 
 class Sequence:
     """One sample of one request as it moves through the engine."""
@@ -69,6 +82,9 @@ class Sequence:
         self.text = ""
         self.detok: IncrementalDetokenizer | None = None  # only with stop strings: finds them as text grows
         self.matcher: Any = None  # an llguidance LLMatcher for constrained requests (engine/constraint.py)
+        self.matched: bool | None = None  # set when a constrained sequence finishes
+        self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
+        self.counts: dict[int, int] | None = {} if request.params.penalized else None  # generated tokens
 
     @property
     def params(self) -> SamplingParams:
@@ -79,4 +95,4 @@ class Sequence:
         return self.tokens[self.num_prompt :]
 
     def completion(self) -> Completion:
-        return Completion(self.text, self.output, self.finish_reason or "length")
+        return Completion(self.text, self.output, self.finish_reason or "length", self.logprobs, self.matched)

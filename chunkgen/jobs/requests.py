@@ -165,6 +165,7 @@ def check_defaults(defaults: dict[str, Any]) -> None:
 
 # -- template rows ---------------------------------------------------------------------------------
 TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                                     "logprobs", "presence_penalty", "frequency_penalty",
                                      "json_schema", "regex", "grammar")}
 
 
@@ -211,22 +212,22 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
 
 # -- OpenAI batch rows -----------------------------------------------------------------------------
 OPENAI_OVERRIDES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n"}
+                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 # Accepted and without effect on a local model, as the Batch API accepts them.
 OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
                   "parallel_tool_calls", "reasoning_effort", "prompt_cache_key", "safety_identifier"}
+OPENAI_OWN = ("messages", "response_format", "logprobs", "top_logprobs")  # read by openai_jobs itself
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _unsupported(body: dict[str, Any]) -> str | None:
     """The first body field asking for something chunkgen cannot do (never silently dropped)."""
     for key, value in body.items():
-        if key in OPENAI_OVERRIDES or key in OPENAI_IGNORED or key in ("messages", "response_format"):
+        if key in OPENAI_OVERRIDES or key in OPENAI_IGNORED or key in OPENAI_OWN:
             continue
         harmless = (
-            (key in ("frequency_penalty", "presence_penalty") and value in (0, None))
-            or (key in ("logprobs", "stream") and value in (False, None))
-            or (key == "top_logprobs" and value in (0, None))
+            (key == "stream" and value in (False, None))
             or (key in ("logit_bias", "tools", "functions") and not value)
             or (key in ("tool_choice", "function_call") and value in ("none", None))
             or (key == "modalities" and value in (["text"], None))
@@ -234,6 +235,17 @@ def _unsupported(body: dict[str, Any]) -> str | None:
         if not harmless:
             return key
     return None
+
+
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """SamplingParams.logprobs from a body's `logprobs` (true / false) and `top_logprobs` (0-20):
+    None when not asked, else how many alternatives to list per token."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise RowError("body.logprobs", f"must be true or false, got {_kind(asked)}")
+    if top is not None and not asked:
+        raise RowError("body.top_logprobs", "needs logprobs: true")
+    return (top or 0) if asked else None
 
 
 def _response_format(value: Any) -> str | dict | None:
@@ -314,9 +326,12 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             schema = _response_format(body.get("response_format"))
             base = defaults
             if body.get("response_format") is not None and schema is None:  # {"type": "text"} asks for free text
-                base = {k: v for k, v in defaults.items() if k not in KINDS}
-            params = _params(base, {**body, "response_format": schema},
-                             {**OPENAI_OVERRIDES, "response_format": "json_schema"}, prefix="body.")
+                base = {k: v for k, v in base.items() if k not in KINDS}
+            if body.get("logprobs") is False:  # an explicit no beats the command line's default
+                base = {k: v for k, v in base.items() if k != "logprobs"}
+            params = _params(base, {**body, "response_format": schema, "top_logprobs": _logprobs(body)},
+                             {**OPENAI_OVERRIDES, "response_format": "json_schema", "top_logprobs": "logprobs"},
+                             prefix="body.")
             yield Job(rid, number, clean, params, None, data=tuple(m["content"] for m in clean))
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)

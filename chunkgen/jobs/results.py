@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from chunkgen.engine.sequence import Result
+from chunkgen.engine.sequence import Completion, Result
 from chunkgen.jobs.lock import OutputLock
 from chunkgen.jobs.requests import ErrorRecord, Job
 
@@ -89,6 +89,20 @@ def _sampling(job: Job) -> dict[str, Any]:
     return out
 
 
+def _logprobs(c: Completion) -> list[dict] | None:
+    return None if c.logprobs is None else [e.as_openai() for e in c.logprobs]
+
+
+def _extras(c: Completion) -> dict[str, Any]:
+    """A completion's optional fields in chunkgen's own records: only those the request asked for."""
+    out: dict[str, Any] = {}
+    if c.logprobs is not None:
+        out["logprobs"] = _logprobs(c)
+    if c.matched is not None:
+        out["constraint_matched"] = c.matched
+    return out
+
+
 class RecordFormat:
     """Turns results and errors into output records: chunkgen's own lines, or OpenAI batch output.
     Separate from the writer so remote workers can format what the driver writes."""
@@ -105,6 +119,7 @@ class RecordFormat:
                 "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": None if c.logprobs is None else {"content": _logprobs(c), "refusal": None},
                              "finish_reason": c.finish_reason} for i, c in enumerate(res.completions)],
                 "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
                           "total_tokens": res.prompt_tokens + res.completion_tokens,
@@ -117,9 +132,11 @@ class RecordFormat:
                                "finish_reason": res.finish_reason,
                                "usage": {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
                                          "completion_tokens": res.completion_tokens},
-                               "sampling": _sampling(job), "request_hash": job.request_hash}
+                               "sampling": _sampling(job), "request_hash": job.request_hash,
+                               **_extras(res.completions[0])}
         if len(res.completions) > 1:
-            rec["completions"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in res.completions]
+            rec["completions"] = [{"text": c.text, "finish_reason": c.finish_reason, **_extras(c)}
+                                  for c in res.completions]
         return rec
 
     def error_record(self, err: ErrorRecord, request_hash: str | None = None) -> dict[str, Any]:

@@ -31,6 +31,8 @@ class JobCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    constrained: int = 0  # completions made under a JSON schema, regex or grammar
+    matched: int = 0  # of those, the ones whose whole text satisfies it
 
 
 @dataclass
@@ -59,6 +61,8 @@ class JobSummary:
     decode_s: float
     kv_peak_bytes: int
     kv_unshared_peak_bytes: int
+    constrained: int = 0
+    matched: int = 0
     interrupted: bool = False
 
     @property
@@ -157,6 +161,8 @@ def run_job(
             counts.prompt_tokens += a.result.prompt_tokens
             counts.cached_tokens += a.result.cached_tokens
             counts.completion_tokens += a.result.completion_tokens
+            counts.constrained += a.result.constrained
+            counts.matched += a.result.matched
     interrupted = should_stop()
     writer.close()
     s = engine.stats
@@ -165,5 +171,5 @@ def run_job(
         prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
         completion_tokens=counts.completion_tokens, wall_s=time.perf_counter() - t0, prefill_s=s.prefill_s,
         decode_s=s.decode_s, kv_peak_bytes=s.kv_peak_bytes, kv_unshared_peak_bytes=s.kv_unshared_peak_bytes,
-        interrupted=interrupted,
+        constrained=counts.constrained, matched=counts.matched, interrupted=interrupted,
     )

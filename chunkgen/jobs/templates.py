@@ -56,7 +56,8 @@ def _placeholders(text: str, path: Path) -> tuple[str, ...]:
     return tuple(names)
 
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n"}
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs",
+                 "presence_penalty", "frequency_penalty"}
 TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling", "output"}
 
 

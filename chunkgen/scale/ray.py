@@ -18,7 +18,7 @@ from chunkgen.jobs.run import JobCounts, JobSummary, answer, never, triage
 from chunkgen.scale.shard import prefix_key
 
 CRASH_ONCE_ENV = "CHUNKGEN_FAULT_CRASH_ONCE"  # fault injection for tests: a marker file path
-USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens")
+USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens", "constrained", "matched")
 
 
 def _encode_job(job: Job) -> str:
@@ -84,7 +84,8 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
     return JobSummary(requests=counts.answered, skipped=counts.skipped, errors=counts.failed,
                       changed=len(writer.changed), prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
                       completion_tokens=counts.completion_tokens, wall_s=wall, prefill_s=0.0, decode_s=0.0,
-                      kv_peak_bytes=0, kv_unshared_peak_bytes=0, interrupted=should_stop())
+                      kv_peak_bytes=0, kv_unshared_peak_bytes=0, constrained=counts.constrained,
+                      matched=counts.matched, interrupted=should_stop())
 
 
 def _run_window(window: list[tuple[int, Job]], writer: ResultWriter, llm_kwargs: dict[str, Any], workers: int,
