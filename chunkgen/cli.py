@@ -449,7 +449,7 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         if summary.constrained:
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
-                          + (" (the others ran out of tokens first)" if summary.matched < summary.constrained else ""))
+                          + (" (the others were cut short by max_new_tokens or a stop string)" if summary.matched < summary.constrained else ""))
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
     if summary.changed:
@@ -596,6 +596,7 @@ def bench_e2e(
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
+    repeat: int = typer.Option(1, min=1, help="Rounds in which the systems take turns; each row is the median round."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
@@ -611,10 +612,14 @@ def bench_e2e(
     lengths = [int(x) for x in n_shared.split(",")]
     llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
     rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype,
-                   on_row=lambda r: err.print(f"  {r['system']:>16} n_shared={r['n_shared']}: "
-                                              f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s",
+                   repeat=repeat,
+                   on_row=lambda r: err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
+                                              f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
+                                              + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, "
+                                                 "not in the wall time)" if r.get("constraint_setup_s") else ""),
                                               highlight=False))
-    table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}")
+    table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
+                  + (f", median of {repeat} rounds" if repeat > 1 else ""))
     for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "mask s", "gen tok/s", "decode tok/s",
                 "KV peak", "RSS peak", "= hf"):
         table.add_column(col, justify="right")

@@ -7,6 +7,8 @@ second to build, so an engine builds it only when its first constrained request 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -72,6 +74,14 @@ def spec_of(params) -> tuple[str, str] | None:
     return None
 
 
+@dataclass
+class Bitmask:
+    """llguidance's packed token masks (bit t of row j: token t allowed) for some batch rows."""
+
+    rows: list[int]  # the batch rows they mask
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
+
+
 class Constraints:
     """One engine's constrained-decoding state: its llguidance tokenizer and mask buffers."""
 
@@ -81,8 +91,8 @@ class Constraints:
         self.eos_ids = sorted(eos_ids)
         self._tokenizer = None
         self._executor = None
-        self._bitmask: torch.Tensor | None = None
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._worker: ThreadPoolExecutor | None = None
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def _ll_tokenizer(self):
         if self._tokenizer is None:
@@ -105,31 +115,54 @@ class Constraints:
             raise ParamError(spec[0], f"does not compile: {m.get_error()}")
         return m
 
-    @torch.inference_mode()  # the model's logits are inference tensors: in-place only in this mode
-    def mask_(self, logits: torch.Tensor, matchers: list) -> None:
-        """Sets to -inf, in place, the logits of tokens the rows' matchers forbid (rows whose
-        matcher is None are left alone). Allowed logits are not touched, so a constraint that
-        admits the unconstrained choice does not change it."""
+    def fill_async(self, matchers: list) -> Future:
+        """`fill` on a worker thread: llguidance computes masks without the GIL, so the engine
+        starts a decode step's masks before the model's forward and collects them after it."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="chunkgen-mask")
+        return self._worker.submit(self.fill, matchers)
+
+    def fill(self, matchers: list) -> Bitmask | None:
+        """The packed masks of the rows whose matcher is not None (None when there are none),
+        in a fresh buffer: a step's masks may be read while the next step's are computed."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return
+            return None
         from llguidance.torch import fill_next_token_bitmask_par
 
-        words = (self.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(rows):
-            self._bitmask = torch.empty((max(len(rows), 8), words), dtype=torch.int32)
-        bitmask = self._bitmask[: len(rows)]
+        self._ll_tokenizer()
+        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
         fill_next_token_bitmask_par(self._executor, [(matchers[i], j) for j, i in enumerate(rows)], bitmask)
+        return Bitmask(rows, bitmask)
+
+    @torch.inference_mode()  # the model's logits are inference tensors: in-place only in this mode
+    def apply_(self, logits: torch.Tensor, mask: Bitmask | None) -> None:
+        """Adds -inf, in place, to the logits of the tokens `mask` forbids, and 0 to the others:
+        allowed logits keep their values, so a constraint that admits the unconstrained choice
+        does not change it."""
+        if mask is None:
+            return
+        rows, bitmask = mask.rows, mask.bits
+        words = bitmask.shape[1]
         # Unpacked here rather than with llguidance.torch.apply_token_bitmask_inplace, which is
-        # torch.compile'd: its first call costs seconds and a C compiler on the CPU.
+        # torch.compile'd: its first call costs seconds and a C compiler on the CPU. Each byte of
+        # the mask looks up its 8 additive terms (0 allowed, -inf forbidden): one gather and one
+        # add, ~9x faster on CPU than shifting the bits out (0.8 against 6.7 ms at 32 x 49,152).
         dev = logits.device
-        shifts = self._shifts.get(dev)
-        if shifts is None:
-            shifts = self._shifts[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-        bits = (bitmask.to(dev, non_blocking=True)[:, :, None] >> shifts) & 1
-        forbidden = (bits == 0).view(len(rows), words * 32)[:, : logits.shape[1]]
+        table = self._table(dev, logits.dtype)
+        bytes_ = bitmask.to(dev, non_blocking=True).view(torch.uint8).view(-1).int()
+        terms = table.index_select(0, bytes_).view(len(rows), words * 32)[:, : logits.shape[1]]
         if len(rows) == logits.shape[0]:
-            logits.masked_fill_(forbidden, float("-inf"))
+            logits.add_(terms)
         else:
-            sel = torch.tensor(rows, device=dev)
-            logits.index_copy_(0, sel, logits.index_select(0, sel).masked_fill_(forbidden, float("-inf")))
+            logits.index_add_(0, torch.tensor(rows, device=dev), terms)
+
+    def _table(self, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """[256, 8]: for each byte value, 0 for its set bits and -inf for the others, low bit first
+        (llguidance's bit order, on a little-endian machine)."""
+        table = self._tables.get((dev, dtype))
+        if table is None:
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+            table = torch.where(bits == 1, 0.0, float("-inf")).to(device=dev, dtype=dtype)
+            self._tables[(dev, dtype)] = table
+        return table

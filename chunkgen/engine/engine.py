@@ -3,6 +3,7 @@ step for every running sequence, and returns the requests that finished in it.""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -114,16 +115,18 @@ class Engine:
             self._constraints = Constraints(self.tokenizer, self.model.vocab_size, self.eos_ids)
         return self._constraints
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
+                early_mask: Future | None = None) -> list[tuple[int, TokenLogprob | None]]:
         """Next token of each of `seqs` from its logits row, with its logprobs entry when asked.
         Logprobs are read off the raw logits; penalties, then constraint masks change them before
-        the draw."""
+        the draw. `early_mask`: the rows' masks, started before the forward that made `logits`."""
         params = [s.params for s in seqs]
         logprobs = StepLogprobs(logits, params)
         apply_penalties(logits, params, [s.counts for s in seqs])
         if self._num_constrained:
-            t0 = time.perf_counter()
-            self.constraints.mask_(logits, [s.matcher for s in seqs])
+            t0 = time.perf_counter()  # only what the step waits for: a mask computed early is free
+            mask = early_mask.result() if early_mask else self.constraints.fill([s.matcher for s in seqs])
+            self.constraints.apply_(logits, mask)
             self.stats.mask_s += time.perf_counter() - t0
         tokens = sample(logits, params, [s.generator for s in seqs])
         return list(zip(tokens, logprobs.pick(tokens, self._token_text)))
@@ -229,8 +232,9 @@ class Engine:
         positions = torch.tensor([len(s.tokens) - 1 for s in order], device=self.model.device)
         slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
         offsets = torch.tensor([r[1] for r in rows], dtype=torch.long)
+        early = self.constraints.fill_async([s.matcher for s in order]) if self._num_constrained else None
         logits = self.model.decode(tokens, positions, slots, offsets, self.pool, self.ctx)
-        picks = self._sample(order, logits)
+        picks = self._sample(order, logits, early)
         for seq, (token, entry) in zip(order, picks):
             self._accept(seq, token, entry)
             if seq.finish_reason:
