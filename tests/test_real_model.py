@@ -58,3 +58,17 @@ def test_row_values_cannot_forge_chat_turns(default_model_dir):
     plain = t.messages({"question": "How long are records kept?"})
     want = tok(tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
     assert encode_prompt(tok, plain, ("How long are records kept?",)) == want["input_ids"]
+
+
+def test_token_bytes_spell_the_text_back(default_model_dir):
+    """Byte-level BPE splits characters across tokens: each token alone decodes to U+FFFD there,
+    yet the logprobs' `bytes` of the tokens join into the text's UTF-8."""
+    from transformers import AutoTokenizer
+
+    from chunkgen.engine.logits import token_texts
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "héllo 日本 🙂 naïve—done"
+    parts = [token_texts(tok)(i) for i in tok(text, add_special_tokens=False)["input_ids"]]
+    assert any("\ufffd" in t for t, _ in parts)  # the case this is about occurs
+    assert b"".join(raw for _, raw in parts) == text.encode()

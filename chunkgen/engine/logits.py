@@ -86,11 +86,14 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallba
 
 
 def _byte_level_table() -> dict[str, int]:
-    """Byte-level BPE (GPT-2, Llama 3, SmolLM) spells each byte as one printable character; this
-    maps those characters back to bytes."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    return {ch: b for b, ch in bytes_to_unicode().items()}
+    """Byte-level BPE (GPT-2, Llama 3, SmolLM) spells each byte as one printable character: the
+    printable Latin-1 bytes stand for themselves, the other bytes, in order, for U+0100 onwards.
+    This maps those characters back to bytes."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return table
 
 
 def token_texts(tokenizer) -> Callable[[int], tuple[str, bytes]]:
