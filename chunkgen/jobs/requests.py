@@ -243,7 +243,7 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     asked, top = body.get("logprobs"), body.get("top_logprobs")
     if asked is not None and not isinstance(asked, bool):
         raise RowError("body.logprobs", f"must be true or false, got {_kind(asked)}")
-    if top is not None and not asked:
+    if top not in (None, 0) and not asked:  # 0 asks for nothing, as the API takes it
         raise RowError("body.top_logprobs", "needs logprobs: true")
     return (top or 0) if asked else None
 
