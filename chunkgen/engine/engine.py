@@ -208,12 +208,14 @@ class Engine:
             if start < n:  # a re-admitted sequence whose K/V are all cached has nothing to compute
                 items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), fresh))
                 owners.append(seq)
+        wanted = [seq.matcher for seq, item in zip(owners, items) if item.want_logits]
+        early = self.constraints.fill_async(wanted) if self._num_constrained and wanted else None
         logits = self.model.prefill(items, self.pool) if items else []
         for seq, _, _ in wave:
             self.tree.mark_ready(seq.seq_id)
-        sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]
+        sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]  # the wanted ones
         if sampled:
-            picks = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]))
+            picks = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]), early)
             for (seq, _), (token, entry) in zip(sampled, picks):
                 self._accept(seq, token, entry)
 

@@ -58,7 +58,7 @@ class Result:
 
     @property
     def matched(self) -> int:
-        """Completions that satisfy their constraint (the others ran out of tokens first)."""
+        """Completions that satisfy their constraint (the others were cut short: max_new_tokens, a stop string)."""
         return sum(bool(c.matched) for c in self.completions)
 
 
