@@ -107,6 +107,30 @@ def test_openai_body_fields_supported_ignored_and_refused():
                       "temp": "body.temperature"}
 
 
+@pytest.mark.parametrize("fields, field", [
+    ({"n": 0}, "body.n"), ({"seed": -1}, "body.seed"), ({"stop": 5}, "body.stop"), ({"stop": ["a", ""]}, "body.stop"),
+    ({"max_completion_tokens": -3}, "body.max_completion_tokens"), ({"top_p": 2}, "body.top_p"),
+    ({"tool_choice": "auto"}, "body.tool_choice"), ({"audio": {"voice": "x"}}, "body.audio"),
+    ({"logit_bias": {"50256": -100}}, "body.logit_bias"), ({"stream": True}, "body.stream"),
+    ({"modalities": ["text", "audio"]}, "body.modalities"), ({"functions": [{"name": "f"}]}, "body.functions"),
+])
+def test_openai_bad_or_unsupported_body_fields_name_the_field(fields, field):
+    line = openai_row({"messages": [{"role": "user", "content": "hi"}], **fields})
+    (item,) = openai_jobs(rows_of(line), {})
+    assert isinstance(item, ErrorRecord) and item.field == field, item
+
+
+def test_openai_harmless_fields_are_accepted():
+    line = openai_row({"messages": [{"role": "user", "content": "hi"}], "seed": 5, "n": 3, "stop": ["a", "b"],
+                       "max_completion_tokens": 9, "stream": False, "tool_choice": "none", "tools": [],
+                       "logit_bias": {}, "modalities": ["text"], "top_logprobs": 0, "user": "u",
+                       "metadata": {"a": "b"}, "store": False, "service_tier": "auto"})
+    (job,) = openai_jobs(rows_of(line), {})
+    assert isinstance(job, Job), job
+    assert (job.params.seed, job.params.n, job.params.stop, job.params.max_new_tokens) == (5, 3, ("a", "b"), 9)
+    assert job.params.logprobs is None
+
+
 def test_request_hash_follows_what_the_answer_depends_on():
     one = by_line(template_jobs(rows_of('{"id": "a", "question": "q"}'), templates(), {}))[1]
     same = by_line(template_jobs(rows_of('{"id": "a", "question": "q"}'), templates(), {}))[1]
