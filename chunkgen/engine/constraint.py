@@ -83,7 +83,8 @@ class Bitmask:
 
 
 class Constraints:
-    """One engine's constrained-decoding state: its llguidance tokenizer and mask buffers."""
+    """One engine's constrained-decoding state: its llguidance tokenizer, the worker thread that
+    fills masks and the lookup tables that apply them."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: set[int]) -> None:
         self.hf_tokenizer = hf_tokenizer
@@ -130,7 +131,6 @@ class Constraints:
             return None
         from llguidance.torch import fill_next_token_bitmask_par
 
-        self._ll_tokenizer()
         bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
         fill_next_token_bitmask_par(self._executor, [(matchers[i], j) for j, i in enumerate(rows)], bitmask)
         return Bitmask(rows, bitmask)

@@ -35,7 +35,7 @@ class EngineConfig:
 class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    mask_s: float = 0.0  # of prefill_s + decode_s: constraint masks (filling and applying them)
+    mask_s: float = 0.0  # of prefill_s + decode_s: steps waiting for constraint masks and applying them
     decode_steps: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)

@@ -58,7 +58,8 @@ class Result:
 
     @property
     def matched(self) -> int:
-        """Completions that satisfy their constraint (the others were cut short: max_new_tokens, a stop string)."""
+        """Completions that satisfy their constraint (the others were cut short by max_new_tokens
+        or a stop string)."""
         return sum(bool(c.matched) for c in self.completions)
 
 

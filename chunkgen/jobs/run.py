@@ -23,6 +23,10 @@ def never() -> bool:
     return False
 
 
+# What each answer adds to JobCounts; Ray workers send these fields with every record.
+USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens", "constrained", "matched")
+
+
 @dataclass
 class JobCounts:
     answered: int = 0  # answers written by this run
@@ -33,6 +37,11 @@ class JobCounts:
     completion_tokens: int = 0
     constrained: int = 0  # completions made under a JSON schema, regex or grammar
     matched: int = 0  # of those, the ones whose whole text satisfies it
+
+    def add_usage(self, values: Callable[[str], int]) -> None:
+        """Adds an answer's USAGE counts; `values` reads one by name (a Result's attribute, a row's field)."""
+        for name in USAGE:
+            setattr(self, name, getattr(self, name) + int(values(name)))
 
 
 @dataclass
@@ -158,11 +167,7 @@ def run_job(
         else:
             counts.answered += 1
         if a.result is not None and a.result.error is None:
-            counts.prompt_tokens += a.result.prompt_tokens
-            counts.cached_tokens += a.result.cached_tokens
-            counts.completion_tokens += a.result.completion_tokens
-            counts.constrained += a.result.constrained
-            counts.matched += a.result.matched
+            counts.add_usage(lambda name: getattr(a.result, name))
     interrupted = should_stop()
     writer.close()
     s = engine.stats

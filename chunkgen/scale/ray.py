@@ -14,11 +14,10 @@ from typing import Any, Callable, Iterable
 from chunkgen.engine import SamplingParams
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
-from chunkgen.jobs.run import JobCounts, JobSummary, answer, never, triage
+from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, triage
 from chunkgen.scale.shard import prefix_key
 
 CRASH_ONCE_ENV = "CHUNKGEN_FAULT_CRASH_ONCE"  # fault injection for tests: a marker file path
-USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens", "constrained", "matched")
 
 
 def _encode_job(job: Job) -> str:
@@ -115,7 +114,6 @@ def _run_window(window: list[tuple[int, Job]], writer: ResultWriter, llm_kwargs:
             counts.failed += 1
         else:
             counts.answered += 1
-            for f in USAGE:
-                setattr(counts, f, getattr(counts, f) + int(row[f]))
+            counts.add_usage(row.__getitem__)
         if should_stop():
             return
