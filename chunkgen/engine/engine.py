@@ -102,7 +102,8 @@ class Engine:
                     for s in samples:
                         s.matcher = self.constraints.matcher(req.params)
                 except ParamError as exc:
-                    self._refused.append(Result(req.id, len(req.prompt_tokens), 0, [], error=str(exc)))
+                    self._refused.append(Result(req.id, len(req.prompt_tokens), 0, [], error=str(exc),
+                                                error_field="constraint"))
                     continue
                 self._num_constrained += len(samples)
             self._pending[id(req)] = samples

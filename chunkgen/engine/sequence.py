@@ -34,6 +34,7 @@ class Result:
     cached_tokens: int  # prompt tokens whose K/V were already in the cache when it was admitted
     completions: list[Completion]  # empty when error is set
     error: str | None = None  # why the request could not run (prompt too long for the model or the KV budget)
+    error_field: str | None = None  # "constraint" when its constraint could not be compiled, else the prompt
 
     @property
     def completion_tokens(self) -> int:

@@ -7,6 +7,7 @@ ErrorRecord naming its line, id and field; the rest go on.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -32,8 +33,9 @@ class Job:
     params: SamplingParams
     template: str | None = None  # template name, or None for OpenAI batch rows
     data: tuple[str, ...] = ()  # user-supplied text inside `messages`: tokenized as text, never as control tokens
+    constraint_field: str | None = None  # what set the constraint (a row's field, "template", an option's kind)
 
-    @property
+    @functools.cached_property
     def request_hash(self) -> str:
         """What the answer depends on; resume compares it to tell a changed request from an answered one."""
         canon = json.dumps({"messages": self.messages, "params": self.params.as_dict(),
@@ -76,9 +78,40 @@ def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
         return RowError(None, f"not valid JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
         return RowError(None, "not valid JSON: nested too deeply")
+    except ValueError as exc:  # e.g. an integer literal longer than Python converts
+        return RowError(None, f"not usable JSON: {exc}")
     if not isinstance(obj, dict):
         return RowError(None, f"expected a JSON object, got {type(obj).__name__}")
+    bad = _unencodable(obj)
+    if bad is not False:
+        return RowError(bad, "holds a lone surrogate escape (e.g. \\ud800), which is not text; "
+                             "encode the text as UTF-8 or write the pair")
     return obj
+
+
+def _unencodable(obj: dict[str, Any]) -> str | None | bool:
+    """The field holding the first key or string that has no UTF-8 form (a lone surrogate: JSON allows
+    "\\ud800", Unicode text does not; None: a top-level key), or False when there is none. Walked
+    without recursion however deep the row nests."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                name = f"{path}.{k}" if path else k
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or None
+                stack.append((name, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return False
 
 
 def read_rows(stream: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
@@ -158,6 +191,21 @@ def _params(base: dict[str, Any], row: dict[str, Any], names: dict[str, str], pr
         raise RowError(prefix + source.get(exc.field, exc.field), exc.message) from None
 
 
+def _constraint_source(params: SamplingParams, layers: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """Who set the constraint: the last of `layers` (name, values) that sets one, as `layer` merges."""
+    if not any(getattr(params, k) is not None for k in KINDS):
+        return None
+    for name, values in reversed(layers):
+        kind = next((k for k in KINDS if values.get(k) is not None), None)
+        if kind is not None:
+            return name or kind
+    return None
+
+
+def _unreadable(exc: Exception) -> str:
+    return f"cannot be processed: {type(exc).__name__}: {exc}"[:500]
+
+
 def check_defaults(defaults: dict[str, Any]) -> None:
     """Raises ParamError when the command line's sampling defaults are themselves invalid."""
     SamplingParams(**defaults)
@@ -204,10 +252,19 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
                     raise RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
                 values[name] = _text(obj[name], name)
             params = _params(layer(template.sampling, template.output, defaults), obj, TEMPLATE_OVERRIDES)
-            yield Job(rid, number, template.messages(values), params, template.name,
-                      data=tuple(values.values()))
+            row_kind = next((k for k in KINDS if obj.get(k) is not None), "")
+            source = _constraint_source(params, [("template", template.output), ("", defaults),
+                                                 (row_kind, {k: obj.get(k) for k in KINDS})])
+            job = Job(rid, number, template.messages(values), params, template.name,
+                      data=tuple(values.values()), constraint_field=source)
+            job.request_hash  # computed here, so a row it fails on fails alone
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)
+            continue
+        except Exception as exc:  # whatever a row's values make a later step raise: that row's error
+            yield ErrorRecord(rid, number, None, _unreadable(exc))
+            continue
+        yield job
 
 
 # -- OpenAI batch rows -----------------------------------------------------------------------------
@@ -332,6 +389,14 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             params = _params(base, {**body, "response_format": schema, "top_logprobs": _logprobs(body)},
                              {**OPENAI_OVERRIDES, "response_format": "json_schema", "top_logprobs": "logprobs"},
                              prefix="body.")
-            yield Job(rid, number, clean, params, None, data=tuple(m["content"] for m in clean))
+            source = _constraint_source(params, [("", defaults), ("body.response_format", {"json_schema": schema})])
+            job = Job(rid, number, clean, params, None, data=tuple(m["content"] for m in clean),
+                      constraint_field=source)
+            job.request_hash  # computed here, so a row it fails on fails alone
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)
+            continue
+        except Exception as exc:  # whatever a row's values make a later step raise: that row's error
+            yield ErrorRecord(rid if isinstance(rid, str) else None, number, None, _unreadable(exc))
+            continue
+        yield job

@@ -169,7 +169,7 @@ def run_job(
         if a.result is not None and a.result.error is None:
             counts.add_usage(lambda name: getattr(a.result, name))
     interrupted = should_stop()
-    writer.close()
+    writer.close(complete=not interrupted)
     s = engine.stats
     return JobSummary(
         requests=counts.answered, skipped=counts.skipped, errors=counts.failed, changed=len(writer.changed),
