@@ -175,7 +175,7 @@ def _check_defaults(defaults: dict[str, Any]) -> None:
 
 
 def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str):
-    """(format, iterator of Job | ErrorRecord) over the query file; a bad template stops here."""
+    """(format, iterator of Job | ErrorRecord, templates) over the query file; a bad template stops here."""
     from chunkgen.jobs.requests import detect_format, open_queries, openai_jobs, read_rows, template_jobs
     from chunkgen.jobs.templates import TemplateError, load_templates
 
@@ -193,10 +193,43 @@ def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict
     if fmt == "auto":
         fmt, rows = detect_format(rows)
     if fmt == "openai":
-        return fmt, openai_jobs(rows, defaults)
+        return fmt, openai_jobs(rows, defaults), {}
     if templates is None:
         _fail(f"{queries} holds template rows: pass --template (a .toml file or a directory of them)")
-    return fmt, template_jobs(rows, templates, defaults, id_field)
+    return fmt, template_jobs(rows, templates, defaults, id_field), templates
+
+
+def _check_not_empty(queries: str) -> None:
+    """A queries file without a single row is a mistake worth a word (standard input is checked at the end)."""
+    if queries == "-" or not Path(queries).is_file():
+        return
+    with open(queries, "rb") as f:
+        if not any(line.strip() for line in f):
+            _fail(f"{queries} holds no rows (it is empty or blank); nothing to run")
+
+
+def _check_templates_fit(templates: dict, model_dir: Path) -> None:
+    """A template whose own text (system prompt and user message, before any row's values) does not
+    fit the model's context would fail every row: refused now, before the weights load."""
+    if not templates:
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chunkgen.llm import check_chat_template, encode_prompt
+    from chunkgen.model.llama import context_length
+
+    context = context_length(AutoConfig.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        check_chat_template(tokenizer, str(model_dir))
+    except ValueError as exc:
+        _fail(str(exc))
+    for t in templates.values():
+        n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
+        if n >= context:
+            _fail(f"{t.path}: template {t.name!r} is {n} tokens before any row's values, and the model's "
+                  f"context holds {context} (with room for one generated token); shorten its system prompt "
+                  "or use a model with a longer context")
 
 
 def _count_lines(queries: str) -> int | None:
@@ -392,11 +425,13 @@ def run(
             import ray  # noqa: F401
         except ImportError:
             _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
-    fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+    _check_not_empty(queries)
+    fmt, items, templates = _read_items(queries, template, fmt, defaults, id_field)
     if part is not None:
         items = (item for item in items if part.owns(item))
     model_dir = _resolve(model)
     _check_budget(model_dir, chunk_size, dtype, device, budget)
+    _check_templates_fit(templates, model_dir)
     try:
         writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered,
                               rerun_changed=rerun_changed)
@@ -404,6 +439,8 @@ def run(
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot write {out}: {exc.strerror or exc}")
+    for note in writer.notes:
+        err.print(f"note: {note}", highlight=False)
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=budget,
                       max_batch=max_batch, share_prefix=not no_share, device=device)
     stop_flag = _StopFlag()
@@ -413,11 +450,19 @@ def run(
         else:
             summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log)
     except OutputError as exc:
-        _fail(str(exc))
-    finally:
         writer.close()
+        _fail(str(exc))
+    except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
+        writer.close(rewrite=False)
+        name = signal.Signals(stop_flag.signum or signal.SIGINT).name
+        err.print(f"stopped at once by a second {name}: every record written to {out} is whole; run the "
+                  "same command with --resume to continue", highlight=False)
+        raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT])
+    finally:
+        writer.close()  # after an error: releases the lock (a no-op when the run closed it)
         stop_flag.restore()
-    _report(summary, out, quiet, json_log, stop_flag.signum)
+    # A signal that came after every row had its record (during the final rewrite) stopped nothing.
+    _report(summary, out, queries, quiet, json_log, stop_flag.signum if summary.interrupted else None)
 
 
 def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
@@ -432,7 +477,9 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
         stop_progress()
 
 
-def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) -> None:
+def _report(summary, out: Path, queries: str, quiet: bool, json_log: bool, signum: int | None) -> None:
+    if signum is None and summary.requests + summary.skipped + summary.errors == 0:
+        _fail(f"{'standard input' if queries == '-' else queries} held no rows; nothing was run")
     if json_log:
         print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
     elif summary.requests == 0 and summary.errors == 0 and summary.skipped and not signum:
@@ -499,7 +546,7 @@ def inspect_tree(
     _check_chunk_size(chunk_size)
     kv_dtype = _dtype_option(dtype)
     _check_queries(queries)
-    _, items = _read_items(queries, template, fmt, {}, id_field)
+    _, items, _ = _read_items(queries, template, fmt, {}, id_field)
     path = _resolve(model)
     tok = AutoTokenizer.from_pretrained(path)
     bad = 0

@@ -374,9 +374,10 @@ class ResultWriter(RecordFormat):
                 "file is back where it was"
             )
 
-    def close(self, complete: bool = False) -> None:
+    def close(self, complete: bool = False, rewrite: bool = True) -> None:
         """Writes what --ordered still holds, syncs, and removes superseded records. `complete`: the
-        run gave every row of its input a record or a skip, so earlier runs' error records are void."""
+        run gave every row of its input a record or a skip, so earlier runs' error records are void.
+        `rewrite=False` (stopping at once) leaves superseded records for the next --resume to remove."""
         if self.closed:
             return
         self.closed = True
@@ -390,7 +391,7 @@ class ResultWriter(RecordFormat):
             self._guard(lambda: os.fsync(self.lock.fd), "flush")
             self._check_named()
             first_new = self._first_new if complete else None
-            if self.ledger.kept(first_new) < self.ledger.n:
+            if rewrite and self.ledger.kept(first_new) < self.ledger.n:
                 self._guard(lambda: self._rewrite(first_new), "rewrite")
             if self.lock.created and self.ledger.n == 0:
                 self.target.unlink(missing_ok=True)  # e.g. the model failed to load: leave nothing behind

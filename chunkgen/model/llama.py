@@ -120,6 +120,12 @@ def _partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return o, m, p.sum(-1)
 
 
+def context_length(cfg) -> int:
+    """Tokens a sequence may hold: the position limit, or the sliding window when it is smaller."""
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    return min(cfg.max_position_embeddings, window or cfg.max_position_embeddings)
+
+
 class LlamaModel:
     def __init__(self, hf_model) -> None:
         cfg = hf_model.config
@@ -137,8 +143,7 @@ class LlamaModel:
         self.q_heads = cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        self.max_context = min(cfg.max_position_embeddings, window or cfg.max_position_embeddings)
+        self.max_context = context_length(cfg)
         self.vocab_size = cfg.vocab_size
         from transformers.activations import ACT2FN
 
