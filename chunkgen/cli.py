@@ -454,8 +454,7 @@ def run(
         _fail(str(exc))
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
         writer.close(rewrite=False)
-        name = signal.Signals(stop_flag.signum or signal.SIGINT).name
-        err.print(f"stopped at once by a second {name}: every record written to {out} is whole; run the "
+        err.print(f"stopped at once by a second signal: every record written to {out} is whole; run the "
                   "same command with --resume to continue", highlight=False)
         raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT])
     finally:

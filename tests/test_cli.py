@@ -406,49 +406,301 @@ def _items(queries: Path, defaults: dict):
     return template_jobs(read_rows(queries.open("rb")), load_templates(PROMPTS / "arithmetic_cot.toml"), defaults)
 
 
-# -- one writer per output, signals ----------------------------------------------------------------
-def _slow_run(tiny_model, out: Path, *extra: str) -> subprocess.Popen:
-    args = base_args(tiny_model, out, queries=PROMPTS / "document_qa.queries.jsonl", template=PROMPTS / "document_qa.toml")
-    args[args.index("--max-new-tokens") + 1] = "60"
+# -- one writer per output, signals ---------------------------------------------------------------
+SLOW_ROWS = 200
+
+
+def _slow_queries(tmp_path: Path) -> Path:
+    """More rows than a run gets through before a test's signal reaches it: no timing window to race."""
+    queries = tmp_path / "slow.queries.jsonl"
+    if not queries.exists():
+        queries.write_text("".join(json.dumps({"id": f"doc-{i:03d}", "question": f"What does section {i % 9} say?"})
+                                   + "\n" for i in range(SLOW_ROWS)))
+    return queries
+
+
+def _slow_args(tiny_model, out: Path, tmp_path: Path) -> list[str]:
+    args = base_args(tiny_model, out, queries=_slow_queries(tmp_path), template=PROMPTS / "document_qa.toml")
+    args[args.index("--max-new-tokens") + 1] = "8"
+    return args + ["--max-batch", "4"]
+
+
+def _slow_run(tiny_model, out: Path, tmp_path: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "chunkgen", *args, "--max-batch", "1", *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "chunkgen", *_slow_args(tiny_model, out, tmp_path), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_records(out: Path, n: int, proc: subprocess.Popen) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None and (not out.exists() or len(out.read_text().splitlines()) < n):
-        time.sleep(0.05)
+    """Until the run has written n whole records (it cannot finish first: it has SLOW_ROWS rows)."""
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and (not out.exists() or out.read_bytes().count(b"\n") < n):
+        time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be interrupted"
 
 
-def test_a_second_run_on_the_same_output_is_refused(tiny_model, tmp_path):
+def test_a_second_run_on_the_same_output_is_refused_through_any_name(tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
-    first = _slow_run(tiny_model, out)
+    first = _slow_run(tiny_model, out, tmp_path)
     _wait_for_records(out, 1, first)
-    t0 = time.time()
-    second = runner.invoke(app, base_args(tiny_model, out, queries=PROMPTS / "document_qa.queries.jsonl",
-                                          template=PROMPTS / "document_qa.toml") + ["--resume"])
-    assert second.exit_code == 1 and time.time() - t0 < 20
-    assert "another chunkgen run" in second.output and f"PID {first.pid}" in second.output
-    assert "--resume" in second.output
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.jsonl").symlink_to(out)
+    os.link(out, tmp_path / "hard.jsonl")
+    for name in (out, tmp_path / "link.jsonl", tmp_path / "hard.jsonl", tmp_path / "sub" / ".." / "out.jsonl"):
+        t0 = time.time()
+        second = runner.invoke(app, _slow_args(tiny_model, name, tmp_path) + ["--resume"])
+        assert second.exit_code == 1 and time.time() - t0 < 20, second.output
+        assert "another chunkgen run" in second.output and f"PID {first.pid}" in second.output
+        assert "--resume" in second.output
+    assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == ["out.jsonl"]  # no sidecar to delete
     first.send_signal(signal.SIGKILL)
     first.wait()
     # The killed run's lock died with it: a resume right after is not refused.
-    res = run_cli(*base_args(tiny_model, out, queries=PROMPTS / "document_qa.queries.jsonl",
-                             template=PROMPTS / "document_qa.toml"), "--resume", "--max-new-tokens", "4")
+    res = run_cli(*_slow_args(tiny_model, out, tmp_path), "--resume", "--max-new-tokens", "1")
     assert res.exit_code == 0, res.output
     ids = [r["id"] for r in records(out)]
-    assert len(ids) == len(set(ids)) == 12
+    assert len(ids) == len(set(ids)) == SLOW_ROWS
 
 
-def test_sigterm_stops_cleanly_and_says_how_to_continue(tiny_model, tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_cleanly_and_resume_finishes_the_job(tiny_model, tmp_path, signum, code):
     out = tmp_path / "out.jsonl"
-    proc = _slow_run(tiny_model, out, "--quiet")
+    proc = _slow_run(tiny_model, out, tmp_path, "--quiet")
     _wait_for_records(out, 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr
-    assert "SIGTERM" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert signal.Signals(signum).name in stderr and "--resume" in stderr and "Traceback" not in stderr
     done = records(out)  # every line is a whole record
-    assert 2 <= len(done) < 12
+    assert 2 <= len(done) < SLOW_ROWS
+    if signum == signal.SIGTERM:
+        res = run_cli(*_slow_args(tiny_model, out, tmp_path), "--resume")
+        assert res.exit_code == 0, res.output
+        got = records(out)
+        assert sorted(r["id"] for r in got) == [f"doc-{i:03d}" for i in range(SLOW_ROWS)]
+        assert {r["id"]: r for r in got if r["id"] in {d["id"] for d in done}} == {d["id"]: d for d in done}
+
+
+def test_a_second_signal_stops_at_once_with_a_message(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = _slow_run(tiny_model, out, tmp_path, "--quiet")
+    _wait_for_records(out, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)  # two kinds: two of one kind sent at once may arrive as one
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (130, 143), stderr
+    assert "stopped at once by a second signal" in stderr and "--resume" in stderr and "Traceback" not in stderr
+    assert all(r["id"].startswith("doc-") for r in records(out))
+
+
+def _signal_inside_the_rewrite(monkeypatch, signals: list[int]) -> list[bool]:
+    """Sends `signals` to this process once the end-of-run rewrite has copied a record; the list
+    returned says whether the copy existed on disk at that moment."""
+    from chunkgen.jobs import results
+
+    real_records, seen = results._records, []
+
+    def records_then_signal(path):
+        for i, item in enumerate(real_records(path)):
+            if i == 1 and not seen:
+                seen.append(any(".compact-" in p.name for p in path.parent.iterdir()))
+                for s in signals:
+                    os.kill(os.getpid(), s)
+            yield item
+
+    real_rewrite = results.ResultWriter._rewrite
+
+    def rewrite(self, first_new):
+        monkeypatch.setattr(results, "_records", records_then_signal)
+        try:
+            real_rewrite(self, first_new)
+        finally:
+            monkeypatch.setattr(results, "_records", real_records)
+    monkeypatch.setattr(results.ResultWriter, "_rewrite", rewrite)
+    return seen
+
+
+def test_signals_during_the_final_rewrite(tiny_model, tmp_path, monkeypatch):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": "2?", "temperature": -1}\n'
+                       '{"id": "c", "question": "3?"}\n')
+    out = tmp_path / "out.jsonl"
+    args = base_args(tiny_model, out, queries=queries)
+    assert run_cli(*args).exit_code == EXIT_BAD_INPUT_LINES
+    # Every --resume writes b's error record again, so it ends with a rewrite.
+    seen = _signal_inside_the_rewrite(monkeypatch, [signal.SIGTERM])
+    res = run_cli(*args, "--resume")
+    assert seen == [True] and res.exit_code == EXIT_BAD_INPUT_LINES, res.output  # the job was complete
+    assert "stopped" not in res.output and len(records(out)) == 3
+    monkeypatch.undo()
+    seen = _signal_inside_the_rewrite(monkeypatch, [signal.SIGTERM, signal.SIGTERM])
+    res = run_cli(*args, "--resume")
+    assert seen == [True] and res.exit_code == 143, res.output
+    assert "stopped at once" in res.output and "--resume" in res.output
+    assert len(records(out)) == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "q.jsonl"]
+    monkeypatch.undo()
+    res = run_cli(*args, "--resume")
+    assert res.exit_code == EXIT_BAD_INPUT_LINES and "interrupted rewrite" in res.output, res.output
+    assert sorted((r["id"], "error" in r) for r in records(out)) == [("a", False), ("b", True), ("c", False)]
+
+
+# -- the output file as a database -----------------------------------------------------------------
+def test_resume_refuses_an_output_chunkgen_did_not_write(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?", "text": "x"}\n{"id": "b", "question": "2?", "text": "y"}\n')
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(queries, copy)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": "z", "question": "9?"}\n')
+    for target in (copy, other):
+        before = target.read_bytes()
+        res = run_cli(*base_args(tiny_model, target, queries=queries), "--resume")
+        assert res.exit_code == 1 and "not a chunkgen result record" in res.output, res.output
+        assert "already answered" not in res.output and target.read_bytes() == before
+
+
+def test_lines_inserted_or_removed_above_never_re_answer(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    rows = [json.dumps({"id": f"r{i}", "question": f"{i} + 1?"}) for i in range(4)]
+    queries.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries)).exit_code == 0
+    first = records(out)
+    for text in ("\n\n" + "\n".join(rows) + "\n", "\n".join(rows[1:]) + "\n"):
+        queries.write_text(text)
+        res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume")
+        assert res.exit_code == 0 and "already answered" in res.output, res.output
+        assert records(out) == first
+
+
+def test_a_lone_surrogate_fails_its_row_only_and_resume_finishes(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "s", "question": "\\ud800"}\n'
+                       '{"id": "n", "question": "x", "seed": ' + "1" * 5000 + '}\n{"id": "c", "question": "3?"}\n')
+    out = tmp_path / "out.jsonl"
+    for resume in ((), ("--resume",)):
+        res = run_cli(*base_args(tiny_model, out, queries=queries), *resume)
+        assert res.exit_code == EXIT_BAD_INPUT_LINES and "Traceback" not in res.output, res.output
+    recs = {r["line"]: r for r in records(out)}
+    assert sorted(recs) == [1, 2, 3, 4]
+    assert recs[2]["error"]["field"] == "question" and "surrogate" in recs[2]["error"]["message"]
+    assert recs[3]["error"]["field"] is None and "error" not in recs[1] and "error" not in recs[4]
+
+
+def test_a_fixed_bad_line_keeps_no_old_error_record(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": 2?}\n')
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries)).exit_code == EXIT_BAD_INPUT_LINES
+    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": "2?"}\n')
+    assert run_cli(*base_args(tiny_model, out, queries=queries), "--resume").exit_code == 0
+    assert sorted((r["id"], "error" in r) for r in records(out)) == [("a", False), ("b", False)]
+
+
+def test_a_last_record_without_its_newline_is_kept_not_recomputed(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out)).exit_code == 0
+    out.write_bytes(out.read_bytes().rstrip(b"\n"))
+    before = records(out)
+    res = run_cli(*base_args(tiny_model, out), "--resume")
+    assert res.exit_code == 0 and "newline" in res.output and "already answered" in res.output, res.output
+    assert records(out) == before and out.read_bytes().endswith(b"\n")
+
+
+def test_constraints_that_cannot_compile_name_their_source(tiny_model, tmp_path):
+    monster = "((((a{50}){50}){50}){50})"
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(json.dumps({"id": "row", "question": "1?", "regex": monster}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries)).exit_code == EXIT_BAD_INPUT_LINES
+    assert records(out)[0]["error"]["field"] == "regex"
+    template = tmp_path / "t.toml"
+    template.write_text('user = "{question}"\n[output]\nregex = "' + monster + '"\n')
+    queries.write_text('{"id": "t", "question": "1?"}\n')
+    out = tmp_path / "out2.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries, template=template)).exit_code == EXIT_BAD_INPUT_LINES
+    assert records(out)[0]["error"]["field"] == "template"
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"custom_id": "o", "body": {"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 2}}) + "\n")
+    out = tmp_path / "out3.jsonl"
+    res = run_cli("run", "--queries", str(batch), "--out", str(out), "--model", str(tiny_model), "--chunk-size",
+                  "16", "--kv-memory", "64MiB", "--quiet", "--regex", monster)
+    assert res.exit_code == EXIT_BAD_INPUT_LINES and records(out)[0]["error"]["field"] == "regex"
+
+
+def test_a_template_longer_than_the_context_is_refused_before_the_weights_load(tiny_model, tmp_path):
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")  # loading them would fail differently
+    long = tmp_path / "long.toml"
+    long.write_text('system = """' + "the handbook says many things. " * 3000 + '"""\nuser = "{question}"\n')
+    out = tmp_path / "out.jsonl"
+    res = run_cli(*base_args(str(broken), out, template=long))
+    assert res.exit_code == 1 and "long.toml" in res.output and "context" in res.output, res.output
+    assert "Traceback" not in res.output and not out.exists()
+
+
+def test_an_empty_input_says_so(tiny_model, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    out = tmp_path / "out.jsonl"
+    res = run_cli(*base_args(MISSING_MODEL, out, queries=empty))
+    assert res.exit_code == 1 and "no rows" in res.output and not out.exists()
+    args = base_args(tiny_model, out)
+    args[args.index("--queries") + 1] = "-"
+    res = runner.invoke(app, args, input=b"")
+    assert res.exit_code == 1 and "standard input held no rows" in res.output and not out.exists()
+
+
+def test_n_samples_records_every_completion(tiny_model, tmp_path):
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "1?", "n": 3, "temperature": 0.9, "seed": 7, "logprobs": 2, '
+                       '"regex": "[a-z ]{1,6}", "max_new_tokens": 5}\n')
+    out = tmp_path / "out.jsonl"
+    assert run_cli(*base_args(tiny_model, out, queries=queries)).exit_code == 0
+    (rec,) = records(out)
+    comps = rec["completions"]
+    assert len(comps) == 3 and rec["text"] == comps[0]["text"] and rec["finish_reason"] == comps[0]["finish_reason"]
+    total = 0
+    for c in comps:
+        assert set(c) == {"text", "finish_reason", "logprobs", "constraint_matched"}
+        assert c["finish_reason"] in ("stop", "length") and isinstance(c["constraint_matched"], bool)
+        assert 1 <= len(c["logprobs"]) <= 5 and all(len(e["top_logprobs"]) == 2 for e in c["logprobs"])
+        assert "".join(e["token"] for e in c["logprobs"]).startswith(c["text"])
+        total += len(c["logprobs"])
+    assert rec["usage"]["completion_tokens"] == total and rec["sampling"]["n"] == 3
+    assert len({c["text"] for c in comps}) > 1  # samples, not one answer three times
+
+
+def test_openai_records_field_by_field(tiny_model, tmp_path):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                          "n": 2, "temperature": 0.5, "seed": 1, "logprobs": True}}) + "\n"
+                     + json.dumps({"custom_id": "bad", "body": {"messages": []}}) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = run_cli("run", "--queries", str(batch), "--out", str(out), "--model", str(tiny_model),
+                  "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet")
+    assert res.exit_code == EXIT_BAD_INPUT_LINES, res.output
+    ok, bad = sorted(records(out), key=lambda r: r["custom_id"] != "ok")
+    assert set(ok) == {"id", "custom_id", "response", "error", "line", "request_hash", "chunkgen"}
+    assert ok["id"].startswith("batch_req_") and ok["error"] is None and ok["line"] == 1 and ok["chunkgen"] == 1
+    assert set(ok["response"]) == {"status_code", "request_id", "body"} and ok["response"]["status_code"] == 200
+    body = ok["response"]["body"]
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == tiny_model.name
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for c in body["choices"]:
+        assert set(c) == {"index", "message", "logprobs", "finish_reason"}
+        assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
+        assert set(c["logprobs"]) == {"content", "refusal"} and c["finish_reason"] in ("stop", "length")
+        assert [set(e) for e in c["logprobs"]["content"]] == [{"token", "logprob", "bytes", "top_logprobs"}] * len(c["logprobs"]["content"])
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in body["choices"])
+    assert set(usage["prompt_tokens_details"]) == {"cached_tokens"}
+    assert set(bad) == {"id", "custom_id", "response", "error", "line", "request_hash", "chunkgen"}
+    assert bad["response"] is None and bad["line"] == 2 and bad["request_hash"] is None
+    assert bad["error"] == {"code": "invalid_request", "line": 2, "field": "body.messages",
+                            "message": "must be a non-empty list"}

@@ -259,7 +259,7 @@ class Engine:
         m = seq.matcher
         # Consumed here only: a preempted sequence recomputes its K/V, never its tokens.
         if m is not None and not m.consume_token(token):  # the mask allowed it: a bug, not the model's
-            seq.finish_reason, seq.error = "error", f"constraint: {m.get_error()}"
+            seq.finish_reason, seq.error, seq.error_field = "error", f"constraint: {m.get_error()}", "constraint"
             return
         # A finished grammar admits nothing but EOS: the answer is complete, as if EOS came.
         if ((m is not None and m.is_stopped()) or (token in self.eos_ids and not p.ignore_eos)
@@ -305,11 +305,11 @@ class Engine:
             if samples is not None and all(s.finish_reason for s in samples):
                 del self._pending[id(seq.request)]
                 first = samples[0]
-                error = next((s.error for s in samples if s.error), None)
+                failed = next((s for s in samples if s.error), None)
                 results.append(Result(
                     id=seq.request.id, prompt_tokens=first.num_prompt,
                     cached_tokens=first.cached_tokens or 0,
-                    completions=[] if error else [s.completion() for s in samples],
-                    error=error,
+                    completions=[] if failed else [s.completion() for s in samples],
+                    error=failed and failed.error, error_field=failed and failed.error_field,
                 ))
         return results

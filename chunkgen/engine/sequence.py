@@ -81,6 +81,7 @@ class Sequence:
         self.preempted = False  # re-admitted sequences recompute K/V and sample nothing at prefill
         self.finish_reason: str | None = None  # "error" when it could not run at all (see error)
         self.error: str | None = None
+        self.error_field: str | None = None  # as Result.error_field
         self.text = ""
         self.detok: IncrementalDetokenizer | None = None  # only with stop strings: finds them as text grows
         self.matcher: Any = None  # an llguidance LLMatcher for constrained requests (engine/constraint.py)
