@@ -264,7 +264,7 @@ class ResultWriter(RecordFormat):
                                   "superseded record(s)")
                 self._scan()
         self.answers = self.ledger.standing_answers()
-        self._first_new = self.ledger.n
+        self._first_new = self.ledger.n  # 0: a new file, where no record can supersede another
 
     def _remove_leftovers(self) -> None:
         """Temporary files of a rewrite that died (SIGKILL, power loss): copies, never the only data."""
@@ -363,7 +363,10 @@ class ResultWriter(RecordFormat):
             while view:  # one call for a whole line but on a full disk; a killed run cuts at most this line
                 view = view[os.write(self.lock.fd, view):]
         self._guard(put, "write to")
-        self.ledger.add(record)
+        if self._first_new:
+            self.ledger.add(record)
+        else:  # one record per input line: only the count is needed, not a ledger the size of the job
+            self.ledger.n += 1
 
     def _check_named(self) -> None:
         if not self.lock.still_named():
@@ -391,7 +394,7 @@ class ResultWriter(RecordFormat):
             self._guard(lambda: os.fsync(self.lock.fd), "flush")
             self._check_named()
             first_new = self._first_new if complete else None
-            if rewrite and self.ledger.kept(first_new) < self.ledger.n:
+            if rewrite and self._first_new and self.ledger.kept(first_new) < self.ledger.n:
                 self._guard(lambda: self._rewrite(first_new), "rewrite")
             if self.lock.created and self.ledger.n == 0:
                 self.target.unlink(missing_ok=True)  # e.g. the model failed to load: leave nothing behind
