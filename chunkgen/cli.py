@@ -432,36 +432,41 @@ def run(
     model_dir = _resolve(model)
     _check_budget(model_dir, chunk_size, dtype, device, budget)
     _check_templates_fit(templates, model_dir)
-    try:
-        writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered,
-                              rerun_changed=rerun_changed)
-    except (OutputLocked, OutputExists, OutputError) as exc:
-        _fail(str(exc))
-    except OSError as exc:
-        _fail(f"cannot write {out}: {exc.strerror or exc}")
-    for note in writer.notes:
-        err.print(f"note: {note}", highlight=False)
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=budget,
                       max_batch=max_batch, share_prefix=not no_share, device=device)
-    stop_flag = _StopFlag()
+    stop_flag = _StopFlag()  # from here on, a signal is never a traceback: the writer may be repairing
+    writer = None
     try:
+        try:
+            writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered,
+                                  rerun_changed=rerun_changed)
+        except (OutputLocked, OutputExists) as exc:
+            _fail(str(exc))
+        except OSError as exc:
+            _fail(f"cannot write {out}: {exc.strerror or exc}")
+        for note in writer.notes:
+            err.print(f"note: {note}", highlight=False)
         if use_ray:
             summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, stop_flag)
         else:
             summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log)
     except OutputError as exc:
-        writer.close()
         _fail(str(exc))
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
-        writer.close(rewrite=False)
+        if writer is not None:
+            writer.close(rewrite=False)
         err.print(f"stopped at once by a second signal: every record written to {out} is whole; run the "
                   "same command with --resume to continue", highlight=False)
         raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT])
     finally:
-        writer.close()  # after an error: releases the lock (a no-op when the run closed it)
+        if writer is not None:
+            writer.close()  # after an error: releases the lock (a no-op when the run closed it)
         stop_flag.restore()
+    if queries == "-" and part is None and not summary.interrupted and \
+            summary.requests + summary.skipped + summary.errors == 0:  # a file was checked before the model loaded
+        _fail("standard input held no rows; nothing was run")
     # A signal that came after every row had its record (during the final rewrite) stopped nothing.
-    _report(summary, out, queries, quiet, json_log, stop_flag.signum if summary.interrupted else None)
+    _report(summary, out, quiet, json_log, stop_flag.signum if summary.interrupted else None)
 
 
 def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
@@ -476,9 +481,7 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
         stop_progress()
 
 
-def _report(summary, out: Path, queries: str, quiet: bool, json_log: bool, signum: int | None) -> None:
-    if signum is None and summary.requests + summary.skipped + summary.errors == 0:
-        _fail(f"{'standard input' if queries == '-' else queries} held no rows; nothing was run")
+def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) -> None:
     if json_log:
         print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
     elif summary.requests == 0 and summary.errors == 0 and summary.skipped and not signum:
