@@ -332,18 +332,18 @@ def run(
     model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file [default: the embedded SmolLM2-135M-Instruct]."),
     dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
     device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most, for rows and templates that do not set it [default: the template's, else 64]."),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature; 0 is greedy [default: the template's, else 0]."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most per answer [default: 64]."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature; 0 is greedy [default: 0]."),
     top_p: Optional[float] = typer.Option(None, help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
     top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens; 0 is off [default: 0]."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
-    stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it."),
+    stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it [default: none]."),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
     presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
-    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain answers to this JSON schema (a .json file), for rows and templates that set no constraint."),
-    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain answers to match this regex, for rows and templates that set no constraint."),
-    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain answers to this Lark grammar (a file), for rows and templates that set no constraint."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain answers to match this regex [default: none]."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain answers to this Lark grammar (a file) [default: none]."),
     max_batch: int = typer.Option(32, min=1, help="Sequences decoded together."),
     kv_memory: str = typer.Option("4GiB", help="KV cache budget, e.g. 2GiB."),
     chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
@@ -360,7 +360,12 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
-    """Generate an answer for every query and stream them to --out."""
+    """Generate an answer for every query and stream them to --out.
+
+    Sampling options and constraints (--max-new-tokens to --grammar) can be set in four places; for
+    each one separately, a row's own value wins, then the command line's, then the template's, then
+    the default shown here. A constraint counts as one setting whatever its kind: a row's regex
+    replaces a template's JSON schema."""
     from chunkgen.jobs.lock import OutputLocked
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
 
