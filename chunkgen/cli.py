@@ -212,15 +212,19 @@ def _count_lines(queries: str) -> int | None:
 
 def _resolve(model: Optional[str]) -> Path:
     """The model's directory, checked (architecture, weights) without loading any weights."""
-    from chunkgen.model import ModelNotFound, check_model_dir, resolve_model
+    from chunkgen.model import ModelNotFound, check_model_dir, resolve_model, stale_copies
+    from chunkgen.model.loading import copy_size
 
     def notice(gguf: Path, target: Path, size: int | None) -> None:
         if size is None:
             err.print(f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
                       "(later runs load that copy)", highlight=False)
-        else:
-            err.print(f"converted: {_human(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
-                      highlight=False)
+            return
+        err.print(f"converted: {_human(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
+                  highlight=False)
+        for old in stale_copies(target):
+            err.print(f"an older copy of this model (from an earlier version of the file or of chunkgen) takes {_human(copy_size(old))}: "
+                      f"{old} (remove it with: rm -r '{old}')", highlight=False)
 
     try:
         path = resolve_model(model, on_convert=notice)
@@ -329,7 +333,7 @@ def run(
     queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file [default: the embedded SmolLM2-135M-Instruct]."),
+    model: Optional[str] = typer.Option(None, help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
     dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
     device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most per answer [default: 64]."),
@@ -368,6 +372,7 @@ def run(
     replaces a template's JSON schema."""
     from chunkgen.jobs.lock import OutputLocked
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
+    from chunkgen.model import display_name
 
     # Everything a user can get wrong is checked here, before the model loads.
     _check_format(fmt)
@@ -403,7 +408,7 @@ def run(
     model_dir = _resolve(model)
     _check_budget(model_dir, chunk_size, dtype, device, budget)
     try:
-        writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered,
+        writer = ResultWriter(out, fmt, model_name=display_name(model_dir), resume=resume, ordered=ordered,
                               rerun_changed=rerun_changed)
     except (OutputLocked, OutputExists, OutputError) as exc:
         _fail(str(exc))
