@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -258,17 +259,59 @@ def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, bud
                               f"tokens needs {_human(per_chunk)}")
 
 
-def _load_llm(model: Optional[str], **kwargs):
+def _load_llm(model: Optional[str], announce: str = "line", **kwargs):
+    """The LLM, with a line when loading starts and one when it ends (`announce`: "line", "json" for
+    --json-log, "none" for --quiet); on a terminal a spinner stands for the first line."""
     from chunkgen.llm import LLM
     from chunkgen.model import ModelNotFound, UnsupportedModel
 
+    from chunkgen.model import display_name
+
+    what = display_name(Path(model)) if model else "the default model"
+    detail = f"{kwargs.get('dtype', 'fp32')}, {kwargs.get('device', 'cpu')}"
+    t0 = time.perf_counter()
     try:
-        if _TTY:
-            with err.status("loading model…"):
-                return LLM(model=model, **kwargs)
-        return LLM(model=model, **kwargs)
+        if announce == "json":
+            _json_event({"event": "model_loading", "model": what})
+        elif announce == "line" and not _TTY:
+            err.print(f"loading {what} ({detail})…", highlight=False)
+        if announce == "line" and _TTY:
+            with err.status(f"loading {what} ({detail})…"):
+                llm = LLM(model=model, **kwargs)
+        else:
+            llm = LLM(model=model, **kwargs)
     except (ModelNotFound, UnsupportedModel, ValueError) as exc:
         _fail(str(exc))
+    seconds = time.perf_counter() - t0
+    if announce == "json":
+        _json_event({"event": "model_loaded", "model": what, "seconds": round(seconds, 2)})
+    elif announce == "line":
+        err.print(f"loaded {what} in {seconds:.1f} s", highlight=False)
+    return llm
+
+
+def _json_event(event: dict) -> None:
+    print(json.dumps(event), file=sys.stderr, flush=True)
+
+
+class _Ticker:
+    """Calls `tick()` every `every_s` from a daemon thread until stopped. One engine step (a long
+    prefill wave) or one bench round holds the main thread for minutes; this keeps lines coming."""
+
+    def __init__(self, tick, every_s: float = 1.0) -> None:
+        self._tick = tick
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chunkgen-progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self._tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _StopFlag:
@@ -291,31 +334,63 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _progress_printer(quiet: bool, json_log: bool):
-    """(callback, stop) for progress: a bar on a terminal, plain lines now and then elsewhere."""
+def _progress_text(p) -> str:
+    rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
+    return (f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {_human(p.kv_used_bytes)}  "
+            f"cache hits {100 * p.cache_hit_rate:4.1f}%")
+
+
+def _progress_lines(json_log: bool, total: int | None):
+    """Lines from the job's progress callback (after each engine step) and, when no step has ended
+    for a while, from a ticker that says which step is running and for how long."""
+    every = JSON_PROGRESS_EVERY_S if json_log else PROGRESS_EVERY_S
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    state: dict[str, Any] = {"p": None, "at": t0, "printed": float("-inf")}
+
+    def emit(p, now: float) -> None:
+        busy = now - state["at"]  # since the last step ended (or the run began)
+        elapsed = now - t0
+        if json_log:
+            fields = dict(p.__dict__) if p is not None else {"done": 0, "total": total}
+            _json_event({"event": "progress", **fields, "elapsed_s": round(elapsed, 2),
+                         "step_running_s": round(busy, 2)})
+        else:
+            if p is None:
+                of = f"/{total}" if total else ""
+                line = f"progress: 0{of} rows done, {elapsed:.0f} s, first prefill wave running for {busy:.0f} s"
+            else:
+                of = f"/{p.total}" if p.total else ""
+                line = f"progress: {p.done}{of} rows done, {p.errors} errors, {elapsed:.0f} s, {_progress_text(p)}"
+                if busy >= every:
+                    line += f", a step running for {busy:.0f} s"
+            print(line, file=sys.stderr, flush=True)
+        state["printed"] = now
+
+    def on_step(p) -> None:
+        with lock:
+            now = time.perf_counter()
+            state["p"], state["at"] = p, now
+            if now - state["printed"] >= every:
+                emit(p, now)
+
+    def tick() -> None:
+        with lock:
+            now = time.perf_counter()
+            if now - state["printed"] >= every and now - t0 >= every:
+                emit(state["p"], now)
+
+    ticker = _Ticker(tick, min(1.0, every / 4))
+    return on_step, ticker.stop
+
+
+def _progress_printer(quiet: bool, json_log: bool, total: int | None):
+    """(callback, stop) for progress: a bar on a terminal; elsewhere plain (or JSON) lines at least
+    every PROGRESS_EVERY_S (JSON_PROGRESS_EVERY_S), also while one long step is running."""
     if quiet:
         return None, lambda: None
-    last = [float("-inf")]
-
-    def text(p) -> str:
-        rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
-        return (f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {_human(p.kv_used_bytes)}  "
-                f"cache hits {100 * p.cache_hit_rate:4.1f}%")
-
-    if json_log:
-        def on_json(p) -> None:
-            if p.elapsed_s - last[0] >= JSON_PROGRESS_EVERY_S:
-                last[0] = p.elapsed_s
-                print(json.dumps({"event": "progress", **p.__dict__}), file=sys.stderr, flush=True)
-        return on_json, lambda: None
-    if not _TTY:
-        def on_line(p) -> None:
-            if p.elapsed_s - last[0] >= PROGRESS_EVERY_S:
-                last[0] = p.elapsed_s
-                of = f"/{p.total}" if p.total else ""
-                print(f"progress: {p.done}{of} rows done, {p.errors} errors, {p.elapsed_s:.0f} s, {text(p)}",
-                      file=sys.stderr, flush=True)
-        return on_line, lambda: None
+    if json_log or not _TTY:
+        return _progress_lines(json_log, total)
     progress = Progress(
         TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=err, transient=False,
@@ -324,7 +399,7 @@ def _progress_printer(quiet: bool, json_log: bool):
     task = progress.add_task("run", total=None, info="")
 
     def on_bar(p) -> None:
-        progress.update(task, completed=p.done, total=p.total, info=text(p))
+        progress.update(task, completed=p.done, total=p.total, info=_progress_text(p))
     return on_bar, progress.stop
 
 
@@ -433,8 +508,8 @@ def run(
 def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
     from chunkgen.jobs.run import run_job
 
-    llm = _load_llm(**llm_kwargs)
-    on_progress, stop_progress = _progress_printer(quiet, json_log)
+    llm = _load_llm(announce="none" if quiet else "json" if json_log else "line", **llm_kwargs)
+    on_progress, stop_progress = _progress_printer(quiet, json_log, total)
     try:
         return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
                        on_progress=on_progress)
@@ -621,13 +696,32 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
-    rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype,
-                   repeat=repeat,
-                   on_row=lambda r: err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
-                                              f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
-                                              + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, "
-                                                 "not in the wall time)" if r.get("constraint_setup_s") else ""),
-                                              highlight=False))
+    current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
+
+    def on_start(system: str, ns: int, round_: int) -> None:
+        now = time.perf_counter()
+        current.update(name=f"{system:>16} n_shared={ns} round {round_}", since=now, printed=now)
+        err.print(f"  {current['name']}: running…", highlight=False)
+
+    def tick() -> None:
+        now = time.perf_counter()
+        if current and now - current["printed"] >= PROGRESS_EVERY_S:
+            current["printed"] = now
+            err.print(f"  {current['name']}: still running, {now - current['since']:.0f} s", highlight=False)
+
+    def on_row(r: dict) -> None:
+        current.clear()
+        err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
+                  f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
+                  + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
+                     if r.get("constraint_setup_s") else ""), highlight=False)
+
+    ticker = _Ticker(tick, min(1.0, PROGRESS_EVERY_S / 4))
+    try:
+        rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
+                       on_row=on_row, on_start=on_start)
+    finally:
+        ticker.stop()
     table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
                   + (f", median of {repeat} rounds" if repeat > 1 else ""))
     for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "mask s", "gen tok/s", "decode tok/s",

@@ -123,6 +123,11 @@ def display_name(path: Path) -> str:
     """The name a user knows the model by: org/name for a snapshot in the HF cache, else the folder's."""
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name[len("models--"):].replace("--", "/")
+    if (path / SOURCE_FILE).is_file():  # a converted GGUF: the name of the file it came from
+        try:
+            return Path(json.loads((path / SOURCE_FILE).read_text())["gguf"]).name
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     return path.name
 
 
