@@ -12,16 +12,79 @@ from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.tree import Tree
+from typer.core import TyperGroup
+
+try:  # typer 0.2x carries its own copy of click
+    from typer._click import exceptions as click_exc
+except ImportError:  # older typer: click itself
+    from click import exceptions as click_exc
 
 _TTY = sys.stderr.isatty()
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+def _usage_error_text(e: click_exc.ClickException) -> str:
+    """A usage error in the words of a run error: `error: --option: what is wrong`."""
+    if isinstance(e, click_exc.BadParameter) and not isinstance(e, click_exc.MissingParameter):
+        hint = e.param_hint if e.param_hint is not None else getattr(e.param, "opts", None)
+        if isinstance(hint, (list, tuple)):
+            hint = " / ".join(hint)
+        text = _value_error_text(e.__cause__) or e.message
+        message = f"{hint.replace(chr(39), '')}: {text}" if hint else text
+    else:
+        message = e.format_message()
+        message = message[:1].lower() + message[1:]
+    ctx = getattr(e, "ctx", None)
+    where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    return message.rstrip(".") + where
+
+
+def _value_error_text(cause: BaseException | None) -> str | None:
+    """A type or range error of an option's value, in the words of chunkgen's own checks."""
+    errors = getattr(cause, "errors", None)
+    if not callable(errors):
+        return None
+    first = errors()[0]
+    kind, value, limits = first.get("type"), first.get("input"), first.get("ctx") or {}
+    if kind == "int_parsing":
+        return f"must be an integer, not {value!r}"
+    if kind == "float_parsing":
+        return f"must be a number, not {value!r}"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        words = {"greater_than_equal": "at least", "less_than_equal": "at most",
+                 "greater_than": "more than", "less_than": "less than"}[kind]
+        bound = next(iter(limits.values()), "?")
+        return f"must be {words} {bound}, not {value}"
+    return None
+
+
+class _Group(TyperGroup):
+    """Usage errors (exit code 2) print one line in the same form as run errors (exit code 1)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exc.NoArgsIsHelpError as e:  # a bare `chunkgen`: the help, as click prints it
+            e.show()
+            sys.exit(e.exit_code)
+        except click_exc.ClickException as e:
+            err.print(f"[bold red]error:[/] {escape(_usage_error_text(e))}", highlight=False)
+            sys.exit(e.exit_code)
+        except click_exc.Abort:
+            err.print("aborted", highlight=False)
+            sys.exit(EXIT_ERROR)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   rich_markup_mode="rich" if _TTY else None,  # plain, unwrapped messages in logs and CI
                   help="Offline batched generation on a prefix-aware chunked KV cache.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
+bench_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True, soft_wrap=not _TTY)
 stdout = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
@@ -405,37 +468,37 @@ def _progress_printer(quiet: bool, json_log: bool, total: int | None):
 
 @app.command()
 def run(
-    queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
-    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
-    device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most per answer [default: 64]."),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature; 0 is greedy [default: 0]."),
-    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
-    top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens; 0 is off [default: 0]."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
-    stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it [default: none]."),
-    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
-    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
-    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
-    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
-    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain answers to match this regex [default: none]."),
-    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain answers to this Lark grammar (a file) [default: none]."),
-    max_batch: int = typer.Option(32, min=1, help="Sequences decoded together."),
-    kv_memory: str = typer.Option("4GiB", help="KV cache budget, e.g. 2GiB."),
-    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
+    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
+    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
+    max_new_tokens: Optional[int] = typer.Option(None, metavar="N", help="Tokens to generate at most per answer [default: 64]."),
+    temperature: Optional[float] = typer.Option(None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."),
+    top_p: Optional[float] = typer.Option(None, metavar="X", help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
+    top_k: Optional[int] = typer.Option(None, metavar="N", help="Sample among the k most likely tokens; 0 is off [default: 0]."),
+    seed: Optional[int] = typer.Option(None, metavar="N", help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
+    stop: Optional[list[str]] = typer.Option(None, metavar="TEXT", help="Stop string, repeatable: the answer ends before it [default: none]."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", metavar="X", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", metavar="X", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
+    regex: Optional[str] = typer.Option(None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."),
+    max_batch: int = typer.Option(32, min=1, metavar="N", help="Sequences decoded together."),
+    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget, e.g. 2GiB."),
+    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
     ordered: bool = typer.Option(False, "--ordered", help="Write results in input order (buffers finished ones)."),
-    fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
-    id_field: str = typer.Option("id", help="Field of each row that holds its id."),
+    fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
+    id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
-    shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
+    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (split by prompt prefix)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
-    workers: int = typer.Option(2, min=1, help="With --ray: engine actors."),
-    ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address [default: start a local one]."),
+    workers: int = typer.Option(2, min=1, metavar="N", help="With --ray: engine actors."),
+    ray_address: Optional[str] = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -564,14 +627,14 @@ def _run_ray(items, writer, llm_kwargs: dict, workers: int, address: Optional[st
 
 @app.command("inspect-tree")
 def inspect_tree(
-    queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
-    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option("fp32", help="KV dtype the figures assume: fp32, bf16 or fp16."),
-    fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
-    id_field: str = typer.Option("id", help="Field of each row that holds its id."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON here."),
+    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
+    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16 or fp16."),
+    fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
+    id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing and memory."""
     from transformers import AutoTokenizer
@@ -638,12 +701,12 @@ def _draw(node, view: Tree) -> None:
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    dtype: Optional[str] = typer.Option(None, help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
+    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
                                                    "fp16, bf16 or fp32 on CUDA (default fp16)."),
-    device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
-    repeats: int = typer.Option(10, help="Timed runs per cell (median reported)."),
-    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", help="Implementations to time."),
+    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
+    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
 ) -> None:
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
     import torch
@@ -671,18 +734,18 @@ def bench_kernel(
 
 @bench_app.command("e2e")
 def bench_e2e(
-    model: Optional[str] = typer.Option(None),
-    n_shared: str = typer.Option("1024,2048", help="Shared prompt lengths in tokens, comma-separated."),
-    n_queries: int = typer.Option(32),
-    max_new_tokens: int = typer.Option(64),
-    max_batch: int = typer.Option(32),
-    dtype: str = typer.Option("fp32"),
-    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
+    n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
+    max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
+    max_batch: int = typer.Option(32, metavar="N", help="Sequences decoded together by chunkgen's engine."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations of every system: fp32 or bf16."),
+    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
-    repeat: int = typer.Option(1, min=1, help="Rounds in which the systems take turns; each row is the median round."),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e
@@ -740,11 +803,11 @@ def bench_e2e(
 
 @bench_app.command("step")
 def bench_step(
-    model: Optional[str] = typer.Option(None),
-    n_shared: int = typer.Option(2048),
-    n_queries: int = typer.Option(32),
-    steps: int = typer.Option(30),
-    dtype: str = typer.Option("fp32"),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    n_shared: int = typer.Option(2048, metavar="N", help="Shared prompt length in tokens."),
+    n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
+    steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
     from chunkgen.bench.e2e import build_workload
@@ -768,7 +831,9 @@ def bench_machine() -> None:
 
 
 @bench_app.command("tree")
-def bench_tree(sequences: int = typer.Option(64), json_out: Optional[Path] = typer.Option(None, "--json")) -> None:
+def bench_tree(sequences: int = typer.Option(64, metavar="N", help="Sequences decoding on one shared prefix."),
+               json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                       help="Also write the figures as JSON here.")) -> None:
     """Per-step cost of the prefix tree's bookkeeping (appends + kernel context), and of a rebuild."""
     from chunkgen.bench.tree import tree_overhead
 
