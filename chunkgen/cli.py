@@ -598,7 +598,8 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
                           + (" (the others were cut short by max_new_tokens or a stop string)" if summary.matched < summary.constrained else ""))
-        table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
+        table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (the same sequences without sharing: "
+                                        f"{_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
     if summary.changed:
         err.print(f"[yellow]warning:[/] {summary.changed} answer(s) in {out} were made for a request that has "
@@ -651,6 +652,7 @@ def inspect_tree(
     path = _resolve(model)
     tok = AutoTokenizer.from_pretrained(path)
     bad = 0
+    names: list[str] = []  # per prompt, in insertion order: its template (or, for OpenAI rows, none)
 
     def prompts():
         nonlocal bad
@@ -658,44 +660,63 @@ def inspect_tree(
             if isinstance(item, ErrorRecord):
                 bad += 1
             else:
+                names.append(item.template or "OpenAI rows")
                 yield encode_prompt(tok, item.messages, item.data)
 
-    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts())
+    from chunkgen.engine.engine import EngineConfig
+
+    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts(), EngineConfig.max_prefill_tokens)
     st = tree_stats(tree)
     figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
                "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,
                "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
                "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
-    view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size})")
-    _draw(tree.root, view)
+    view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size} tokens)")
+    templates_under: dict[int, set[str]] = {}  # chunk -> templates of the prompts that read it
+    for seq, path_ in tree.paths.items():
+        for chunk in path_:
+            templates_under.setdefault(id(chunk), set()).add(names[seq])
+    _draw(tree.root, view, templates_under)
     console = stdout
     console.print(view)
-    table = Table(title="KV memory for these prompts", show_header=True)
+    table = Table(title=f"KV memory to hold all {st.sequences} prompts at once ({dtype})", show_header=True)
     table.add_column("")
     table.add_column("chunks", justify="right")
     table.add_column("bytes", justify="right")
     table.add_row("with sharing", str(st.chunks_shared), _human(st.bytes_shared))
-    table.add_row("without sharing", str(st.chunks_unshared), _human(st.bytes_unshared))
+    table.add_row("without sharing (each prompt its own chunks)", str(st.chunks_unshared), _human(st.bytes_unshared))
     console.print(table)
-    console.print(f"sharing ratio {100 * st.sharing_ratio:.1f}%  ·  prefill tokens saved "
-                  f"{st.cache_hit_tokens} of {st.inserted_tokens}  ·  alignment loss {100 * st.alignment_loss:.1f}%")
+    console.print(
+        f"sharing ratio {100 * st.sharing_ratio:.1f}%: the share of chunks that sharing saves\n"
+        f"prefill tokens saved {st.cache_hit_tokens} of {st.inserted_tokens}: prompt tokens already in the tree "
+        "when each prompt is inserted, in file order and in prefill waves as a run forms them (the run's "
+        "'from cache' count; a run with more prompts than --max-batch may differ by a few tokens), while its "
+        "peak KV memory counts only the sequences running at once, with their answers\n"
+        f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
+        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
+        "a smaller --chunk-size lowers it", highlight=False)
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def _draw(node, view: Tree) -> None:
-    """Shared runs are collapsed into one line; a fan-out of private tails is summarised."""
+def _draw(node, view: Tree, templates_under: dict[int, set[str]], top: bool = True) -> None:
+    """Shared runs are collapsed into one line; a fan-out of private tails is summarised. The
+    outermost branches name the templates whose prompts they hold."""
     for child in node.children:
         run, cur = 1, child
         while len(cur.children) == 1 and cur.children[0].ref == cur.ref:
             cur, run = cur.children[0], run + 1
         if cur.ref <= 1 and not cur.children:
             continue
-        branch = view.add(f"{run} chunk(s) shared by {cur.ref} prompts")
+        label = f"{run} chunk(s) shared by {cur.ref} prompts"
+        if top:
+            names = sorted(templates_under.get(id(child), ()))
+            label += f" · {'template' if len(names) == 1 else 'templates'} {', '.join(names)}"
+        branch = view.add(escape(label))
         private = sum(1 for c in cur.children if c.ref <= 1)
         if private:
             branch.add(f"[dim]{private} private tail(s)[/]")
-        _draw(cur, branch)
+        _draw(cur, branch, templates_under, top=False)
 
 
 @bench_app.command("kernel")
