@@ -65,7 +65,10 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Huggin
 
 
 def resolve_model(spec: str | os.PathLike | None, on_convert: ConvertNotice | None = None) -> Path:
-    """A directory transformers can load (config.json + weights + tokenizer)."""
+    """A directory transformers can load (config.json + weights + tokenizer). With no spec: the
+    model CHUNKGEN_MODEL names (any of the forms above), else the embedded default."""
+    if spec is None:
+        spec = os.environ.get("CHUNKGEN_MODEL") or None
     if spec is None:
         return _converted(default_gguf(), on_convert)
     path = Path(spec).expanduser()
