@@ -25,6 +25,7 @@ except ImportError:  # older typer: click itself
 
 _TTY = sys.stderr.isatty()
 
+
 def _usage_error_text(e: click_exc.ClickException) -> str:
     """A usage error in the words of a run error: `error: --option: what is wrong`."""
     if isinstance(e, click_exc.BadParameter) and not isinstance(e, click_exc.MissingParameter):
@@ -287,8 +288,8 @@ def _resolve(model: Optional[str]) -> Path:
         err.print(f"converted: {_human(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
                   highlight=False)
         for old in stale_copies(target):
-            err.print(f"an older copy of this model (from an earlier version of the file or of chunkgen) takes {_human(copy_size(old))}: "
-                      f"{old} (remove it with: rm -r '{old}')", highlight=False)
+            err.print(f"an older copy of this model (from an earlier version of the file or of chunkgen) "
+                      f"takes {_human(copy_size(old))}: {old} (remove it with: rm -r '{old}')", highlight=False)
 
     try:
         path = resolve_model(model, on_convert=notice)
@@ -326,9 +327,7 @@ def _load_llm(model: Optional[str], announce: str = "line", **kwargs):
     """The LLM, with a line when loading starts and one when it ends (`announce`: "line", "json" for
     --json-log, "none" for --quiet); on a terminal a spinner stands for the first line."""
     from chunkgen.llm import LLM
-    from chunkgen.model import ModelNotFound, UnsupportedModel
-
-    from chunkgen.model import display_name
+    from chunkgen.model import ModelNotFound, UnsupportedModel, display_name
 
     what = display_name(Path(model)) if model else "the default model"
     detail = f"{kwargs.get('dtype', 'fp32')}, {kwargs.get('device', 'cpu')}"
