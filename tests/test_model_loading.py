@@ -1,0 +1,109 @@
+"""Finding a model: repo ids from the local Hugging Face cache, and the conversion cache keyed on a
+GGUF's content rather than its path."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from chunkgen.cli import app
+from chunkgen.model import ModelNotFound, resolve_model, stale_copies
+from chunkgen.model.loading import content_key, default_gguf, display_name
+from tests.conftest import PROMPTS
+
+runner = CliRunner()
+REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def _place_in_hf_cache(model_dir: Path, hf_home: Path, repo: str = REPO, commit: str = "0123abcd") -> Path:
+    """The hub cache layout huggingface_hub writes: blobs, a snapshot of links to them, refs/main."""
+    entry = hf_home / "hub" / ("models--" + repo.replace("/", "--"))
+    snapshot = entry / "snapshots" / commit
+    (entry / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.is_file():
+            blob = entry / "blobs" / f.name
+            blob.symlink_to(f.resolve())
+            (snapshot / f.name).symlink_to(Path("../../blobs") / f.name)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_repo_id_resolves_from_the_hf_cache_without_network(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    snapshot = _place_in_hf_cache(tiny_model, tmp_path / "hf", "acme/tiny")
+    assert resolve_model("acme/tiny") == snapshot
+    assert display_name(snapshot) == "acme/tiny"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # HF_HUB_CACHE comes before HF_HOME
+    with pytest.raises(ModelNotFound, match="elsewhere"):
+        resolve_model("acme/tiny")
+
+
+def test_a_missing_repo_id_names_the_folders_searched(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path)
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "a", "question": "hi"}\n')
+    res = runner.invoke(app, ["run", "-t", str(PROMPTS / "arithmetic_cot.toml"), "-q", str(queries),
+                              "-o", str(tmp_path / "out.jsonl"), "--model", "acme/absent"])
+    assert res.exit_code == 1
+    text = " ".join(res.output.split())
+    assert "error: model 'acme/absent' not found" in text
+    assert str(tmp_path / "acme" / "absent") in text  # the folder it would be as a path
+    assert str(tmp_path / "hf" / "hub" / "models--acme--absent") in text  # and the cache entry
+    assert "never downloaded" in text
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.real_model
+def test_default_model_by_repo_id_in_a_temporary_hf_home(default_model_dir, tmp_path, monkeypatch):
+    """The embedded default model placed in an HF cache answers exactly as the default does."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _place_in_hf_cache(default_model_dir, tmp_path / "hf")
+    template = tmp_path / "short.toml"
+    template.write_text('system = "You are a helpful assistant."\nuser = "{question}"\n')
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(json.dumps({"id": "q", "question": "What is the capital of France?"}) + "\n")
+    texts = {}
+    for name, model in (("repo", ["--model", REPO]), ("default", [])):
+        out = tmp_path / f"{name}.jsonl"
+        res = runner.invoke(app, ["run", "-t", str(template), "-q", str(queries), "-o", str(out),
+                                  "--max-new-tokens", "6", "--quiet", *model])
+        assert res.exit_code == 0, res.output
+        texts[name] = [r["text"] for r in map(json.loads, out.read_text().splitlines())]
+    assert texts["repo"] == texts["default"] and texts["repo"][0]
+
+
+@pytest.mark.real_model
+def test_conversion_cache_is_keyed_on_content_not_path(default_model_dir, tmp_path):
+    """A copy of the default GGUF elsewhere (another environment's install) finds the copy made."""
+    gguf = default_gguf()
+    moved = tmp_path / "other-env" / gguf.name
+    moved.parent.mkdir()
+    shutil.copyfile(gguf, moved)
+    assert content_key(moved) == content_key(gguf)
+    converted = []
+    assert resolve_model(moved, on_convert=lambda *a: converted.append(a)) == default_model_dir
+    assert converted == []
+    with open(moved, "r+b") as f:  # a changed header is another model
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    assert content_key(moved) != content_key(gguf)
+
+
+def test_stale_copies_are_other_keys_of_the_same_file_name(tmp_path):
+    models = tmp_path / "models"
+    for name in ("M.Q4-aaaaaaaaaaaa", "M.Q4-bbbbbbbbbbbb", "M.Q4-extra-cccccccccccc", "Other-dddddddddddd"):
+        (models / name).mkdir(parents=True)
+    assert stale_copies(models / "M.Q4-aaaaaaaaaaaa") == [models / "M.Q4-bbbbbbbbbbbb"]
