@@ -174,8 +174,17 @@ def _check_defaults(defaults: dict[str, Any]) -> None:
         _usage(SAMPLING_OPTIONS.get(exc.field, exc.field), exc.message)
 
 
-def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str):
-    """(format, iterator of Job | ErrorRecord) over the query file; a bad template stops here."""
+def _check_order(order: str) -> None:
+    if order not in ("prefix", "input"):
+        _usage("--order", f"must be prefix or input, not {order!r}")
+
+
+def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str,
+                prefix_order: bool = False):
+    """(format, iterator of Job | ErrorRecord, PrefixOrder or None) over the query file; a bad
+    template stops here. With `prefix_order`, the rows can be read again by offset (standard
+    input is spooled to a temporary file for that)."""
+    from chunkgen.jobs.order import PrefixOrder, RowFile
     from chunkgen.jobs.requests import detect_format, open_queries, openai_jobs, read_rows, template_jobs
     from chunkgen.jobs.templates import TemplateError, load_templates
 
@@ -186,17 +195,25 @@ def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict
         except TemplateError as exc:
             _fail(str(exc))
     try:
-        stream = open_queries(queries)
+        row_file = RowFile(queries) if prefix_order else None
+        stream = row_file.lines() if row_file else open_queries(queries)
     except OSError as exc:
         _fail(f"{queries}: cannot read the queries file ({exc.strerror})")
     rows = read_rows(stream)
     if fmt == "auto":
         fmt, rows = detect_format(rows)
     if fmt == "openai":
-        return fmt, openai_jobs(rows, defaults)
-    if templates is None:
+        def to_jobs(rows):
+            return openai_jobs(rows, defaults)
+    elif templates is None:
         _fail(f"{queries} holds template rows: pass --template (a .toml file or a directory of them)")
-    return fmt, template_jobs(rows, templates, defaults, id_field)
+    else:
+        def to_jobs(rows):
+            return template_jobs(rows, templates, defaults, id_field)
+    if row_file is None:
+        return fmt, to_jobs(rows), None
+    order, items = PrefixOrder.reading(row_file, rows, to_jobs)
+    return fmt, items, order
 
 
 def _count_lines(queries: str) -> int | None:
@@ -230,14 +247,14 @@ def _resolve(model: Optional[str]) -> Path:
     return path
 
 
-def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype):
+def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype, budget: int = 1 << 62):
     """A ChunkPool with bookkeeping only, shaped like the model's KV cache (for sizes and plans)."""
     from transformers import AutoConfig
 
     from chunkgen.cache import ChunkPool
 
     return ChunkPool.for_config(AutoConfig.from_pretrained(model_dir), chunk_size, kv_dtype,
-                                budget_bytes=1 << 62, storage=False)
+                                budget_bytes=budget, storage=False)
 
 
 def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, budget: int) -> None:
@@ -350,6 +367,7 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
     ordered: bool = typer.Option(False, "--ordered", help="Write results in input order (buffers finished ones)."),
+    order: str = typer.Option("prefix", "--order", help="prefix: answer rows sharing a prompt prefix together, so each shared prefix is prefilled once while cached (the file is read twice; standard input is spooled to a temporary file); input: answer rows in file order."),
     fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
@@ -362,10 +380,12 @@ def run(
 ) -> None:
     """Generate an answer for every query and stream them to --out."""
     from chunkgen.jobs.lock import OutputLocked
+    from chunkgen.jobs.order import QueryFileChanged
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
 
     # Everything a user can get wrong is checked here, before the model loads.
     _check_format(fmt)
+    _check_order(order)
     if max_new_tokens is not None and max_new_tokens < 1:
         _usage("--max-new-tokens", f"must be at least 1, not {max_new_tokens}")
     if rerun_changed and not resume:
@@ -392,7 +412,9 @@ def run(
             import ray  # noqa: F401
         except ImportError:
             _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
-    fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+    # Ray groups rows by prefix on the cluster; the prefix order is a local run's.
+    fmt, items, prefix_order = _read_items(queries, template, fmt, defaults, id_field,
+                                           prefix_order=order == "prefix" and not use_ray)
     if part is not None:
         items = (item for item in items if part.owns(item))
     model_dir = _resolve(model)
@@ -411,30 +433,36 @@ def run(
         if use_ray:
             summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, stop_flag)
         else:
-            summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log)
+            summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log,
+                                 prefix_order)
     except OutputError as exc:
+        _fail(str(exc))
+    except QueryFileChanged as exc:
         _fail(str(exc))
     finally:
         writer.close()
         stop_flag.restore()
+        if prefix_order is not None:
+            prefix_order.rows.close()
     _report(summary, out, quiet, json_log, stop_flag.signum)
 
 
-def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
+def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool,
+               prefix_order=None):
     from chunkgen.jobs.run import run_job
 
     llm = _load_llm(**llm_kwargs)
     on_progress, stop_progress = _progress_printer(quiet, json_log)
     try:
         return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
-                       on_progress=on_progress)
+                       on_progress=on_progress, order=prefix_order)
     finally:
         stop_progress()
 
 
 def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) -> None:
     if json_log:
-        print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
+        print(json.dumps({"event": "summary", **summary.as_dict()}), file=sys.stderr, flush=True)
     elif summary.requests == 0 and summary.errors == 0 and summary.skipped and not signum:
         err.print(f"every query was already answered in {out} ({summary.skipped} rows); nothing to do",
                   highlight=False)
@@ -445,7 +473,11 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         table.add_row("error records", str(summary.errors))
         table.add_row("wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)")
         table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
-        table.add_row("prompt tokens (from cache)", f"{summary.prompt_tokens} ({summary.cached_tokens})")
+        table.add_row("prompt tokens", f"{summary.prompt_tokens}: {summary.cached_tokens} from the cache "
+                      f"(hit rate {100 * summary.cache_hit_rate:.1f}%)"
+                      + (f", {summary.prefilled_tokens} computed" if summary.prefilled_tokens else ""))
+        if summary.order == "prefix":
+            table.add_row("order", f"prefix (every row keyed first: {summary.order_s:.1f} s)")
         if summary.constrained:
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
@@ -487,11 +519,15 @@ def inspect_tree(
     fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON here."),
+    kv_memory: str = typer.Option("4GiB", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
+    max_batch: int = typer.Option(32, min=1, help="Sequences decoded together in the run to foresee."),
 ) -> None:
-    """Insert every prompt into a prefix tree (no model run) and show sharing and memory."""
+    """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
+    hit rate a run with --kv-memory reaches in file order and in prefix order."""
     from transformers import AutoTokenizer
 
-    from chunkgen.cache.stats import plan_tree, tree_stats
+    from chunkgen.cache import PrefixTree
+    from chunkgen.cache.stats import CacheReplay, tree_stats
     from chunkgen.jobs.requests import ErrorRecord
     from chunkgen.llm import encode_prompt
 
@@ -499,25 +535,50 @@ def inspect_tree(
     _check_chunk_size(chunk_size)
     kv_dtype = _dtype_option(dtype)
     _check_queries(queries)
-    _, items = _read_items(queries, template, fmt, {}, id_field)
+    budget = _check_engine_options(dtype, "cpu", chunk_size, kv_memory)
+    _, items, prefix_order = _read_items(queries, template, fmt, {}, id_field, prefix_order=True)
     path = _resolve(model)
+    _check_budget(path, chunk_size, dtype, "cpu", budget)
     tok = AutoTokenizer.from_pretrained(path)
     bad = 0
+    planned = PrefixTree(_planning_pool(path, chunk_size, kv_dtype))
+    in_file_order = CacheReplay(_planning_pool(path, chunk_size, kv_dtype, budget), max_batch)
+    in_prefix_order = CacheReplay(_planning_pool(path, chunk_size, kv_dtype, budget), max_batch)
+    last: list = [None, None]  # the messages tokenized last and their tokens: the keying pass asks again
 
-    def prompts():
+    def encode(messages, data):
+        if last[0] is not messages:
+            last[:] = messages, encode_prompt(tok, messages, data)
+        return last[1]
+
+    def in_file_order_rows():
         nonlocal bad
-        for item in items:
+        for index, item in enumerate(items):
             if isinstance(item, ErrorRecord):
                 bad += 1
-            else:
-                yield encode_prompt(tok, item.messages, item.data)
+                continue
+            tokens = encode(item.messages, item.data)
+            planned.insert(index, tokens)
+            planned.mark_ready(index)
+            in_file_order.add(tokens)
+            yield index, item
 
-    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts())
+    try:
+        for _, job in prefix_order.apply(in_file_order_rows(), encode, chunk_size):
+            in_prefix_order.add(encode(job.messages, job.data))
+    finally:
+        prefix_order.rows.close()
+    tree = planned
     st = tree_stats(tree)
+    replays = {"input": in_file_order, "prefix": in_prefix_order}
     figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
                "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,
                "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
-               "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
+               "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad, "kv_memory": budget,
+               "max_batch": max_batch,
+               **{f"{name}_order": {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                                    "prefilled_tokens": r.prompt_tokens - r.cached_tokens,
+                                    "cache_hit_rate": r.hit_rate} for name, r in replays.items()}}
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size})")
     _draw(tree.root, view)
     console = stdout
@@ -531,6 +592,16 @@ def inspect_tree(
     console.print(table)
     console.print(f"sharing ratio {100 * st.sharing_ratio:.1f}%  ·  prefill tokens saved "
                   f"{st.cache_hit_tokens} of {st.inserted_tokens}  ·  alignment loss {100 * st.alignment_loss:.1f}%")
+    hits = Table(title=f"cache hit rate of a run with --kv-memory {_human(budget)}, --max-batch {max_batch}")
+    for col in ("--order", "prompt tokens", "from the cache", "computed", "hit rate"):
+        hits.add_column(col, justify="right")
+    for name, r in replays.items():
+        hits.add_row(name, str(r.prompt_tokens), str(r.cached_tokens), str(r.prompt_tokens - r.cached_tokens),
+                     f"{100 * r.hit_rate:.1f}%")
+    console.print(hits)
+    if in_file_order.too_long:
+        console.print(f"{in_file_order.too_long} prompt(s) do not fit in --kv-memory {_human(budget)} at all: "
+                      "a run refuses them")
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -632,6 +703,68 @@ def bench_e2e(
     stdout.print(table)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+@bench_app.command("order")
+def bench_order(
+    model: Optional[str] = typer.Option(None),
+    docs: int = typer.Option(100, min=1, help="Documents (distinct shared prefixes)."),
+    questions: int = typer.Option(4, min=1, help="Questions on each document (rows sharing its prefix)."),
+    doc_tokens: str = typer.Option("300", help="Tokens per document: T, or LO-HI drawn uniformly."),
+    shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
+    seed: int = typer.Option(0, help="Seed of the documents, questions and shuffle."),
+    kv_memory: str = typer.Option("auto", help="KV cache budget [default auto: a tenth of the distinct prompt tokens]."),
+    max_batch: int = typer.Option(16, min=1),
+    max_new_tokens: int = typer.Option(16, min=1),
+    dtype: str = typer.Option("fp32"),
+    orders: str = typer.Option("input,prefix", help="Orders to run, in turn: input, prefix."),
+    write_workload: Optional[Path] = typer.Option(None, help="Also keep the template and queries here (for chunkgen run)."),
+    dump_token_ids: Optional[Path] = typer.Option(None, help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
+    json_out: Optional[Path] = typer.Option(None, "--json"),
+) -> None:
+    """Retrieval QA, shuffled: prefix order against file order on the same file and KV budget."""
+    from chunkgen.bench.order import docqa_rows, dump_token_ids as dump, parse_doc_tokens, run_order_bench
+    from chunkgen.llm import parse_bytes
+
+    chosen = [o.strip() for o in orders.split(",") if o.strip()]
+    for o in chosen:
+        _check_order(o)
+    try:
+        lengths = parse_doc_tokens(doc_tokens)
+    except ValueError as exc:
+        _usage("--doc-tokens", str(exc))
+    llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB")
+    rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, seed)
+    if dump_token_ids:
+        dump(llm, rows, max_new_tokens, dump_token_ids)
+        err.print(f"{len(rows)} prompts written to {dump_token_ids}", highlight=False)
+        return
+    try:
+        budget = None if kv_memory == "auto" else parse_bytes(kv_memory)
+    except ValueError as exc:
+        _usage("--kv-memory", str(exc))
+    report = run_order_bench(llm, rows, chosen, budget, max_batch, max_new_tokens, write_workload,
+                             on_row=lambda r: err.print(f"  {r['order']:>6}: {r['prefilled_tokens']} tokens prefilled, "
+                                                        f"wall {r['wall_s']:.1f} s, {r['gen_tokens_per_s']:.1f} tok/s",
+                                                        highlight=False))
+    budget = report["kv_memory"]
+    table = Table(title=f"docqa: {len(rows)} rows, {docs} documents of {doc_tokens} tokens, {questions} questions each, "
+                        f"{'shuffled' if shuffle else 'in document order'}; KV {_human(budget)}, batch {max_batch}, "
+                        f"{max_new_tokens} new tokens, {dtype}; minimum prefill {report['minimum_prefill_tokens']} of "
+                        f"{report['prompt_tokens']} prompt tokens")
+    for col in ("order", "prefilled tokens", "x minimum", "hit rate", "wall s", "ordering s", "prefill s",
+                "decode s", "gen tok/s", "RSS peak", "answers = first"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(r["order"], str(r["prefilled_tokens"]), f"{r['prefill_vs_minimum']:.2f}",
+                      f"{100 * r['cache_hit_rate']:.1f}%", f"{r['wall_s']:.1f}", f"{r['order_s']:.2f}",
+                      f"{r['prefill_s']:.1f}", f"{r['decode_s']:.1f}", f"{r['gen_tokens_per_s']:.1f}",
+                      _human(r["rss_peak_bytes"]), f"{r['answers_equal_to_first']}/{r['rows']}")
+    stdout.print(table)
+    if json_out:
+        json_out.write_text(json.dumps({"docs": docs, "questions": questions, "doc_tokens": doc_tokens,
+                                        "shuffle": shuffle, "max_batch": max_batch,
+                                        "max_new_tokens": max_new_tokens, "dtype": dtype, **report}, indent=2) + "\n")
 
 
 @bench_app.command("step")
