@@ -123,3 +123,95 @@ def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
     with pytest.raises(QueryFileChanged, match="line 1 changed"):
         list(order.apply(jobs(), lambda m, d: [1, 2, 3], chunk_size=4))
     row_file.close()
+
+
+# -- whole runs on the tiny model -------------------------------------------------------------------
+def _docqa(tmp_path, tiny_model, docs=10, questions=3, doc_tokens=(150, 200)):
+    from transformers import AutoTokenizer
+
+    from chunkgen.bench.order import docqa_rows, write_workload
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return write_workload(tmp_path / "work", docqa_rows(tok, docs, questions, doc_tokens, shuffle=True, seed=3))
+
+
+def _run(tiny_model, template, queries, out, *extra, stdin=None):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    args = ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
+            "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB", "--max-batch", "4",
+            "--max-new-tokens", "6", "--json-log", *extra]
+    res = CliRunner().invoke(app, args, input=stdin, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = [json.loads(l) for l in res.output.splitlines() if l.startswith('{"event": "summary"')]
+    return summary[-1]
+
+
+def _minimum_prefill(tiny_model, template, queries) -> int:
+    from transformers import AutoTokenizer
+
+    from chunkgen.bench.order import _jobs, minimum_prefill
+    from chunkgen.llm import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return minimum_prefill([encode_prompt(tok, j.messages, j.data) for j in _jobs(template, queries)])
+
+
+def _texts(out) -> dict[str, str]:
+    return {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_prefix_order_prefills_less_and_answers_the_same(tiny_model, tmp_path):
+    template, queries = _docqa(tmp_path, tiny_model)
+    by_input = _run(tiny_model, template, queries, tmp_path / "input.jsonl", "--order", "input")
+    by_prefix = _run(tiny_model, template, queries, tmp_path / "prefix.jsonl")  # the default
+    assert by_input["order"] == "input" and by_prefix["order"] == "prefix"
+    assert by_input["prompt_tokens"] == by_prefix["prompt_tokens"]
+    assert by_prefix["prefilled_tokens"] <= 1.15 * _minimum_prefill(tiny_model, template, queries)
+    assert by_prefix["prefilled_tokens"] * 1.5 < by_input["prefilled_tokens"]
+    assert by_prefix["cache_hit_rate"] > by_input["cache_hit_rate"] + 0.2
+    assert by_prefix["cached_tokens"] == by_prefix["prompt_tokens"] - by_prefix["prefilled_tokens"]
+    assert _texts(tmp_path / "input.jsonl") == _texts(tmp_path / "prefix.jsonl")  # greedy: same answers
+
+
+def test_ordered_output_resume_and_stdin_keep_working_in_prefix_order(tiny_model, tmp_path):
+    template, queries = _docqa(tmp_path, tiny_model, docs=5)
+    _run(tiny_model, template, queries, tmp_path / "ref.jsonl", "--order", "input")
+    expected = _texts(tmp_path / "ref.jsonl")
+    ordered = tmp_path / "ordered.jsonl"
+    _run(tiny_model, template, queries, ordered, "--ordered")
+    lines = [r["line"] for r in map(json.loads, ordered.read_text().splitlines())]
+    assert lines == sorted(lines) and _texts(ordered) == expected
+    # A run stopped part way: the first records kept, the rest answered by --resume in prefix order.
+    kept = ordered.read_text().splitlines()[:6]
+    ordered.write_text("".join(l + "\n" for l in kept))
+    summary = _run(tiny_model, template, queries, ordered, "--resume")
+    assert summary["skipped"] == 6 and summary["requests"] == len(expected) - 6
+    assert _texts(ordered) == expected and len(ordered.read_text().splitlines()) == len(expected)
+    piped = tmp_path / "piped.jsonl"
+    _run(tiny_model, template, "-", piped, stdin=queries.read_bytes())
+    assert _texts(piped) == expected
+
+
+def test_inspect_tree_foresees_the_hit_rate_of_each_order(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    template, queries = _docqa(tmp_path, tiny_model)
+    figures = tmp_path / "tree.json"
+    res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
+                                   "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB",
+                                   "--max-batch", "4", "--json", str(figures)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    f = json.loads(figures.read_text())
+    assert f["input_order"]["prompt_tokens"] == f["prefix_order"]["prompt_tokens"] == f["tokens"]
+    assert f["prefix_order"]["cache_hit_rate"] > f["input_order"]["cache_hit_rate"] + 0.2
+    # With a cache that holds everything, either order reaches what the whole tree shares.
+    res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
+                                   "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB",
+                                   "--json", str(figures)], catch_exceptions=False)
+    f = json.loads(figures.read_text())
+    assert f["input_order"]["cached_tokens"] == f["prefix_order"]["cached_tokens"] == f["prefill_tokens_saved"]
