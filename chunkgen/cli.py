@@ -452,6 +452,9 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
     from chunkgen.jobs.run import run_job
 
     llm = _load_llm(**llm_kwargs)
+    if prefix_order is not None and not (quiet or json_log):
+        err.print("--order prefix: every row is read and tokenized once before the first is answered, so rows "
+                  "sharing a prefix run together (--order input skips this pass)", highlight=False)
     on_progress, stop_progress = _progress_printer(quiet, json_log)
     try:
         return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
@@ -765,6 +768,29 @@ def bench_order(
         json_out.write_text(json.dumps({"docs": docs, "questions": questions, "doc_tokens": doc_tokens,
                                         "shuffle": shuffle, "max_batch": max_batch,
                                         "max_new_tokens": max_new_tokens, "dtype": dtype, **report}, indent=2) + "\n")
+
+
+@bench_app.command("order-pass")
+def bench_order_pass(
+    model: Optional[str] = typer.Option(None, help="Whose tokenizer keys the rows."),
+    rows: int = typer.Option(1_000_000, min=1, help="Short rows in the file."),
+    prefixes: int = typer.Option(1000, min=1, help="Distinct personas (shared prefixes), interleaved at random."),
+    chunk_size: int = typer.Option(64),
+    work_dir: Optional[Path] = typer.Option(None, help="Where the file is written [default: a temporary folder]."),
+) -> None:
+    """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row."""
+    import tempfile
+
+    from chunkgen.bench.order import ordering_pass, write_persona_rows
+
+    llm = _load_llm(model, kv_memory="64MiB")
+    with tempfile.TemporaryDirectory(prefix="chunkgen-order-pass-") as tmp:
+        template, queries = write_persona_rows(work_dir or Path(tmp), rows, prefixes)
+        r = ordering_pass(llm, template, queries, chunk_size)
+    stdout.print(f"{r['rows']} rows over {prefixes} prefixes: ordering pass {r['wall_s']:.1f} s "
+                 f"(keying {r['keying_s']:.1f} s, re-reading {r['reread_s']:.1f} s; {r['rows'] / r['wall_s']:.0f} rows/s), "
+                 f"{r['spilled_runs']} sorted runs spilled, rows come out in {r['prefix_runs']} runs of one prefix, "
+                 f"peak RSS {_human(r['rss_peak_bytes'])}")
 
 
 @bench_app.command("step")

@@ -217,3 +217,59 @@ def dump_token_ids(llm: LLM, rows: list[dict], max_new_tokens: int, path: Path) 
         sha256=hashlib.sha256(json.dumps(prompts).encode()).hexdigest(), prompts=prompts,
     )) + "\n")
 
+
+
+PERSONA_TEMPLATE = '''# Synthetic data: one persona per row, many rows per persona.
+name = "persona"
+description = "Write a short reply in the voice of the persona."
+
+system = "You write short replies in the voice of the persona the user describes."
+
+user = """Persona: {persona}
+
+Request: {request}"""
+'''
+
+
+def write_persona_rows(out_dir: Path, rows: int, prefixes: int, seed: int = 0) -> tuple[Path, Path]:
+    """(template, queries): `rows` short rows over `prefixes` distinct personas, interleaved at
+    random, written as they are made (a million rows take seconds and no memory)."""
+    rng = random.Random(seed)
+    personas = [" ".join(_sentence(rng) for _ in range(4)) for _ in range(prefixes)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    template, queries = out_dir / "persona.toml", out_dir / "persona.queries.jsonl"
+    template.write_text(PERSONA_TEMPLATE)
+    with queries.open("w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": i, "persona": personas[rng.randrange(prefixes)],
+                                "request": f"Say what you did in {rng.choice(_MONTHS)}, item {i}."}) + "\n")
+    return template, queries
+
+
+def ordering_pass(llm: LLM, template: Path, queries: Path, chunk_size: int, run_rows: int | None = None) -> dict:
+    """The prefix-order pass alone, as a run makes it (rows read and validated, every prompt
+    tokenized and keyed, keys sorted with spills, rows read again by offset and validated again),
+    with no model run: its wall time and the process's peak RSS."""
+    from chunkgen.jobs.order import RUN_ROWS, PrefixOrder, RowFile
+    from chunkgen.jobs.requests import read_rows, template_jobs
+    from chunkgen.jobs.templates import load_templates
+
+    templates = load_templates(template)
+
+    def to_jobs(rows):
+        return template_jobs(rows, templates, {})
+
+    row_file = RowFile(str(queries))
+    order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()), to_jobs, run_rows=run_rows or RUN_ROWS)
+    n, groups, last = 0, 0, None
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        for _, job in order.apply(enumerate(items), llm.encode, chunk_size):
+            n += 1
+            persona = job.data[0]
+            groups += persona != last
+            last = persona
+        wall = time.perf_counter() - t0
+    row_file.close()
+    return dict(rows=n, wall_s=wall, keying_s=order.stats.seconds, reread_s=wall - order.stats.seconds,
+                spilled_runs=order.stats.spilled_runs, prefix_runs=groups, rss_peak_bytes=rss.peak)
