@@ -716,7 +716,7 @@ def bench_order(
     doc_tokens: str = typer.Option("300", help="Tokens per document: T, or LO-HI drawn uniformly."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
     seed: int = typer.Option(0, help="Seed of the documents, questions and shuffle."),
-    kv_memory: str = typer.Option("auto", help="KV cache budget [default auto: a tenth of the distinct prompt tokens]."),
+    kv_memory: str = typer.Option("auto", help="KV cache budget [default auto: a tenth of the distinct prompt tokens, at least two of the longest prompts]."),
     max_batch: int = typer.Option(16, min=1),
     max_new_tokens: int = typer.Option(16, min=1),
     dtype: str = typer.Option("fp32"),
@@ -777,16 +777,20 @@ def bench_order_pass(
     prefixes: int = typer.Option(1000, min=1, help="Distinct personas (shared prefixes), interleaved at random."),
     chunk_size: int = typer.Option(64),
     work_dir: Optional[Path] = typer.Option(None, help="Where the file is written [default: a temporary folder]."),
+    run_rows: int = typer.Option(1 << 18, min=1, help="Keys held in memory before a sorted run is spilled to disk."),
 ) -> None:
-    """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row."""
+    """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row
+    (the tokenizer only, no model: the peak RSS is the pass's own)."""
     import tempfile
+
+    from transformers import AutoTokenizer
 
     from chunkgen.bench.order import ordering_pass, write_persona_rows
 
-    llm = _load_llm(model, kv_memory="64MiB")
+    tokenizer = AutoTokenizer.from_pretrained(_resolve(model))
     with tempfile.TemporaryDirectory(prefix="chunkgen-order-pass-") as tmp:
         template, queries = write_persona_rows(work_dir or Path(tmp), rows, prefixes)
-        r = ordering_pass(llm, template, queries, chunk_size)
+        r = ordering_pass(tokenizer, template, queries, chunk_size, run_rows)
     stdout.print(f"{r['rows']} rows over {prefixes} prefixes: ordering pass {r['wall_s']:.1f} s "
                  f"(keying {r['keying_s']:.1f} s, re-reading {r['reread_s']:.1f} s; {r['rows'] / r['wall_s']:.0f} rows/s), "
                  f"{r['spilled_runs']} sorted runs spilled, rows come out in {r['prefix_runs']} runs of one prefix, "

@@ -215,3 +215,25 @@ def test_inspect_tree_foresees_the_hit_rate_of_each_order(tiny_model, tmp_path):
                                    "--json", str(figures)], catch_exceptions=False)
     f = json.loads(figures.read_text())
     assert f["input_order"]["cached_tokens"] == f["prefix_order"]["cached_tokens"] == f["prefill_tokens_saved"]
+
+
+def test_bench_order_and_order_pass_reproduce_the_figures(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    figures = tmp_path / "order.json"
+    res = CliRunner().invoke(app, ["bench", "order", "--model", str(tiny_model), "--docs", "6", "--questions", "3",
+                                   "--doc-tokens", "100-150", "--max-new-tokens", "3", "--max-batch", "4",
+                                   "--json", str(figures)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    f = json.loads(figures.read_text())
+    by = {r["order"]: r for r in f["results"]}
+    assert f["rows"] == 18 and by["input"]["rows"] == by["prefix"]["rows"] == 18
+    assert by["prefix"]["answers_equal_to_first"] == 18  # the same answers as in file order
+    assert by["prefix"]["prefilled_tokens"] <= 1.15 * f["minimum_prefill_tokens"] < by["input"]["prefilled_tokens"]
+    res = CliRunner().invoke(app, ["bench", "order-pass", "--model", str(tiny_model), "--rows", "300",
+                                   "--prefixes", "10", "--run-rows", "50"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "300 rows over 10 prefixes" in res.output and "6 sorted runs spilled" in res.output
+    assert "in 10 runs of one prefix" in res.output

@@ -169,15 +169,16 @@ def run_order_bench(llm: LLM, rows: list[dict], orders: list[str], kv_memory: in
                     max_new_tokens: int, work_dir: Path | None = None,
                     on_row: Callable[[dict], None] | None = None) -> dict:
     """Each order in turn on the same file; the answers of every order compared with the first's.
-    `kv_memory` None: a tenth of the distinct prompt tokens' K/V (whole chunks)."""
+    `kv_memory` None: the K/V of a tenth of the distinct prompt tokens (whole chunks), or of two
+    of the longest prompts when that is more."""
     with tempfile.TemporaryDirectory(prefix="chunkgen-bench-order-") as tmp:
         base = work_dir or Path(tmp)
         template, queries = write_workload(base, rows)
         prompts = [llm.encode(j.messages, j.data) for j in _jobs(template, queries)]
         floor = minimum_prefill(prompts)
-        if kv_memory is None:
-            chunks = -(-floor // (10 * llm.config.chunk_size))
-            kv_memory = chunks * llm.engine.pool.bytes_per_slot
+        if kv_memory is None:  # a tenth of the distinct tokens, and room for two of the longest prompts
+            tokens = max(floor // 10, 2 * (max(map(len, prompts)) + max_new_tokens))
+            kv_memory = -(-tokens // llm.config.chunk_size) * llm.engine.pool.bytes_per_slot
         results, first = [], None
         for order in orders:
             out = Path(tmp) / f"out-{order}.jsonl"
@@ -246,25 +247,29 @@ def write_persona_rows(out_dir: Path, rows: int, prefixes: int, seed: int = 0) -
     return template, queries
 
 
-def ordering_pass(llm: LLM, template: Path, queries: Path, chunk_size: int, run_rows: int | None = None) -> dict:
+def ordering_pass(tokenizer, template: Path, queries: Path, chunk_size: int, run_rows: int | None = None) -> dict:
     """The prefix-order pass alone, as a run makes it (rows read and validated, every prompt
     tokenized and keyed, keys sorted with spills, rows read again by offset and validated again),
     with no model run: its wall time and the process's peak RSS."""
     from chunkgen.jobs.order import RUN_ROWS, PrefixOrder, RowFile
     from chunkgen.jobs.requests import read_rows, template_jobs
     from chunkgen.jobs.templates import load_templates
+    from chunkgen.llm import encode_prompt
 
     templates = load_templates(template)
 
     def to_jobs(rows):
         return template_jobs(rows, templates, {})
 
+    def encode(messages, data):
+        return encode_prompt(tokenizer, messages, data)
+
     row_file = RowFile(str(queries))
     order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()), to_jobs, run_rows=run_rows or RUN_ROWS)
     n, groups, last = 0, 0, None
     with PeakRSS() as rss:
         t0 = time.perf_counter()
-        for _, job in order.apply(enumerate(items), llm.encode, chunk_size):
+        for _, job in order.apply(enumerate(items), encode, chunk_size):
             n += 1
             persona = job.data[0]
             groups += persona != last
