@@ -239,8 +239,17 @@ def _check_defaults(defaults: dict[str, Any]) -> None:
         _usage(SAMPLING_OPTIONS.get(exc.field, exc.field), exc.message)
 
 
-def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str):
-    """(format, iterator of Job | ErrorRecord, templates) over the query file; a bad template stops here."""
+def _check_order(order: str) -> None:
+    if order not in ("prefix", "input"):
+        _usage("--order", f"must be prefix or input, not {order!r}")
+
+
+def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict[str, Any], id_field: str,
+                prefix_order: bool = False):
+    """(format, iterator of Job | ErrorRecord, templates, PrefixOrder or None) over the query file;
+    a bad template stops here. With `prefix_order`, the rows can be read again by offset (standard
+    input is spooled to a temporary file for that)."""
+    from chunkgen.jobs.order import PrefixOrder, RowFile
     from chunkgen.jobs.requests import detect_format, open_queries, openai_jobs, read_rows, template_jobs
     from chunkgen.jobs.templates import TemplateError, load_templates
 
@@ -251,17 +260,27 @@ def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict
         except TemplateError as exc:
             _fail(str(exc))
     try:
-        stream = open_queries(queries)
+        row_file = RowFile(queries) if prefix_order else None
+        stream = row_file.lines() if row_file else open_queries(queries)
     except OSError as exc:
         _fail(f"{queries}: cannot read the queries file ({exc.strerror})")
     rows = read_rows(stream)
     if fmt == "auto":
         fmt, rows = detect_format(rows)
     if fmt == "openai":
-        return fmt, openai_jobs(rows, defaults), {}
-    if templates is None:
+        templates = {}
+
+        def to_jobs(rows):
+            return openai_jobs(rows, defaults)
+    elif templates is None:
         _fail(f"{queries} holds template rows: pass --template (a .toml file or a directory of them)")
-    return fmt, template_jobs(rows, templates, defaults, id_field), templates
+    else:
+        def to_jobs(rows):
+            return template_jobs(rows, templates, defaults, id_field)
+    if row_file is None:
+        return fmt, to_jobs(rows), templates, None
+    order, items = PrefixOrder.reading(row_file, rows, to_jobs)
+    return fmt, items, templates, order
 
 
 def _check_not_empty(queries: str) -> None:
@@ -332,14 +351,14 @@ def _resolve(model: Optional[str]) -> Path:
     return path
 
 
-def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype):
+def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype, budget: int = 1 << 62):
     """A ChunkPool with bookkeeping only, shaped like the model's KV cache (for sizes and plans)."""
     from transformers import AutoConfig
 
     from chunkgen.cache import ChunkPool
 
     return ChunkPool.for_config(AutoConfig.from_pretrained(model_dir), chunk_size, kv_dtype,
-                                budget_bytes=1 << 62, storage=False)
+                                budget_bytes=budget, storage=False)
 
 
 def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, budget: int) -> None:
@@ -524,6 +543,7 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
     ordered: bool = typer.Option(False, "--ordered", help="Write results in input order (buffers finished ones)."),
+    order: str = typer.Option("prefix", "--order", metavar="ORDER", help="prefix: answer rows sharing a prompt prefix together, so each shared prefix is prefilled once while cached (the file is read twice; standard input is spooled to a temporary file); input: answer rows in file order."),
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
@@ -541,11 +561,13 @@ def run(
     the default shown here. A constraint counts as one setting whatever its kind: a row's regex
     replaces a template's JSON schema."""
     from chunkgen.jobs.lock import OutputLocked
+    from chunkgen.jobs.order import QueryFileChanged
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
     from chunkgen.model import display_name
 
     # Everything a user can get wrong is checked here, before the model loads.
     _check_format(fmt)
+    _check_order(order)
     if max_new_tokens is not None and max_new_tokens < 1:
         _usage("--max-new-tokens", f"must be at least 1, not {max_new_tokens}")
     if rerun_changed and not resume:
@@ -573,7 +595,9 @@ def run(
         except ImportError:
             _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
     _check_not_empty(queries)
-    fmt, items, templates = _read_items(queries, template, fmt, defaults, id_field)
+    # Ray groups rows by prefix on the cluster; the prefix order is a local run's.
+    fmt, items, templates, prefix_order = _read_items(queries, template, fmt, defaults, id_field,
+                                                      prefix_order=order == "prefix" and not use_ray)
     if part is not None:
         items = (item for item in items if part.owns(item))
     model_dir = _resolve(model)
@@ -596,8 +620,11 @@ def run(
         if use_ray:
             summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, stop_flag)
         else:
-            summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log)
+            summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log,
+                                 prefix_order)
     except OutputError as exc:
+        _fail(str(exc))
+    except QueryFileChanged as exc:
         _fail(str(exc))
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
         if writer is not None:
@@ -609,6 +636,8 @@ def run(
         if writer is not None:
             writer.close()  # after an error: releases the lock (a no-op when the run closed it)
         stop_flag.restore()
+        if prefix_order is not None:
+            prefix_order.rows.close()
     if queries == "-" and part is None and not summary.interrupted and \
             summary.requests + summary.skipped + summary.errors == 0:  # a file was checked before the model loaded
         _fail("standard input held no rows; nothing was run")
@@ -616,21 +645,25 @@ def run(
     _report(summary, out, quiet, json_log, stop_flag.signum if summary.interrupted else None)
 
 
-def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
+def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool,
+               prefix_order=None):
     from chunkgen.jobs.run import run_job
 
     llm = _load_llm(announce="none" if quiet else "json" if json_log else "line", **llm_kwargs)
+    if prefix_order is not None and not (quiet or json_log):
+        err.print("--order prefix: every row is read and tokenized once before the first is answered, so rows "
+                  "sharing a prefix run together (--order input skips this pass)", highlight=False)
     on_progress, stop_progress = _progress_printer(quiet, json_log, total)
     try:
         return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
-                       on_progress=on_progress)
+                       on_progress=on_progress, order=prefix_order)
     finally:
         stop_progress()
 
 
 def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) -> None:
     if json_log:
-        print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
+        print(json.dumps({"event": "summary", **summary.as_dict()}), file=sys.stderr, flush=True)
     elif summary.requests == 0 and summary.errors == 0 and summary.skipped and not signum:
         err.print(f"every query was already answered in {out} ({summary.skipped} rows); nothing to do",
                   highlight=False)
@@ -641,7 +674,11 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         table.add_row("error records", str(summary.errors))
         table.add_row("wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)")
         table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
-        table.add_row("prompt tokens (from cache)", f"{summary.prompt_tokens} ({summary.cached_tokens})")
+        table.add_row("prompt tokens", f"{summary.prompt_tokens}: {summary.cached_tokens} from the cache "
+                      f"(hit rate {100 * summary.cache_hit_rate:.1f}%)"
+                      + (f", {summary.prefilled_tokens} computed" if summary.prefilled_tokens else ""))
+        if summary.order == "prefix":
+            table.add_row("order", f"prefix (every row keyed first: {summary.order_s:.1f} s)")
         if summary.constrained:
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
@@ -684,11 +721,14 @@ def inspect_tree(
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
+    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
+    max_batch: int = typer.Option(32, min=1, metavar="N", help="Sequences decoded together in the run to foresee."),
 ) -> None:
-    """Insert every prompt into a prefix tree (no model run) and show sharing and memory."""
+    """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
+    hit rate a run with --kv-memory reaches in file order and in prefix order."""
     from transformers import AutoTokenizer
 
-    from chunkgen.cache.stats import plan_tree, tree_stats
+    from chunkgen.cache.stats import CacheReplay, plan_tree, tree_stats
     from chunkgen.jobs.requests import ErrorRecord
     from chunkgen.llm import encode_prompt
 
@@ -696,29 +736,54 @@ def inspect_tree(
     _check_chunk_size(chunk_size)
     kv_dtype = _dtype_option(dtype)
     _check_queries(queries)
-    _, items, _ = _read_items(queries, template, fmt, {}, id_field)
+    budget = _check_engine_options(dtype, "cpu", chunk_size, kv_memory)
+    _, items, _, prefix_order = _read_items(queries, template, fmt, {}, id_field, prefix_order=True)
     path = _resolve(model)
+    _check_budget(path, chunk_size, dtype, "cpu", budget)
     tok = AutoTokenizer.from_pretrained(path)
     bad = 0
-    names: list[str] = []  # per prompt, in insertion order: its template (or, for OpenAI rows, none)
+    names: list[str] = []  # per prompt, in file order: its template (or, for OpenAI rows, none)
+    file_prompts: list[list[int]] = []
+    in_file_order = CacheReplay(_planning_pool(path, chunk_size, kv_dtype, budget), max_batch)
+    in_prefix_order = CacheReplay(_planning_pool(path, chunk_size, kv_dtype, budget), max_batch)
+    last: list = [None, None]  # the messages tokenized last and their tokens: the keying pass asks again
 
-    def prompts():
+    def encode(messages, data):
+        if last[0] is not messages:
+            last[:] = messages, encode_prompt(tok, messages, data)
+        return last[1]
+
+    def in_file_order_rows():
         nonlocal bad
-        for item in items:
+        for index, item in enumerate(items):
             if isinstance(item, ErrorRecord):
                 bad += 1
-            else:
-                names.append(item.template or "OpenAI rows")
-                yield encode_prompt(tok, item.messages, item.data)
+                continue
+            tokens = encode(item.messages, item.data)
+            names.append(item.template or "OpenAI rows")
+            file_prompts.append(tokens)
+            in_file_order.add(tokens)
+            yield index, item
+
+    try:
+        for _, job in prefix_order.apply(in_file_order_rows(), encode, chunk_size):
+            in_prefix_order.add(encode(job.messages, job.data))
+    finally:
+        prefix_order.rows.close()
 
     from chunkgen.engine.engine import EngineConfig
 
-    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prompts(), EngineConfig.max_prefill_tokens)
+    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), file_prompts, EngineConfig.max_prefill_tokens)
     st = tree_stats(tree)
+    replays = {"input": in_file_order, "prefix": in_prefix_order}
     figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
                "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,
                "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
-               "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad}
+               "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": bad, "kv_memory": budget,
+               "max_batch": max_batch,
+               **{f"{name}_order": {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                                    "prefilled_tokens": r.prompt_tokens - r.cached_tokens,
+                                    "cache_hit_rate": r.hit_rate} for name, r in replays.items()}}
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {chunk_size} tokens)")
     templates_under: dict[int, set[str]] = {}  # chunk -> templates of the prompts that read it
     for seq, path_ in tree.paths.items():
@@ -743,6 +808,16 @@ def inspect_tree(
         f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
         f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
         "a smaller --chunk-size lowers it", highlight=False)
+    hits = Table(title=f"cache hit rate of a run with --kv-memory {_human(budget)}, --max-batch {max_batch}")
+    for col in ("--order", "prompt tokens", "from the cache", "computed", "hit rate"):
+        hits.add_column(col, justify="right")
+    for name, r in replays.items():
+        hits.add_row(name, str(r.prompt_tokens), str(r.cached_tokens), str(r.prompt_tokens - r.cached_tokens),
+                     f"{100 * r.hit_rate:.1f}%")
+    console.print(hits)
+    if in_file_order.too_long:
+        console.print(f"{in_file_order.too_long} prompt(s) do not fit in --kv-memory {_human(budget)} at all: "
+                      "a run refuses them")
     if json_out:
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
 
@@ -868,6 +943,95 @@ def bench_e2e(
     stdout.print(table)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+@bench_app.command("order")
+def bench_order(
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model to run [default: the embedded one]."),
+    docs: int = typer.Option(100, min=1, metavar="D", help="Documents (distinct shared prefixes)."),
+    questions: int = typer.Option(4, min=1, metavar="Q", help="Questions on each document (rows sharing its prefix)."),
+    doc_tokens: str = typer.Option("300", metavar="T|LO-HI", help="Tokens per document: T, or LO-HI drawn uniformly."),
+    shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
+    seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle."),
+    kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget [default auto: a tenth of the distinct prompt tokens, at least two of the longest prompts]."),
+    max_batch: int = typer.Option(16, min=1, metavar="N", help="Sequences decoded together."),
+    max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
+    dtype: str = typer.Option("fp32", metavar="DTYPE", help="fp32, bf16 or fp16."),
+    orders: str = typer.Option("input,prefix", metavar="ORDERS", help="Orders to run, in turn: input, prefix."),
+    write_workload: Optional[Path] = typer.Option(None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."),
+    dump_token_ids: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the rows as JSON here."),
+) -> None:
+    """Retrieval QA, shuffled: prefix order against file order on the same file and KV budget."""
+    from chunkgen.bench.order import docqa_rows, dump_token_ids as dump, parse_doc_tokens, run_order_bench
+    from chunkgen.llm import parse_bytes
+
+    chosen = [o.strip() for o in orders.split(",") if o.strip()]
+    for o in chosen:
+        _check_order(o)
+    try:
+        lengths = parse_doc_tokens(doc_tokens)
+    except ValueError as exc:
+        _usage("--doc-tokens", str(exc))
+    llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB")
+    rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, seed)
+    if dump_token_ids:
+        dump(llm, rows, max_new_tokens, dump_token_ids)
+        err.print(f"{len(rows)} prompts written to {dump_token_ids}", highlight=False)
+        return
+    try:
+        budget = None if kv_memory == "auto" else parse_bytes(kv_memory)
+    except ValueError as exc:
+        _usage("--kv-memory", str(exc))
+    report = run_order_bench(llm, rows, chosen, budget, max_batch, max_new_tokens, write_workload,
+                             on_row=lambda r: err.print(f"  {r['order']:>6}: {r['prefilled_tokens']} tokens prefilled, "
+                                                        f"wall {r['wall_s']:.1f} s, {r['gen_tokens_per_s']:.1f} tok/s",
+                                                        highlight=False))
+    budget = report["kv_memory"]
+    table = Table(title=f"docqa: {len(rows)} rows, {docs} documents of {doc_tokens} tokens, {questions} questions each, "
+                        f"{'shuffled' if shuffle else 'in document order'}; KV {_human(budget)}, batch {max_batch}, "
+                        f"{max_new_tokens} new tokens, {dtype}; minimum prefill {report['minimum_prefill_tokens']} of "
+                        f"{report['prompt_tokens']} prompt tokens")
+    for col in ("order", "prefilled tokens", "x minimum", "hit rate", "wall s", "ordering s", "prefill s",
+                "decode s", "gen tok/s", "RSS peak", "answers = first"):
+        table.add_column(col, justify="right")
+    for r in report["results"]:
+        table.add_row(r["order"], str(r["prefilled_tokens"]), f"{r['prefill_vs_minimum']:.2f}",
+                      f"{100 * r['cache_hit_rate']:.1f}%", f"{r['wall_s']:.1f}", f"{r['order_s']:.2f}",
+                      f"{r['prefill_s']:.1f}", f"{r['decode_s']:.1f}", f"{r['gen_tokens_per_s']:.1f}",
+                      _human(r["rss_peak_bytes"]), f"{r['answers_equal_to_first']}/{r['rows']}")
+    stdout.print(table)
+    if json_out:
+        json_out.write_text(json.dumps({"docs": docs, "questions": questions, "doc_tokens": doc_tokens,
+                                        "shuffle": shuffle, "max_batch": max_batch,
+                                        "max_new_tokens": max_new_tokens, "dtype": dtype, **report}, indent=2) + "\n")
+
+
+@bench_app.command("order-pass")
+def bench_order_pass(
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Whose tokenizer keys the rows."),
+    rows: int = typer.Option(1_000_000, min=1, metavar="N", help="Short rows in the file."),
+    prefixes: int = typer.Option(1000, min=1, metavar="N", help="Distinct personas (shared prefixes), interleaved at random."),
+    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per chunk of the prefix keys."),
+    work_dir: Optional[Path] = typer.Option(None, metavar="DIR", help="Where the file is written [default: a temporary folder]."),
+    run_rows: int = typer.Option(1 << 18, min=1, metavar="N", help="Keys held in memory before a sorted run is spilled to disk."),
+) -> None:
+    """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row
+    (the tokenizer only, no model: the peak RSS is the pass's own)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from chunkgen.bench.order import ordering_pass, write_persona_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(_resolve(model))
+    with tempfile.TemporaryDirectory(prefix="chunkgen-order-pass-") as tmp:
+        template, queries = write_persona_rows(work_dir or Path(tmp), rows, prefixes)
+        r = ordering_pass(tokenizer, template, queries, chunk_size, run_rows)
+    stdout.print(f"{r['rows']} rows over {prefixes} prefixes: ordering pass {r['wall_s']:.1f} s "
+                 f"(keying {r['keying_s']:.1f} s, re-reading {r['reread_s']:.1f} s; {r['rows'] / r['wall_s']:.0f} rows/s), "
+                 f"{r['spilled_runs']} sorted runs spilled, rows come out in {r['prefix_runs']} runs of one prefix, "
+                 f"peak RSS {_human(r['rss_peak_bytes'])}")
 
 
 @bench_app.command("step")

@@ -11,8 +11,19 @@ from chunkgen.cli import app
 from tests.conftest import PROMPTS
 
 runner = CliRunner()
-COMMANDS = [["run"], ["inspect-tree"], ["bench", "kernel"], ["bench", "e2e"], ["bench", "step"], ["bench", "tree"],
-            ["bench", "machine"]]
+def _commands(group, prefix=()):
+    """Every command of the app, so a new one cannot skip these checks."""
+    import typer.main
+
+    click_group = typer.main.get_command(group)
+    for name, cmd in click_group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield from ([*prefix, name, sub] for sub in cmd.commands)
+        else:
+            yield [*prefix, name]
+
+
+COMMANDS = list(_commands(app))
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

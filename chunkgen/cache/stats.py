@@ -1,10 +1,11 @@
 """Memory figures of the cache: one source for inspect-tree, run summaries and bench."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Iterable
 
-from chunkgen.cache.pool import ChunkPool
+from chunkgen.cache.pool import ChunkPool, PoolExhausted
 from chunkgen.cache.tree import PrefixTree
 
 
@@ -77,3 +78,48 @@ def plan_tree(pool: ChunkPool, prompts: Iterable[list[int]], max_prefill_tokens:
     for s in wave:
         tree.mark_ready(s)
     return tree
+
+
+class CacheReplay:
+    """The prompt tokens a run's prefix cache serves when prompts run in a given order, without the
+    model: each prompt is inserted into a PrefixTree of the run's KV budget (bookkeeping only)
+    while the `live` prompts before it still hold their chunks, as a batch decoding together does,
+    and the tree evicts cached chunks least recently used first, as a run's does. Generated tokens
+    are not modelled, so a run with long answers evicts somewhat sooner."""
+
+    def __init__(self, pool: ChunkPool, live: int) -> None:
+        self.tree = PrefixTree(pool)
+        self.live = max(1, live)
+        self._running: deque[int] = deque()
+        self._next = 0
+        self.too_long = 0  # prompts that do not fit the budget at all (a run refuses them)
+
+    def add(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        seq, self._next = self._next, self._next + 1
+        while True:
+            try:
+                self.tree.insert(seq, tokens)
+                break
+            except PoolExhausted:
+                if not self._running:
+                    self.too_long += 1
+                    return
+                self.tree.remove(self._running.popleft())
+        self.tree.mark_ready(seq)
+        self._running.append(seq)
+        if len(self._running) > self.live:
+            self.tree.remove(self._running.popleft())
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.tree.inserted_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.tree.cache_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

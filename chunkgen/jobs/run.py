@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from chunkgen.engine import Engine, Request, Result
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
+
+if TYPE_CHECKING:
+    from chunkgen.jobs.order import PrefixOrder
 
 Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
 
@@ -62,8 +65,8 @@ class JobSummary:
     skipped: int
     errors: int
     changed: int  # earlier answers whose request has changed since (kept unless --rerun-changed)
-    prompt_tokens: int
-    cached_tokens: int
+    prompt_tokens: int  # of the answered rows
+    cached_tokens: int  # of those, served from the prefix cache
     completion_tokens: int
     wall_s: float
     prefill_s: float
@@ -73,10 +76,21 @@ class JobSummary:
     constrained: int = 0
     matched: int = 0
     interrupted: bool = False
+    prefilled_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
+    order: str = "input"  # the order rows were answered in: input, or prefix
+    order_s: float = 0.0  # of wall_s, the prefix-order pass that keys every row before the first runs
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens served from the cache / prompt tokens of the answered rows."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "cache_hit_rate": self.cache_hit_rate, "tokens_per_s": self.tokens_per_s}
 
 
 def triage(items: Iterable[Job | ErrorRecord], writer: ResultWriter, counts: JobCounts) -> Iterator[tuple[int, Job]]:
@@ -144,8 +158,11 @@ def run_job(
     window: int | None = None,
     should_stop: Callable[[], bool] = never,
     on_progress: Callable[[JobProgress], None] | None = None,
+    order: PrefixOrder | None = None,
 ) -> JobSummary:
-    """A whole local job: rows in, records out, nothing held but the window in flight."""
+    """A whole local job: rows in, records out, nothing held but the window in flight. With an
+    `order`, the rows still to answer are answered in prefix order (bad rows and rows answered
+    before are dealt with first, in file order)."""
     t0 = time.perf_counter()
     counts = JobCounts()
     window = window or max(64, 4 * engine.config.max_batch)
@@ -160,7 +177,10 @@ def run_job(
                 cache_hit_rate=1 - s.prefilled_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             ))
 
-    for a in answer(engine, encode, writer, triage(items, writer, counts), window, should_stop, report):
+    jobs = triage(items, writer, counts)
+    if order is not None:
+        jobs = order.apply(jobs, encode, engine.config.chunk_size, should_stop)
+    for a in answer(engine, encode, writer, jobs, window, should_stop, report):
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1
@@ -177,4 +197,6 @@ def run_job(
         completion_tokens=counts.completion_tokens, wall_s=time.perf_counter() - t0, prefill_s=s.prefill_s,
         decode_s=s.decode_s, kv_peak_bytes=s.kv_peak_bytes, kv_unshared_peak_bytes=s.kv_unshared_peak_bytes,
         constrained=counts.constrained, matched=counts.matched, interrupted=interrupted,
+        prefilled_tokens=s.prefilled_tokens, order="input" if order is None else "prefix",
+        order_s=0.0 if order is None else order.stats.seconds,
     )

@@ -1,0 +1,251 @@
+"""Prefix order: rows answered so that rows sharing a prompt prefix run together.
+
+A file with more distinct prefixes than the KV cache holds, interleaved (documents with a few
+questions each, shuffled), loses its cache hits in file order: by the time a row's siblings come,
+its prefix has been evicted. Ordering the whole file by prompt prefix makes each shared prefix
+prefilled once, while it is hot.
+
+The ordering is an external sort that never holds rows: a first pass tokenizes each row as it
+streams and keeps only a small key (chained hashes of the prompt's first chunks) with the row's
+byte offset; sorted runs go to disk beyond a bound; a merge then re-reads the rows by offset in key
+order. Standard input, which cannot be re-read, is spooled to a temporary file as it is read.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+import sys
+import tempfile
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+
+from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
+
+KEY_CHUNKS = 16  # chunks of the prompt the key tells apart: rows agreeing on more stay in file order
+HASH_BYTES = 8
+RUN_ROWS = 1 << 18  # keys held in memory before a sorted run is written to disk (~60 MB)
+
+Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
+Rebuild = Callable[[int, bytes], "Job | ErrorRecord | None"]  # (line number, raw line) -> the row again
+ToJobs = Callable[[Iterable[tuple[int, Any]]], Iterator["Job | ErrorRecord"]]  # template_jobs, openai_jobs
+
+
+def prefix_key(tokens: Sequence[int], chunk_size: int, depth: int = KEY_CHUNKS) -> bytes:
+    """A sort key for a prompt: the chained hashes of its first `depth` chunks of `chunk_size`
+    tokens (a partial last chunk too). Two prompts' keys agree on their first k * HASH_BYTES bytes
+    exactly when the prompts agree on their first k chunks (up to hash collisions), so sorting by
+    key puts rows with the longest common prefix next to each other, in a depth-first walk of the
+    prefix tree: the order an LRU cache of chunks serves best. `key[:HASH_BYTES * k]` is a group
+    key for the first k chunks (e.g. to split a file into shards that share no prefix chunk)."""
+    out = bytearray()
+    h = b""
+    for start in range(0, min(len(tokens), depth * chunk_size), chunk_size):
+        chunk = array("I", tokens[start:start + chunk_size]).tobytes()
+        h = hashlib.blake2b(h + chunk, digest_size=HASH_BYTES).digest()
+        out += h
+    return bytes(out)
+
+
+class QueryFileChanged(RuntimeError):
+    """A row read again for the prefix order is not the row read the first time."""
+
+
+class RowFile:
+    """The query file's lines, read once as a stream and then again one by one by byte offset:
+    the file itself, or for standard input a spool in a temporary file written as it is read."""
+
+    def __init__(self, path: str, spool_dir: str | None = None) -> None:
+        self.path = path
+        self._spool: BinaryIO | None = None
+        if path == STDIN:
+            self._spool = tempfile.TemporaryFile(prefix="chunkgen-stdin-", dir=spool_dir)
+            self._source: BinaryIO = sys.stdin.buffer
+        else:
+            self._source = open(path, "rb")
+        self._reader: BinaryIO | None = None
+        # line number -> (offset, crc32) for lines read but not yet claimed; bounded by how far the
+        # reader runs ahead of the rows (see follow)
+        self._pending: dict[int, tuple[int, int]] = {}
+
+    def lines(self) -> Iterator[bytes]:
+        """Every line in order (what read_rows takes), noting where each non-blank one starts."""
+        offset = 0
+        for number, raw in enumerate(self._source, start=1):
+            if self._spool is not None:
+                self._spool.write(raw)
+            if raw.strip():
+                self._pending[number] = (offset, zlib.crc32(raw))
+            offset += len(raw)
+            yield raw
+
+    def follow(self, items: Iterable[Job | ErrorRecord]) -> Iterator[Job | ErrorRecord]:
+        """The rows, unchanged; the offsets of lines before each row are forgotten as it passes,
+        so rows filtered out, skipped or turned into error records cost nothing later."""
+        for item in items:
+            while self._pending:
+                first = next(iter(self._pending))
+                if first >= item.line:
+                    break
+                del self._pending[first]
+            yield item
+
+    def claim(self, line: int) -> tuple[int, int]:
+        """(byte offset, crc32) of a line that passed `follow` last."""
+        return self._pending.pop(line)
+
+    def read(self, offset: int) -> bytes:
+        if self._reader is None:
+            if self._spool is not None:
+                self._spool.flush()
+                self._reader = self._spool
+            else:
+                self._reader = open(self.path, "rb")
+        self._reader.seek(offset)
+        return self._reader.readline()
+
+    def close(self) -> None:
+        files = {id(f): f for f in (self._source, self._reader, self._spool) if f is not None}
+        for f in files.values():
+            if f is not sys.stdin.buffer:
+                f.close()
+
+
+# An entry: (key, index, line, offset, crc). On disk: the fixed fields, then the key's bytes.
+_FIXED = struct.Struct("<qqqIH")
+
+
+class ExternalSort:
+    """Sorts entries that may not fit in memory: runs of `run_rows` sorted entries are written to
+    temporary files, and iteration merges them (each run read a buffer at a time)."""
+
+    def __init__(self, run_rows: int = RUN_ROWS, spill_dir: str | None = None) -> None:
+        self.run_rows = run_rows
+        self.spill_dir = spill_dir
+        self._buffer: list[tuple[bytes, int, int, int, int]] = []
+        self._runs: list[BinaryIO] = []
+        self.count = 0
+
+    @property
+    def spilled_runs(self) -> int:
+        return len(self._runs)
+
+    def add(self, key: bytes, index: int, line: int, offset: int, crc: int) -> None:
+        self._buffer.append((key, index, line, offset, crc))
+        self.count += 1
+        if len(self._buffer) >= self.run_rows:
+            self._spill()
+
+    def _spill(self) -> None:
+        self._buffer.sort()
+        f = tempfile.TemporaryFile(prefix="chunkgen-order-", dir=self.spill_dir)
+        pack = _FIXED.pack
+        f.write(b"".join(pack(i, l, o, c, len(k)) + k for k, i, l, o, c in self._buffer))
+        f.seek(0)
+        self._runs.append(f)
+        self._buffer = []
+
+    @staticmethod
+    def _read_run(f: BinaryIO) -> Iterator[tuple[bytes, int, int, int, int]]:
+        reader = _FIXED.unpack
+        size = _FIXED.size
+        buffered = _BufferedReader(f)
+        while True:
+            head = buffered.take(size)
+            if not head:
+                return
+            i, l, o, c, n = reader(head)
+            yield buffered.take(n), i, l, o, c
+
+    def __iter__(self) -> Iterator[tuple[bytes, int, int, int, int]]:
+        self._buffer.sort()
+        if not self._runs:
+            return iter(self._buffer)
+        return heapq.merge(*(self._read_run(f) for f in self._runs), self._buffer)
+
+    def close(self) -> None:
+        for f in self._runs:
+            f.close()
+        self._runs, self._buffer = [], []
+
+
+class _BufferedReader:
+    def __init__(self, f: BinaryIO, size: int = 1 << 16) -> None:
+        self._f, self._size = f, size
+        self._data, self._pos = b"", 0
+
+    def take(self, n: int) -> bytes:
+        if self._pos + n > len(self._data):
+            self._data = self._data[self._pos:] + self._f.read(max(self._size, n))
+            self._pos = 0
+        out = self._data[self._pos:self._pos + n]
+        self._pos += len(out)
+        return out
+
+
+@dataclass
+class OrderStats:
+    rows: int = 0
+    spilled_runs: int = 0
+    seconds: float = 0.0  # the first pass: tokenizing every row, keeping and sorting the keys
+
+
+@dataclass
+class PrefixOrder:
+    """How a job's rows are put in prefix order: the file they are re-read from, how a re-read
+    line becomes a row again, and the memory bound of the sort."""
+
+    rows: RowFile
+    rebuild: Rebuild
+    run_rows: int = RUN_ROWS
+    spill_dir: str | None = None
+    stats: OrderStats = field(default_factory=OrderStats)
+
+    @classmethod
+    def reading(cls, row_file: RowFile, rows: Iterable[tuple[int, Any]], to_jobs: ToJobs,
+                **kwargs: Any) -> "tuple[PrefixOrder, Iterator[Job | ErrorRecord]]":
+        """(the order, the job's rows in file order) for rows parsed from `row_file.lines()`;
+        `to_jobs` turns parsed rows into jobs, the first time and when a line is read again."""
+        def rebuild(line: int, raw: bytes) -> Job | ErrorRecord | None:
+            return next(to_jobs((line, obj) for _, obj in read_rows([raw])), None)
+        return cls(row_file, rebuild, **kwargs), row_file.follow(to_jobs(rows))
+
+    def apply(self, jobs: Iterable[tuple[int, Job]], encode: Encode, chunk_size: int,
+              should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, Job]]:
+        """`jobs` (numbered in file order, as triage yields them) in prefix order. Every row is
+        keyed before the first is handed on; a stop request ends the keying pass early and yields
+        nothing (the rows stay unanswered, for --resume)."""
+        t0 = time.perf_counter()
+        sorter = ExternalSort(self.run_rows, self.spill_dir)
+        try:
+            for index, job in jobs:
+                if should_stop():
+                    return
+                offset, crc = self.rows.claim(job.line)
+                try:
+                    tokens = encode(job.messages, job.data)
+                except Exception:  # the answer loop tokenizes it again and writes the error record
+                    tokens = []
+                sorter.add(prefix_key(tokens, chunk_size), index, job.line, offset, crc)
+            merged = iter(sorter)
+            self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
+            for _, index, line, offset, crc in merged:
+                raw = self.rows.read(offset)
+                item = self.rebuild(line, raw) if zlib.crc32(raw) == crc else None
+                if not isinstance(item, Job):
+                    raise QueryFileChanged(
+                        f"{self.rows.path}: line {line} changed while the job ran (it is read twice to answer "
+                        "rows in prefix order); every answer written so far is kept: rerun with --resume, "
+                        "or pass --order input")
+                yield index, item
+        finally:
+            sorter.close()
+
+
+def group_key(tokens: Sequence[int], chunk_size: int, chunks: int = 1) -> bytes:
+    """The prefix group of a prompt: rows with the same first `chunks` chunks share it (what a
+    split into shards or cluster workers should keep together)."""
+    return prefix_key(tokens, chunk_size, chunks)

@@ -1,0 +1,239 @@
+"""Prefix order: keys, the external sort, re-reading rows by offset, and whole runs in each order."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import sys
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, prefix_key
+from chunkgen.jobs.requests import read_rows, template_jobs
+from chunkgen.jobs.templates import load_templates
+from tests.conftest import PROMPTS
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=2, max_size=30))
+def test_sorted_keys_keep_every_shared_chunk_prefix_contiguous(prompts):
+    """Sorting by key is a depth-first walk of the chunk prefix tree: the rows sharing their first
+    k whole chunks form one contiguous run, for every k the key covers."""
+    chunk = 4
+    order = sorted(range(len(prompts)), key=lambda i: (prefix_key(prompts[i], chunk, depth=8), i))
+    for k in range(1, 8):
+        groups = [tuple(prompts[i][:k * chunk]) if len(prompts[i]) >= k * chunk else None for i in order]
+        seen, last = set(), None
+        for g in groups:
+            if g is not None and g != last:
+                assert g not in seen, f"rows sharing their first {k} chunks are split"
+                seen.add(g)
+            last = g
+
+
+def test_key_agrees_on_exactly_the_shared_chunks():
+    a, b = list(range(100)), list(range(70)) + [999] * 30
+    ka, kb = prefix_key(a, 16), prefix_key(b, 16)
+    shared_chunks = _common(a, b) // 16  # 4 whole chunks agree
+    assert _common(ka, kb) >= 8 * shared_chunks
+    assert ka[:8 * (shared_chunks + 1)] != kb[:8 * (shared_chunks + 1)]
+    assert prefix_key(a, 16, depth=2) == ka[:16]
+
+
+@pytest.mark.parametrize("run_rows", [3, 1000])
+def test_external_sort_spills_runs_and_merges_them_in_order(run_rows, tmp_path):
+    rng = random.Random(0)
+    entries = [(bytes(rng.randrange(4) for _ in range(rng.randrange(0, 5))), i, i + 1, 10 * i, i % 7)
+               for i in range(200)]
+    sorter = ExternalSort(run_rows=run_rows, spill_dir=str(tmp_path))
+    for e in entries:
+        sorter.add(*e)
+    assert sorter.spilled_runs == (len(entries) // run_rows)
+    assert list(sorter) == sorted(entries)
+    sorter.close()
+
+
+def _order_of(tmp_path, lines: list[str], source: str = "file", run_rows: int = 2):
+    """The ids of the template rows of `lines` in prefix order, keyed by a stand-in tokenizer."""
+    templates = load_templates(PROMPTS / "document_qa.toml")
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(l + "\n" for l in lines))
+    if source == "stdin":
+        sys.stdin = io.TextIOWrapper(io.BytesIO(path.read_bytes()))
+        row_file = RowFile("-", spool_dir=str(tmp_path))
+    else:
+        row_file = RowFile(str(path))
+
+    def to_jobs(rows):
+        return template_jobs(rows, templates, {})
+
+    order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()), to_jobs, run_rows=run_rows)
+    jobs = ((i, item) for i, item in enumerate(items) if not hasattr(item, "message"))
+
+    def encode(messages, data):  # characters as tokens: prefixes of text are prefixes of tokens
+        return [ord(c) for c in messages[-1]["content"]]
+
+    try:
+        return [(i, job.id, job.line) for i, job in order.apply(jobs, encode, chunk_size=4)], order
+    finally:
+        row_file.close()
+        sys.stdin = sys.__stdin__
+
+
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_rows_are_reread_by_offset_grouped_by_prefix(tmp_path, source):
+    rng = random.Random(1)
+    rows = [{"id": f"{d}-{q}", "question": f"doc {d} " * 3 + f"question {q}"} for d in range(6) for q in range(3)]
+    rng.shuffle(rows)
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(3, "not json")  # an error row: not ordered, never re-read
+    lines.insert(7, "")
+    got, order = _order_of(tmp_path, lines, source)
+    assert len(got) == len(rows) and order.stats.rows == len(rows) and order.stats.spilled_runs > 0
+    docs = [i.split("-")[0] for _, i, _ in got]
+    assert len([d for j, d in enumerate(docs) if j == 0 or d != docs[j - 1]]) == 6  # one run per document
+    by_line = {l: json.loads(s)["id"] for l, s in enumerate(lines, start=1) if s.startswith("{")}
+    assert all(by_line[line] == rid for _, rid, line in got)  # each row read back from its own line
+    first_index = {rid: i for i, rid, _ in got}
+    assert sorted(first_index.values()) == sorted(i for i, s in enumerate(l for l in lines if l.strip()) if s.startswith("{"))
+
+
+def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
+    templates = load_templates(PROMPTS / "document_qa.toml")
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"id": "a", "question": "one"}\n{"id": "b", "question": "two"}\n')
+    row_file = RowFile(str(path))
+    order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()),
+                                       lambda rows: template_jobs(rows, templates, {}))
+
+    def jobs():
+        yield from enumerate(items)
+        path.write_text('{"id": "a", "question": "uno"}\n{"id": "b", "question": "two"}\n')
+
+    with pytest.raises(QueryFileChanged, match="line 1 changed"):
+        list(order.apply(jobs(), lambda m, d: [1, 2, 3], chunk_size=4))
+    row_file.close()
+
+
+# -- whole runs on the tiny model -------------------------------------------------------------------
+def _docqa(tmp_path, tiny_model, docs=10, questions=3, doc_tokens=(150, 200)):
+    from transformers import AutoTokenizer
+
+    from chunkgen.bench.order import docqa_rows, write_workload
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return write_workload(tmp_path / "work", docqa_rows(tok, docs, questions, doc_tokens, shuffle=True, seed=3))
+
+
+def _run(tiny_model, template, queries, out, *extra, stdin=None):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    args = ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
+            "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB", "--max-batch", "4",
+            "--max-new-tokens", "6", "--json-log", *extra]
+    res = CliRunner().invoke(app, args, input=stdin, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = [json.loads(l) for l in res.output.splitlines() if l.startswith('{"event": "summary"')]
+    return summary[-1]
+
+
+def _minimum_prefill(tiny_model, template, queries) -> int:
+    from transformers import AutoTokenizer
+
+    from chunkgen.bench.order import _jobs, minimum_prefill
+    from chunkgen.llm import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return minimum_prefill([encode_prompt(tok, j.messages, j.data) for j in _jobs(template, queries)])
+
+
+def _texts(out) -> dict[str, str]:
+    return {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_prefix_order_prefills_less_and_answers_the_same(tiny_model, tmp_path):
+    template, queries = _docqa(tmp_path, tiny_model)
+    by_input = _run(tiny_model, template, queries, tmp_path / "input.jsonl", "--order", "input")
+    by_prefix = _run(tiny_model, template, queries, tmp_path / "prefix.jsonl")  # the default
+    assert by_input["order"] == "input" and by_prefix["order"] == "prefix"
+    assert by_input["prompt_tokens"] == by_prefix["prompt_tokens"]
+    assert by_prefix["prefilled_tokens"] <= 1.15 * _minimum_prefill(tiny_model, template, queries)
+    assert by_prefix["prefilled_tokens"] * 1.5 < by_input["prefilled_tokens"]
+    assert by_prefix["cache_hit_rate"] > by_input["cache_hit_rate"] + 0.2
+    assert by_prefix["cached_tokens"] == by_prefix["prompt_tokens"] - by_prefix["prefilled_tokens"]
+    assert _texts(tmp_path / "input.jsonl") == _texts(tmp_path / "prefix.jsonl")  # greedy: same answers
+
+
+def test_ordered_output_resume_and_stdin_keep_working_in_prefix_order(tiny_model, tmp_path):
+    template, queries = _docqa(tmp_path, tiny_model, docs=5)
+    _run(tiny_model, template, queries, tmp_path / "ref.jsonl", "--order", "input")
+    expected = _texts(tmp_path / "ref.jsonl")
+    ordered = tmp_path / "ordered.jsonl"
+    _run(tiny_model, template, queries, ordered, "--ordered")
+    lines = [r["line"] for r in map(json.loads, ordered.read_text().splitlines())]
+    assert lines == sorted(lines) and _texts(ordered) == expected
+    # A run stopped part way: the first records kept, the rest answered by --resume in prefix order.
+    kept = ordered.read_text().splitlines()[:6]
+    ordered.write_text("".join(l + "\n" for l in kept))
+    summary = _run(tiny_model, template, queries, ordered, "--resume")
+    assert summary["skipped"] == 6 and summary["requests"] == len(expected) - 6
+    assert _texts(ordered) == expected and len(ordered.read_text().splitlines()) == len(expected)
+    piped = tmp_path / "piped.jsonl"
+    _run(tiny_model, template, "-", piped, stdin=queries.read_bytes())
+    assert _texts(piped) == expected
+
+
+def test_inspect_tree_foresees_the_hit_rate_of_each_order(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    template, queries = _docqa(tmp_path, tiny_model)
+    figures = tmp_path / "tree.json"
+    res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
+                                   "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB",
+                                   "--max-batch", "4", "--json", str(figures)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    f = json.loads(figures.read_text())
+    assert f["input_order"]["prompt_tokens"] == f["prefix_order"]["prompt_tokens"] == f["tokens"]
+    assert f["prefix_order"]["cache_hit_rate"] > f["input_order"]["cache_hit_rate"] + 0.2
+    # With a cache that holds everything, either order reaches what the whole tree shares.
+    res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
+                                   "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB",
+                                   "--json", str(figures)], catch_exceptions=False)
+    f = json.loads(figures.read_text())
+    assert f["input_order"]["cached_tokens"] == f["prefix_order"]["cached_tokens"] == f["prefill_tokens_saved"]
+
+
+def test_bench_order_and_order_pass_reproduce_the_figures(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    figures = tmp_path / "order.json"
+    res = CliRunner().invoke(app, ["bench", "order", "--model", str(tiny_model), "--docs", "6", "--questions", "3",
+                                   "--doc-tokens", "100-150", "--max-new-tokens", "3", "--max-batch", "4",
+                                   "--json", str(figures)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    f = json.loads(figures.read_text())
+    by = {r["order"]: r for r in f["results"]}
+    assert f["rows"] == 18 and by["input"]["rows"] == by["prefix"]["rows"] == 18
+    assert by["prefix"]["answers_equal_to_first"] == 18  # the same answers as in file order
+    assert by["prefix"]["prefilled_tokens"] <= 1.15 * f["minimum_prefill_tokens"] < by["input"]["prefilled_tokens"]
+    res = CliRunner().invoke(app, ["bench", "order-pass", "--model", str(tiny_model), "--rows", "300",
+                                   "--prefixes", "10", "--run-rows", "50"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "300 rows over 10 prefixes" in res.output and "6 sorted runs spilled" in res.output
+    assert "in 10 runs of one prefix" in res.output
