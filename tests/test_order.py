@@ -214,7 +214,11 @@ def test_inspect_tree_foresees_the_hit_rate_of_each_order(tiny_model, tmp_path):
                                    "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB",
                                    "--json", str(figures)], catch_exceptions=False)
     f = json.loads(figures.read_text())
-    assert f["input_order"]["cached_tokens"] == f["prefix_order"]["cached_tokens"] == f["prefill_tokens_saved"]
+    assert f["input_order"]["cached_tokens"] == f["prefix_order"]["cached_tokens"]
+    # The replay admits prompts one at a time; the tree is built in prefill waves, where a partly
+    # filled chunk is copied only from an earlier wave: at most one chunk a prompt less.
+    saved = f["prefill_tokens_saved"]
+    assert saved <= f["input_order"]["cached_tokens"] < saved + 16 * f["sequences"]
 
 
 def test_bench_order_and_order_pass_reproduce_the_figures(tiny_model, tmp_path):
