@@ -37,7 +37,7 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
     while engine.num_waiting:  # admission and prefill waves, before the decode steps timed below
         engine.step()
     totals = {"attention": 0.0, "linear": 0.0, "model": 0.0}
-    with _timed(llama, "decode_attention", totals, "attention"), \
+    with _timed(llama, "decode_step_attention", totals, "attention"), \
             _timed(llama.Linear, "__call__", totals, "linear"), \
             _timed(llama.LlamaModel, "decode", totals, "model"):
         t0 = time.perf_counter()
