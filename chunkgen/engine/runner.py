@@ -29,10 +29,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: ChunkPool, tree: PrefixTree, max_batch: int,
                  chunk_first: bool = True, enforce_eager: bool | None = None,
-                 mirror: bool | None = None) -> None:
+                 mirror: bool | None = None, compile_backend: str | None = None) -> None:
         """enforce_eager: run the forward directly each step (default on the CPU); otherwise one
         captured graph per bucket is replayed (a CUDA graph on the GPU; on the CPU the same
-        callable over the same buffers, for tests). mirror: see KernelContext."""
+        callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
+        run the decode forward through torch.compile(fullgraph=True) with that backend."""
         self.model = model
         self.pool = pool
         self.chunk_first = chunk_first
@@ -43,6 +44,9 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self._workspace: tuple[int, torch.Tensor] | None = None
         self._graph_pool = None  # one CUDA memory pool shared by every bucket's graph
+        self._decode = model.decode
+        if compile_backend is not None:  # one graph per bucket: shapes are static within one
+            self._decode = torch.compile(model.decode, fullgraph=True, dynamic=False, backend=compile_backend)
 
     @property
     def captures(self) -> int:
@@ -71,14 +75,13 @@ class ModelRunner:
         return graph()
 
     def _run(self) -> torch.Tensor:
-        return self.model.decode(self.ctx.arrays(), self.pool.k, self.pool.v, self.workspace(),
-                                 self.chunk_first)
+        return self._decode(self.ctx.arrays(), self.pool.k, self.pool.v, self.workspace(), self.chunk_first)
 
     def _capture(self) -> Callable[[], torch.Tensor]:
         """A callable that recomputes the prepared step over the buffers bound now. Valid while the
         context keeps its rows and layout (the key it is stored under)."""
         arrays, ws = self.ctx.arrays(), self.workspace()
-        run = lambda: self.model.decode(arrays, self.pool.k, self.pool.v, ws, self.chunk_first)  # noqa: E731
+        run = lambda: self._decode(arrays, self.pool.k, self.pool.v, ws, self.chunk_first)  # noqa: E731
         if self.device.type != "cuda":
             return run
         # The capture writes K/V of the prepared step, as the eager step would: replaying it once

@@ -51,7 +51,8 @@ class Linear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        # Inductor cannot lower the prepacked weight; a compiled forward packs weights itself.
+        if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
