@@ -641,16 +641,28 @@ def bench_step(
     n_queries: int = typer.Option(32),
     steps: int = typer.Option(30),
     dtype: str = typer.Option("fp32"),
+    json_out: Optional[Path] = typer.Option(
+        None, "--json", help="Also measure the host's share of a step and write every figure to this file: "
+        "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
+        "30-layer random model with hidden size 64), graph_breaks (torch._dynamo.explain of the decode forward)."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
+    from chunkgen.bench import step as bench
     from chunkgen.bench.e2e import build_workload
-    from chunkgen.bench.step import profile_decode_steps
 
     llm = _load_llm(model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB")
-    r = profile_decode_steps(llm, build_workload(llm, n_shared, n_queries, steps).prompts, steps)
+    prompts = build_workload(llm, n_shared, n_queries, steps).prompts
+    r = bench.profile_decode_steps(llm, prompts, steps)
     stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, mean of {r['steps']} steps): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
                  f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
+    if json_out:
+        floor = bench.host_floor_engine(llm.tokenizer)
+        r.update(ops_per_step=bench.ops_per_step(llm, prompts), host_floor_ms_b32=bench.host_floor_ms(floor, 32),
+                 host_floor_ms_b256=bench.host_floor_ms(floor, 256), graph_breaks=bench.graph_breaks(llm, prompts))
+        stdout.print(f"host share: {r['ops_per_step']} ops a step; host floor {r['host_floor_ms_b32']:.2f} ms at "
+                     f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256; {r['graph_breaks']} graph breaks")
+        json_out.write_text(json.dumps(r, indent=2) + "\n")
 
 
 @bench_app.command("machine")

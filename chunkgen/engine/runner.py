@@ -44,9 +44,9 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self._workspace: tuple[int, torch.Tensor] | None = None
         self._graph_pool = None  # one CUDA memory pool shared by every bucket's graph
-        self._decode = model.decode
+        self._compiled = None
         if compile_backend is not None:  # one graph per bucket: shapes are static within one
-            self._decode = torch.compile(model.decode, fullgraph=True, dynamic=False, backend=compile_backend)
+            self._compiled = torch.compile(model.decode, fullgraph=True, dynamic=False, backend=compile_backend)
 
     @property
     def captures(self) -> int:
@@ -73,6 +73,9 @@ class ModelRunner:
         if graph is None:
             graph = self._graphs[key] = self._capture()
         return graph()
+
+    def _decode(self, *args) -> torch.Tensor:
+        return (self._compiled or self.model.decode)(*args)
 
     def _run(self) -> torch.Tensor:
         return self._decode(self.ctx.arrays(), self.pool.k, self.pool.v, self.workspace(), self.chunk_first)
