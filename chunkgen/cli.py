@@ -353,6 +353,7 @@ def run(
     fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
     shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
     workers: int = typer.Option(2, min=1, help="With --ray: engine actors."),
@@ -405,7 +406,8 @@ def run(
     except OSError as exc:
         _fail(f"cannot write {out}: {exc.strerror or exc}")
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=budget,
-                      max_batch=max_batch, share_prefix=not no_share, device=device)
+                      max_batch=max_batch, share_prefix=not no_share, device=device,
+                      enforce_eager=True if enforce_eager else None)
     stop_flag = _StopFlag()
     try:
         if use_ray:
