@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import workspace_for
 from chunkgen.model.llama import LlamaModel
@@ -34,6 +35,7 @@ class ModelRunner:
         captured graph per bucket is replayed (a CUDA graph on the GPU; on the CPU the same
         callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
         run the decode forward through torch.compile(fullgraph=True) with that backend."""
+        native()  # the decode op lives in the compiled extension: a missing build fails here, with the fix
         self.model = model
         self.pool = pool
         self.chunk_first = chunk_first

@@ -7,16 +7,23 @@ import torch
 from chunkgen._native import native
 from chunkgen.cache.context import ContextArrays, KernelContext, checks_enabled
 
-_loaded = native()  # registers torch.ops.chunkgen.decode_attention (TORCH_LIBRARY in csrc/bindings.cpp)
-decode_attention_op = torch.ops.chunkgen.decode_attention.default
+
+def _register_fake() -> None:
+    """Shapes for tracing (torch.compile, fake tensors): the op writes the pool and `out` in place
+    and returns nothing."""
+    try:
+        native()  # loading the extension defines the op (TORCH_LIBRARY in csrc/bindings.cpp)
+    except ImportError:
+        return  # not built: the first call says how to fix it
+
+    @torch.library.register_fake("chunkgen::decode_attention")
+    def _(q, k, v, k_cache, v_cache, layer, write_slot, write_offset, shared_slot, shared_len, shared_begin,
+          shared_end, part_off, seq_shared_ptr, seq_shared_idx, priv_slot, priv_count, priv_last_len,
+          workspace, out, scale, chunk_first) -> None:
+        return None
 
 
-@torch.library.register_fake("chunkgen::decode_attention")
-def _decode_attention_fake(q, k, v, k_cache, v_cache, layer, write_slot, write_offset, shared_slot,
-                           shared_len, shared_begin, shared_end, part_off, seq_shared_ptr,
-                           seq_shared_idx, priv_slot, priv_count, priv_last_len, workspace, out, scale,
-                           chunk_first) -> None:
-    return None  # writes the pool and `out` in place; returns nothing
+_register_fake()
 
 
 def workspace_for(ctx: KernelContext, q_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -35,7 +42,7 @@ def decode_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     """Store the step's k, v `[rows, kv_heads, head_dim]` in `layer` of the pool at the rows' write
     positions, then attend q `[rows, q_heads, head_dim]` (fp32) over each row's path into `out`."""
     a = arrays
-    decode_attention_op(q, k, v, k_cache, v_cache, layer, a.write_slot, a.write_offset, a.shared_slot,
+    torch.ops.chunkgen.decode_attention.default(q, k, v, k_cache, v_cache, layer, a.write_slot, a.write_offset, a.shared_slot,
                         a.shared_len, a.shared_begin, a.shared_end, a.part_off, a.seq_shared_ptr,
                         a.seq_shared_idx, a.priv_slot, a.priv_count, a.priv_last_len, workspace, out,
                         scale, chunk_first)
