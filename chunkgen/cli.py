@@ -547,6 +547,7 @@ def run(
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
     shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (split by prompt prefix)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
     workers: int = typer.Option(2, min=1, metavar="N", help="With --ray: engine actors."),
@@ -604,7 +605,8 @@ def run(
     _check_budget(model_dir, chunk_size, dtype, device, budget)
     _check_templates_fit(templates, model_dir)
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=budget,
-                      max_batch=max_batch, share_prefix=not no_share, device=device)
+                      max_batch=max_batch, share_prefix=not no_share, device=device,
+                      enforce_eager=True if enforce_eager else None)
     stop_flag = _StopFlag()  # from here on, a signal is never a traceback: the writer may be repairing
     writer = None
     try:
@@ -1041,16 +1043,28 @@ def bench_step(
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
     dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16."),
+    json_out: Optional[Path] = typer.Option(
+        None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
+        "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
+        "30-layer random model with hidden size 64), graph_breaks (torch._dynamo.explain of the decode forward)."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
+    from chunkgen.bench import step as bench
     from chunkgen.bench.e2e import build_workload
-    from chunkgen.bench.step import profile_decode_steps
 
     llm = _load_llm(model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB")
-    r = profile_decode_steps(llm, build_workload(llm, n_shared, n_queries, steps).prompts, steps)
+    prompts = build_workload(llm, n_shared, n_queries, steps).prompts
+    r = bench.profile_decode_steps(llm, prompts, steps)
     stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, mean of {r['steps']} steps): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
                  f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
+    if json_out:
+        floor = bench.host_floor_engine(llm.tokenizer)
+        r.update(ops_per_step=bench.ops_per_step(llm, prompts), host_floor_ms_b32=bench.host_floor_ms(floor, 32),
+                 host_floor_ms_b256=bench.host_floor_ms(floor, 256), graph_breaks=bench.graph_breaks(llm, prompts))
+        stdout.print(f"host share: {r['ops_per_step']} ops a step; host floor {r['host_floor_ms_b32']:.2f} ms at "
+                     f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256; {r['graph_breaks']} graph breaks")
+        json_out.write_text(json.dumps(r, indent=2) + "\n")
 
 
 @bench_app.command("machine")

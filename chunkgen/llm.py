@@ -103,6 +103,7 @@ class LLM:
         chunk_first: bool = True,
         kv_dtype: str | torch.dtype | None = None,
         device: str = "cpu",
+        enforce_eager: bool | None = None,
     ) -> None:
         if device.startswith("cuda"):
             from chunkgen._native import native_cuda_available
@@ -116,7 +117,7 @@ class LLM:
         self.config = EngineConfig(
             chunk_size=chunk_size, kv_memory=parse_bytes(kv_memory), max_batch=max_batch,
             kv_dtype=parse_dtype(kv_dtype) if kv_dtype else None,
-            share_prefix=share_prefix, chunk_first=chunk_first,
+            share_prefix=share_prefix, chunk_first=chunk_first, enforce_eager=enforce_eager,
         )
         self.engine = self.new_engine()
 

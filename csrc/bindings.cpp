@@ -22,82 +22,34 @@ void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, 
 
 namespace {
 
-void check_index_tensor(const torch::Tensor& t, const char* name) {
+// ---- checks on every call: shapes, dtypes, devices (O(1), no index data is read) -----------
+
+void check_index_tensor(const torch::Tensor& t, const char* name, const torch::Device& device) {
   TORCH_CHECK_TYPE(t.scalar_type() == torch::kInt32, name, " must be int32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must live on the CPU (the kernel context is host data)");
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, " with q, got ", t.device());
 }
 
-void check_range(const torch::Tensor& t, int64_t lo, int64_t hi, const char* name) {
-  const int32_t* p = t.data_ptr<int32_t>();
-  for (int64_t i = 0; i < t.numel(); ++i)
-    TORCH_CHECK_VALUE(p[i] >= lo && p[i] < hi, name, "[", i, "] = ", p[i], " is outside [", lo, ", ",
-                      hi, ")");
+KVType kv_type_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return KVType::F32;
+    case torch::kBFloat16: return KVType::BF16;
+    case torch::kFloat16: return KVType::F16;
+    default: TORCH_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
 }
 
-#ifdef CHUNKGEN_WITH_CUDA
-// The kernel context lives on the host (the tree is Python); the device keeps one packed copy and
-// re-uploads it only when the context's stamp changes, i.e. when the tree or a count changed.
-struct DeviceContext {
-  int64_t stamp = -1;
-  torch::Device device{torch::kCPU};
-  torch::Tensor buffer;
+// The kernel context's arrays, as the op receives them. Shared arrays may hold unused entries past
+// the live ones (rows [0, 0)): their capacity stays fixed while the tree changes.
+struct ContextArgs {
+  const torch::Tensor &shared_slot, &shared_len, &shared_begin, &shared_end, &part_off;
+  const torch::Tensor &seq_shared_ptr, &seq_shared_idx, &priv_slot, &priv_count, &priv_last_len;
 };
 
-void run_on_cuda(DecodeProblem& p, int64_t stamp, torch::Device device) {
-  static DeviceContext cache;
-  const int S = p.num_shared, B = p.batch;
-  std::vector<int32_t> part_off(S + 1, 0);
-  int max_rows = 0;
-  for (int c = 0; c < S; ++c) {
-    part_off[c + 1] = part_off[c] + p.shared_end[c] - p.shared_begin[c];
-    max_rows = std::max(max_rows, p.shared_end[c] - p.shared_begin[c]);
-  }
-  const int64_t nnz = p.seq_shared_ptr[B];
-  const int64_t priv = static_cast<int64_t>(B) * p.priv_stride;
-  // Layout: slot, len, begin, end, part_off, seq_shared_ptr, seq_shared_idx, priv_slot, count, last_len.
-  const int64_t sizes[] = {S, S, S, S, S + 1, B + 1, nnz, priv, B, B};
-  const int32_t* sources[] = {p.shared_slot, p.shared_len, p.shared_begin, p.shared_end, part_off.data(),
-                              p.seq_shared_ptr, p.seq_shared_idx, p.priv_slot, p.priv_count, p.priv_last_len};
-  int64_t total = 0;
-  for (int64_t n : sizes) total += n;
-  if (stamp < 0 || stamp != cache.stamp || cache.device != device || cache.buffer.numel() < total) {
-    auto host = torch::empty({std::max<int64_t>(total, 1)}, torch::dtype(torch::kInt32).pinned_memory(true));
-    int32_t* dst = host.data_ptr<int32_t>();
-    for (int i = 0; i < 10; ++i) {
-      std::copy(sources[i], sources[i] + sizes[i], dst);
-      dst += sizes[i];
-    }
-    cache.buffer = host.to(device, /*non_blocking=*/true);
-    cache.stamp = stamp;
-    cache.device = device;
-  }
-  const int32_t* d = cache.buffer.data_ptr<int32_t>();
-  const int32_t** targets[] = {&p.shared_slot, &p.shared_len, &p.shared_begin, &p.shared_end, nullptr,
-                               &p.seq_shared_ptr, &p.seq_shared_idx, &p.priv_slot, &p.priv_count,
-                               &p.priv_last_len};
-  const int32_t* dev_part_off = nullptr;
-  for (int i = 0; i < 10; ++i) {
-    if (targets[i]) *targets[i] = d; else dev_part_off = d;
-    d += sizes[i];
-  }
-  const int64_t rows = static_cast<int64_t>(part_off[S]) * p.q_heads;
-  auto f32 = torch::dtype(torch::kFloat32).device(device);
-  auto part_o = torch::empty({std::max<int64_t>(rows * p.head_dim, 1)}, f32);
-  auto part_m = torch::empty({std::max<int64_t>(rows, 1)}, f32);
-  auto part_l = torch::empty({std::max<int64_t>(rows, 1)}, f32);
-  decode_attention_cuda_raw(p, dev_part_off, max_rows, part_o.data_ptr<float>(), part_m.data_ptr<float>(),
-                            part_l.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream());
-}
-#endif
-
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor shared_slot, torch::Tensor shared_len,
-                               torch::Tensor shared_begin, torch::Tensor shared_end,
-                               torch::Tensor seq_shared_ptr, torch::Tensor seq_shared_idx,
-                               torch::Tensor priv_slot, torch::Tensor priv_count,
-                               torch::Tensor priv_last_len, double scale, bool chunk_first,
-                               c10::optional<torch::Tensor> out_opt, int64_t stamp) {
+// Builds the kernel problem for q and one layer of the pool (k, v: [slots, kv_heads, ...]).
+DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const ContextArgs& c, const torch::Tensor& out, double scale,
+                           bool chunk_first) {
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be [batch, q_heads, head_dim], got ", q.sizes());
   TORCH_CHECK_TYPE(q.scalar_type() == torch::kFloat32, "q must be float32, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.is_contiguous(), "q must be contiguous");
@@ -118,77 +70,38 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                     Hk, ")");
   TORCH_CHECK_VALUE(d % 16 == 0 && d > 0, "head_dim must be a positive multiple of 16, got ", d);
   TORCH_CHECK_VALUE(C % 16 == 0 && C > 0, "chunk size must be a positive multiple of 16, got ", C);
-
-  check_index_tensor(shared_slot, "shared_slot");
-  check_index_tensor(shared_len, "shared_len");
-  check_index_tensor(shared_begin, "shared_begin");
-  check_index_tensor(shared_end, "shared_end");
-  check_index_tensor(seq_shared_ptr, "seq_shared_ptr");
-  check_index_tensor(seq_shared_idx, "seq_shared_idx");
-  check_index_tensor(priv_slot, "priv_slot");
-  check_index_tensor(priv_count, "priv_count");
-  check_index_tensor(priv_last_len, "priv_last_len");
-  const int64_t S = shared_slot.numel();
-  TORCH_CHECK_VALUE(shared_len.numel() == S && shared_begin.numel() == S && shared_end.numel() == S,
-                    "shared_* arrays must have one entry per shared chunk");
-  TORCH_CHECK_VALUE(seq_shared_ptr.numel() == B + 1, "seq_shared_ptr must have batch + 1 entries");
-  TORCH_CHECK_VALUE(priv_slot.dim() == 2 && priv_slot.size(0) == B,
-                    "priv_slot must be [batch, max_private_chunks], got ", priv_slot.sizes());
-  TORCH_CHECK_VALUE(priv_count.numel() == B && priv_last_len.numel() == B,
-                    "priv_count and priv_last_len must have batch entries");
-  check_range(shared_slot, 0, slots, "shared_slot");
-  // An empty shared chunk would make a softmax over no scores (NaN): the tree never shares one.
-  check_range(shared_len, 1, C + 1, "shared_len");
-  check_range(shared_begin, 0, B, "shared_begin");
-  check_range(shared_end, 1, B + 1, "shared_end");
-  check_range(seq_shared_idx, 0, S, "seq_shared_idx");
-  check_range(priv_count, 0, priv_slot.size(1) + 1, "priv_count");
-  check_range(priv_last_len, 0, C + 1, "priv_last_len");
-  {
-    const int32_t* ptr = seq_shared_ptr.data_ptr<int32_t>();
-    TORCH_CHECK_VALUE(ptr[0] == 0 && ptr[B] == seq_shared_idx.numel(),
-                      "seq_shared_ptr must run from 0 to len(seq_shared_idx)");
-    for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK_VALUE(ptr[b] <= ptr[b + 1], "seq_shared_ptr must be non-decreasing");
-    const int32_t* pc = priv_count.data_ptr<int32_t>();
-    const int32_t* ps = priv_slot.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < pc[b]; ++i) {
-        const int32_t s = ps[b * priv_slot.size(1) + i];
-        TORCH_CHECK_VALUE(s >= 0 && s < slots, "priv_slot[", b, ", ", i, "] = ", s,
-                          " is outside the pool");
-      }
-    const int32_t* sb = shared_begin.data_ptr<int32_t>();
-    const int32_t* se = shared_end.data_ptr<int32_t>();
-    for (int64_t c = 0; c < S; ++c)
-      TORCH_CHECK_VALUE(sb[c] < se[c], "shared chunk ", c, " covers an empty range");
-    // The chunk-first phase writes a shared chunk's partial results for rows [begin, end) only, and
-    // each row merges those of the chunks on its list: a listed chunk must cover the row.
-    const int32_t* idx = seq_shared_idx.data_ptr<int32_t>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int32_t i = ptr[b]; i < ptr[b + 1]; ++i) {
-        const int32_t c = idx[i];
-        TORCH_CHECK_VALUE(sb[c] <= b && b < se[c], "row ", b, " lists shared chunk ", c,
-                          ", which covers rows [", sb[c], ", ", se[c], ")");
-      }
-  }
-
-  torch::Tensor out = out_opt.has_value() ? *out_opt : torch::empty_like(q);
   TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 &&
                         out.is_contiguous() && out.device() == q.device(),
                     "out must be a contiguous float32 tensor shaped like q");
+
+  const auto dev = q.device();
+  check_index_tensor(c.shared_slot, "shared_slot", dev);
+  check_index_tensor(c.shared_len, "shared_len", dev);
+  check_index_tensor(c.shared_begin, "shared_begin", dev);
+  check_index_tensor(c.shared_end, "shared_end", dev);
+  check_index_tensor(c.part_off, "part_off", dev);
+  check_index_tensor(c.seq_shared_ptr, "seq_shared_ptr", dev);
+  check_index_tensor(c.seq_shared_idx, "seq_shared_idx", dev);
+  check_index_tensor(c.priv_slot, "priv_slot", dev);
+  check_index_tensor(c.priv_count, "priv_count", dev);
+  check_index_tensor(c.priv_last_len, "priv_last_len", dev);
+  const int64_t S = c.shared_slot.numel();
+  TORCH_CHECK_VALUE(c.shared_len.numel() == S && c.shared_begin.numel() == S && c.shared_end.numel() == S,
+                    "shared_* arrays must have one entry per shared chunk");
+  TORCH_CHECK_VALUE(c.part_off.numel() == S + 1, "part_off must have one entry per shared chunk, plus one");
+  TORCH_CHECK_VALUE(c.seq_shared_ptr.numel() == B + 1, "seq_shared_ptr must have batch + 1 (", B + 1,
+                    ") entries, got ", c.seq_shared_ptr.numel());
+  TORCH_CHECK_VALUE(c.priv_slot.dim() == 2 && c.priv_slot.size(0) == B,
+                    "priv_slot must be [batch, max_private_chunks], got ", c.priv_slot.sizes());
+  TORCH_CHECK_VALUE(c.priv_count.numel() == B && c.priv_last_len.numel() == B,
+                    "priv_count and priv_last_len must have batch entries");
 
   DecodeProblem p{};
   p.q = q.data_ptr<float>();
   p.out = out.data_ptr<float>();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
-  switch (k.scalar_type()) {
-    case torch::kFloat32: p.kv_type = KVType::F32; break;
-    case torch::kBFloat16: p.kv_type = KVType::BF16; break;
-    case torch::kFloat16: p.kv_type = KVType::F16; break;
-    default: TORCH_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", k.scalar_type());
-  }
+  p.kv_type = kv_type_of(k);
   p.batch = static_cast<int>(B);
   p.q_heads = static_cast<int>(Hq);
   p.kv_heads = static_cast<int>(Hk);
@@ -196,27 +109,182 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   p.chunk = static_cast<int>(C);
   p.scale = static_cast<float>(scale);
   p.num_shared = static_cast<int>(S);
-  p.shared_slot = shared_slot.data_ptr<int32_t>();
-  p.shared_len = shared_len.data_ptr<int32_t>();
-  p.shared_begin = shared_begin.data_ptr<int32_t>();
-  p.shared_end = shared_end.data_ptr<int32_t>();
-  p.seq_shared_ptr = seq_shared_ptr.data_ptr<int32_t>();
-  p.seq_shared_idx = seq_shared_idx.data_ptr<int32_t>();
-  p.priv_slot = priv_slot.data_ptr<int32_t>();
-  p.priv_stride = static_cast<int>(priv_slot.size(1));
-  p.priv_count = priv_count.data_ptr<int32_t>();
-  p.priv_last_len = priv_last_len.data_ptr<int32_t>();
+  p.shared_slot = c.shared_slot.data_ptr<int32_t>();
+  p.shared_len = c.shared_len.data_ptr<int32_t>();
+  p.shared_begin = c.shared_begin.data_ptr<int32_t>();
+  p.shared_end = c.shared_end.data_ptr<int32_t>();
+  p.seq_shared_ptr = c.seq_shared_ptr.data_ptr<int32_t>();
+  p.seq_shared_idx = c.seq_shared_idx.data_ptr<int32_t>();
+  p.priv_slot = c.priv_slot.data_ptr<int32_t>();
+  p.priv_stride = static_cast<int>(c.priv_slot.size(1));
+  p.priv_count = c.priv_count.data_ptr<int32_t>();
+  p.priv_last_len = c.priv_last_len.data_ptr<int32_t>();
   p.chunk_first = chunk_first;
-  if (B == 0) return out;
+  return p;
+}
 
+// ---- the full check of the index data: once per context rebuild, and in debug runs ----------
+
+void check_range(const torch::Tensor& t, int64_t n, int64_t lo, int64_t hi, const char* name) {
+  const int32_t* p = t.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(p[i] >= lo && p[i] < hi, name, "[", i, "] = ", p[i], " is outside [", lo, ", ",
+                      hi, ")");
+}
+
+void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torch::Tensor shared_len,
+                   torch::Tensor shared_begin, torch::Tensor shared_end, torch::Tensor part_off,
+                   torch::Tensor seq_shared_ptr, torch::Tensor seq_shared_idx, torch::Tensor priv_slot,
+                   torch::Tensor priv_count, torch::Tensor priv_last_len) {
+  const torch::Device cpu(torch::kCPU);
+  for (auto* t : {&shared_slot, &shared_len, &shared_begin, &shared_end, &part_off, &seq_shared_ptr,
+                  &seq_shared_idx, &priv_slot, &priv_count, &priv_last_len})
+    check_index_tensor(*t, "kernel context array", cpu);
+  const int64_t S = shared_slot.numel(), B = priv_count.numel(), C = chunk;
+  TORCH_CHECK_VALUE(seq_shared_ptr.numel() == B + 1 && priv_last_len.numel() == B && priv_slot.dim() == 2 &&
+                        priv_slot.size(0) == B && part_off.numel() == S + 1,
+                    "kernel context arrays disagree on the batch or the shared capacity");
+  check_range(shared_begin, S, 0, B + 1, "shared_begin");
+  check_range(shared_end, S, 0, B + 1, "shared_end");
+  check_range(priv_count, B, 0, priv_slot.size(1) + 1, "priv_count");
+  check_range(priv_last_len, B, 0, C + 1, "priv_last_len");
+  const int32_t* sb = shared_begin.data_ptr<int32_t>();
+  const int32_t* se = shared_end.data_ptr<int32_t>();
+  const int32_t* ss = shared_slot.data_ptr<int32_t>();
+  const int32_t* sl = shared_len.data_ptr<int32_t>();
+  const int32_t* po = part_off.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(po[0] == 0, "part_off must start at 0");
+  for (int64_t c = 0; c < S; ++c) {
+    TORCH_CHECK_VALUE(sb[c] <= se[c], "shared chunk ", c, " covers rows [", sb[c], ", ", se[c], ")");
+    TORCH_CHECK_VALUE(po[c + 1] == po[c] + se[c] - sb[c], "part_off[", c + 1,
+                      "] must add shared chunk ", c, "'s rows to part_off[", c, "]");
+    if (sb[c] == se[c]) continue;  // an unused entry: no row reads it
+    TORCH_CHECK_VALUE(ss[c] >= 0 && ss[c] < slots, "shared_slot[", c, "] = ", ss[c], " is outside [0, ",
+                      slots, ")");
+    // A shared chunk without tokens would be a softmax over no scores (NaN): the tree never shares one.
+    TORCH_CHECK_VALUE(sl[c] >= 1 && sl[c] <= C, "shared_len[", c, "] = ", sl[c], " is outside [1, ",
+                      C + 1, ")");
+  }
+  const int32_t* ptr = seq_shared_ptr.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(ptr[0] == 0 && ptr[B] <= seq_shared_idx.numel(),
+                    "seq_shared_ptr must run from 0 to at most len(seq_shared_idx)");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK_VALUE(ptr[b] <= ptr[b + 1], "seq_shared_ptr must be non-decreasing");
+  check_range(seq_shared_idx, ptr[B], 0, S, "seq_shared_idx");
+  const int32_t* pc = priv_count.data_ptr<int32_t>();
+  const int32_t* ps = priv_slot.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < pc[b]; ++i) {
+      const int32_t s = ps[b * priv_slot.size(1) + i];
+      TORCH_CHECK_VALUE(s >= 0 && s < slots, "priv_slot[", b, ", ", i, "] = ", s, " is outside the pool");
+    }
+  // The chunk-first phase writes a shared chunk's partial results for rows [begin, end) only, and
+  // each row merges those of the chunks on its list: a listed chunk must cover the row.
+  const int32_t* idx = seq_shared_idx.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int32_t i = ptr[b]; i < ptr[b + 1]; ++i) {
+      const int32_t c = idx[i];
+      TORCH_CHECK_VALUE(sb[c] <= b && b < se[c], "row ", b, " lists shared chunk ", c,
+                        ", which covers rows [", sb[c], ", ", se[c], ")");
+    }
+}
+
+// ---- the K/V write: row b's k, v [kv_heads, head_dim] go to (write_slot[b], write_offset[b]) ----
+
+template <typename Dst, typename Src>
+void write_rows(Dst* kc, Dst* vc, const Src* k, const Src* v, const int64_t* ks, const int64_t* vs,
+                const int32_t* slot, const int32_t* off, int64_t rows, int64_t Hk, int64_t d, int64_t C) {
+  const int64_t head = d * C, per_slot = Hk * head;
+  for (int64_t b = 0; b < rows; ++b) {
+    Dst* kb = kc + slot[b] * per_slot + off[b];      // K is [head_dim, chunk]: a column
+    Dst* vb = vc + slot[b] * per_slot + off[b] * d;  // V is [chunk, head_dim]: a row
+    for (int64_t h = 0; h < Hk; ++h) {
+      const Src* kr = k + b * ks[0] + h * ks[1];
+      const Src* vr = v + b * vs[0] + h * vs[1];
+      for (int64_t i = 0; i < d; ++i) {
+        kb[h * head + i * C] = static_cast<Dst>(static_cast<float>(kr[i * ks[2]]));
+        vb[h * head + i] = static_cast<Dst>(static_cast<float>(vr[i * vs[2]]));
+      }
+    }
+  }
+}
+
+// k and v may be strided views (e.g. split from one qkv product): no copy before the write.
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_layer, torch::Tensor& v_layer,
+              const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
+  const int64_t rows = k.size(0);
+  TORCH_CHECK_VALUE(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_layer.size(1) &&
+                        k.size(2) == k_layer.size(2),
+                    "k and v must be [rows, kv_heads, head_dim] of the pool's heads; got k ", k.sizes(),
+                    " v ", v.sizes(), ", pool ", k_layer.sizes());
+  TORCH_CHECK_TYPE(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
+  TORCH_CHECK_VALUE(k.device() == k_layer.device() && v.device() == k_layer.device(),
+                    "k and v must be on the pool's device");
+  TORCH_CHECK_VALUE(write_slot.numel() == rows && write_offset.numel() == rows,
+                    "write_slot and write_offset must have one entry per row of k");
+  if (rows == 0) return;
+  if (!k.device().is_cpu()) {  // one index_put_ per pool on the GPU: no host read of the indices
+    using torch::indexing::Slice;
+    const auto slot = write_slot.to(torch::kLong), off = write_offset.to(torch::kLong);
+    k_layer.index_put_({slot, Slice(), Slice(), off}, k.to(k_layer.scalar_type()));
+    v_layer.index_put_({slot, Slice(), off}, v.to(v_layer.scalar_type()));
+    return;
+  }
+  const int64_t Hk = k_layer.size(1), d = k_layer.size(2), C = k_layer.size(3);
+  const int32_t* slot = write_slot.data_ptr<int32_t>();
+  const int32_t* off = write_offset.data_ptr<int32_t>();
+  const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_layer.scalar_type(), "write_kv_pool", [&] {
+    using Dst = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_rows", [&] {
+      write_rows<Dst, scalar_t>(k_layer.data_ptr<Dst>(), v_layer.data_ptr<Dst>(), k.data_ptr<scalar_t>(),
+                                v.data_ptr<scalar_t>(), ks, vs, slot, off, rows, Hk, d, C);
+    });
+  });
+}
+
+// ---- the op ---------------------------------------------------------------------------------
+
+void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer,
+                         const torch::Tensor& write_slot, const torch::Tensor& write_offset,
+                         const torch::Tensor& shared_slot, const torch::Tensor& shared_len,
+                         const torch::Tensor& shared_begin, const torch::Tensor& shared_end,
+                         const torch::Tensor& part_off, const torch::Tensor& seq_shared_ptr,
+                         const torch::Tensor& seq_shared_idx, const torch::Tensor& priv_slot,
+                         const torch::Tensor& priv_count, const torch::Tensor& priv_last_len,
+                         torch::Tensor& workspace, torch::Tensor& out, double scale, bool chunk_first) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 5 && v_cache.dim() == 5,
+                    "k_cache and v_cache must be the whole pool, [layers, slots, ...]; got ",
+                    k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK_VALUE(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " is outside the pool's ",
+                    k_cache.size(0), " layers");
+  auto k_layer = k_cache.select(0, layer), v_layer = v_cache.select(0, layer);
+  const ContextArgs ctx{shared_slot, shared_len,     shared_begin, shared_end, part_off,
+                        seq_shared_ptr, seq_shared_idx, priv_slot, priv_count, priv_last_len};
+  DecodeProblem p = make_problem(q, k_layer, v_layer, ctx, out, scale, chunk_first);
+  check_index_tensor(write_slot, "write_slot", q.device());
+  check_index_tensor(write_offset, "write_offset", q.device());
+  write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
+  if (p.batch == 0) return;
   if (q.device().is_cpu()) {
     TORCH_CHECK_TYPE(p.kv_type != KVType::F16, "the CPU kernel takes float32 or bfloat16 KV");
     decode_attention_cpu(p);
-    return out;
+    return;
   }
 #ifdef CHUNKGEN_WITH_CUDA
-  run_on_cuda(p, stamp, q.device());
-  return out;
+  // Grids are sized by capacity (every shared entry, every row of the batch); unused entries cover
+  // no rows and padded rows read no chunk, so nothing here depends on the tree's live values.
+  const int64_t rows_cap = workspace.numel() / (p.q_heads * (p.head_dim + 2));
+  TORCH_CHECK_VALUE(workspace.scalar_type() == torch::kFloat32 && workspace.is_contiguous() &&
+                        workspace.device() == q.device(),
+                    "workspace must be a contiguous float32 tensor on q's device");
+  float* part_o = workspace.data_ptr<float>();
+  float* part_m = part_o + rows_cap * p.q_heads * p.head_dim;
+  float* part_l = part_m + rows_cap * p.q_heads;
+  decode_attention_cuda_raw(p, part_off.data_ptr<int32_t>(), p.batch, part_o, part_m, part_l,
+                            c10::cuda::getCurrentCUDAStream().stream());
 #else
   TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; q is on ", q.device());
 #endif
@@ -225,14 +293,31 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }  // namespace
 }  // namespace chunkgen
 
+// Decode attention of one step, registered with the dispatcher so torch.compile and CUDA graphs see
+// one opaque op that honestly mutates the pool and `out`: it stores row b's k, v at
+// (write_slot[b], write_offset[b]) of `layer` in the pool, then attends q over the kernel context.
+TORCH_LIBRARY(chunkgen, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
+      "Tensor write_slot, Tensor write_offset, Tensor shared_slot, Tensor shared_len, Tensor shared_begin, "
+      "Tensor shared_end, Tensor part_off, Tensor seq_shared_ptr, Tensor seq_shared_idx, Tensor priv_slot, "
+      "Tensor priv_count, Tensor priv_last_len, Tensor(c!) workspace, Tensor(d!) out, float scale, "
+      "bool chunk_first) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(chunkgen, CPU, m) { m.impl("decode_attention", &chunkgen::decode_attention_op); }
+
+#ifdef CHUNKGEN_WITH_CUDA
+TORCH_LIBRARY_IMPL(chunkgen, CUDA, m) { m.impl("decode_attention", &chunkgen::decode_attention_op); }
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "chunkgen native kernels: two-phase partition decode attention";
-  m.def("decode_attention", &chunkgen::decode_attention, "Two-phase partition decode attention",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("shared_slot"), py::arg("shared_len"),
-        py::arg("shared_begin"), py::arg("shared_end"), py::arg("seq_shared_ptr"),
-        py::arg("seq_shared_idx"), py::arg("priv_slot"), py::arg("priv_count"),
-        py::arg("priv_last_len"), py::arg("scale"), py::arg("chunk_first") = true,
-        py::arg("out") = py::none(), py::arg("stamp") = -1);
+  m.doc() = "chunkgen native kernels: two-phase partition decode attention (torch.ops.chunkgen)";
+  m.def("check_context", &chunkgen::check_context,
+        "Full check of a kernel context's index arrays (host tensors) against a pool's slots and chunk size",
+        py::arg("slots"), py::arg("chunk"), py::arg("shared_slot"), py::arg("shared_len"),
+        py::arg("shared_begin"), py::arg("shared_end"), py::arg("part_off"), py::arg("seq_shared_ptr"),
+        py::arg("seq_shared_idx"), py::arg("priv_slot"), py::arg("priv_count"), py::arg("priv_last_len"));
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("fma_peak_gflops", &chunkgen::fma_peak_gflops, "measured fp32 FMA GFLOP/s on all OpenMP threads",
         py::arg("iters") = 200000000);

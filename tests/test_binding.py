@@ -60,7 +60,12 @@ def test_shared_indices_need_shared_chunks():
     tree.mark_ready(0)
     ctx = KernelContext(tree)
     assert len(ctx.shared_chunks) == 0
-    ctx.seq_shared_idx = torch.zeros(1, dtype=torch.int32)  # one entry, but nothing is shared
-    ctx.seq_shared_ptr = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(ValueError, match="seq_shared_idx"):
+    assert ctx.shared_slot.numel() > 0  # entries at capacity, none in use
+    ctx.seq_shared_ptr[1] = 1  # row 0 now lists entry 0, which is unused (it covers no row)
+    with pytest.raises(ValueError, match=r"row 0 lists shared chunk 0, which covers rows \[0, 0\)"):
+        run(pool, ctx)
+    ctx.seq_shared_ptr[1] = 0
+    ctx.seq_shared_idx[0] = 5
+    ctx.seq_shared_ptr[1] = ctx.seq_shared_idx.numel() + 1  # past the index array's end
+    with pytest.raises(ValueError, match="seq_shared_ptr"):
         run(pool, ctx)

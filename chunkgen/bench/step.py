@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+import torch
+
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
 from chunkgen.model import llama
@@ -37,7 +39,7 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
     while engine.num_waiting:  # admission and prefill waves, before the decode steps timed below
         engine.step()
     totals = {"attention": 0.0, "linear": 0.0, "model": 0.0}
-    with _timed(llama, "decode_attention", totals, "attention"), \
+    with _timed(llama, "decode_step_attention", totals, "attention"), \
             _timed(llama.Linear, "__call__", totals, "linear"), \
             _timed(llama.LlamaModel, "decode", totals, "model"):
         t0 = time.perf_counter()
@@ -51,3 +53,83 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
             "attention_ms": ms(totals["attention"]), "linear_ms": ms(totals["linear"]),
             "other_model_ms": ms(totals["model"] - totals["attention"] - totals["linear"]),
             "engine_ms": ms(total - totals["model"])}
+
+
+# -- the host's share of a decode step: what a GPU would wait for ------------------------------
+def _decode_ready(engine, prompts: list[list[int]], steps: int) -> None:
+    """Admit and prefill every prompt, then run one decode step (warm-up)."""
+    params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
+    engine.add([Request(i, p, params) for i, p in enumerate(prompts)])
+    while engine.num_waiting:
+        engine.step()
+    engine.step()
+
+
+def ops_per_step(llm: LLM, prompts: list[list[int]]) -> int:
+    """Dispatcher ops (every op the profiler records, nested ones included) in one decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.new_engine(max_batch=len(prompts))
+    _decode_ready(engine, prompts, 2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    return sum(1 for e in prof.events() if "::" in e.name)
+
+
+def host_floor_engine(tokenizer, layers: int = 30, hidden: int = 64, vocab: int = 2048, max_batch: int = 256):
+    """An engine over a random model whose arithmetic is negligible (hidden 64, vocab 2,048): its
+    step time is the host's work per step (Python, dispatch, bookkeeping), which a GPU cannot hide."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from chunkgen.engine.engine import Engine, EngineConfig
+    from chunkgen.model.llama import LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096)
+    model = LlamaModel(LlamaForCausalLM(cfg).eval())
+    return Engine(model, tokenizer, EngineConfig(chunk_size=64, kv_memory=1 << 30, max_batch=max_batch))
+
+
+def host_floor_ms(engine, batch: int, steps: int = 20, prompt: int = 8) -> float:
+    """Median CPU time (one thread, so the figure is work, not waiting) of the decode forward at
+    `batch`: the model runner's step (fill the buffers, upload, forward), without the engine's
+    scheduling and sampling around it."""
+    from chunkgen.engine.runner import ModelRunner
+
+    # Short prompts: the attention arithmetic stays negligible too, as the other arithmetic does.
+    prompts = [[5 + t for t in range(prompt)] + [1500 + i % 500, 7] for i in range(batch)]
+    times: list[float] = []
+    original = ModelRunner.decode
+
+    def timed(self, *args, **kwargs):
+        t0 = time.thread_time()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            times.append(time.thread_time() - t0)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _decode_ready(engine, prompts, steps)
+        ModelRunner.decode = timed
+        for _ in range(steps):
+            engine.step()
+    finally:
+        ModelRunner.decode = original
+        torch.set_num_threads(threads)
+    while engine.has_work:  # let the batch finish so the engine can be reused
+        engine.step()
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def graph_breaks(llm: LLM, prompts: list[list[int]]) -> int:
+    """Graph breaks torch.compile meets in the decode forward (torch._dynamo.explain, CPU)."""
+    engine = llm.new_engine(max_batch=len(prompts))
+    _decode_ready(engine, prompts, 2)
+    r = engine.runner
+    explained = torch._dynamo.explain(llm.model.decode)(r.ctx.arrays(), r.pool.k, r.pool.v, r.workspace(),
+                                                        r.chunk_first)
+    return explained.graph_break_count

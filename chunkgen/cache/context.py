@@ -1,57 +1,167 @@
 """KernelContext: the prefix tree flattened into the index arrays the decode kernels read.
 
-Rebuilt only when the tree's structure changes (a join, a leave, a copy-on-write); a step that only
-appends tokens updates token counts and, every chunk_size steps, one private slot per sequence.
+The arrays live at fixed capacity in one flat int32 buffer, so a captured graph or a compiled
+forward sees the same shapes and addresses from step to step:
+- rows are padded to a bucket (the smallest of `buckets` that holds the batch); a padded row writes
+  its K/V to a scratch slot and reads no chunk, so its output is zero;
+- shared-chunk entries past the live ones cover no rows; capacities only grow (rarely, doubling).
+
+Rebuilt only when the tree's structure changes (a join, a leave, a copy-on-write), into the same
+buffer; a step that only appends tokens updates token counts and, every chunk_size steps, one
+private slot per sequence. The step's per-row inputs (token, position, where its K/V go) sit at the
+head of the same buffer, so `upload` moves a whole step to the device in one copy.
 """
 from __future__ import annotations
 
-import itertools
+import os
+from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from chunkgen.cache.tree import Chunk, PrefixTree, SeqId
 
-_stamps = itertools.count()  # unique across contexts: the GPU copy is keyed by it
+
+def checks_enabled() -> bool:
+    """CHUNKGEN_CHECK_CONTEXT=1: validate every context rebuild and step fully (tests, debugging)."""
+    return os.environ.get("CHUNKGEN_CHECK_CONTEXT", "0") not in ("", "0")
+
+
+class ContextArrays(NamedTuple):
+    """What the decode op reads, as tensors on the model's device (views of one buffer)."""
+    tokens: torch.Tensor  # [rows] the step's input tokens
+    positions: torch.Tensor  # [rows]
+    write_slot: torch.Tensor  # [rows] where each row's new K/V go
+    write_offset: torch.Tensor  # [rows]
+    shared_slot: torch.Tensor  # [shared capacity]
+    shared_len: torch.Tensor
+    shared_begin: torch.Tensor
+    shared_end: torch.Tensor
+    part_off: torch.Tensor  # [shared capacity + 1] prefix sums of the shared chunks' rows
+    seq_shared_ptr: torch.Tensor  # [rows + 1]
+    seq_shared_idx: torch.Tensor  # [index capacity]
+    priv_slot: torch.Tensor  # [rows, private width]
+    priv_count: torch.Tensor  # [rows]
+    priv_last_len: torch.Tensor  # [rows]
+
+
+# Buffer layout: the fields a step changes first (uploaded every step), the tree's structure after.
+_HOT = ("tokens", "positions", "write_slot", "write_offset", "priv_count", "priv_last_len")
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
 
 
 class KernelContext:
-    def __init__(self, tree: PrefixTree, chunk_first: bool = True) -> None:
+    def __init__(self, tree: PrefixTree, chunk_first: bool = True, buckets: Sequence[int] | None = None,
+                 device: torch.device | str = "cpu", scratch_slot: int | None = None,
+                 mirror: bool | None = None) -> None:
+        """buckets: padded batch sizes (None: rows = batch size exactly). device: where the op
+        reads the arrays; mirror: keep a separate device buffer filled by `upload` (default: on any
+        device but the CPU; tests turn it on for the CPU to count copies)."""
         self.tree = tree
         self.chunk_first = chunk_first
+        self.buckets = sorted(set(buckets)) if buckets else None
+        self.device = torch.device(device)
+        self.scratch_slot = scratch_slot
+        self.mirror = self.device.type != "cpu" if mirror is None else mirror
         self.version = -1
         self.order: list[SeqId] = []
         self.row_of: dict[SeqId, int] = {}
+        self.rows = 0
         self.rebuilds = 0
-        self.stamp = -1  # changes whenever any array changes; the device copy follows it
+        self.layouts = 0  # bumped when capacities grow: shapes change (recompile, recapture)
+        self.uploads = 0  # host->device copies issued
+        self._caps = (0, 0, 0, 0)  # rows, private width, shared entries, index entries
+        self._cold_dirty = True
         self.refresh()
 
     @property
     def batch_size(self) -> int:
         return len(self.order)
 
+    # -- layout -------------------------------------------------------------------------------
+    def _allocate(self, rows: int, width: int, shared: int, index: int) -> None:
+        sizes = {name: rows for name in _HOT}
+        sizes.update(seq_shared_ptr=rows + 1, priv_slot=rows * width, shared_slot=shared, shared_len=shared,
+                     shared_begin=shared, shared_end=shared, part_off=shared + 1, seq_shared_idx=index)
+        total = sum(sizes.values())
+        pin = self.mirror and self.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.dev = torch.zeros(total, dtype=torch.int32, device=self.device) if self.mirror else self.host
+        self._np = self.host.numpy()
+        self._offsets: dict[str, tuple[int, int]] = {}
+        at = 0
+        for name, n in sizes.items():
+            self._offsets[name] = (at, n)
+            at += n
+        self._hot_len = sum(sizes[n] for n in _HOT)
+        self._caps = (rows, width, shared, index)
+        self.layouts += 1
+        self._device_views: tuple[int, ContextArrays] | None = None
+
+    def _np_view(self, name: str) -> np.ndarray:
+        at, n = self._offsets[name]
+        return self._np[at : at + n]
+
+    def _view(self, buf: torch.Tensor, name: str, rows: int) -> torch.Tensor:
+        at, n = self._offsets[name]
+        if name == "priv_slot":
+            width = self._caps[1]
+            return buf[at : at + rows * width].view(rows, width)
+        if name == "seq_shared_ptr":
+            return buf[at : at + rows + 1]
+        return buf[at : at + (rows if name in _HOT else n)]
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # Host views of the arrays, sized for the current rows (tests and the reference read them).
+        if name in ContextArrays._fields:
+            return self._view(self.host, name, self.rows)
+        raise AttributeError(name)
+
+    def arrays(self) -> ContextArrays:
+        """The op's arguments on the device: the same tensors while rows and layout stay."""
+        key = (self.rows, self.layouts)
+        if self._device_views is None or self._device_views[0] != key:
+            self._device_views = (key, ContextArrays(*(self._view(self.dev, n, self.rows)
+                                                       for n in ContextArrays._fields)))
+        return self._device_views[1]
+
+    def _rows_for(self, batch: int) -> int:
+        if self.buckets is None:
+            return batch
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"a batch of {batch} sequences exceeds the largest bucket ({self.buckets[-1]})")
+
+    # -- keeping up with the tree ---------------------------------------------------------------
     def refresh(self) -> None:
         """Bring the arrays up to date with the tree, as cheaply as its changes allow."""
         if self.version != self.tree.version:
             self.rebuild()
             return
         paths = self.tree.paths
+        slot = self._np_view("priv_slot")
+        count = self._np_view("priv_count")
+        width = self._caps[1]
         for row, seq in enumerate(self.order):
             tail = paths[seq][-1]
             if tail is not self._tails[row]:  # the tail filled up and a new private chunk began
-                count = int(self.priv_count[row])
-                if count == self.priv_slot.shape[1]:
+                n = int(count[row])
+                if n == width:
                     self.rebuild()
                     return
-                self.priv_slot[row, count] = tail.slot
-                self.priv_count[row] = count + 1
+                slot[row * width + n] = tail.slot
+                count[row] = n + 1
                 self._tails[row] = tail
-        self.priv_last_len.copy_(
-            torch.tensor([len(t.tokens) if t.ref == 1 else 0 for t in self._tails], dtype=torch.int32)
-        )
-        self.stamp = next(_stamps)
+                self._cold_dirty = True
+        self._np_view("priv_last_len")[: len(self.order)] = [
+            len(t.tokens) if t.ref == 1 else 0 for t in self._tails]
 
     def rebuild(self) -> None:
-        """Recompute every array from the tree (what a structure change needs)."""
+        """Recompute every array from the tree (what a structure change needs), in place."""
         tree = self.tree
         self.order = tree.batch_order()
         self.row_of = {seq: i for i, seq in enumerate(self.order)}
@@ -81,26 +191,85 @@ class KernelContext:
             seq_ptr.append(len(seq_idx))
             private.append(mine)
             tails.append(path[-1])
-        width = max((len(p) for p in private), default=0) + 4  # room to grow before a rebuild
-        i32 = torch.int32
-        self.shared_chunks = shared
-        self.shared_slot = torch.tensor([c.slot for c in shared], dtype=i32)
-        self.shared_len = torch.tensor([len(c.tokens) for c in shared], dtype=i32)
-        self.shared_begin = torch.tensor(begin, dtype=i32)
-        self.shared_end = torch.tensor(end, dtype=i32)
-        self.seq_shared_ptr = torch.tensor(seq_ptr, dtype=i32)
-        self.seq_shared_idx = torch.tensor(seq_idx, dtype=i32)
-        self.priv_slot = torch.zeros(len(self.order), width, dtype=i32)
+        B = len(self.order)
+        self.rows = self._rows_for(B)
+        rows_cap, width_cap, shared_cap, index_cap = self._caps
+        need_width = max((len(p) for p in private), default=0) + 4  # room to grow before a rebuild
+        caps = (max(rows_cap, self.rows if self.buckets is None else self.buckets[-1]),
+                max(width_cap, _pow2(need_width, 8)), max(shared_cap, _pow2(len(shared), 8)),
+                max(index_cap, _pow2(len(seq_idx), 16)))
+        if caps != self._caps:
+            self._allocate(*caps)
+        else:
+            self._np[self._hot_len :] = 0
+        rows, width, S = self.rows, self._caps[1], len(shared)
+        pad = self.scratch_slot if self.scratch_slot is not None else 0
+        self._np_view("write_slot")[B:] = pad
+        self._np_view("write_offset")[B:] = 0
+        self._np_view("tokens")[B:] = 0
+        self._np_view("positions")[B:] = 0
+        self._np_view("shared_slot")[:S] = [c.slot for c in shared]
+        self._np_view("shared_len")[:S] = [len(c.tokens) for c in shared]
+        self._np_view("shared_begin")[:S] = begin
+        self._np_view("shared_end")[:S] = end
+        part_off = self._np_view("part_off")
+        part_off[1 : S + 1] = np.cumsum(np.asarray(end, dtype=np.int64) - np.asarray(begin, dtype=np.int64))
+        part_off[S + 1 :] = part_off[S]
+        ptr = self._np_view("seq_shared_ptr")
+        ptr[: B + 1] = seq_ptr
+        ptr[B + 1 : rows + 1] = len(seq_idx)  # padded rows list no shared chunk
+        self._np_view("seq_shared_idx")[: len(seq_idx)] = seq_idx
+        slot = self._np_view("priv_slot")
+        count = self._np_view("priv_count")
+        count[:] = 0
         for row, mine in enumerate(private):
-            self.priv_slot[row, : len(mine)] = torch.tensor(mine, dtype=i32)
-        self.priv_count = torch.tensor([len(p) for p in private], dtype=i32)
-        self.priv_last_len = torch.tensor(
-            [len(t.tokens) if p else 0 for t, p in zip(tails, private)], dtype=i32
-        )
+            slot[row * width : row * width + len(mine)] = mine
+            count[row] = len(mine)
+        self._np_view("priv_last_len")[:] = 0
+        self._np_view("priv_last_len")[:B] = [len(t.tokens) if p else 0 for t, p in zip(tails, private)]
+        self.shared_chunks = shared
         self._tails = tails
         self.version = tree.version
         self.rebuilds += 1
-        self.stamp = next(_stamps)
+        self._cold_dirty = True
+        if checks_enabled():
+            self.validate()
+
+    # -- the step -----------------------------------------------------------------------------
+    def set_step(self, tokens: list[int], positions: list[int], write_slot: list[int],
+                 write_offset: list[int]) -> None:
+        """The step's per-row inputs, in `order` (padded rows keep their scratch values)."""
+        n = len(tokens)
+        self._np_view("tokens")[:n] = tokens
+        self._np_view("positions")[:n] = positions
+        self._np_view("write_slot")[:n] = write_slot
+        self._np_view("write_offset")[:n] = write_offset
+
+    def upload(self) -> None:
+        """One host->device copy: the step's fields, plus the tree's structure when it changed."""
+        if checks_enabled():
+            self.validate()
+        if self.mirror:
+            n = self.host.numel() if self._cold_dirty else self._hot_len
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self.uploads += 1
+        self._cold_dirty = False
+
+    def validate(self) -> None:
+        """The full check of every index against the pool (also done by the op's debug mode)."""
+        from chunkgen._native import native
+
+        pool = self.tree.pool
+        slots = pool.max_slots + 1  # the scratch slot too
+        native().check_context(slots, pool.chunk_size, self.shared_slot, self.shared_len,
+                               self.shared_begin, self.shared_end, self.part_off, self.seq_shared_ptr,
+                               self.seq_shared_idx, self.priv_slot, self.priv_count, self.priv_last_len)
+        ws, wo = self._np_view("write_slot")[: self.rows], self._np_view("write_offset")[: self.rows]
+        bad = np.flatnonzero((ws < 0) | (ws >= slots) | (wo < 0) | (wo >= pool.chunk_size))
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(f"row {r} writes its K/V at slot {int(ws[r])}, offset {int(wo[r])}: outside "
+                             f"the pool ({slots} slots of {pool.chunk_size} tokens)")
 
     def check(self) -> None:
         """Every shared chunk covers exactly the rows whose path holds it, and they are contiguous."""

@@ -25,7 +25,8 @@ class ChunkPool:
 
     The budget's worth of slots is reserved once as uninitialised memory; slots are handed to the
     free list in slabs, and on the CPU the OS backs a slab's pages only when they are first written,
-    so memory in use follows `capacity`, not the budget.
+    so memory in use follows `capacity`, not the budget. One slot past the budget's, `scratch_slot`,
+    is never handed out: padded rows of a decode batch write their K/V there.
     """
 
     def __init__(
@@ -53,8 +54,10 @@ class ChunkPool:
             )
         self.slab_slots = max(1, slab_slots)
         self.has_storage = storage
-        shape_k = (num_layers, self.max_slots if storage else 0, kv_heads, head_dim, chunk_size)
-        shape_v = (num_layers, self.max_slots if storage else 0, kv_heads, chunk_size, head_dim)
+        self.scratch_slot = self.max_slots
+        stored = self.max_slots + 1 if storage else 0
+        shape_k = (num_layers, stored, kv_heads, head_dim, chunk_size)
+        shape_v = (num_layers, stored, kv_heads, chunk_size, head_dim)
         self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
         self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
         self.capacity = 0  # slots handed to the free list so far

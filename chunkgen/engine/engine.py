@@ -9,12 +9,13 @@ from typing import Iterable, Iterator
 
 import torch
 
-from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
+from chunkgen.cache import ChunkPool, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import StepLogprobs, TokenLogprob, apply_penalties, token_texts
 from chunkgen.engine.sampler import ParamError, make_generator, sample
+from chunkgen.engine.runner import ModelRunner
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel, PrefillItem
@@ -29,6 +30,7 @@ class EngineConfig:
     share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
     chunk_first: bool = True  # off: the paged baseline kernel
     max_prefill_tokens: int = 8192  # new tokens computed in one batched prefill
+    enforce_eager: bool | None = None  # None: CUDA graphs on the GPU, plain eager steps on the CPU
 
 
 @dataclass
@@ -65,7 +67,8 @@ class Engine:
             cfg.kv_memory, device=model.device,
         )
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
-        self.ctx = KernelContext(self.tree, chunk_first=cfg.chunk_first)
+        self.runner = ModelRunner(model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first,
+                                  enforce_eager=cfg.enforce_eager)
         self.scheduler = Scheduler(self.tree, cfg.max_batch, cfg.max_prefill_tokens,
                                    group_prefix_tokens=4 * cfg.chunk_size)
         self.stats = EngineStats()
@@ -227,16 +230,13 @@ class Engine:
         self.stats.kv_unshared_peak_bytes = max(
             self.stats.kv_unshared_peak_bytes, unshared_chunks(self.tree) * self.pool.bytes_per_slot
         )
-        self.ctx.refresh()
+        ctx = self.runner.ctx
+        ctx.refresh()
         by_id = {s.seq_id: s for s in batch.decode}
-        order = [by_id[s] for s in self.ctx.order]  # the tree holds exactly the running sequences
-        rows = [batch.slots[s.seq_id] for s in order]
-        tokens = torch.tensor([s.tokens[-1] for s in order], device=self.model.device)
-        positions = torch.tensor([len(s.tokens) - 1 for s in order], device=self.model.device)
-        slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
-        offsets = torch.tensor([r[1] for r in rows], dtype=torch.long)
+        order = [by_id[s] for s in ctx.order]  # the tree holds exactly the running sequences
         early = self.constraints.fill_async([s.matcher for s in order]) if self._num_constrained else None
-        logits = self.model.decode(tokens, positions, slots, offsets, self.pool, self.ctx)
+        logits = self.runner.decode([s.tokens[-1] for s in order], [len(s.tokens) - 1 for s in order],
+                                    [batch.slots[s.seq_id] for s in order])
         picks = self._sample(order, logits, early)
         for seq, (token, entry) in zip(order, picks):
             self._accept(seq, token, entry)

@@ -206,8 +206,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     token whatever else is in the batch and on whichever device, up to float rounding at a
     boundary."""
     dev = logits.device
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
     greedy = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy) == len(params):  # the common case: one argmax, no index tensor
+        return logits.argmax(dim=-1).tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
     if greedy:
         sel = torch.tensor(greedy, device=dev)
         out[sel] = logits.index_select(0, sel).argmax(dim=-1)
@@ -232,12 +234,11 @@ def _draw_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     dev = x.device
     top = x.amax(dim=-1, keepdim=True)
     # NaN, +inf or an all -inf row has no distribution to draw from: it takes its argmax instead
+    # (for every row, whatever it holds: asking which rows are bad would wait for the device).
     bad = ~torch.isfinite(top.squeeze(1))
-    fallback = None
-    if bool(bad.any()):
-        fallback = torch.nan_to_num(x[bad], nan=-math.inf).argmax(dim=-1)
-        x = x.masked_fill(bad[:, None], 0.0)
-        top = top.masked_fill(bad[:, None], 0.0)
+    fallback = torch.nan_to_num(x, nan=-math.inf).argmax(dim=-1)
+    x = x.masked_fill(bad[:, None], 0.0)
+    top = top.masked_fill(bad[:, None], 0.0)
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     s = torch.sub(x, top, out=_scratch.take("s", (R, V), torch.float32, dev))
     s.div_(temp[:, None])  # log-weights: <= 0, the row's best is 0
@@ -250,9 +251,7 @@ def _draw_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     w = torch.exp(s, out=buf[:, :V])  # unnormalised probabilities, the best is 1
     _cut(s, w, [p.top_k for p in params], [p.top_p for p in params])
     drawn = _draw(buf.view(R, blocks, _BLOCK), u)
-    if fallback is not None:
-        drawn[bad] = fallback
-    return drawn
+    return torch.where(bad, fallback, drawn)
 
 
 def _cut(s: torch.Tensor, w: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkgen.cache.context import KernelContext
+from chunkgen.cache.context import ContextArrays
 from chunkgen.cache.pool import ChunkPool, kv_shape
-from chunkgen.kernels import decode_attention
+from chunkgen.kernels import decode_step_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -51,7 +51,8 @@ class Linear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        # Inductor cannot lower the prepacked weight; a compiled forward packs weights itself.
+        if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -168,6 +169,10 @@ class LlamaModel:
                 ))
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
+        with torch.no_grad():  # decode indexes these by position: no rotary module call per step
+            every = torch.arange(self.max_context, device=self.device)
+            cos, sin = self._rope(self.embed[:1], every)
+            self.rope_cos, self.rope_sin = cos.contiguous(), sin.contiguous()  # [positions, 1, head_dim]
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -335,19 +340,19 @@ class LlamaModel:
         real = ridx.view(-1) != pad_row
         attn[rows[ridx.view(-1)[real]]] = o[real].to(attn.dtype)
 
-    # -- decode -------------------------------------------------------------------------------
+    # -- decode ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               offsets: torch.Tensor, pool: ChunkPool, ctx: KernelContext,
-               chunk_first: bool | None = None) -> torch.Tensor:
-        """One token per sequence, all in `ctx.order`; returns logits [batch, vocab] (fp32)."""
-        x = F.embedding(tokens, self.embed)
-        cos, sin = self._rope(x, positions)
-        out = torch.empty(len(tokens), self.q_heads, self.head_dim, dtype=torch.float32, device=x.device)
+    def decode(self, step: ContextArrays, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               workspace: torch.Tensor, chunk_first: bool = True) -> torch.Tensor:
+        """One token per row of `step` (the kernel context's arrays and the step's inputs, on the
+        model's device); returns logits [rows, vocab] (fp32). A plain forward: no host data is read
+        and no tensor is built from Python values, so it compiles to one graph and replays as one."""
+        x = F.embedding(step.tokens, self.embed)
+        cos, sin = self.rope_cos[step.positions], self.rope_sin[step.positions]
+        out = torch.empty(x.shape[0], self.q_heads, self.head_dim, dtype=torch.float32, device=x.device)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
-            pool.write(i, slots, offsets, k, v)
-            decode_attention(q.float().contiguous(), pool.k[i], pool.v[i], ctx, self.scale,
-                             chunk_first=chunk_first, out=out)
+            decode_step_attention(q.float().contiguous(), k, v, k_cache, v_cache, i, step, workspace, out,
+                                  self.scale, chunk_first)
             x = self._finish_layer(x, out.to(x.dtype), layer)
         return self._logits(x)

@@ -1,0 +1,114 @@
+"""ModelRunner: turns the scheduler's decode batch into step buffers on the model's device and runs
+the model over them.
+
+Everything a decode step reads lives in fixed-capacity buffers owned by the kernel context
+(cache/context.py): the step's tokens, positions and K/V write rows, and the tree's index arrays.
+The runner fills them in place on the host and moves them with one host->device copy; the model's
+decode is a plain forward over those buffers. Batches are padded to a few bucket sizes, so each
+bucket has one shape: on the GPU each is captured once as a CUDA graph and replayed every step. The
+replay logic is the same on the CPU (the captured callable is called over the same static buffers),
+so the buffer refresh a replay depends on is exercised everywhere.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from chunkgen._native import native
+from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
+from chunkgen.kernels import workspace_for
+from chunkgen.model.llama import LlamaModel
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Padded batch sizes: 1, 2, 4, 8, then every multiple of 8 up to max_batch (as vLLM's graphs)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: ChunkPool, tree: PrefixTree, max_batch: int,
+                 chunk_first: bool = True, enforce_eager: bool | None = None,
+                 mirror: bool | None = None, compile_backend: str | None = None) -> None:
+        """enforce_eager: run the forward directly each step (default on the CPU); otherwise one
+        captured graph per bucket is replayed (a CUDA graph on the GPU; on the CPU the same
+        callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
+        run the decode forward through torch.compile(fullgraph=True) with that backend."""
+        native()  # the decode op lives in the compiled extension: a missing build fails here, with the fix
+        self.model = model
+        self.pool = pool
+        self.chunk_first = chunk_first
+        self.device = torch.device(model.device)
+        self.enforce_eager = self.device.type == "cpu" if enforce_eager is None else enforce_eager
+        self.ctx = KernelContext(tree, chunk_first=chunk_first, buckets=batch_buckets(max_batch),
+                                 device=self.device, scratch_slot=pool.scratch_slot, mirror=mirror)
+        self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self._workspace: tuple[int, torch.Tensor] | None = None
+        self._graph_pool = None  # one CUDA memory pool shared by every bucket's graph
+        self._compiled = None
+        if compile_backend is not None:  # one graph per bucket: shapes are static within one
+            self._compiled = torch.compile(model.decode, fullgraph=True, dynamic=False, backend=compile_backend)
+
+    @property
+    def captures(self) -> int:
+        return len(self._graphs)
+
+    def workspace(self) -> torch.Tensor:
+        """Allocated once per context layout (capacities only grow), never per step."""
+        if self._workspace is None or self._workspace[0] != self.ctx.layouts:
+            ws = workspace_for(self.ctx, self.model.q_heads, self.model.head_dim, self.device)
+            self._workspace = (self.ctx.layouts, ws)
+        return self._workspace[1]
+
+    def prepare(self, tokens: list[int], positions: list[int], write_rows: list[tuple[int, int]]) -> None:
+        """Fill the step buffers for rows in `ctx.order` and copy them to the device (one copy)."""
+        self.ctx.set_step(tokens, positions, [r[0] for r in write_rows], [r[1] for r in write_rows])
+        self.ctx.upload()
+
+    def forward(self) -> torch.Tensor:
+        """Logits [rows, vocab] of the prepared step (rows: the batch padded to its bucket)."""
+        if self.enforce_eager:
+            return self._run()
+        key = (self.ctx.rows, self.ctx.layouts)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture()
+        return graph()
+
+    def _decode(self, *args) -> torch.Tensor:
+        return (self._compiled or self.model.decode)(*args)
+
+    def _run(self) -> torch.Tensor:
+        return self._decode(self.ctx.arrays(), self.pool.k, self.pool.v, self.workspace(), self.chunk_first)
+
+    def _capture(self) -> Callable[[], torch.Tensor]:
+        """A callable that recomputes the prepared step over the buffers bound now. Valid while the
+        context keeps its rows and layout (the key it is stored under)."""
+        arrays, ws = self.ctx.arrays(), self.workspace()
+        run = lambda: self._decode(arrays, self.pool.k, self.pool.v, ws, self.chunk_first)  # noqa: E731
+        if self.device.type != "cuda":
+            return run
+        # The capture writes K/V of the prepared step, as the eager step would: replaying it once
+        # afterwards is the step itself. Warm-up on a side stream first, as torch recommends.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = run()
+        self._graph_pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits
+
+        return replay
+
+    def decode(self, tokens: list[int], positions: list[int], write_rows: list[tuple[int, int]]) -> torch.Tensor:
+        """One step for the sequences in `ctx.order` (the caller refreshed the context): logits
+        [batch, vocab] on the model's device."""
+        self.prepare(tokens, positions, write_rows)
+        return self.forward()[: len(tokens)]

@@ -1,0 +1,147 @@
+"""ModelRunner and the decode forward: one graph, no recompiles, no host work, one upload a step.
+
+Checked on the CPU over workloads with joins, leaves, chunk-boundary crossings, context rebuilds
+and preemption: what a CUDA graph or a compiled forward would get wrong (stale buffers, frozen
+sizes, hidden host syncs) shows up here as a wrong token or a counted op."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from chunkgen.engine import Request, SamplingParams
+from chunkgen.engine.runner import ModelRunner, batch_buckets
+from chunkgen.llm import LLM
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(model=str(tiny_model), chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
+
+
+def workload(n: int = 16) -> list[Request]:
+    """Two prompt families (shared chunks), ragged lengths and budgets: sequences leave at
+    different steps and waiting ones join, so the batch changes while it stays in bucket 8."""
+    reqs = []
+    for i in range(n):
+        prefix = [3 + i % 2] * (CHUNK + 5) + [7, 9] * (i % 3)
+        reqs.append(Request(i, prefix + [20 + i], SamplingParams(max_new_tokens=20 + 8 * (i % 5), ignore_eos=True)))
+    return reqs
+
+
+def run(engine, requests) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Token ids per request, and (padded rows, context layout) of every decode step."""
+    out: dict[int, list[int]] = {}
+    rows: list[int] = []
+    engine.add(requests)
+    while engine.has_work:
+        steps = engine.stats.decode_steps
+        for r in engine.step():
+            out[r.id] = r.completions[0].token_ids
+        if engine.stats.decode_steps > steps:
+            rows.append((engine.runner.ctx.rows, engine.runner.ctx.layouts))
+    return out, rows
+
+
+def with_runner(llm, **runner_args):
+    engine = llm.new_engine()
+    engine.runner = ModelRunner(llm.model, engine.pool, engine.tree, engine.config.max_batch, **runner_args)
+    return engine
+
+
+def test_buckets():
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_compiled_decode_is_one_graph_without_recompiles_and_equals_eager(llm):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")  # functionalizes the op's pool writes as inductor does
+    eager, rows_eager = run(llm.new_engine(), workload())
+    compiled = with_runner(llm, compile_backend=counter)
+    rebuilds = compiled.runner.ctx.rebuilds
+    got, rows = run(compiled, workload())
+    assert got == eager
+    in_bucket = [r for r in rows if r == (8, rows[-1][1])]
+    assert len(in_bucket) >= 50  # steps of one bucket: joins, leaves, boundary crossings between them
+    assert compiled.runner.ctx.rebuilds - rebuilds >= 5  # structure changed within the run
+    assert max(len(t) for t in got.values()) > 2 * CHUNK  # private tails crossed chunk boundaries
+    assert counter.frame_count == len(set(rows))  # one compile per bucket, never a recompile
+    assert counter.op_count > 0 and torch._dynamo.utils.counters["graph_break"] == {}
+
+
+def test_graph_replay_over_mirrored_buffers_equals_eager_with_preemption(llm):
+    """Replayed per bucket over the buffers bound at capture, reading a device copy refreshed by
+    one upload a step: joins, leaves, preemption (a KV budget too small for the batch) and
+    rebuilds all go through the buffer refresh, not through new tensors."""
+    from tests.test_engine import template_prompts
+
+    prompts = [llm.encode(p) for p in template_prompts("tool_dispatcher", 12)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    # The shared prompt plus room for about 4 sequences: admission stops short, growth preempts.
+    chunks = -(-max(map(len, prompts)) // CHUNK) + 4 * (-(-(20 + CHUNK) // CHUNK) + 1)
+    tight = chunks * llm.new_engine().pool.bytes_per_slot
+    requests = lambda: [Request(i, p, params) for i, p in enumerate(prompts)]  # noqa: E731
+    eager, _ = run(llm.new_engine(kv_memory=tight), requests())
+    engine = llm.new_engine(kv_memory=tight)
+    engine.runner = ModelRunner(llm.model, engine.pool, engine.tree, 8, enforce_eager=False, mirror=True)
+    got, rows = run(engine, requests())
+    assert engine.stats.preemptions > 0
+    assert got == eager
+    assert engine.runner.captures == len(set(rows))  # one capture per (bucket, layout)
+    assert engine.runner.ctx.uploads == engine.stats.decode_steps
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def prepared_runner(llm, **runner_args) -> ModelRunner:
+    """A runner with a live batch of 6 whose step is prepared (as the engine does before forward)."""
+    engine = with_runner(llm, **runner_args)
+    engine.add(workload(6))
+    while engine.num_waiting:
+        engine.step()
+    engine.step()  # one decode step through the engine
+    return engine
+
+
+def test_decode_forward_does_no_host_work(llm):
+    engine = prepared_runner(llm)
+    runner = engine.runner
+    with OpLog() as log:
+        logits = runner.forward()
+    assert logits.shape == (8, llm.model.vocab_size)
+    names = [str(f) for f, _, _ in log.calls]
+    assert any("chunkgen.decode_attention" in n for n in names)
+    syncs = [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")]
+    from_python = [n for n in names if "lift_fresh" in n or "scalar_tensor" in n]
+    moves = [n for f, a, k in log.calls for n in [str(f)]
+             if ("_to_copy" in n and "device" in k) or "_pin_memory" in n or n.startswith("aten.to.device")]
+    assert syncs == [] and from_python == [] and moves == [], (syncs, from_python, moves)
+
+
+def test_one_host_to_device_copy_per_step(llm):
+    engine = prepared_runner(llm, mirror=True)
+    runner, ctx = engine.runner, engine.runner.ctx
+    assert ctx.dev.data_ptr() != ctx.host.data_ptr()
+    dev_storage = ctx.dev.untyped_storage().data_ptr()
+    for _ in range(5):
+        with OpLog() as log:
+            engine.step()
+        into_dev = [f for f, a, _ in log.calls
+                    if "copy" in str(f) and a and isinstance(a[0], torch.Tensor)
+                    and a[0].untyped_storage().data_ptr() == dev_storage]
+        assert len(into_dev) == 1, [str(f) for f in into_dev]
+    assert ctx.uploads == engine.stats.decode_steps
