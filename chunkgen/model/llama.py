@@ -20,6 +20,10 @@ from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
+# Rotary variants whose frequencies change with the sequence length: no fixed table.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
 class UnsupportedModel(ValueError):
     pass
 
@@ -115,19 +119,32 @@ class LlamaModel:
                                    _cat_bias(m.gate_proj, m.up_proj)),
                     down=Linear(m.down_proj.weight, m.down_proj.bias),
                 ))
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * x.to(dt)
+        # One fused pass in fp32; in 16-bit the normalized value is rounded before the weight
+        # multiplies it, as transformers does (bitwise the same result).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        return w * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor):
-        cos, sin = self.rotary(x, positions.view(1, -1))
-        return cos[0, :, None, :], sin[0, :, None, :]  # [tokens, 1, head_dim]
+        """cos, sin `[tokens, 1, head_dim]` in x's dtype, looked up in a table of every position so
+        far (grown by doubling); rope types whose frequencies depend on the length are computed
+        per call."""
+        if getattr(self.rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
+            cos, sin = self.rotary(x, positions.view(1, -1))
+            return cos[0, :, None, :], sin[0, :, None, :]
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if self._rope_table is None or self._rope_table[0].dtype != x.dtype or len(self._rope_table[0]) < need:
+            n = max(need, 2 * len(self._rope_table[0]) if self._rope_table is not None else 1024)
+            cos, sin = self.rotary(x, torch.arange(min(n, max(need, self.max_context)), device=x.device)[None])
+            self._rope_table = (cos[0, :, None, :], sin[0, :, None, :])
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,12 +153,13 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     def _qkv(self, x: torch.Tensor, layer: LayerWeights, cos, sin):
+        """q `[tokens, q_heads, d]`, k, v `[tokens, kv_heads, d]`; q and k rotated in one pass."""
         t = x.shape[0]
         qkv = layer.qkv(self._rms(x, layer.ln_attn))
-        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-        q = self._rotate(q.view(t, self.q_heads, self.head_dim), cos, sin)
-        k = self._rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(t, self.kv_heads, self.head_dim)
+        n_qk = self._q_size + self._kv_size
+        qk = self._rotate(qkv[:, :n_qk].view(t, self.q_heads + self.kv_heads, self.head_dim), cos, sin)
+        v = qkv[:, n_qk:].view(t, self.kv_heads, self.head_dim)
+        return qk[:, : self.q_heads], qk[:, self.q_heads :], v
 
     def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         x = x + layer.o(attn.reshape(x.shape[0], -1))
