@@ -98,13 +98,14 @@ def _check_chunk_size(chunk_size: int) -> None:
         _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
 
 
-def _dtype_option(dtype: str):
-    from chunkgen.model import parse_dtype
+def _dtype_option(dtype: str, device: str = "cpu"):
+    """The dtype --dtype names on this device (auto resolved; None: the model's own, on a GPU)."""
+    from chunkgen.model.precision import choose_dtype
 
     try:
-        return parse_dtype(dtype)
+        return choose_dtype(dtype, device).dtype
     except ValueError as exc:
-        _usage("--dtype", str(exc))
+        _usage("--dtype", str(exc) + " or auto")
 
 
 def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int:
@@ -113,7 +114,7 @@ def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: s
 
     from chunkgen.llm import parse_bytes
 
-    kv_dtype = _dtype_option(dtype)
+    kv_dtype = _dtype_option(dtype, device)
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
         _usage("--device", f"must be cpu, cuda or cuda:N, not {device!r}")
     if device.startswith("cuda"):
@@ -243,15 +244,23 @@ def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype):
 def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, budget: int) -> None:
     import torch
 
-    from chunkgen.model import parse_dtype
-
-    kv_dtype = parse_dtype(dtype)
+    # The model's own dtype on a GPU is not known before loading: fp32, the largest, is the bound.
+    kv_dtype = _dtype_option(dtype, device) or torch.float32
     if device == "cpu" and kv_dtype == torch.float16:
         kv_dtype = torch.float32  # the CPU kernel keeps fp16 models' K/V in fp32
     per_chunk = _planning_pool(model_dir, chunk_size, kv_dtype).bytes_per_slot
     if budget < per_chunk:
         _usage("--kv-memory", f"{_human(budget)} holds no KV chunk of this model: one chunk of {chunk_size} "
                               f"tokens needs {_human(per_chunk)}")
+
+
+def _dtype_line(llm) -> str:
+    """The dtype a loaded model runs in, said once on stderr with why; returns its short name."""
+    from chunkgen.model.precision import DTYPE_NAMES
+
+    name = DTYPE_NAMES.get(llm.model.dtype, str(llm.model.dtype))
+    err.print(f"dtype {name} ({llm.dtype_reason})", highlight=False)
+    return name
 
 
 def _load_llm(model: Optional[str], **kwargs):
@@ -330,7 +339,7 @@ def run(
     out: Path = typer.Option(..., "--out", "-o", help="Results JSONL (one line per finished request)."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", help="A .toml template or a directory of them."),
     model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file [default: the embedded SmolLM2-135M-Instruct]."),
-    dtype: str = typer.Option("fp32", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
+    dtype: str = typer.Option("auto", help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU."),
     device: str = typer.Option("cpu", help="cpu, or cuda for the GPU kernels."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens to generate at most, for rows and templates that do not set it [default: the template's, else 64]."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature; 0 is greedy [default: the template's, else 0]."),
@@ -424,10 +433,15 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
     from chunkgen.jobs.run import run_job
 
     llm = _load_llm(**llm_kwargs)
+    from chunkgen.model.precision import DTYPE_NAMES
+
+    precision = f"{DTYPE_NAMES.get(llm.model.dtype, str(llm.model.dtype))} ({llm.dtype_reason})"
     on_progress, stop_progress = _progress_printer(quiet, json_log)
     try:
-        return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
-                       on_progress=on_progress)
+        summary = run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
+                          on_progress=on_progress)
+        summary.dtype = precision
+        return summary
     finally:
         stop_progress()
 
@@ -450,6 +464,8 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
                           + (" (the others were cut short by max_new_tokens or a stop string)" if summary.matched < summary.constrained else ""))
+        if summary.dtype:
+            table.add_row("dtype", summary.dtype)
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (without sharing: {_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
     if summary.changed:
@@ -591,7 +607,7 @@ def bench_e2e(
     n_queries: int = typer.Option(32),
     max_new_tokens: int = typer.Option(64),
     max_batch: int = typer.Option(32),
-    dtype: str = typer.Option("fp32"),
+    dtype: str = typer.Option("auto", help="fp32, bf16 or auto (as for run)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
@@ -611,6 +627,7 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
+    dtype = _dtype_line(llm)
     rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype,
                    repeat=repeat,
                    on_row=lambda r: err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
@@ -640,15 +657,16 @@ def bench_step(
     n_shared: int = typer.Option(2048),
     n_queries: int = typer.Option(32),
     steps: int = typer.Option(30),
-    dtype: str = typer.Option("fp32"),
+    dtype: str = typer.Option("auto", help="fp32, bf16 or auto (as for run)."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
     from chunkgen.bench.e2e import build_workload
     from chunkgen.bench.step import profile_decode_steps
 
     llm = _load_llm(model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB")
+    dtype = _dtype_line(llm)
     r = profile_decode_steps(llm, build_workload(llm, n_shared, n_queries, steps).prompts, steps)
-    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, mean of {r['steps']} steps): "
+    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
                  f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
 

@@ -73,6 +73,7 @@ class JobSummary:
     constrained: int = 0
     matched: int = 0
     interrupted: bool = False
+    dtype: str = ""  # what the model ran in and why, e.g. "bf16 (auto: the CPU has native bf16 arithmetic (AMX))"
 
     @property
     def tokens_per_s(self) -> float:
