@@ -193,7 +193,8 @@ class LlamaModel:
         dev = self.device
         w_slots_t = torch.tensor(w_slots, dtype=torch.long)
         w_offs_t = torch.tensor(w_offs, dtype=torch.long)
-        w_rows_t = torch.tensor(w_rows, dtype=torch.long, device=dev)
+        # Usually every new row is written: then K/V go to the pool without a gather first.
+        w_rows_t = None if w_rows == list(range(row)) else torch.tensor(w_rows, dtype=torch.long, device=dev)
         groups = plan_groups(spans, C, self.dtype, dev)
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
         cos, sin = self._rope(x, torch.tensor(positions, device=dev))
@@ -201,7 +202,7 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             if w_rows:
-                pool.write(i, w_slots_t, w_offs_t, k[w_rows_t], v[w_rows_t])
+                pool.write(i, w_slots_t, w_offs_t, *((k, v) if w_rows_t is None else (k[w_rows_t], v[w_rows_t])))
             prefill_attention(groups, i, q, k, v, pool, self.scale, attn)
             x = self._finish_layer(x, attn, layer)
         last = [sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits]
