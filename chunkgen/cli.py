@@ -163,13 +163,14 @@ def _check_chunk_size(chunk_size: int) -> None:
         _usage("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
 
 
-def _dtype_option(dtype: str):
-    from chunkgen.model import parse_dtype
+def _dtype_option(dtype: str, device: str = "cpu"):
+    """The dtype --dtype names on this device (auto resolved; None: the model's own, on a GPU)."""
+    from chunkgen.model.precision import choose_dtype
 
     try:
-        return parse_dtype(dtype)
+        return choose_dtype(dtype, device).dtype
     except ValueError as exc:
-        _usage("--dtype", str(exc))
+        _usage("--dtype", str(exc) + " or auto")
 
 
 def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int:
@@ -178,7 +179,7 @@ def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: s
 
     from chunkgen.llm import parse_bytes
 
-    kv_dtype = _dtype_option(dtype)
+    kv_dtype = _dtype_option(dtype, device)
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
         _usage("--device", f"must be cpu, cuda or cuda:N, not {device!r}")
     if device.startswith("cuda"):
@@ -364,15 +365,23 @@ def _planning_pool(model_dir: Path, chunk_size: int, kv_dtype, budget: int = 1 <
 def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, budget: int) -> None:
     import torch
 
-    from chunkgen.model import parse_dtype
-
-    kv_dtype = parse_dtype(dtype)
+    # The model's own dtype on a GPU is not known before loading: fp32, the largest, is the bound.
+    kv_dtype = _dtype_option(dtype, device) or torch.float32
     if device == "cpu" and kv_dtype == torch.float16:
         kv_dtype = torch.float32  # the CPU kernel keeps fp16 models' K/V in fp32
     per_chunk = _planning_pool(model_dir, chunk_size, kv_dtype).bytes_per_slot
     if budget < per_chunk:
         _usage("--kv-memory", f"{_human(budget)} holds no KV chunk of this model: one chunk of {chunk_size} "
                               f"tokens needs {_human(per_chunk)}")
+
+
+def _dtype_line(llm) -> str:
+    """The dtype a loaded model runs in, said once on stderr with why; returns its short name."""
+    from chunkgen.model.precision import DTYPE_NAMES
+
+    name = DTYPE_NAMES.get(llm.model.dtype, str(llm.model.dtype))
+    err.print(f"dtype {name} ({llm.dtype_reason})", highlight=False)
+    return name
 
 
 def _load_llm(model: Optional[str], announce: str = "line", **kwargs):
@@ -523,7 +532,7 @@ def run(
     out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: Optional[str] = typer.Option(None, metavar="MODEL", help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
-    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16 (fp16 on GPU)."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU."),
     device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
     max_new_tokens: Optional[int] = typer.Option(None, metavar="N", help="Tokens to generate at most per answer [default: 64]."),
     temperature: Optional[float] = typer.Option(None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."),
@@ -652,13 +661,18 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
     from chunkgen.jobs.run import run_job
 
     llm = _load_llm(announce="none" if quiet else "json" if json_log else "line", **llm_kwargs)
+    from chunkgen.model.precision import DTYPE_NAMES
+
+    precision = f"{DTYPE_NAMES.get(llm.model.dtype, str(llm.model.dtype))} ({llm.dtype_reason})"
     if prefix_order is not None and not (quiet or json_log):
         err.print("--order prefix: every row is read and tokenized once before the first is answered, so rows "
                   "sharing a prefix run together (--order input skips this pass)", highlight=False)
     on_progress, stop_progress = _progress_printer(quiet, json_log, total)
     try:
-        return run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
-                       on_progress=on_progress, order=prefix_order)
+        summary = run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
+                          on_progress=on_progress, order=prefix_order)
+        summary.dtype = precision
+        return summary
     finally:
         stop_progress()
 
@@ -685,6 +699,8 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
                           + (" (the others were cut short by max_new_tokens or a stop string)" if summary.matched < summary.constrained else ""))
+        if summary.dtype:
+            table.add_row("dtype", summary.dtype)
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (the same sequences without sharing: "
                                         f"{_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
@@ -885,7 +901,7 @@ def bench_e2e(
     n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
     max_batch: int = typer.Option(32, metavar="N", help="Sequences decoded together by chunkgen's engine."),
-    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations of every system: fp32 or bf16."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
@@ -905,6 +921,7 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
+    dtype = _dtype_line(llm)
     current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
 
     def on_start(system: str, ns: int, round_: int) -> None:
@@ -1042,7 +1059,7 @@ def bench_step(
     n_shared: int = typer.Option(2048, metavar="N", help="Shared prompt length in tokens."),
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
-    dtype: str = typer.Option("fp32", metavar="DTYPE", help="Weights and activations: fp32 or bf16."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
     json_out: Optional[Path] = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
@@ -1053,9 +1070,10 @@ def bench_step(
     from chunkgen.bench.e2e import build_workload
 
     llm = _load_llm(model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB")
+    dtype = _dtype_line(llm)
     prompts = build_workload(llm, n_shared, n_queries, steps).prompts
     r = bench.profile_decode_steps(llm, prompts, steps)
-    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, mean of {r['steps']} steps): "
+    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
                  f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
     if json_out:

@@ -8,6 +8,7 @@ import torch
 
 from chunkgen.engine import Engine, EngineConfig, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, parse_dtype
+from chunkgen.model.precision import choose_dtype
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -111,7 +112,9 @@ class LLM:
             if not torch.cuda.is_available() or not native_cuda_available():
                 raise ValueError("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen "
                                  "built with its CUDA kernels (CHUNKGEN_CUDA=1 at install)")
-        hf_model, self.tokenizer, self.model_path = load_hf(model, parse_dtype(dtype), device)
+        choice = choose_dtype(dtype, device)
+        hf_model, self.tokenizer, self.model_path = load_hf(model, choice.dtype or "auto", device)
+        self.dtype_reason = choice.reason  # why the model runs in self.model.dtype
         check_chat_template(self.tokenizer, str(self.model_path))
         self.model = LlamaModel(hf_model)
         self.config = EngineConfig(

@@ -31,7 +31,7 @@ def run_cli(*args: str):
 def base_args(tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"):
     return ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
             "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet",
-            "--max-new-tokens", "12"]
+            "--max-new-tokens", "12", "--dtype", "fp32"]  # fp32: answers that compare across runs
 
 
 def test_run_writes_one_record_per_query_and_refuses_overwrite(tiny_model, tmp_path):

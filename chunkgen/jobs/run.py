@@ -79,6 +79,7 @@ class JobSummary:
     prefilled_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
     order: str = "input"  # the order rows were answered in: input, or prefix
     order_s: float = 0.0  # of wall_s, the prefix-order pass that keys every row before the first runs
+    dtype: str = ""  # what the model ran in and why, e.g. "bf16 (auto: the CPU has native bf16 arithmetic (AMX))"
 
     @property
     def tokens_per_s(self) -> float:

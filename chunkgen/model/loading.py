@@ -239,8 +239,8 @@ def check_model_dir(path: Path):
     return config
 
 
-def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(transformers model, tokenizer, directory) for a model spec."""
+def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
+    """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()

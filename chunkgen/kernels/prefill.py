@@ -1,0 +1,193 @@
+"""Prefill attention over the prefix tree: the new tokens of a wave attend to their cached paths
+(read from the pool) and to each other, causally.
+
+Sequences of a wave whose cached paths start with the same full chunks form a group. Their new
+tokens attend to those shared chunks in one product (the chunks are read once, as in the decode
+kernel's chunk-first phase), then each to the rest of its own path in one padded, masked batch;
+the two normalized parts merge by their log-sum-exp. Both products are torch's fused
+(flash) attention on the CPU, in the model's dtype with fp32 softmax state: no score matrix is
+materialized, no K/V is expanded to every query head, and everything that depends only on the
+wave's shape is planned once, not once per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkgen.cache.pool import ChunkPool
+
+MAX_GROUP_TOKENS = 512  # new tokens per group: bounds the padded own-part batch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence of a wave: K/V of its first `start` tokens are in the pool along `path_slots`;
+    its new tokens are rows [row, row + count) of the wave."""
+    start: int
+    path_slots: list[int]
+    row: int
+    count: int
+
+
+@dataclass
+class Group:
+    """Sequences that read the same cached chunks first (a lone sequence: its whole cached path)."""
+    rows: torch.Tensor              # [R] the members' new rows in the wave
+    contiguous: tuple[int, int] | None  # (a, b) when rows == range(a, b)
+    prefix_slots: torch.Tensor      # cached chunks every member reads
+    prefix_len: int                 # tokens of them (0: none)
+    # The own part, only for groups of several members (a lone sequence's is plain causal).
+    own_slots: torch.Tensor | None  # every member's cached chunks past the prefix
+    own_len: int                    # tokens gathered from own_slots
+    key_idx: torch.Tensor | None    # [M, L] into (own keys, new keys, one zero row)
+    query_idx: torch.Tensor | None  # [M, T] into the group's rows (R: padding)
+    mask: torch.Tensor | None       # [M, 1, T, L] additive, the model's dtype
+    real: torch.Tensor | None       # positions of [M * T] that are real queries, in row order
+
+
+def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype,
+                device: torch.device) -> list[Group]:
+    """Everything about a wave's attention that is the same in every layer."""
+    by_prefix: dict[tuple[int, ...], list[PrefillSpan]] = {}
+    alone: list[PrefillSpan] = []
+    for sp in spans:
+        full = tuple(sp.path_slots[: sp.start // chunk])
+        (by_prefix.setdefault(full, []) if full else alone).append(sp)
+    groups = [_lone(sp, chunk, device) for sp in alone]
+    for prefix, members in by_prefix.items():
+        if len(members) == 1:
+            groups.append(_lone(members[0], chunk, device))
+            continue
+        batch: list[PrefillSpan] = []
+        tokens = 0
+        for sp in members:
+            if batch and tokens + sp.count > MAX_GROUP_TOKENS:
+                groups.append(_shared(list(prefix), batch, chunk, dtype, device))
+                batch, tokens = [], 0
+            batch.append(sp)
+            tokens += sp.count
+        groups.append(_shared(list(prefix), batch, chunk, dtype, device) if len(batch) > 1
+                      else _lone(batch[0], chunk, device))
+    return groups
+
+
+def _slots(slots: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+def _lone(sp: PrefillSpan, chunk: int, device: torch.device) -> Group:
+    return Group(rows=torch.arange(sp.row, sp.row + sp.count, device=device),
+                 contiguous=(sp.row, sp.row + sp.count),
+                 prefix_slots=_slots(sp.path_slots[: -(-sp.start // chunk)], device), prefix_len=sp.start,
+                 own_slots=None, own_len=0, key_idx=None, query_idx=None, mask=None, real=None)
+
+
+def _shared(prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: torch.dtype,
+            device: torch.device) -> Group:
+    # Member i has `rest` cached tokens past the prefix (its own chunks) and t new ones. Keys come
+    # from one table: every member's own chunks, then every new token, then a zero row that
+    # padding points at.
+    n_p = len(prefix) * chunk
+    owns = [sp.path_slots[len(prefix): -(-sp.start // chunk)] for sp in members]
+    own_slots = [slot for own in owns for slot in own]
+    n_own, R = len(own_slots) * chunk, sum(sp.count for sp in members)
+    key_idx, query_idx, rests = [], [], []
+    base = off = 0
+    for sp, own in zip(members, owns):
+        rest = sp.start - n_p
+        key_idx.append(list(range(base, base + rest)) + list(range(n_own + off, n_own + off + sp.count)))
+        query_idx.append(list(range(off, off + sp.count)))
+        rests.append(rest)
+        base += len(own) * chunk
+        off += sp.count
+    T = max(len(r) for r in query_idx)
+    L = max(len(k) for k in key_idx)
+    kidx = torch.tensor([k + [n_own + R] * (L - len(k)) for k in key_idx], dtype=torch.long)
+    qidx = torch.tensor([r + [R] * (T - len(r)) for r in query_idx], dtype=torch.long)
+    # Query i of a member sits at position rest + i of its own part: it sees keys 0..rest+i.
+    # Padded queries see key 0, so no row is empty (their output is dropped).
+    limit = torch.tensor(rests)[:, None] + torch.arange(T)[None, :]
+    visible = torch.arange(L)[None, None, :] <= limit[:, :, None]  # [M, T, L]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))[:, None]
+    rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in members])
+    first, last = members[0].row, members[-1].row + members[-1].count
+    contiguous = (first, last) if torch.equal(rows, torch.arange(first, last)) else None
+    return Group(rows=rows.to(device), contiguous=contiguous, prefix_slots=_slots(prefix, device),
+                 prefix_len=n_p, own_slots=_slots(own_slots, device) if own_slots else None,
+                 own_len=n_own, key_idx=kidx.to(device), query_idx=qidx.to(device), mask=mask.to(device),
+                 real=(qidx.view(-1) != R).nonzero().view(-1).to(device))
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v and its row log-sum-exp (fp32): q `[B, Hq, T, d]`, k, v
+    `[B, Hk, S, d]` with Hq a multiple of Hk (query head h reads kv head h // (Hq / Hk)); a causal
+    product aligns the last query with the last key. Output in q's dtype."""
+    if q.device.type == "cpu":
+        # The fused kernel reads rows as unit-stride vectors whatever the strides say (a one-chunk
+        # gather of the transposed K is such a view).
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    group = q.shape[1] // k.shape[1]  # other devices: the plain product in fp32
+    s = torch.matmul(q.float(), k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    if causal:
+        t, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(t, n, dtype=torch.bool, device=s.device).triu(n - t + 1), float("-inf"))
+    if mask is not None:
+        s = s + mask.float()
+    lse = torch.logsumexp(s, -1)
+    o = torch.matmul(torch.exp(s - lse[..., None]), v.float().repeat_interleave(group, 1))
+    return o.to(q.dtype), lse
+
+
+def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from the normalized parts: o `[..., d]`,
+    lse `[...]`. In fp32; an empty part (lse -inf) gets weight 0."""
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]
+    return o2.float() + (o1.float() - o2.float()) * w1
+
+
+def prefill_attention(groups: list[Group], layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      pool: ChunkPool, scale: float, out: torch.Tensor) -> None:
+    """out[rows] = attention of the wave's new tokens over their paths: q `[rows, q_heads, d]`,
+    k, v `[rows, kv_heads, d]` (the new tokens' own K/V, also already written to the pool)."""
+    for g in groups:
+        a_b = g.contiguous
+        qg = q[a_b[0]:a_b[1]] if a_b else q[g.rows]
+        kg = k[a_b[0]:a_b[1]] if a_b else k[g.rows]
+        vg = v[a_b[0]:a_b[1]] if a_b else v[g.rows]
+        if g.key_idx is None:  # one sequence: its new tokens, causally
+            o, lse = attention_lse(qg.transpose(0, 1)[None], kg.transpose(0, 1)[None],
+                                   vg.transpose(0, 1)[None], scale, causal=True)
+            o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)  # [R, Hq, d], [R, Hq]
+        else:
+            o, lse = _own_parts(g, layer, qg, kg, vg, pool, scale)
+        if g.prefix_len:
+            kp, vp = pool.gather(layer, g.prefix_slots, g.prefix_len)
+            op, lsep = attention_lse(qg.transpose(0, 1)[None], kp[None].to(q.dtype), vp[None].to(q.dtype), scale)
+            o = merge(op[0].transpose(0, 1), lsep[0].transpose(0, 1), o, lse)
+        if a_b:
+            out[a_b[0]:a_b[1]] = o
+        else:
+            out[g.rows] = o.to(out.dtype)
+
+
+def _own_parts(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each member's new tokens over its own chunks past the prefix and its new tokens, causally,
+    as one padded batch: (o `[R, Hq, d]`, lse `[R, Hq]`) in the group's row order."""
+    R, Hq, d = q.shape
+    zero = k.new_zeros(1, k.shape[1], d)
+    keys, values = [k], [v]
+    if g.own_slots is not None:
+        ok, ov = pool.gather(layer, g.own_slots, g.own_len)  # [Hk, n_own, d]
+        keys.insert(0, ok.transpose(0, 1).to(k.dtype))
+        values.insert(0, ov.transpose(0, 1).to(v.dtype))
+    k2 = torch.cat(keys + [zero])[g.key_idx].transpose(1, 2)  # [M, Hk, L, d]
+    v2 = torch.cat(values + [zero])[g.key_idx].transpose(1, 2)
+    q2 = torch.cat([q, q.new_zeros(1, Hq, d)])[g.query_idx].transpose(1, 2)  # [M, Hq, T, d]
+    o, lse = attention_lse(q2, k2, v2, scale, mask=g.mask)
+    o = o.transpose(1, 2).reshape(-1, Hq, d)[g.real]
+    return o, lse.transpose(1, 2).reshape(-1, Hq)[g.real]

@@ -1,0 +1,102 @@
+"""Prefill attention (shared-prefix groups, own parts, lone sequences) against a naive dense
+attention per sequence, on randomized waves."""
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from chunkgen.cache import ChunkPool
+from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
+
+
+def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """A pool holding a shared system prompt's chunks and each sequence's own cached chunks
+    (random K/V, NaN where no token is), and a wave of new tokens per sequence. Most sequences
+    have cached exactly the system's full chunks plus part of one own chunk (they group), some a
+    random length (they stand alone or start from nothing)."""
+    rnd = random.Random(seed)
+    pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 26)
+    system = [pool.allocate() for _ in range(rnd.randrange(0, 5))]
+    spans, row = [], 0
+    for _ in range(n_seqs):
+        if system and rnd.random() < 0.7:
+            start = len(system) * chunk + rnd.randrange(0, chunk)
+        else:
+            start = rnd.randrange(0, (len(system) + 2) * chunk)
+        count = rnd.randrange(1, 40)
+        n_chunks = -(-(start + count) // chunk)
+        path = system[: min(len(system), start // chunk)]
+        path += [pool.allocate() for _ in range(n_chunks - len(path))]
+        spans.append(PrefillSpan(start, path, row, count))
+        row += count
+    gen = torch.Generator().manual_seed(seed)
+    written = torch.zeros(pool.capacity, chunk, dtype=torch.bool)
+    for sp in spans:
+        for p in range(sp.start):
+            written[sp.path_slots[p // chunk], p % chunk] = True
+    k = torch.randn(pool.k[0, : pool.capacity].shape, generator=gen)
+    v = torch.randn(pool.v[0, : pool.capacity].shape, generator=gen)
+    k.masked_fill_(~written[:, None, None, :], float("nan"))
+    v.masked_fill_(~written[:, None, :, None], float("nan"))
+    pool.k[0, : pool.capacity], pool.v[0, : pool.capacity] = k.to(dtype), v.to(dtype)
+    return pool, spans, row
+
+
+def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:
+    """Each sequence's new queries over its cached tokens (read one by one) and its new tokens,
+    causally, in float64."""
+    C, group = pool.chunk_size, q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for sp in spans:
+        slots = torch.tensor([sp.path_slots[p // C] for p in range(sp.start)], dtype=torch.long)
+        offs = torch.tensor([p % C for p in range(sp.start)], dtype=torch.long)
+        rows = slice(sp.row, sp.row + sp.count)
+        keys = torch.cat([pool.k[0, slots, :, :, offs].double(), k[rows].double()])  # [n, Hk, d]
+        values = torch.cat([pool.v[0, slots, :, offs].double(), v[rows].double()])
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        s = torch.einsum("thd,nhd->htn", q[rows].double(), keys) * scale
+        n = sp.start + sp.count
+        visible = torch.arange(n)[None, :] <= sp.start + torch.arange(sp.count)[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        out[rows] = torch.einsum("htn,nhd->thd", s.softmax(-1), values)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 8),
+    chunk=st.sampled_from([8, 16, 64]),
+    heads=st.sampled_from([(4, 4), (4, 2), (9, 3), (6, 1)]),
+    head_dim=st.sampled_from([32, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_prefill_attention_matches_naive(seed, n_seqs, chunk, heads, head_dim, dtype):
+    hq, hk = heads
+    pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, head_dim, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(rows, hq, head_dim, generator=gen).to(dtype)
+    k = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
+    v = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
+    prefill_attention(plan_groups(spans, chunk, dtype, q.device), 0, q, k, v, pool, scale, out)
+    want = reference(q, k, v, pool, spans, scale)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+
+
+def test_a_shared_prefix_is_one_group_read_once():
+    """Sequences that cached the same full chunks attend to them in one product; one that cached
+    other chunks stands alone."""
+    pool = ChunkPool(1, 1, 8, 4, torch.float32, budget_bytes=1 << 20)
+    shared = [pool.allocate() for _ in range(2)]
+    own = [pool.allocate() for _ in range(4)]
+    spans = [PrefillSpan(9, shared + [own[0], own[1]], 0, 3),
+             PrefillSpan(8, shared + [own[2]], 3, 2),
+             PrefillSpan(5, [own[3], shared[0]], 5, 1)]
+    groups = plan_groups(spans, 4, torch.float32, torch.device("cpu"))
+    sizes = sorted((g.prefix_len, len(g.rows)) for g in groups)
+    assert sizes == [(5, 1), (8, 5)]
