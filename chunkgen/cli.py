@@ -353,7 +353,7 @@ def run(
     fmt: str = typer.Option("auto", "--format", help="auto, template or openai."),
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
-    shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (split by prompt prefix)."),
+    shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
     workers: int = typer.Option(2, min=1, help="With --ray: engine actors."),
     ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address [default: start a local one]."),
@@ -392,9 +392,17 @@ def run(
             import ray  # noqa: F401
         except ImportError:
             _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
+    if part is not None and queries == "-":
+        _usage("--shard", "plans over the whole file before it runs: give --queries a file, not standard input")
     fmt, items = _read_items(queries, template, fmt, defaults, id_field)
     if part is not None:
-        items = (item for item in items if part.owns(item))
+        from chunkgen.scale.shard import plan_items
+
+        plan = plan_items(items, part.count)
+        fmt, items = _read_items(queries, template, fmt, defaults, id_field)
+        if not plan.rows(part.index):
+            return _write_empty_shard(out, queries, part, plan.loads, resume, json_log)
+        items = plan.select(items, part.index)
     model_dir = _resolve(model)
     _check_budget(model_dir, chunk_size, dtype, device, budget)
     try:
@@ -418,6 +426,29 @@ def run(
         writer.close()
         stop_flag.restore()
     _report(summary, out, quiet, json_log, stop_flag.signum)
+
+
+def _write_empty_shard(out: Path, queries: str, part, loads: list[int], resume: bool, json_log: bool) -> None:
+    """A shard the plan gave no rows: its (empty) output file, so a collect step finds every shard's."""
+    from chunkgen.jobs.lock import OutputLock, OutputLocked
+    from chunkgen.jobs.run import JobSummary
+
+    try:
+        with OutputLock(out):
+            if out.exists() and out.stat().st_size and not resume:
+                _fail(f"{out} already has results; pass --resume to continue it, or choose another --out")
+            out.touch()
+    except OutputLocked as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+    err.print(f"shard {part.index}/{part.count}: none of the {sum(loads)} rows of {queries} fall to this shard "
+              f"(rows per shard: {', '.join(map(str, loads))}); wrote an empty {out}", highlight=False)
+    if json_log:
+        summary = JobSummary(requests=0, skipped=0, errors=0, changed=0, prompt_tokens=0, cached_tokens=0,
+                             completion_tokens=0, wall_s=0.0, prefill_s=0.0, decode_s=0.0, kv_peak_bytes=0,
+                             kv_unshared_peak_bytes=0)
+        print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
 
 
 def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool):
