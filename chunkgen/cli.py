@@ -354,8 +354,8 @@ def run(
     id_field: str = typer.Option("id", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
     shard: Optional[str] = typer.Option(None, help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
-    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
-    workers: int = typer.Option(2, min=1, help="With --ray: engine actors."),
+    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
+    workers: Optional[int] = typer.Option(None, min=1, help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
     ray_address: Optional[str] = typer.Option(None, help="With --ray: cluster address [default: start a local one]."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
@@ -417,7 +417,7 @@ def run(
     stop_flag = _StopFlag()
     try:
         if use_ray:
-            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, stop_flag)
+            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, device, stop_flag)
         else:
             summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log)
     except OutputError as exc:
@@ -477,6 +477,10 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         table.add_row("wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)")
         table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
         table.add_row("prompt tokens (from cache)", f"{summary.prompt_tokens} ({summary.cached_tokens})")
+        table.add_row("prefix cache hit rate", f"{100 * summary.cache_hit_rate:.1f}%")
+        if summary.workers > 1 or summary.model_loads != 1:
+            table.add_row("workers (model loads)", f"{summary.workers} ({summary.model_loads})")
+            table.add_row("peak KV memory per worker", ", ".join(map(_human, summary.kv_peak_bytes_per_worker)))
         if summary.constrained:
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
@@ -498,13 +502,23 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         raise typer.Exit(EXIT_BAD_INPUT_LINES)
 
 
-def _run_ray(items, writer, llm_kwargs: dict, workers: int, address: Optional[str], stop_flag: _StopFlag):
+def _run_ray(items, writer, llm_kwargs: dict, workers: Optional[int], address: Optional[str], device: str,
+             stop_flag: _StopFlag):
     from chunkgen.scale.ray import run_on_ray
 
+    def started(shape) -> None:
+        err.print(f"ray: {shape.count} workers, each with {shape.num_cpus:g} CPU(s)"
+                  + (f" and {shape.num_gpus} GPU" if shape.num_gpus else ""), highlight=False)
+
     t0 = time.perf_counter()
-    summary = run_on_ray(items, writer, llm_kwargs, workers, address=address, should_stop=stop_flag)
+    try:
+        summary = run_on_ray(items, writer, llm_kwargs, workers, address=address, device=device,
+                             should_stop=stop_flag, on_start=started)
+    except (ValueError, RuntimeError) as exc:
+        _fail(str(exc))
     err.print(f"ray: {summary.requests} answered, {summary.skipped} already done, {summary.errors} error record(s); "
-              f"{time.perf_counter() - t0:.1f} s with {workers} workers", highlight=False)
+              f"{time.perf_counter() - t0:.1f} s with {summary.workers} workers, {summary.model_loads} model loads",
+              highlight=False)
     return summary
 
 
