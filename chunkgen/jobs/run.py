@@ -89,9 +89,9 @@ def cache_hit_rate(stats: EngineStats) -> float:
 
 
 def summarize(counts: JobCounts, engines: list[EngineStats], changed: int, wall_s: float, interrupted: bool,
-              model_loads: int | None = None) -> JobSummary:
+              workers: int = 1) -> JobSummary:
     """The run's summary from its engines' stats: the one engine of a local run, or every Ray worker's
-    (times and tokens added up, KV peaks per worker)."""
+    (times and tokens added up, KV peaks per worker; one engine per model load, a replaced worker's too)."""
     total = EngineStats(prompt_tokens=sum(s.prompt_tokens for s in engines),
                         prefilled_tokens=sum(s.prefilled_tokens for s in engines))
     peaks = [s.kv_peak_bytes for s in engines]
@@ -101,8 +101,8 @@ def summarize(counts: JobCounts, engines: list[EngineStats], changed: int, wall_
         completion_tokens=counts.completion_tokens, wall_s=wall_s, prefill_s=sum(s.prefill_s for s in engines),
         decode_s=sum(s.decode_s for s in engines), kv_peak_bytes=max(peaks, default=0),
         kv_unshared_peak_bytes=max((s.kv_unshared_peak_bytes for s in engines), default=0),
-        constrained=counts.constrained, matched=counts.matched, interrupted=interrupted, workers=len(engines),
-        model_loads=len(engines) if model_loads is None else model_loads, cache_hit_rate=cache_hit_rate(total),
+        constrained=counts.constrained, matched=counts.matched, interrupted=interrupted, workers=workers,
+        model_loads=len(engines), cache_hit_rate=cache_hit_rate(total),
         kv_peak_bytes_per_worker=peaks,
     )
 

@@ -73,6 +73,15 @@ def plan_workers(device: str, requested: int | None, cluster: dict[str, float],
     return WorkerShape(count, per, 0, max(1, int(per)))
 
 
+def actor_options(shape: WorkerShape, env: dict[str, str]) -> dict[str, Any]:
+    """What each engine actor asks Ray for. Calls may run side by side: the driver's submit while a
+    collect waits for answers."""
+    options: dict[str, Any] = {"num_cpus": shape.num_cpus, "num_gpus": shape.num_gpus, "max_concurrency": 4}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
 def _share(cpus: float) -> float:
     return max(0.01, int(cpus * 100) / 100)  # rounded down: the actors must fit the cluster
 
@@ -201,9 +210,7 @@ class _Pool:
 
         self.ray = ray
         env = {k: v for k, v in os.environ.items() if k.startswith("CHUNKGEN_FAULT_")}
-        self.actor_class = ray.remote(EngineWorker).options(
-            num_cpus=shape.num_cpus, num_gpus=shape.num_gpus, max_concurrency=4,
-            **({"runtime_env": {"env_vars": env}} if env else {}))
+        self.actor_class = ray.remote(EngineWorker).options(**actor_options(shape, env))
         if shape.num_gpus:
             llm_kwargs = {**llm_kwargs, "device": "cuda"}  # each actor sees its own GPU as the first
         self.args = (llm_kwargs, writer.fmt, writer.model_name, shape.threads)
@@ -308,10 +315,9 @@ class _Pool:
         for slot in self.slots:
             self.ray.kill(slot.actor)
 
-    def engine_stats(self) -> tuple[list[EngineStats], int]:
-        """The stats of every worker that ran (the replaced ones too), and how many loaded the model."""
-        live = [s.stats for s in self.slots if s.stats is not None]
-        return live + self.retired, len(live) + len(self.retired)
+    def engine_stats(self) -> list[EngineStats]:
+        """The stats of every engine that loaded the model, the replaced ones too."""
+        return [s.stats for s in self.slots if s.stats is not None] + self.retired
 
 
 def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwargs: dict[str, Any],
@@ -327,23 +333,27 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
     shape = plan_workers(device, workers, ray.cluster_resources(), node_cpus)
-    if on_start:
-        on_start(shape)
     counts = JobCounts()
     capacity = 2 * max(64, 4 * llm_kwargs.get("max_batch", 32))  # twice what a worker's engine takes in at once
-    pool = _Pool(shape, llm_kwargs, writer, counts, capacity)
+    pool: _Pool | None = None  # started at the first row to answer: a finished job loads no model
     try:
         for row in triage(items, writer, counts):
             if should_stop():
                 break
+            if pool is None:
+                pool = _Pool(shape, llm_kwargs, writer, counts, capacity)
+                if on_start:
+                    on_start(shape)
             while pool.route(row) is None:
                 pool.collect(timeout=None)
             pool.collect(timeout=0)
-        pool.finish()
-        while pool.unanswered and not should_stop():
-            pool.collect(timeout=None)
+        if pool:
+            pool.finish()
+            while pool.unanswered and not should_stop():
+                pool.collect(timeout=None)
     finally:
-        pool.close()
+        if pool:
+            pool.close()
     writer.close()
-    engines, loads = pool.engine_stats()
-    return summarize(counts, engines, len(writer.changed), time.perf_counter() - t0, should_stop(), loads)
+    return summarize(counts, pool.engine_stats() if pool else [], len(writer.changed), time.perf_counter() - t0,
+                     should_stop(), workers=shape.count if pool else 0)
