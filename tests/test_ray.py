@@ -4,6 +4,7 @@ record, the output lock held under --ray, and the resources workers ask for."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -121,3 +122,30 @@ def test_a_long_run_loads_the_model_once_per_worker(tiny_model, tmp_path, local_
     assert summary["cache_hit_rate"] > 0.5 and min(summary["kv_peak_bytes_per_worker"]) > 0
     got = {r["id"]: r["text"] for r in records(tmp_path / "ray.jsonl")}
     assert len(got) == n and got == {r["id"]: r["text"] for r in records(tmp_path / "local.jsonl")}
+
+
+def test_an_engine_worker_answers_rows_sent_after_its_finish_call(tiny_model):
+    """A threaded actor's calls may run out of order: `finish(n)` waits for all n rows; rows of a
+    second group join the engine while the first decodes (in-process, no cluster)."""
+    from chunkgen.engine import SamplingParams
+    from chunkgen.jobs.requests import Job
+    from chunkgen.scale.ray import EngineWorker
+
+    worker = EngineWorker(dict(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=4), "template",
+                          "tiny", threads=1)
+
+    def job(i: int, system: str, new: int) -> tuple[int, Job]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]
+        return i, Job(f"r{i}", i + 1, messages, SamplingParams(max_new_tokens=new, temperature=0.0))
+
+    worker.submit([job(i, "first prompt " * 10, 24) for i in range(3)])
+    worker.finish(6)  # before the last rows arrive
+    got = worker.collect(0.0)[0]  # the first group is in the engine now
+    worker.submit([job(i, "second prompt " * 10, 2) for i in range(3, 6)])  # while the first decodes
+    deadline = time.monotonic() + 120
+    while len(got) < 6 and time.monotonic() < deadline:
+        got += worker.collect(0.5)[0]
+    assert sorted(i for i, _, _ in got) == list(range(6))
+    assert {i for i, _, _ in got[:3]} & {3, 4, 5}, "the second group waited for the first to finish"
+    stats = worker.collect(0.1)[1]
+    assert stats.prompt_tokens > 0 and stats.decode_s > 0
