@@ -391,7 +391,7 @@ def run(
         try:
             import ray  # noqa: F401
         except ImportError:
-            _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
+            _fail("--ray needs Ray: pip install 'chunkgen[ray]'")
     if part is not None and queries == "-":
         _usage("--shard", "plans over the whole file before it runs: give --queries a file, not standard input")
     fmt, items = _read_items(queries, template, fmt, defaults, id_field)

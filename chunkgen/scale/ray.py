@@ -337,7 +337,7 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
     capacity = 2 * max(64, 4 * llm_kwargs.get("max_batch", 32))  # twice what a worker's engine takes in at once
     pool: _Pool | None = None  # started at the first row to answer: a finished job loads no model
     try:
-        for row in triage(items, writer, counts):
+        for n, row in enumerate(triage(items, writer, counts)):
             if should_stop():
                 break
             if pool is None:
@@ -346,7 +346,8 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
                     on_start(shape)
             while pool.route(row) is None:
                 pool.collect(timeout=None)
-            pool.collect(timeout=0)
+            if n % SEND_ROWS == SEND_ROWS - 1:  # write what is ready as we go
+                pool.collect(timeout=0)
         if pool:
             pool.finish()
             while pool.unanswered and not should_stop():
