@@ -447,7 +447,7 @@ def _write_empty_shard(out: Path, queries: str, part, loads: list[int], resume: 
     if json_log:
         summary = JobSummary(requests=0, skipped=0, errors=0, changed=0, prompt_tokens=0, cached_tokens=0,
                              completion_tokens=0, wall_s=0.0, prefill_s=0.0, decode_s=0.0, kv_peak_bytes=0,
-                             kv_unshared_peak_bytes=0)
+                             kv_unshared_peak_bytes=0, workers=0, model_loads=0)
         print(json.dumps({"event": "summary", **summary.__dict__}), file=sys.stderr, flush=True)
 
 

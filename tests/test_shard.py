@@ -129,7 +129,7 @@ def test_a_shard_with_no_rows_writes_an_empty_file_without_loading_the_model(tin
     assert out.exists() and out.read_text() == "" and not out.with_name(out.name + ".lock").exists()
     assert "none of the 5 rows" in res.output and "3, 2, 0, 0" in res.output
     summary = json.loads([l for l in res.output.splitlines() if l.startswith('{"event": "summary"')][-1])
-    assert summary["requests"] == 0
+    assert summary["requests"] == 0 and summary["model_loads"] == 0
     again = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--shard", "3/4", "--resume")
     assert again.exit_code == 0 and out.read_text() == ""
 

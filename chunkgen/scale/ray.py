@@ -344,8 +344,8 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
                 pool = _Pool(shape, llm_kwargs, writer, counts, capacity)
                 if on_start:
                     on_start(shape)
-            while pool.route(row) is None:
-                pool.collect(timeout=None)
+            while pool.route(row) is None and not should_stop():
+                pool.collect(timeout=None)  # every worker this row could go to is full
             if n % SEND_ROWS == SEND_ROWS - 1:  # write what is ready as we go
                 pool.collect(timeout=0)
         if pool:
