@@ -11,7 +11,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
-from chunkgen.scale.ray import CRASH_AFTER_ENV, WorkerShape, actor_options, plan_workers  # noqa: E402
+from chunkgen.scale.ray import CRASH_AFTER_ENV, WorkerShape, actor_options, choose_worker, plan_workers  # noqa: E402
 from tests.test_cli import PROMPTS, base_args, records, run_cli  # noqa: E402
 
 
@@ -31,6 +31,15 @@ def test_workers_are_sized_from_the_cluster():
     assert plan_workers("cpu", 1, {"CPU": 64.0}, [32.0, 32.0]).num_cpus == 32.0  # no more than one machine has
     cpu = actor_options(plan_workers("cpu", 2, {"CPU": 2.0}, [2.0]), {"CHUNKGEN_FAULT_X": "1"})
     assert cpu["num_gpus"] == 0 and cpu["runtime_env"] == {"env_vars": {"CHUNKGEN_FAULT_X": "1"}}
+
+
+def test_a_group_goes_to_the_worker_holding_its_prefix():
+    assert choose_worker([], [5, 2, 9], capacity=10) == 1  # a new group: the least-loaded worker
+    assert choose_worker([2], [0, 0, 9], capacity=10) == 2  # its holder, though others are idle
+    assert choose_worker([0, 2], [7, 0, 3], capacity=10) == 2  # the least-loaded holder
+    assert choose_worker([0], [10, 4, 6], capacity=10) == 1  # holder full: a worker at most half full
+    assert choose_worker([0], [10, 6, 7], capacity=10) is None  # ...else wait for the holder
+    assert choose_worker([], [10, 10], capacity=10) is None  # everyone full: wait
 
 
 @pytest.fixture(scope="module")

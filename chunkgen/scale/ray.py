@@ -73,6 +73,17 @@ def plan_workers(device: str, requested: int | None, cluster: dict[str, float],
     return WorkerShape(count, per, 0, max(1, int(per)))
 
 
+def choose_worker(held: list[int], loads: list[int], capacity: int) -> int | None:
+    """Where a row of a prefix group goes: the least-loaded of the workers holding its prefix; a new
+    group to the least-loaded worker; and when the group's holders are full, another worker that is
+    at most half full (one more prefill of the prefix keeps it busy). None: wait for answers."""
+    with_room = [w for w in held if loads[w] < capacity]
+    if with_room:
+        return min(with_room, key=lambda w: (loads[w], w))
+    w = min(range(len(loads)), key=lambda i: (loads[i], i))
+    return w if loads[w] < (capacity // 2 if held else capacity) else None
+
+
 def actor_options(shape: WorkerShape, env: dict[str, str]) -> dict[str, Any]:
     """What each engine actor asks Ray for. Calls may run side by side: the driver's submit while a
     collect waits for answers."""
@@ -229,20 +240,13 @@ class _Pool:
 
     # -- routing ------------------------------------------------------------------------------
     def route(self, row: Row) -> int | None:
-        """The worker for this row, or None while every worker that should take it is full.
-
-        A group goes to the least-loaded worker holding its prefix; to a new worker when it has none
-        (the least-loaded), or when its holders are full and another worker is at most half full
-        (one more prefill of the prefix keeps that worker busy)."""
+        """The worker for this row (now sent, or queued to be), or None while its workers are full."""
         key = group_digest(row[1])
         held = self.holders.get(key, [])
-        with_room = [w for w in held if self.slots[w].load < self.capacity]
-        if with_room:
-            w = min(with_room, key=lambda i: self.slots[i].load)
-        else:
-            w = min(range(len(self.slots)), key=lambda i: self.slots[i].load)
-            if self.slots[w].load >= (self.capacity // 2 if held else self.capacity):
-                return None
+        w = choose_worker(held, [s.load for s in self.slots], self.capacity)
+        if w is None:
+            return None
+        if w not in held:
             self.holders[key] = held + [w]
         self.holders.move_to_end(key)
         if len(self.holders) > GROUPS_REMEMBERED:
