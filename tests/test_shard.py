@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkgen.engine import SamplingParams
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.scale.groups import prefix_group_key
-from chunkgen.scale.shard import WHOLE_GROUP_ROWS, Shard, plan_groups, plan_items
+from chunkgen.scale.shard import WHOLE_GROUP_ROWS, plan_groups, plan_items
 from tests.test_cli import PROMPTS, base_args, records, run_cli
 
 group_sizes = st.lists(st.integers(1, 400), min_size=0, max_size=40)

@@ -13,7 +13,7 @@ import heapq
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, TypeVar
 
 from chunkgen.jobs.requests import ErrorRecord, Job
