@@ -557,9 +557,9 @@ def run(
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
-    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (split by prompt prefix)."),
-    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster with Ray Data (needs: pip install 'chunkgen[ray]')."),
-    workers: int = typer.Option(2, min=1, metavar="N", help="With --ray: engine actors."),
+    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
+    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
+    workers: Optional[int] = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
     ray_address: Optional[str] = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
@@ -603,13 +603,23 @@ def run(
         try:
             import ray  # noqa: F401
         except ImportError:
-            _fail("--ray needs Ray Data: pip install 'chunkgen[ray]'")
+            _fail("--ray needs Ray: pip install 'chunkgen[ray]'")
+    if part is not None and queries == "-":
+        _usage("--shard", "plans over the whole file before it runs: give --queries a file, not standard input")
     _check_not_empty(queries)
+    plan = None
+    if part is not None:
+        from chunkgen.scale.shard import plan_items
+
+        fmt, planned, _, _ = _read_items(queries, template, fmt, defaults, id_field)
+        plan = plan_items(planned, part.count)
+        if not plan.rows(part.index):
+            return _write_empty_shard(out, queries, part, plan.loads, resume, json_log)
     # Ray groups rows by prefix on the cluster; the prefix order is a local run's.
     fmt, items, templates, prefix_order = _read_items(queries, template, fmt, defaults, id_field,
                                                       prefix_order=order == "prefix" and not use_ray)
-    if part is not None:
-        items = (item for item in items if part.owns(item))
+    if plan is not None:
+        items = plan.select(items, part.index)
     model_dir = _resolve(model)
     _check_budget(model_dir, chunk_size, dtype, device, budget)
     _check_templates_fit(templates, model_dir)
@@ -629,7 +639,7 @@ def run(
         for note in writer.notes:
             err.print(f"note: {note}", highlight=False)
         if use_ray:
-            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, stop_flag)
+            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, device, stop_flag)
         else:
             summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log,
                                  prefix_order)
@@ -654,6 +664,29 @@ def run(
         _fail("standard input held no rows; nothing was run")
     # A signal that came after every row had its record (during the final rewrite) stopped nothing.
     _report(summary, out, quiet, json_log, stop_flag.signum if summary.interrupted else None)
+
+
+def _write_empty_shard(out: Path, queries: str, part, loads: list[int], resume: bool, json_log: bool) -> None:
+    """A shard the plan gave no rows: its (empty) output file, so a collect step finds every shard's."""
+    from chunkgen.jobs.lock import OutputLock, OutputLocked
+    from chunkgen.jobs.run import JobSummary
+
+    try:
+        with OutputLock(out):
+            if out.exists() and out.stat().st_size and not resume:
+                _fail(f"{out} already has results; pass --resume to continue it, or choose another --out")
+            out.touch()
+    except OutputLocked as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}")
+    err.print(f"shard {part.index}/{part.count}: none of the {sum(loads)} rows of {queries} fall to this shard "
+              f"(rows per shard: {', '.join(map(str, loads))}); wrote an empty {out}", highlight=False)
+    if json_log:
+        summary = JobSummary(requests=0, skipped=0, errors=0, changed=0, prompt_tokens=0, cached_tokens=0,
+                             completion_tokens=0, wall_s=0.0, prefill_s=0.0, decode_s=0.0, kv_peak_bytes=0,
+                             kv_unshared_peak_bytes=0, workers=0, model_loads=0)
+        print(json.dumps({"event": "summary", **summary.as_dict()}), file=sys.stderr, flush=True)
 
 
 def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _StopFlag, quiet: bool, json_log: bool,
@@ -695,6 +728,9 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
                       + (f", {summary.prefilled_tokens} computed" if summary.prefilled_tokens else ""))
         if summary.order == "prefix":
             table.add_row("order", f"prefix (every row keyed first: {summary.order_s:.1f} s)")
+        if summary.workers > 1 or summary.model_loads != 1:
+            table.add_row("workers (model loads)", f"{summary.workers} ({summary.model_loads})")
+            table.add_row("peak KV memory per worker", ", ".join(map(_human, summary.kv_peak_bytes_per_worker)))
         if summary.constrained:
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
@@ -719,13 +755,23 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
         raise typer.Exit(EXIT_BAD_INPUT_LINES)
 
 
-def _run_ray(items, writer, llm_kwargs: dict, workers: int, address: Optional[str], stop_flag: _StopFlag):
+def _run_ray(items, writer, llm_kwargs: dict, workers: Optional[int], address: Optional[str], device: str,
+             stop_flag: _StopFlag):
     from chunkgen.scale.ray import run_on_ray
 
+    def started(shape) -> None:
+        err.print(f"ray: {shape.count} workers, each with {shape.num_cpus:g} CPU(s)"
+                  + (f" and {shape.num_gpus} GPU" if shape.num_gpus else ""), highlight=False)
+
     t0 = time.perf_counter()
-    summary = run_on_ray(items, writer, llm_kwargs, workers, address=address, should_stop=stop_flag)
+    try:
+        summary = run_on_ray(items, writer, llm_kwargs, workers, address=address, device=device,
+                             should_stop=stop_flag, on_start=started)
+    except (ValueError, RuntimeError) as exc:
+        _fail(str(exc))
     err.print(f"ray: {summary.requests} answered, {summary.skipped} already done, {summary.errors} error record(s); "
-              f"{time.perf_counter() - t0:.1f} s with {workers} workers", highlight=False)
+              f"{time.perf_counter() - t0:.1f} s with {summary.workers} workers, {summary.model_loads} model loads",
+              highlight=False)
     return summary
 
 

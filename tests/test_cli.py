@@ -176,31 +176,6 @@ def test_template_directory_forms_a_forest_and_ordered_output(tiny_model, tmp_pa
     assert recs[-1]["usage"]["cached_tokens"] > 0 and recs[-2]["usage"]["cached_tokens"] > 0
 
 
-def test_shards_split_by_prefix_and_cover_every_line_once(tiny_model, tmp_path):
-    queries = tmp_path / "mixed.jsonl"
-    rows = []
-    for i in range(3):
-        for name in ("arithmetic_cot", "document_qa", "tool_dispatcher"):
-            field = "request" if name == "tool_dispatcher" else "question"
-            rows.append({"id": f"{name}-{i}", "template": name, field: f"item {i}"})
-    lines = [json.dumps(r) for r in rows] + ["not json"]
-    queries.write_text("\n".join(lines) + "\n")
-    outs = []
-    for k in range(3):
-        out = tmp_path / f"shard{k}.jsonl"
-        res = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--shard", f"{k}/3",
-                      "--max-new-tokens", "2")
-        assert res.exit_code in (0, EXIT_BAD_INPUT_LINES), res.output
-        outs.append(records(out) if out.exists() else [])
-    ids = [r.get("id") or f"line:{r['line']}" for recs in outs for r in recs]
-    assert sorted(ids) == sorted([r["id"] for r in rows] + ["line:10"])  # each exactly once
-    for recs in outs:  # a template's rows never straddle shards
-        for name in {r["template"] for r in recs if "template" in r}:
-            assert sum(r.get("template") == name for r in recs) == 3
-    bad = run_cli(*base_args(tiny_model, tmp_path / "x.jsonl", queries=queries, template=PROMPTS), "--shard", "3/3")
-    assert bad.exit_code == 2 and "i/N" in bad.output
-
-
 def test_bench_kernel_quick_rows_and_refusals(tmp_path):
     import torch
 

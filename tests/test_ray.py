@@ -1,55 +1,160 @@
-"""Ray Data scale-out on a local cluster: same records as a local run, and a worker that dies
-mid-job is retried without losing or duplicating records."""
+"""Ray scale-out on a local cluster: the same records as a local run, workers that live for the
+whole job (one model load each), a worker killed mid-group replaced without losing or doubling a
+record, the output lock held under --ray, and the resources workers ask for."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
+from chunkgen.scale.ray import CRASH_AFTER_ENV, WorkerShape, actor_options, choose_worker, plan_workers  # noqa: E402
 from tests.test_cli import PROMPTS, base_args, records, run_cli  # noqa: E402
 
 
-@pytest.fixture
-def local_ray(tmp_path):
-    """A local 2-CPU cluster whose workers crash once (the marker file records that they did)."""
-    marker = tmp_path / "crashed"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"CHUNKGEN_FAULT_CRASH_ONCE": str(marker)}})
-    yield marker
+def test_workers_are_sized_from_the_cluster():
+    gpus = plan_workers("cuda", None, {"CPU": 16.0, "GPU": 4.0}, [16.0])
+    assert gpus == WorkerShape(count=4, num_cpus=1.0, num_gpus=1, threads=1)
+    assert actor_options(gpus, {})["num_gpus"] == 1
+    assert plan_workers("cuda:0", 2, {"CPU": 1.0, "GPU": 4.0}, [1.0]) == WorkerShape(2, 0.5, 1, 1)
+    with pytest.raises(ValueError, match="needs 5 GPUs; the Ray cluster has 4"):
+        plan_workers("cuda", 5, {"CPU": 16.0, "GPU": 4.0}, [16.0])
+    with pytest.raises(ValueError, match="no GPUs"):
+        plan_workers("cuda", None, {"CPU": 16.0}, [16.0])
+    assert plan_workers("cpu", None, {"CPU": 2.0}, [2.0]) == WorkerShape(2, 1.0, 0, 1)
+    assert plan_workers("cpu", 1, {"CPU": 2.0}, [2.0]) == WorkerShape(1, 2.0, 0, 2)
+    assert plan_workers("cpu", 4, {"CPU": 2.0}, [2.0]) == WorkerShape(4, 0.5, 0, 1)
+    assert plan_workers("cpu", 3, {"CPU": 2.0}, [2.0]).num_cpus == 0.66  # rounded down: all three fit
+    assert plan_workers("cpu", 1, {"CPU": 64.0}, [32.0, 32.0]).num_cpus == 32.0  # no more than one machine has
+    cpu = actor_options(plan_workers("cpu", 2, {"CPU": 2.0}, [2.0]), {"CHUNKGEN_FAULT_X": "1"})
+    assert cpu["num_gpus"] == 0 and cpu["runtime_env"] == {"env_vars": {"CHUNKGEN_FAULT_X": "1"}}
+
+
+def test_a_group_goes_to_the_worker_holding_its_prefix():
+    assert choose_worker([], [5, 2, 9], capacity=10) == 1  # a new group: the least-loaded worker
+    assert choose_worker([2], [0, 0, 9], capacity=10) == 2  # its holder, though others are idle
+    assert choose_worker([0, 2], [7, 0, 3], capacity=10) == 2  # the least-loaded holder
+    assert choose_worker([0], [10, 4, 6], capacity=10) == 1  # holder full: a worker at most half full
+    assert choose_worker([0], [10, 6, 7], capacity=10) is None  # ...else wait for the holder
+    assert choose_worker([], [10, 10], capacity=10) is None  # everyone full: wait
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
     ray.shutdown()
 
 
-def mixed_queries(tmp_path):
-    queries = tmp_path / "mixed.jsonl"
-    rows = []
-    for i in range(3):
-        rows.append({"id": f"m{i}", "template": "arithmetic_cot", "question": f"What is {i} + 1?"})
-        rows.append({"id": f"d{i}", "template": "document_qa", "question": f"Question {i}?"})
-    queries.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    return queries
+def summary_of(output: str) -> dict:
+    return json.loads([l for l in output.splitlines() if l.startswith('{"event": "summary"')][-1])
 
 
-def test_ray_run_equals_local_run_and_survives_a_crashed_worker(tiny_model, tmp_path, local_ray, monkeypatch):
+def key(r: dict) -> str:
+    return r.get("id") or f"line:{r['line']}"
+
+
+def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(tiny_model, tmp_path, local_cluster,
+                                                                              monkeypatch):
     import chunkgen.scale.ray as scale_ray
+    from chunkgen.jobs.lock import OutputLocked
+    from chunkgen.jobs.results import ResultWriter
 
-    monkeypatch.setattr(scale_ray, "WINDOW_ROWS", 4)  # the driver holds 4 rows at a time: two windows
-    marker = local_ray
-    queries = mixed_queries(tmp_path)
-    local = tmp_path / "local.jsonl"
-    assert run_cli(*base_args(tiny_model, local, queries=queries, template=PROMPTS)).exit_code == 3
+    queries = tmp_path / "mixed.jsonl"
+    rows = [{"id": f"m{i}", "template": "arithmetic_cot", "question": f"What is {i} + 1?"} for i in range(10)]
+    rows += [{"id": f"d{i}", "template": "document_qa", "question": f"Question {i}?"} for i in range(3)]
+    queries.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    args = [*base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=PROMPTS),
+            "--max-batch", "2", "--max-new-tokens", "4"]
+    assert run_cli(*args).exit_code == 3
+    want = {key(r): r.get("text") for r in records(tmp_path / "local.jsonl")}
+
+    marker = tmp_path / "crashed"
+    monkeypatch.setenv(CRASH_AFTER_ENV, f"2:{marker}")  # one worker dies once, after handing back 2 records
     dist = tmp_path / "ray.jsonl"
-    res = run_cli(*base_args(tiny_model, dist, queries=queries, template=PROMPTS), "--ray", "--workers", "2")
+    real_run, locked = scale_ray.run_on_ray, []
+
+    def run_while_checking_the_lock(*a, **kw):  # the writer holds --out for the whole Ray run
+        with pytest.raises(OutputLocked, match="being written by another chunkgen run"):
+            ResultWriter(dist, "template", "tiny", resume=True)
+        locked.append(True)
+        return real_run(*a, **kw)
+
+    monkeypatch.setattr(scale_ray, "run_on_ray", run_while_checking_the_lock)
+    args[args.index("--out") + 1] = str(dist)
+    res = run_cli(*args, "--ray", "--workers", "2", "--json-log")
     assert res.exit_code == 3, res.output
-    assert marker.exists(), "the fault was not injected"
-    got, want = records(dist), records(local)
-    key = lambda r: r.get("id") or f"line:{r['line']}"  # noqa: E731
-    assert sorted(map(key, got)) == sorted(map(key, want))  # every record exactly once
-    by_id = {key(r): r for r in want}
-    for r in got:
-        assert r.get("text") == by_id[key(r)].get("text")
-    again = run_cli(*base_args(tiny_model, dist, queries=queries, template=PROMPTS), "--ray", "--resume")
-    # resume: nothing left to answer; the bad line is reported again (its record replaced, not doubled)
-    assert again.exit_code == 3 and "0 answered" in again.output
-    assert sorted(map(key, records(dist))) == sorted(map(key, got))
+    assert locked and not dist.with_name(dist.name + ".lock").exists()
+    handed = json.loads(marker.read_text())  # the input indexes the dead worker's records were written for
+    assert len(handed) >= 2
+    got = records(dist)
+    assert sorted(map(key, got)) == sorted(want)  # every record exactly once
+    assert {key(r): r.get("text") for r in got} == want
+    group = rows[handed[0]]["template"]  # killed mid-group: rows of that group were answered after it died
+    assert sum(r["template"] == group for r in rows) > sum(rows[i]["template"] == group for i in handed)
+    summary = summary_of(res.output)
+    assert summary["workers"] == 2 and summary["model_loads"] == 3 and summary["requests"] == 13
+    assert summary["prefill_s"] > 0 and len(summary["kv_peak_bytes_per_worker"]) == 3
+    again = run_cli(*args, "--ray", "--resume", "--json-log")
+    # resume: nothing left to answer (no worker started); the bad line is reported again (replaced, not doubled)
+    assert again.exit_code == 3 and "0 answered" in again.output and summary_of(again.output)["model_loads"] == 0
+    assert sorted(map(key, records(dist))) == sorted(want)
+
+
+def test_a_long_run_loads_the_model_once_per_worker(tiny_model, tmp_path, local_cluster):
+    """More rows than the old 16,384-row windows: two workers, two model loads, a local run's answers."""
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "a.toml").write_text('name = "short_a"\nsystem = "You answer in one word."\nuser = "Q: {question}"\n')
+    (templates / "b.toml").write_text('name = "short_b"\nsystem = "You reply with one token."\nuser = "{question}?"\n')
+    queries = tmp_path / "many.jsonl"
+    n = 16_500
+    queries.write_text("".join(json.dumps({"id": f"r{i}", "template": "short_b" if i % 3 == 0 else "short_a",
+                                           "question": str(i)}) + "\n" for i in range(n)))
+    args = [*base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=templates),
+            "--max-new-tokens", "1", "--max-batch", "64", "--json-log"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of the two workers runs on this 2-core machine
+    try:
+        local = run_cli(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert local.exit_code == 0, local.output
+    args[args.index("--out") + 1] = str(tmp_path / "ray.jsonl")
+    res = run_cli(*args, "--ray", "--workers", "2")
+    assert res.exit_code == 0, res.output
+    summary = summary_of(res.output)
+    assert summary["model_loads"] == 2 and summary["workers"] == 2 and summary["requests"] == n
+    assert summary["cache_hit_rate"] > 0.5 and min(summary["kv_peak_bytes_per_worker"]) > 0
+    got = {r["id"]: r["text"] for r in records(tmp_path / "ray.jsonl")}
+    assert len(got) == n and got == {r["id"]: r["text"] for r in records(tmp_path / "local.jsonl")}
+
+
+def test_an_engine_worker_answers_rows_sent_after_its_finish_call(tiny_model):
+    """A threaded actor's calls may run out of order: `finish(n)` waits for all n rows; rows of a
+    second group join the engine while the first decodes (in-process, no cluster)."""
+    from chunkgen.engine import SamplingParams
+    from chunkgen.jobs.requests import Job
+    from chunkgen.scale.ray import EngineWorker
+
+    worker = EngineWorker(dict(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=4), "template",
+                          "tiny", threads=1)
+
+    def job(i: int, system: str, new: int) -> tuple[int, Job]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]
+        return i, Job(f"r{i}", i + 1, messages, SamplingParams(max_new_tokens=new, temperature=0.0))
+
+    worker.submit([job(i, "first prompt " * 10, 24) for i in range(3)])
+    worker.finish(6)  # before the last rows arrive
+    got = worker.collect(0.0)[0]  # the first group is in the engine now
+    worker.submit([job(i, "second prompt " * 10, 2) for i in range(3, 6)])  # while the first decodes
+    deadline = time.monotonic() + 120
+    while len(got) < 6 and time.monotonic() < deadline:
+        got += worker.collect(0.5)[0]
+    assert sorted(i for i, _, _ in got) == list(range(6))
+    assert {i for i, _, _ in got[:3]} & {3, 4, 5}, "the second group waited for the first to finish"
+    stats = worker.collect(0.1)[1]
+    assert stats.prompt_tokens > 0 and stats.decode_s > 0

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from chunkgen.engine import Engine, Request, Result
+from chunkgen.engine.engine import EngineStats
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
 
@@ -80,6 +81,9 @@ class JobSummary:
     order: str = "input"  # the order rows were answered in: input, or prefix
     order_s: float = 0.0  # of wall_s, the prefix-order pass that keys every row before the first runs
     dtype: str = ""  # what the model ran in and why, e.g. "bf16 (auto: the CPU has native bf16 arithmetic (AMX))"
+    workers: int = 1  # engines that answered (Ray actors; 1 for a local run)
+    model_loads: int = 1  # a Ray worker that died and was replaced loads the model again
+    kv_peak_bytes_per_worker: list[int] = field(default_factory=list)  # kv_peak_bytes is their largest
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +96,28 @@ class JobSummary:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "cache_hit_rate": self.cache_hit_rate, "tokens_per_s": self.tokens_per_s}
+
+
+def cache_hit_rate(stats: EngineStats) -> float:
+    return 1 - stats.prefilled_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+
+
+def summarize(counts: JobCounts, engines: list[EngineStats], changed: int, wall_s: float, interrupted: bool,
+              workers: int = 1) -> JobSummary:
+    """The run's summary from its engines' stats: the one engine of a local run, or every Ray worker's
+    (times and tokens added up, KV peaks per worker; one engine per model load, a replaced worker's too)."""
+    total = EngineStats(prompt_tokens=sum(s.prompt_tokens for s in engines),
+                        prefilled_tokens=sum(s.prefilled_tokens for s in engines))
+    peaks = [s.kv_peak_bytes for s in engines]
+    return JobSummary(
+        requests=counts.answered, skipped=counts.skipped, errors=counts.failed, changed=changed,
+        prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
+        completion_tokens=counts.completion_tokens, wall_s=wall_s, prefill_s=sum(s.prefill_s for s in engines),
+        decode_s=sum(s.decode_s for s in engines), kv_peak_bytes=max(peaks, default=0),
+        kv_unshared_peak_bytes=max((s.kv_unshared_peak_bytes for s in engines), default=0),
+        constrained=counts.constrained, matched=counts.matched, interrupted=interrupted, workers=workers,
+        model_loads=len(engines), prefilled_tokens=total.prefilled_tokens, kv_peak_bytes_per_worker=peaks,
+    )
 
 
 def triage(items: Iterable[Job | ErrorRecord], writer: ResultWriter, counts: JobCounts) -> Iterator[tuple[int, Job]]:
@@ -118,7 +144,9 @@ def answer(engine: Engine, encode: Encode, fmt: RecordFormat, jobs: Iterable[tup
            window: int = 256, should_stop: Callable[[], bool] = never,
            on_step: Callable[[], None] | None = None) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
-    fewer than `window` wait, so the engine is never starved and the rest of the file stays unread."""
+    fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
+    A source may yield None for "nothing ready yet, more to come" (a Ray worker between deliveries):
+    the engine steps on with what it has."""
     source = iter(jobs)
     pending: dict[int, Job] = {}
     exhausted = False
@@ -127,7 +155,12 @@ def answer(engine: Engine, encode: Encode, fmt: RecordFormat, jobs: Iterable[tup
             batch: list[Request] = []
             want = window - engine.num_waiting
             taken = 0
-            for index, job in itertools.islice(source, want):
+            idle = False
+            for item in itertools.islice(source, want):
+                if item is None:
+                    idle = True
+                    break
+                index, job = item
                 taken += 1
                 try:
                     tokens = encode(job.messages, job.data)
@@ -137,7 +170,7 @@ def answer(engine: Engine, encode: Encode, fmt: RecordFormat, jobs: Iterable[tup
                     continue
                 batch.append(Request(index, tokens, job.params))
                 pending[index] = job
-            exhausted = taken < want
+            exhausted = taken < want and not idle
             if batch:
                 engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
         if not engine.has_work:
@@ -175,7 +208,7 @@ def run_job(
                 done=counts.answered + counts.failed + counts.skipped, total=total, errors=counts.failed,
                 generated_tokens=s.generated_tokens, elapsed_s=time.perf_counter() - t0,
                 running=engine.num_running, kv_used_bytes=engine.pool.used_bytes,
-                cache_hit_rate=1 - s.prefilled_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                cache_hit_rate=cache_hit_rate(s),
             ))
 
     jobs = triage(items, writer, counts)
@@ -191,13 +224,7 @@ def run_job(
             counts.add_usage(lambda name: getattr(a.result, name))
     interrupted = should_stop()
     writer.close(complete=not interrupted)
-    s = engine.stats
-    return JobSummary(
-        requests=counts.answered, skipped=counts.skipped, errors=counts.failed, changed=len(writer.changed),
-        prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
-        completion_tokens=counts.completion_tokens, wall_s=time.perf_counter() - t0, prefill_s=s.prefill_s,
-        decode_s=s.decode_s, kv_peak_bytes=s.kv_peak_bytes, kv_unshared_peak_bytes=s.kv_unshared_peak_bytes,
-        constrained=counts.constrained, matched=counts.matched, interrupted=interrupted,
-        prefilled_tokens=s.prefilled_tokens, order="input" if order is None else "prefix",
-        order_s=0.0 if order is None else order.stats.seconds,
-    )
+    summary = summarize(counts, [engine.stats], len(writer.changed), time.perf_counter() - t0, interrupted)
+    if order is not None:
+        summary.order, summary.order_s = "prefix", order.stats.seconds
+    return summary

@@ -1,119 +1,365 @@
-"""One job over a Ray cluster with Ray Data: rows are grouped by prompt prefix (template, or system
-messages), each group goes whole to one stateful engine actor, so a shared prefix is prefilled on
-one worker only; the driver streams every record into the same output file a local run writes,
-with the same error records and resume."""
+"""One job over a Ray cluster: engine actors that live for the whole job.
+
+Each worker is one Ray actor, created once: it loads the model once and keeps its prefix cache for
+the whole job. The driver reads the rows as a stream, triages them (bad rows, resume) and sends
+each to a worker: a prefix group to a worker that already holds its prefix, a new group to the
+least-loaded worker. No worker holds more than `capacity` rows unanswered, and the driver waits for
+answers before reading on, so memory stays bounded at any file size. Inside an actor a thread runs
+the same `answer` loop as a local run over an inbox the driver keeps filling: the next group's rows
+enter the engine while the previous group decodes. The driver writes every record; a worker that
+dies is replaced and the rows it had not answered are sent again, so nothing is lost or doubled.
+"""
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import json
 import os
+import queue
+import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from chunkgen.engine import SamplingParams
+from chunkgen.engine.engine import EngineStats
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
-from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, triage
-from chunkgen.scale.shard import prefix_key
+from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, summarize, triage
+from chunkgen.scale.groups import group_digest
 
-CRASH_ONCE_ENV = "CHUNKGEN_FAULT_CRASH_ONCE"  # fault injection for tests: a marker file path
+# Fault injection for tests: "N:PATH" makes one worker die once (PATH records it) on the call after
+# it handed back N records, with the rest of its rows unanswered. Forwarded from the driver's environment.
+CRASH_AFTER_ENV = "CHUNKGEN_FAULT_CRASH_AFTER"
+COLLECT_WAIT_S = 1.0  # a worker answers a collect call at the latest this long after it was made
+SEND_ROWS = 32  # rows sent to a worker in one call
+MAX_REPLACEMENTS = 3  # workers replaced in one job before it stops (the records written are kept)
+GROUPS_REMEMBERED = 65536  # prefix groups whose workers the driver remembers (least recently used dropped)
+DEFAULT_CPU_WORKERS = 2
+
+Row = tuple[int, Job]  # (index in the input, row)
+Answered = tuple[int, dict, tuple[int, ...]]  # (index, record, USAGE counts)
 
 
-def _encode_job(job: Job) -> str:
-    return json.dumps({"id": job.id, "line": job.line, "messages": job.messages, "data": job.data,
-                       "params": job.params.as_dict(), "template": job.template})
+@dataclass(frozen=True)
+class WorkerShape:
+    """How many engine actors, and what each asks the cluster for."""
+    count: int
+    num_cpus: float
+    num_gpus: int
+    threads: int  # torch threads in each actor
 
 
-def _decode_job(text: str) -> Job:
-    d = json.loads(text)
-    return Job(d["id"], d["line"], d["messages"], SamplingParams(**d["params"]), d["template"], tuple(d["data"]))
+def plan_workers(device: str, requested: int | None, cluster: dict[str, float],
+                 node_cpus: list[float]) -> WorkerShape:
+    """Workers sized from the cluster's resources: on GPUs one per GPU (unless fewer are asked for);
+    on CPUs the cluster's cores shared out, no worker asking for more than the largest machine has."""
+    cpus = cluster.get("CPU", 0.0)
+    if device.startswith("cuda"):
+        gpus = int(cluster.get("GPU", 0))
+        if gpus < 1:
+            raise ValueError("--device cuda: the Ray cluster has no GPUs (`ray status` lists its resources)")
+        count = requested or gpus
+        if count > gpus:
+            raise ValueError(f"--workers {count} with --device cuda needs {count} GPUs; the Ray cluster has {gpus}")
+        # The GPU does the work; a CPU share small enough that every GPU's actor fits.
+        per = min(1.0, cpus / count) if cpus else 0.0
+        return WorkerShape(count, _share(per), 1, 1)
+    count = requested or DEFAULT_CPU_WORKERS
+    if cpus <= 0:
+        raise ValueError("the Ray cluster has no CPUs to run workers on (`ray status` lists its resources)")
+    per = min(cpus / count, max(node_cpus, default=cpus))
+    per = float(int(per)) if per >= 1 else _share(per)  # whole cores, or a fraction of one
+    return WorkerShape(count, per, 0, max(1, int(per)))
 
 
-class GroupWorker:
-    """A Ray Data actor: one model and engine, kept across the groups it is given (its prefix
-    cache too). It runs the same `answer` loop as a local run."""
+def choose_worker(held: list[int], loads: list[int], capacity: int) -> int | None:
+    """Where a row of a prefix group goes: the least-loaded of the workers holding its prefix; a new
+    group to the least-loaded worker; and when the group's holders are full, another worker that is
+    at most half full (one more prefill of the prefix keeps it busy). None: wait for answers."""
+    with_room = [w for w in held if loads[w] < capacity]
+    if with_room:
+        return min(with_room, key=lambda w: (loads[w], w))
+    w = min(range(len(loads)), key=lambda i: (loads[i], i))
+    return w if loads[w] < (capacity // 2 if held else capacity) else None
 
-    def __init__(self, llm_kwargs: dict[str, Any], fmt: str, model_name: str) -> None:
+
+def actor_options(shape: WorkerShape, env: dict[str, str]) -> dict[str, Any]:
+    """What each engine actor asks Ray for. Calls may run side by side: the driver's submit while a
+    collect waits for answers."""
+    options: dict[str, Any] = {"num_cpus": shape.num_cpus, "num_gpus": shape.num_gpus, "max_concurrency": 4}
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
+def _share(cpus: float) -> float:
+    return max(0.01, int(cpus * 100) / 100)  # rounded down: the actors must fit the cluster
+
+
+class EngineWorker:
+    """A Ray actor: one model and engine for the whole job, answering the rows it is sent."""
+
+    def __init__(self, llm_kwargs: dict[str, Any], fmt: str, model_name: str, threads: int) -> None:
+        import torch
+
         from chunkgen.llm import LLM
 
+        torch.set_num_threads(threads)
         self.llm = LLM(**llm_kwargs)
         self.format = RecordFormat(fmt, model_name)
+        self.window = max(64, 4 * self.llm.engine.config.max_batch)
+        self.inbox: queue.Queue[Row | None] = queue.Queue()
+        self.rows_sent: int | None = None  # set when the driver has sent its last row
+        self.outbox: list[Answered] = []
+        self.done = threading.Condition()
+        self.failure: str | None = None
+        self.produced = 0
+        self.handed: list[int] = []
+        self.crash_after = _crash_fault()
+        self.resume = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
 
-    def __call__(self, batch):
-        import pandas as pd
+    def submit(self, rows: list[Row]) -> None:
+        for row in rows:
+            self.inbox.put(row)
 
-        marker = os.environ.get(CRASH_ONCE_ENV)
-        if marker and not Path(marker).exists():
-            Path(marker).write_text("crashed")
-            os._exit(1)  # die like a killed worker; Ray must retry this group elsewhere
-        jobs = [(int(i), _decode_job(j)) for group in batch["jobs"] for i, j in json.loads(group)]
-        answers = list(answer(self.llm.engine, self.llm.encode, self.format, jobs))
-        ok = [a.result if a.result is not None and a.result.error is None else None for a in answers]
-        return pd.DataFrame({"index": [a.index for a in answers],
-                             "record": [json.dumps(a.record) for a in answers],
-                             **{f: [getattr(r, f) if r else 0 for r in ok] for f in USAGE}})
+    def finish(self, rows_sent: int) -> None:
+        """No more rows after these: the engine thread ends once it has answered `rows_sent` rows.
+        (Calls to a threaded actor may run out of order: a submit can still be on its way.)"""
+        self.rows_sent = rows_sent
+        self.inbox.put(None)  # wakes the engine thread if it waits for rows
+
+    def collect(self, wait_s: float = COLLECT_WAIT_S) -> tuple[list[Answered], EngineStats]:
+        """The records finished since the last call (waiting up to wait_s for one), and the engine's stats."""
+        with self.done:
+            if not self.outbox and self.failure is None:
+                self.done.wait(wait_s)
+            if self.failure is not None:
+                raise RuntimeError(f"the engine failed: {self.failure}")
+            if self.crash_after and self.produced >= self.crash_after[0] and not self.outbox:
+                self._crash()
+            out, self.outbox = self.outbox, []
+            if self.crash_after:
+                self.handed += [i for i, _, _ in out]
+            stats = dataclasses.replace(self.llm.engine.stats, batch_sizes=[])
+        return out, stats
+
+    def _crash(self) -> None:
+        """Die like a killed machine, once per job: after the driver has this worker's first records."""
+        path = self.crash_after[1]
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:  # another worker took the fault: this one carries on
+            self.crash_after = None
+            self.resume.set()
+            return
+        path.write_text(json.dumps(self.handed))
+        os._exit(1)
+
+    def _rows(self):
+        """The inbox as `answer`'s source. While it is empty: None (nothing ready yet) when the engine
+        has work or rows were just taken, so those get answered; else wait for the driver."""
+        engine, taken, fresh = self.llm.engine, 0, False
+        while self.rows_sent is None or taken < self.rows_sent:
+            try:
+                row = self.inbox.get_nowait() if engine.has_work or fresh else self.inbox.get()
+            except queue.Empty:
+                fresh = False
+                yield None
+                continue
+            if row is not None:  # None: finish() woke us; the loop's condition decides
+                taken, fresh = taken + 1, True
+                yield row
+
+    def _run(self) -> None:
+        try:
+            for a in answer(self.llm.engine, self.llm.encode, self.format, self._rows(), self.window):
+                ok = a.result if a.result is not None and a.result.error is None else None
+                with self.done:
+                    self.outbox.append((a.index, a.record, tuple(getattr(ok, f) if ok else 0 for f in USAGE)))
+                    self.produced += 1
+                    self.done.notify_all()
+                if self.crash_after and self.produced >= self.crash_after[0]:
+                    self.resume.wait()  # the fault: answer nothing more; the next collect dies
+        except BaseException as exc:  # reported to the driver by the next collect
+            with self.done:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self.done.notify_all()
 
 
-# Rows grouped and sent to the cluster at a time: the driver holds one window, never the file. Each
-# window is one Ray Data run, so its workers load the model once per window: large enough that
-# the loads are a small share of the window's work.
-WINDOW_ROWS = 16384
+def _crash_fault() -> tuple[int, Path] | None:
+    spec = os.environ.get(CRASH_AFTER_ENV)
+    if not spec:
+        return None
+    n, path = spec.split(":", 1)
+    return None if Path(path).exists() else (int(n), Path(path))
+
+
+@dataclass
+class _Slot:
+    """One worker as the driver sees it: its actor, the rows it has not answered, its latest stats."""
+    actor: Any
+    unanswered: dict[int, Job] = field(default_factory=dict)  # sent or about to be
+    outgoing: list[Row] = field(default_factory=list)
+    sent: int = 0  # rows sent to the current actor
+    collecting: Any = None  # the pending collect call
+    stats: EngineStats | None = None  # None until it has loaded the model and answered a call
+    finished: bool = False
+
+    @property
+    def load(self) -> int:
+        return len(self.unanswered)
+
+
+class _Pool:
+    """The driver's side: the actors, routing, collecting answers and replacing dead workers."""
+
+    def __init__(self, shape: WorkerShape, llm_kwargs: dict[str, Any], writer: ResultWriter, counts: JobCounts,
+                 capacity: int) -> None:
+        import ray
+
+        self.ray = ray
+        env = {k: v for k, v in os.environ.items() if k.startswith("CHUNKGEN_FAULT_")}
+        self.actor_class = ray.remote(EngineWorker).options(**actor_options(shape, env))
+        if shape.num_gpus:
+            llm_kwargs = {**llm_kwargs, "device": "cuda"}  # each actor sees its own GPU as the first
+        self.args = (llm_kwargs, writer.fmt, writer.model_name, shape.threads)
+        self.writer, self.counts, self.capacity = writer, counts, capacity
+        self.slots = [_Slot(None) for _ in range(shape.count)]
+        for slot in self.slots:
+            self._start(slot)
+        self.retired: list[EngineStats] = []  # the last stats of workers that died
+        self.replacements = 0
+        self.holders: OrderedDict[bytes, list[int]] = OrderedDict()
+
+    def _start(self, slot: _Slot) -> None:
+        slot.actor = self.actor_class.remote(*self.args)  # loads the model; calls wait for it
+        slot.collecting = slot.actor.collect.remote()
+        slot.stats, slot.sent = None, 0
+
+    # -- routing ------------------------------------------------------------------------------
+    def route(self, row: Row) -> int | None:
+        """The worker for this row (now sent, or queued to be), or None while its workers are full."""
+        key = group_digest(row[1])
+        held = self.holders.get(key, [])
+        w = choose_worker(held, [s.load for s in self.slots], self.capacity)
+        if w is None:
+            return None
+        if w not in held:
+            self.holders[key] = held + [w]
+        self.holders.move_to_end(key)
+        if len(self.holders) > GROUPS_REMEMBERED:
+            self.holders.popitem(last=False)
+        slot = self.slots[w]
+        slot.unanswered[row[0]] = row[1]
+        slot.outgoing.append(row)
+        if len(slot.outgoing) >= SEND_ROWS:
+            self._send(slot)
+        return w
+
+    def _send(self, slot: _Slot) -> None:
+        if slot.outgoing:
+            slot.actor.submit.remote(slot.outgoing)
+            slot.sent += len(slot.outgoing)
+            slot.outgoing = []
+
+    def finish(self) -> None:
+        for slot in self.slots:
+            self._send(slot)
+            slot.actor.finish.remote(slot.sent)
+            slot.finished = True
+
+    # -- answers ------------------------------------------------------------------------------
+    @property
+    def unanswered(self) -> int:
+        return sum(s.load for s in self.slots)
+
+    def collect(self, timeout: float | None) -> None:
+        """Writes the records of every worker that has some (waiting up to `timeout` for one)."""
+        for slot in self.slots:
+            self._send(slot)
+        calls = {s.collecting: s for s in self.slots}
+        ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=timeout)
+        if ready:  # take whatever else is ready too
+            ready, _ = self.ray.wait(list(calls), num_returns=len(calls), timeout=0)
+        for ref in ready:
+            slot = calls[ref]
+            try:
+                answered, slot.stats = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError as exc:
+                self._replace(slot, exc)
+                continue
+            for index, record, usage in answered:
+                del slot.unanswered[index]
+                self.writer.write(record, index)
+                if is_error(record):
+                    self.counts.failed += 1
+                else:
+                    self.counts.answered += 1
+                    self.counts.add_usage(dict(zip(USAGE, usage)).__getitem__)
+            slot.collecting = slot.actor.collect.remote()
+
+    def _replace(self, slot: _Slot, exc: Exception) -> None:
+        """A dead worker: a new actor in its place, sent every row the old one had not answered."""
+        if slot.stats is None:  # it never loaded the model: another try would fail the same way
+            raise RuntimeError(f"a Ray worker failed to start: {exc}") from None
+        self.replacements += 1
+        if self.replacements > MAX_REPLACEMENTS:
+            raise RuntimeError(f"{self.replacements} Ray workers died in this job (last: {exc}); the records "
+                               "written so far are kept, and a rerun with --resume continues from them") from None
+        self.retired.append(slot.stats)
+        self._start(slot)
+        slot.outgoing = list(slot.unanswered.items())  # what was sent, and what was about to be
+        self._send(slot)
+        if slot.finished:
+            slot.actor.finish.remote(slot.sent)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            self.ray.kill(slot.actor)
+
+    def engine_stats(self) -> list[EngineStats]:
+        """The stats of every engine that loaded the model, the replaced ones too."""
+        return [s.stats for s in self.slots if s.stats is not None] + self.retired
 
 
 def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwargs: dict[str, Any],
-               workers: int, cpus_per_worker: float | None = None, address: str | None = None,
-               max_group: int = 256, should_stop: Callable[[], bool] = never) -> JobSummary:
-    """Run the job on Ray Data. Bad rows and resume are handled on the driver (`triage`), answers on
-    the workers (`answer`), every record written by the driver's writer.
-
-    Rows are grouped here, on the driver, a window at a time into one dataset row per prefix group
-    (split every `max_group` queries so one template can still use every worker): no shuffle stage
-    competes with the engine actors for CPUs."""
-    t0 = time.perf_counter()
-    counts = JobCounts()
-    pending = triage(items, writer, counts)
-    while not should_stop():
-        window = list(itertools.islice(pending, WINDOW_ROWS))
-        if not window:
-            break
-        _run_window(window, writer, llm_kwargs, workers, cpus_per_worker, address, max_group, should_stop, counts)
-    writer.close()
-    wall = time.perf_counter() - t0
-    return JobSummary(requests=counts.answered, skipped=counts.skipped, errors=counts.failed,
-                      changed=len(writer.changed), prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
-                      completion_tokens=counts.completion_tokens, wall_s=wall, prefill_s=0.0, decode_s=0.0,
-                      kv_peak_bytes=0, kv_unshared_peak_bytes=0, constrained=counts.constrained,
-                      matched=counts.matched, interrupted=should_stop())
-
-
-def _run_window(window: list[tuple[int, Job]], writer: ResultWriter, llm_kwargs: dict[str, Any], workers: int,
-                cpus_per_worker: float | None, address: str | None, max_group: int,
-                should_stop: Callable[[], bool], counts: JobCounts) -> None:
+               workers: int | None = None, address: str | None = None, device: str = "cpu",
+               should_stop: Callable[[], bool] = never,
+               on_start: Callable[[WorkerShape], None] | None = None) -> JobSummary:
+    """Run the job on Ray. Bad rows and resume are handled on the driver (`triage`), answers on the
+    workers (`answer`), every record written by the driver's writer."""
     import ray
 
-    groups: dict[str, list] = {}
-    for index, job in window:
-        groups.setdefault(prefix_key(job), []).append([index, _encode_job(job)])
-    rows = [{"key": key, "jobs": json.dumps(members[i : i + max_group])}
-            for key, members in groups.items() for i in range(0, len(members), max_group)]
+    t0 = time.perf_counter()
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    # Fractional CPUs: whole ones for every actor would leave none for Ray Data's own tasks.
-    cpus = cpus_per_worker or max(0.25, min(1.0, ray.cluster_resources().get("CPU", 1) / (workers + 1)))
-    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-    results = ds.map_batches(
-        GroupWorker, fn_constructor_args=(llm_kwargs, writer.fmt, writer.model_name),
-        batch_size=1, batch_format="pandas", compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows))),
-        num_cpus=cpus,
-    )
-    for row in results.iter_rows():
-        record = json.loads(row["record"])
-        writer.write(record, int(row["index"]))
-        if is_error(record):
-            counts.failed += 1
-        else:
-            counts.answered += 1
-            counts.add_usage(row.__getitem__)
-        if should_stop():
-            return
+    node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    shape = plan_workers(device, workers, ray.cluster_resources(), node_cpus)
+    counts = JobCounts()
+    capacity = 2 * max(64, 4 * llm_kwargs.get("max_batch", 32))  # twice what a worker's engine takes in at once
+    pool: _Pool | None = None  # started at the first row to answer: a finished job loads no model
+    try:
+        for n, row in enumerate(triage(items, writer, counts)):
+            if should_stop():
+                break
+            if pool is None:
+                pool = _Pool(shape, llm_kwargs, writer, counts, capacity)
+                if on_start:
+                    on_start(shape)
+            while pool.route(row) is None and not should_stop():
+                pool.collect(timeout=None)  # every worker this row could go to is full
+            if n % SEND_ROWS == SEND_ROWS - 1:  # write what is ready as we go
+                pool.collect(timeout=0)
+        if pool:
+            pool.finish()
+            while pool.unanswered and not should_stop():
+                pool.collect(timeout=None)
+    finally:
+        if pool:
+            pool.close()
+    interrupted = should_stop()
+    writer.close(complete=not interrupted)  # a finished job drops earlier runs' error records, as locally
+    return summarize(counts, pool.engine_stats() if pool else [], len(writer.changed), time.perf_counter() - t0,
+                     interrupted, workers=shape.count if pool else 0)
