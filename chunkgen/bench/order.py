@@ -205,8 +205,8 @@ def _jobs(template: Path, queries: Path):
 
 
 def dump_token_ids(llm: LLM, rows: list[dict], max_new_tokens: int, path: Path) -> None:
-    """The rows' prompts as token ids, in file order, in the JSON form the vLLM comparison script
-    (cpu_vllm_workload.py) reads."""
+    """The rows' prompts as token ids, in file order, as JSON (`prompts`, `max_new_tokens`), so
+    another engine can be fed the very same prompts."""
     with tempfile.TemporaryDirectory() as tmp:
         template, queries = write_workload(Path(tmp), rows)
         prompts = [llm.encode(j.messages, j.data) for j in _jobs(template, queries)]
