@@ -173,29 +173,38 @@ def _dtype_option(dtype: str, device: str = "cpu"):
         _usage("--dtype", str(exc) + " or auto")
 
 
-def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int:
-    """Validates dtype, device, chunk size and the KV budget's format; returns the budget in bytes."""
+def _check_device(device: str):
+    """The device --device names on this machine (auto resolved), with why: a DeviceChoice."""
+    from chunkgen.device import check_device_name, choose_device, detect
+
+    try:
+        check_device_name(device)
+    except ValueError as exc:
+        _usage("--device", str(exc))
+    try:
+        return choose_device(device, detect())
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int | None:
+    """Validates dtype, chunk size and the KV budget's format on a chosen device (cpu, cuda:N);
+    returns the budget in bytes, or None for auto on a GPU (decided once the weights are loaded)."""
     import torch
 
-    from chunkgen.llm import parse_bytes
+    from chunkgen.device import choose_kv_memory
 
     kv_dtype = _dtype_option(dtype, device)
-    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
-        _usage("--device", f"must be cpu, cuda or cuda:N, not {device!r}")
-    if device.startswith("cuda"):
-        from chunkgen._native import native_cuda_available
-
-        if not (torch.cuda.is_available() and native_cuda_available()):
-            _fail("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen built with its CUDA "
-                  "kernels (CHUNKGEN_CUDA=1 at install)")
-    elif kv_dtype == torch.float16:
+    if not device.startswith("cuda") and kv_dtype == torch.float16:
         err.print("[yellow]warning:[/] --dtype fp16 on the CPU runs several times slower than fp32 or bf16; "
                   "fp16 is for --device cuda", highlight=False)
     _check_chunk_size(chunk_size)
+    if kv_memory.strip().lower() == "auto" and device.startswith("cuda"):
+        return None
     try:
-        budget = parse_bytes(kv_memory)
+        budget = choose_kv_memory(kv_memory, device).bytes
     except ValueError as exc:
-        _usage("--kv-memory", str(exc))
+        _usage("--kv-memory", str(exc) + " or auto")
     if budget <= 0:
         _usage("--kv-memory", f"must be positive, not {kv_memory!r}")
     return budget
@@ -376,12 +385,21 @@ def _check_budget(model_dir: Path, chunk_size: int, dtype: str, device: str, bud
 
 
 def _dtype_line(llm) -> str:
-    """The dtype a loaded model runs in, said once on stderr with why; returns its short name."""
+    """The dtype and device a loaded model runs on and its KV budget, said once on stderr with why;
+    returns the dtype's short name."""
     from chunkgen.model.precision import DTYPE_NAMES
 
     name = DTYPE_NAMES.get(llm.model.dtype, str(llm.model.dtype))
-    err.print(f"dtype {name} ({llm.dtype_reason})", highlight=False)
+    err.print(f"dtype {name} ({llm.dtype_reason}); {_device_text(llm)}; KV budget {_kv_text(llm)}", highlight=False)
     return name
+
+
+def _device_text(llm) -> str:
+    return f"device {llm.device} ({llm.device_choice.reason})"
+
+
+def _kv_text(llm) -> str:
+    return f"{_human(llm.kv_budget.bytes)} ({llm.kv_budget.reason})"
 
 
 def _load_llm(model: Optional[str], announce: str = "line", **kwargs):
@@ -390,8 +408,11 @@ def _load_llm(model: Optional[str], announce: str = "line", **kwargs):
     from chunkgen.llm import LLM
     from chunkgen.model import ModelNotFound, UnsupportedModel, display_name
 
-    what = display_name(Path(model)) if model else "the default model"
-    detail = f"{kwargs.get('dtype', 'fp32')}, {kwargs.get('device', 'cpu')}"
+    if kwargs.get("dummy_weights"):
+        what = f"random weights of {kwargs['dummy_weights']}"
+    else:
+        what = display_name(Path(model)) if model else "the default model"
+    detail = f"{kwargs.get('dtype', 'auto')}, {_check_device(kwargs.get('device', 'auto')).device}"
     t0 = time.perf_counter()
     try:
         if announce == "json":
@@ -533,7 +554,7 @@ def run(
     template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: Optional[str] = typer.Option(None, metavar="MODEL", help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
     dtype: str = typer.Option("auto", metavar="DTYPE", help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU."),
-    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N; auto: the GPU when torch sees one and chunkgen's CUDA kernels are built, else the CPU."),
     max_new_tokens: Optional[int] = typer.Option(None, metavar="N", help="Tokens to generate at most per answer [default: 64]."),
     temperature: Optional[float] = typer.Option(None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."),
     top_p: Optional[float] = typer.Option(None, metavar="X", help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
@@ -547,7 +568,7 @@ def run(
     regex: Optional[str] = typer.Option(None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."),
     grammar: Optional[Path] = typer.Option(None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."),
     max_batch: int = typer.Option(32, min=1, metavar="N", help="Sequences decoded together."),
-    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget, e.g. 2GiB."),
+    kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget, e.g. 2GiB, or auto: on a GPU 85% of the memory the weights leave free (reserved at once), on the CPU 4GiB (used as chunks fill)."),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
@@ -584,7 +605,8 @@ def run(
         _usage("--rerun-changed", "goes with --resume")
     _check_queries(queries)
     _check_out(out, queries)
-    budget = _check_engine_options(dtype, device, chunk_size, kv_memory)
+    chosen_device = _check_device(device).device
+    budget = _check_engine_options(dtype, chosen_device, chunk_size, kv_memory)
     defaults = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                       top_k=top_k, seed=seed, stop=stop or None, logprobs=logprobs,
                                       presence_penalty=presence_penalty,
@@ -621,10 +643,13 @@ def run(
     if plan is not None:
         items = plan.select(items, part.index)
     model_dir = _resolve(model)
-    _check_budget(model_dir, chunk_size, dtype, device, budget)
+    if budget is not None:
+        _check_budget(model_dir, chunk_size, dtype, chosen_device, budget)
     _check_templates_fit(templates, model_dir)
-    llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=budget,
-                      max_batch=max_batch, share_prefix=not no_share, device=device,
+    # A local run resolves auto again in the LLM (the same answer) so its summary says why; Ray
+    # workers get the device chosen here.
+    llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
+                      max_batch=max_batch, share_prefix=not no_share, device=chosen_device if use_ray else device,
                       enforce_eager=True if enforce_eager else None)
     stop_flag = _StopFlag()  # from here on, a signal is never a traceback: the writer may be repairing
     writer = None
@@ -639,7 +664,7 @@ def run(
         for note in writer.notes:
             err.print(f"note: {note}", highlight=False)
         if use_ray:
-            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, device, stop_flag)
+            summary = _run_ray(items, writer, llm_kwargs, workers, ray_address, chosen_device, stop_flag)
         else:
             summary = _run_local(items, writer, llm_kwargs, _count_lines(queries), stop_flag, quiet, json_log,
                                  prefix_order)
@@ -705,6 +730,8 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
         summary = run_job(llm.engine, llm.encode, items, writer, total=total, should_stop=stop_flag,
                           on_progress=on_progress, order=prefix_order)
         summary.dtype = precision
+        summary.device = f"{llm.device} ({llm.device_choice.reason})"
+        summary.kv_memory = _kv_text(llm)
         return summary
     finally:
         stop_progress()
@@ -737,6 +764,10 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
                           + (" (the others were cut short by max_new_tokens or a stop string)" if summary.matched < summary.constrained else ""))
         if summary.dtype:
             table.add_row("dtype", summary.dtype)
+        if summary.device:
+            table.add_row("device", summary.device)
+        if summary.kv_memory:
+            table.add_row("KV budget", summary.kv_memory)
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (the same sequences without sharing: "
                                         f"{_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
@@ -911,7 +942,7 @@ def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
     dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
                                                    "fp16, bf16 or fp32 on CUDA (default fp16)."),
-    device: str = typer.Option("cpu", metavar="DEVICE", help="cpu, or cuda for the GPU kernels."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run)."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
     impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
@@ -919,22 +950,24 @@ def bench_kernel(
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
     import torch
 
-    from chunkgen._native import native_cuda_available
     from chunkgen.bench.kernel import IMPLS, default_grid, run_grid
+    from chunkgen.device import device_guard
     from chunkgen.model import parse_dtype
 
     chosen = tuple(i.strip() for i in impls.split(",") if i.strip())
     if not chosen or set(chosen) - set(IMPLS):
         _fail(f"--impls takes a subset of {','.join(IMPLS)}")
+    choice = _check_device(device)
+    device = choice.device
+    err.print(f"device {device} ({choice.reason})", highlight=False)
     on_cuda = device.startswith("cuda")
-    if on_cuda and not (torch.cuda.is_available() and native_cuda_available()):
-        _fail("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen built with its CUDA kernels")
     kv_dtype = parse_dtype(dtype or ("fp16" if on_cuda else "fp32"))
     if not on_cuda and kv_dtype == torch.float16:
         _fail("the CPU kernel takes fp32 or bf16 K/V; fp16 is for --device cuda")
-    rows = run_grid(default_grid(quick), kv_dtype, repeats=3 if quick else repeats, impls=chosen, device=device,
-                    on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
-                                               f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
+    with device_guard(device):
+            rows = run_grid(default_grid(quick), kv_dtype, repeats=3 if quick else repeats, impls=chosen, device=device,
+                        on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
+                                                   f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
     _print_kernel_table(rows)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
@@ -947,7 +980,11 @@ def bench_e2e(
     n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
     max_batch: int = typer.Option(32, metavar="N", help="Sequences decoded together by chunkgen's engine."),
-    dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
+    kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
+    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
@@ -966,7 +1003,13 @@ def bench_e2e(
     if quick:
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
-    llm = _load_llm(model, dtype=dtype, max_batch=max_batch, kv_memory="8GiB")
+    chosen_device = _check_device(device).device
+    if model is not None and dummy_weights is not None:
+        _usage("--dummy-weights", "replaces --model; give one of them")
+    _check_engine_options(dtype, chosen_device, 64, kv_memory)
+    _check_dummy_fits(dummy_weights, dtype, chosen_device, copies=2 if "hf" in chosen else 1)
+    llm = _load_llm(model, dtype=dtype, device=device, max_batch=max_batch, kv_memory=kv_memory,
+                    dummy_weights=dummy_weights, seed=seed)
     dtype = _dtype_line(llm)
     current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
 
@@ -1008,6 +1051,21 @@ def bench_e2e(
     stdout.print(table)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _check_dummy_fits(spec: Optional[str], dtype: str, device: str, copies: int) -> None:
+    """Before anything is built: the config can be read and `copies` models of it fit in memory."""
+    if spec is None:
+        return
+    from chunkgen.device import free_bytes
+    from chunkgen.model import dummy
+
+    try:
+        config = dummy.load_config(spec)
+        chosen = _dtype_option(dtype, device) or dummy.config_dtype(config)
+        dummy.check_fits(config, chosen, device, free_bytes(device), copies)
+    except dummy.DummyWeightsError as exc:
+        _fail(str(exc) + ("; leave hf out of --systems to build one copy" if copies > 1 and "more than" in str(exc) else ""))
 
 
 @bench_app.command("order")

@@ -1,12 +1,16 @@
 """The Python API (the CLI uses it too): LLM(...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from chunkgen.cache import ChunkPool, KVReservation
+from chunkgen.device import choose_device, choose_kv_memory, detect, device_guard, free_bytes
 from chunkgen.engine import Engine, EngineConfig, Request, Result, SamplingParams
+from chunkgen.engine.engine import default_kv_dtype
 from chunkgen.model import LlamaModel, load_hf, parse_dtype
 from chunkgen.model.precision import choose_dtype
 
@@ -91,43 +95,90 @@ def check_chat_template(tokenizer, where: str) -> None:
 
 
 class LLM:
-    """A model on the prefix-tree engine. Sharing between prompts is found automatically."""
+    """A model on the prefix-tree engine. Sharing between prompts is found automatically.
+
+    device "auto" is the GPU when torch sees one and chunkgen's CUDA kernels are built, else the
+    CPU; dtype "auto" is bf16 on a CPU with native bf16 arithmetic, fp32 on other CPUs, the model's
+    own on a GPU; kv_memory "auto" is 85% of the GPU memory left free by the weights, or 4 GiB on the
+    CPU. `device_choice`, `dtype_reason` and `kv_budget` say what was chosen and why.
+
+    dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b) or the path of a
+    Hugging Face config.json, instead of `model`: random weights drawn from `seed` (benchmarks)."""
 
     def __init__(
         self,
         model: str | None = None,
-        dtype: str | torch.dtype = "fp32",
+        dtype: str | torch.dtype = "auto",
         chunk_size: int = 64,
-        kv_memory: str | int = "4GiB",
+        kv_memory: str | int = "auto",
         max_batch: int = 32,
         share_prefix: bool = True,
         chunk_first: bool = True,
         kv_dtype: str | torch.dtype | None = None,
-        device: str = "cpu",
+        device: str = "auto",
         enforce_eager: bool | None = None,
+        dummy_weights: str | os.PathLike | None = None,
+        seed: int = 0,
     ) -> None:
-        if device.startswith("cuda"):
-            from chunkgen._native import native_cuda_available
-
-            if not torch.cuda.is_available() or not native_cuda_available():
-                raise ValueError("--device cuda needs a CUDA GPU, a CUDA build of torch and chunkgen "
-                                 "built with its CUDA kernels (CHUNKGEN_CUDA=1 at install)")
-        choice = choose_dtype(dtype, device)
-        hf_model, self.tokenizer, self.model_path = load_hf(model, choice.dtype or "auto", device)
+        if model is not None and dummy_weights is not None:
+            raise ValueError("give either a model or dummy_weights, not both")
+        self.device_choice = choose_device(device, detect())
+        dev = self.device_choice.device
+        choice = choose_dtype(dtype, dev)
         self.dtype_reason = choice.reason  # why the model runs in self.model.dtype
-        check_chat_template(self.tokenizer, str(self.model_path))
-        self.model = LlamaModel(hf_model)
+        self.seed = seed
+        with device_guard(dev):
+            if dummy_weights is None:
+                hf_model, self.tokenizer, self.model_path = load_hf(model, choice.dtype or "auto", dev)
+                check_chat_template(self.tokenizer, str(self.model_path))
+            else:
+                hf_model, self.tokenizer = self._random_weights(dummy_weights, choice.dtype, dev, seed)
+                self.model_path = None
+                if choice.dtype is None:
+                    self.dtype_reason = "auto: the config's dtype on a GPU"
+            self.model = LlamaModel(hf_model)
+            del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
+            self.kv_budget = choose_kv_memory(kv_memory, dev, free_bytes(dev) if dev.startswith("cuda") else None)
         self.config = EngineConfig(
-            chunk_size=chunk_size, kv_memory=parse_bytes(kv_memory), max_batch=max_batch,
+            chunk_size=chunk_size, kv_memory=self.kv_budget.bytes, max_batch=max_batch,
             kv_dtype=parse_dtype(kv_dtype) if kv_dtype else None,
             share_prefix=share_prefix, chunk_first=chunk_first, enforce_eager=enforce_eager,
         )
+        self._kv: KVReservation | None = None
         self.engine = self.new_engine()
 
+    @staticmethod
+    def _random_weights(spec, dtype: torch.dtype | None, device: str, seed: int):
+        from chunkgen.model import dummy
+
+        config = dummy.load_config(spec)
+        dtype = dtype or dummy.config_dtype(config)
+        dummy.check_fits(config, dtype, device, free_bytes(device))
+        return dummy.random_model(config, dtype, device, seed), dummy.tokenizer_for(config)
+
+    @property
+    def device(self) -> str:
+        return self.device_choice.device
+
     def new_engine(self, **overrides: Any) -> Engine:
-        """A fresh engine (empty cache) on the same weights; overrides change EngineConfig fields."""
+        """A fresh engine (empty cache) on the same weights; overrides change EngineConfig fields.
+
+        The engines of one LLM take turns on one KV reservation (its budget is reserved once):
+        an engine given requests takes the memory over from the one that used it last, which
+        must have finished its requests and loses its cached prefixes. An engine asking for a
+        larger budget, another chunk size or K/V dtype gets a pool of its own."""
+        if isinstance(overrides.get("kv_memory"), str):
+            overrides["kv_memory"] = parse_bytes(overrides["kv_memory"])
         cfg = EngineConfig(**{**self.config.__dict__, **overrides})
-        return Engine(self.model, self.tokenizer, cfg)
+        kv_dtype = cfg.kv_dtype or default_kv_dtype(self.model)
+        if self._kv is None:
+            with device_guard(self.device):
+                self._kv = KVReservation(ChunkPool(
+                    self.model.num_layers, self.model.kv_heads, self.model.head_dim, self.config.chunk_size,
+                    self.config.kv_dtype or default_kv_dtype(self.model), self.config.kv_memory,
+                    device=self.model.device))
+        shared = self._kv if self._kv.fits(cfg.chunk_size, kv_dtype, cfg.kv_memory) else None
+        return Engine(self.model, self.tokenizer, cfg, kv=shared)
 
     def encode(self, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, data)

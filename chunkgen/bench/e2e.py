@@ -35,9 +35,12 @@ class Workload:
 
 def build_workload(llm: LLM, n_shared: int, n_queries: int, max_new_tokens: int) -> Workload:
     """The shipped templates' system prompts, repeated and cut at exactly n_shared tokens, then a
-    distinct question per query."""
+    distinct question per query. A model without a tokenizer (random weights whose vocabulary no
+    tokenizer at hand fits) gets seeded random token ids of the same lengths instead."""
     import tomllib
 
+    if getattr(llm.tokenizer, "ids_only", False):
+        return _random_ids_workload(llm.model.vocab_size, n_shared, n_queries, max_new_tokens, llm.seed)
     text = "\n\n".join(tomllib.loads(p.read_text())["system"] for p in sorted(PROMPTS_DIR.glob("*.toml")))
     base = llm.encode(text)
     shared = (base * (n_shared // len(base) + 1))[:n_shared]
@@ -46,6 +49,16 @@ def build_workload(llm: LLM, n_shared: int, n_queries: int, max_new_tokens: int)
         q = llm.tokenizer(f"\nQuestion {i + 1}: what is {3 * i + 7} times {i + 2}, and why?\nAnswer:",
                           add_special_tokens=False)["input_ids"]
         prompts.append(shared + q)
+    return Workload(n_shared, prompts, max_new_tokens)
+
+
+QUESTION_TOKENS = 20  # about the length of a question of the text workload
+
+
+def _random_ids_workload(vocab: int, n_shared: int, n_queries: int, max_new_tokens: int, seed: int) -> Workload:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(vocab, (n_shared,), generator=g).tolist()
+    prompts = [shared + torch.randint(vocab, (QUESTION_TOKENS,), generator=g).tolist() for _ in range(n_queries)]
     return Workload(n_shared, prompts, max_new_tokens)
 
 
@@ -86,15 +99,26 @@ class _FirstTokenClock:
         pass
 
 
-def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
+def transformers_model(llm: LLM):
+    """transformers' model of the same weights on the same device: loaded again from the model's
+    folder, or drawn again from the same seed for random weights."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa")
-    hf.eval()
+    if llm.model_path is None:
+        from chunkgen.model.dummy import random_model
+
+        hf = random_model(llm.model.config, llm.model.dtype, llm.device, llm.seed, attn_implementation="sdpa")
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa")
+    return hf.to(llm.device).eval()
+
+
+def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
+    hf = transformers_model(llm)
     width = max(len(p) for p in work.prompts)
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in work.prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in work.prompts], device=llm.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts], device=llm.device)
     clock = _FirstTokenClock()
     with PeakRSS() as rss, torch.inference_mode():
         t0 = time.perf_counter()

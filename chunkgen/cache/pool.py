@@ -1,6 +1,8 @@
 """ChunkPool: K/V storage for every chunk of every layer, handed out in fixed-size slots."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -40,8 +42,11 @@ class ChunkPool:
         device: torch.device | str = "cpu",
         slab_slots: int = 64,
         storage: bool = True,
+        tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """storage=False keeps only the bookkeeping (for planning, e.g. `inspect-tree`)."""
+        """storage=False keeps only the bookkeeping (for planning, e.g. `inspect-tree`). tensors:
+        K and V storage of another pool of the same shape and dtype, with at least this budget's
+        slots plus the scratch slot, to use instead of reserving new memory (see KVReservation)."""
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.chunk_size, self.dtype, self.device = chunk_size, dtype, torch.device(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -58,8 +63,17 @@ class ChunkPool:
         stored = self.max_slots + 1 if storage else 0
         shape_k = (num_layers, stored, kv_heads, head_dim, chunk_size)
         shape_v = (num_layers, stored, kv_heads, chunk_size, head_dim)
-        self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
+        if tensors is None:
+            self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
+            self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
+        else:
+            self.k, self.v = tensors
+            for name, t, shape in (("K", self.k, shape_k), ("V", self.v, shape_v)):
+                fits = (t.dim() == 5 and t.shape[0] == shape[0] and t.shape[1] >= stored
+                        and t.shape[2:] == shape[2:] and t.dtype == dtype and t.device == self.device)
+                if not fits:
+                    raise ValueError(f"{name} storage {tuple(t.shape)} {t.dtype} on {t.device} cannot hold a pool "
+                                     f"of {tuple(shape)} {dtype} on {self.device}")
         self.capacity = 0  # slots handed to the free list so far
         self._free: list[int] = []
         self.used = 0
@@ -153,3 +167,39 @@ class ChunkPool:
         assert len(set(self._free)) == len(self._free), "a slot is on the free list twice"
         assert all(0 <= s < self.capacity for s in self._free)
         assert len(self._free) + self.used == self.capacity
+
+
+class KVReservation:
+    """One K/V reservation that the engines of one LLM take turns on, so a second engine does not
+    reserve the budget again (on a GPU the pool's memory is taken at once, not as chunks fill).
+
+    An engine `lease`s a fresh pool (an empty free list) over the reserved storage; the lease
+    fails while the engine holding it still has requests (their K/V live there). The engine that
+    held it before loses its cached chunks and leases again when it is given new requests."""
+
+    def __init__(self, pool: ChunkPool) -> None:
+        self.base = pool
+        self._holder: weakref.ref | None = None
+
+    def fits(self, chunk_size: int, dtype: torch.dtype, budget_bytes: int) -> bool:
+        base = self.base
+        return (chunk_size == base.chunk_size and dtype == base.dtype
+                and int(budget_bytes) // base.bytes_per_slot <= base.max_slots)
+
+    @property
+    def holder(self) -> object | None:
+        return self._holder() if self._holder is not None else None
+
+    def lease(self, engine: object, budget_bytes: int) -> ChunkPool:
+        """A pool of `budget_bytes` (at most the reservation's) over the reserved storage, for
+        `engine` (anything with `has_work`)."""
+        current = self.holder
+        if current is not None and current is not engine and current.has_work:  # type: ignore[attr-defined]
+            raise RuntimeError(
+                "another engine of this LLM still has requests and holds its KV memory: finish them "
+                "(or drop that engine) before giving requests to this one")
+        b = self.base
+        pool = ChunkPool(b.num_layers, b.kv_heads, b.head_dim, b.chunk_size, b.dtype, budget_bytes,
+                         device=b.device, slab_slots=b.slab_slots, tensors=(b.k, b.v))
+        self._holder = weakref.ref(engine)
+        return pool

@@ -9,8 +9,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from chunkgen.cache import ChunkPool, PrefixTree
+from chunkgen.cache import ChunkPool, KVReservation, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
+from chunkgen.device import on_model_device
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import StepLogprobs, TokenLogprob, apply_penalties, token_texts
@@ -49,7 +50,7 @@ class EngineStats:
     kv_unshared_peak_bytes: int = 0  # what the live sequences would have needed without sharing
 
 
-def _default_kv_dtype(model: LlamaModel) -> torch.dtype:
+def default_kv_dtype(model: LlamaModel) -> torch.dtype:
     # The CPU kernel reads fp32 or bf16 K/V; fp16 is a GPU format.
     if model.device.type == "cpu" and model.dtype == torch.float16:
         return torch.float32
@@ -57,20 +58,15 @@ def _default_kv_dtype(model: LlamaModel) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None,
+                 kv: KVReservation | None = None) -> None:
+        """kv: K/V memory shared with other engines of the same model, which take turns on it (the
+        LLM's); without it the engine reserves its own pool."""
         self.model = model
         self.tokenizer = tokenizer
-        self.config = cfg = config or EngineConfig()
-        self.pool = ChunkPool(
-            model.num_layers, model.kv_heads, model.head_dim, cfg.chunk_size,
-            cfg.kv_dtype or _default_kv_dtype(model),
-            cfg.kv_memory, device=model.device,
-        )
-        self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
-        self.runner = ModelRunner(model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first,
-                                  enforce_eager=cfg.enforce_eager)
-        self.scheduler = Scheduler(self.tree, cfg.max_batch, cfg.max_prefill_tokens,
-                                   group_prefix_tokens=4 * cfg.chunk_size)
+        self.config = config or EngineConfig()
+        self.kv = kv
+        self._fresh_cache()
         self.stats = EngineStats()
         self.eos_ids = self._eos_ids()
         self._token_text = token_texts(tokenizer)
@@ -78,6 +74,21 @@ class Engine:
         self._num_constrained = 0  # live sequences with a matcher: none, no mask work at all
         self._pending: dict[int, list[Sequence]] = {}  # request key -> its samples, until all finish
         self._refused: list[Result] = []  # error results of requests refused by add(), for the next step
+
+    @on_model_device
+    def _fresh_cache(self) -> None:
+        """An empty pool, prefix tree, runner and scheduler, the pool leased from `kv` when shared."""
+        cfg, model = self.config, self.model
+        if self.kv is not None:
+            self.pool = self.kv.lease(self, cfg.kv_memory)
+        else:
+            self.pool = ChunkPool(model.num_layers, model.kv_heads, model.head_dim, cfg.chunk_size,
+                                  cfg.kv_dtype or default_kv_dtype(model), cfg.kv_memory, device=model.device)
+        self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
+        self.runner = ModelRunner(model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first,
+                                  enforce_eager=cfg.enforce_eager)
+        self.scheduler = Scheduler(self.tree, cfg.max_batch, cfg.max_prefill_tokens,
+                                   group_prefix_tokens=4 * cfg.chunk_size)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -93,6 +104,8 @@ class Engine:
     def add(self, requests: Iterable[Request]) -> None:
         """Queue requests; cheap, and allowed between any two steps. A request that can never run
         comes back from the next step as a Result with `error` set and no completions."""
+        if self.kv is not None and self.kv.holder is not self:  # another engine used the memory since
+            self._fresh_cache()
         seqs = []
         for req in requests:
             error = self._refusal(req)
@@ -163,6 +176,7 @@ class Engine:
         while self.has_work:
             yield from self.step()
 
+    @on_model_device
     def step(self) -> list[Result]:
         """One prefill wave or one decode step (the scheduler decides), then the requests whose
         samples have all finished: at prefill (e.g. max_new_tokens=1), decoding, or refused."""

@@ -81,6 +81,8 @@ class JobSummary:
     order: str = "input"  # the order rows were answered in: input, or prefix
     order_s: float = 0.0  # of wall_s, the prefix-order pass that keys every row before the first runs
     dtype: str = ""  # what the model ran in and why, e.g. "bf16 (auto: the CPU has native bf16 arithmetic (AMX))"
+    device: str = ""  # where, and why, e.g. "cuda:0 (auto: a CUDA GPU and chunkgen's CUDA kernels)"
+    kv_memory: str = ""  # the KV budget and why, e.g. "60.2 GiB (auto: 85% of the 70.8 GiB GPU memory free ...)"
     workers: int = 1  # engines that answered (Ray actors; 1 for a local run)
     model_loads: int = 1  # a Ray worker that died and was replaced loads the model again
     kv_peak_bytes_per_worker: list[int] = field(default_factory=list)  # kv_peak_bytes is their largest

@@ -1,0 +1,172 @@
+"""A model with random weights built from a Hugging Face config, for benchmarks of shapes whose
+weights are not at hand: `chunkgen bench e2e --dummy-weights llama-2-7b`.
+
+The weights are drawn with a seed (the same seed, device and dtype give the same model, so a
+benchmark can build a second copy for transformers' side), directly in the asked dtype on the
+asked device: nothing larger is ever materialised. Shapes of three models ship with chunkgen
+(SHIPPED); any other config.json can be named by its path.
+
+The tokenizer is the default model's when every one of its ids is a valid id of the config's
+vocabulary; otherwise there is none that fits, and `IdsTokenizer` stands in: prompts are given as
+token ids (the benchmark makes them), and text is only a rendering of the ids.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = ("smollm2-135m", "llama-3.2-1b", "llama-2-7b")
+
+# Memory a model takes while chunkgen builds it, per byte of its weights: the transformers model
+# while LlamaModel fuses q/k/v and gate/up into new tensors (~1.7x), plus on the CPU the
+# oneDNN-packed copy of every linear weight (CHUNKGEN_ONEDNN=0 turns packing off). Measured peak
+# RSS over weight bytes on the CPU in bf16: 2.71x on smollm2-135m shapes, 2.60x on llama-3.2-1b.
+PEAK_PER_WEIGHT_BYTE = {"cpu": 3.0, "cpu-unpacked": 2.0, "cuda": 2.0}
+
+
+def peak_factor(device: str) -> float:
+    if device.startswith("cuda"):
+        return PEAK_PER_WEIGHT_BYTE["cuda"]
+    packed = torch.backends.mkldnn.is_available() and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
+    return PEAK_PER_WEIGHT_BYTE["cpu" if packed else "cpu-unpacked"]
+
+
+class DummyWeightsError(ValueError):
+    """The config cannot be read or the model would not fit; the message says which and why."""
+
+
+def config_path(spec: str | Path) -> Path:
+    """A shipped name (SHIPPED), a config.json, or a folder holding one."""
+    if str(spec) in SHIPPED:
+        return CONFIGS / f"{spec}.json"
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise DummyWeightsError(f"--dummy-weights {spec}: not a shipped config ({', '.join(SHIPPED)}) "
+                                "nor a Hugging Face config.json (or a folder holding one)")
+    return path
+
+
+def load_config(spec: str | Path):
+    from transformers import AutoConfig
+
+    from chunkgen.model.llama import SUPPORTED_ARCHITECTURES
+
+    path = config_path(spec)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises several types for a bad or unknown config
+        raise DummyWeightsError(f"{path}: cannot read the config ({type(exc).__name__}: {exc})") from None
+    arch = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise DummyWeightsError(f"{path}: architecture {arch} is not supported; chunkgen runs "
+                                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def config_dtype(config) -> torch.dtype:
+    """The dtype the config says its weights are in (fp32 when it says none)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _skeleton(config, dtype: torch.dtype):
+    """The transformers model on the meta device: shapes only, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def weight_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights in `dtype` (tied embeddings counted once)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in _skeleton(config, dtype).parameters()) * itemsize
+
+
+def check_fits(config, dtype: torch.dtype, device: str, available: int, copies: int = 1) -> int:
+    """Raises DummyWeightsError when building `copies` models of this config would take more than
+    `available` bytes; returns the estimate."""
+    from chunkgen.model.precision import DTYPE_NAMES
+
+    weights = weight_bytes(config, dtype)
+    need = int(weights * peak_factor(device)) + (copies - 1) * weights
+    if need > available:
+        where = "GPU memory free" if device.startswith("cuda") else "memory available"
+        smaller = "" if dtype != torch.float32 else " (--dtype bf16 halves it)"
+        raise DummyWeightsError(
+            f"random weights of this config in {DTYPE_NAMES.get(dtype, dtype)} are {weights / 2**30:.1f} GiB; "
+            f"building them here takes about {need / 2**30:.1f} GiB"
+            + (" with transformers' copy for the hf system" if copies > 1 else "")
+            + f", more than the {available / 2**30:.1f} GiB {where}{smaller}")
+    return need
+
+
+def random_model(config, dtype: torch.dtype, device: str, seed: int = 0, **kwargs):
+    """The transformers model of `config` with weights drawn from `seed`, built in `dtype` on
+    `device` (transformers' own initialisation: normal(0, initializer_range), norms at 1); kwargs
+    go to from_config (attn_implementation)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from chunkgen.model.loading import _quiet_transformers
+
+    _quiet_transformers()
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):  # the caller's RNG untouched
+        torch.manual_seed(seed)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    model.generation_config = GenerationConfig.from_model_config(config)
+    return model.eval()
+
+
+class IdsTokenizer:
+    """Stands in for a tokenizer when none fits the vocabulary: prompts come as token ids, and a
+    text is the ids written out ("17 4 99")."""
+
+    ids_only = True
+    chat_template = None
+    pad_token_id = None
+    all_special_tokens: list[str] = []
+    added_tokens_decoder: dict = {}
+
+    def __init__(self, vocab_size: int, eos_token_id: int | list[int] | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text, **_):
+        raise TypeError("this model has random weights and no tokenizer that fits its vocabulary: "
+                        "give prompts as token ids")
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [str(int(i)) for i in ids] if isinstance(ids, (list, tuple)) else str(int(ids))
+
+    def get_vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(self.vocab_size)}
+
+
+def tokenizer_for(config):
+    """The default model's tokenizer when all its ids are valid in this vocabulary, else IdsTokenizer."""
+    from transformers import AutoTokenizer
+
+    from chunkgen.model.loading import ModelNotFound, resolve_model
+
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_model(None))
+    except (ModelNotFound, OSError, ValueError):  # no default model installed: ids only
+        tok = None
+    if tok is not None and len(tok) <= config.vocab_size:
+        return tok
+    return IdsTokenizer(config.vocab_size, getattr(config, "eos_token_id", None))
