@@ -80,7 +80,7 @@ def tiny_qwen(tmp_path_factory) -> Path:
 def tiny_llm(tiny_model):
     from chunkgen.llm import LLM
 
-    return LLM(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=16)
+    return LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=16)
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def test_permissive_constraint_leaves_greedy_unchanged(tiny_model):
 
     from chunkgen.llm import LLM
 
-    llm = LLM(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=16)
+    llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=16)
     tok = llm.tokenizer
     pieces = tok.convert_ids_to_tokens(list(range(llm.model.vocab_size)))
     not_text = [i for i, p in enumerate(pieces)
@@ -239,7 +239,7 @@ def test_schema_leaves_a_valid_greedy_answer_unchanged(default_model_dir):
     schema = t.output["json_schema"]
     rows = [json.loads(l) for l in (PROMPTS / "tool_dispatcher.queries.jsonl").read_text().splitlines()][:8]
     prompts = [t.messages({"request": r["request"]}) for r in rows]
-    llm = LLM(model=str(default_model_dir), kv_memory="1GiB")
+    llm = LLM(model=str(default_model_dir), dtype="fp32", kv_memory="1GiB")
     free = llm.generate(prompts, SamplingParams(max_new_tokens=96))
     bound = llm.generate(prompts, SamplingParams(max_new_tokens=96, json_schema=schema))
     same = 0

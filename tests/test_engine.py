@@ -56,7 +56,7 @@ def test_greedy_parity_with_transformers_on_shared_prompt(tiny_llm, tiny_model):
 
 
 def test_qwen2_bias_tied_embeddings_and_linear_rope(tiny_qwen):
-    llm = LLM(model=str(tiny_qwen), chunk_size=16, kv_memory="32MiB")
+    llm = LLM(model=str(tiny_qwen), dtype="fp32", chunk_size=16, kv_memory="32MiB")
     prompts = template_prompts("document_qa", 4)
     ids = [llm.encode(p) for p in prompts]
     results = llm.generate(prompts, SamplingParams(max_new_tokens=16))

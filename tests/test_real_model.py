@@ -25,7 +25,7 @@ QUESTIONS = [
 def test_default_model_greedy_parity_with_transformers(default_model_dir):
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(model=str(default_model_dir), kv_memory="1GiB")
+    llm = LLM(model=str(default_model_dir), dtype="fp32", kv_memory="1GiB")
     t = load_template(PROMPTS / "document_qa.toml")
     prompts = [t.messages({"question": q}) for q in QUESTIONS]
     results = llm.generate(prompts, SamplingParams(max_new_tokens=12))
