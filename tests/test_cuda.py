@@ -89,3 +89,57 @@ def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_mo
     assert graphs.runner.captures == len(set(rows)) > 0
     assert graphs.runner.ctx.uploads == graphs.stats.decode_steps  # one host->device copy a step
     assert got == eager
+
+
+def test_device_auto_picks_the_gpu_and_its_kv_budget_from_free_memory(tiny_model):
+    from chunkgen.device import GPU_KV_FRACTION
+    from chunkgen.llm import LLM
+
+    llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16)  # device and kv_memory: auto
+    assert llm.device == f"cuda:{torch.cuda.current_device()}" and "CUDA GPU" in llm.device_choice.reason
+    assert llm.model.device.type == "cuda" and llm.engine.pool.k.device.type == "cuda"
+    total = torch.cuda.get_device_properties(llm.model.device).total_memory
+    assert llm.kv_budget.reason.startswith("auto: ") and 0.5 * total < llm.kv_budget.bytes <= GPU_KV_FRACTION * total
+    reserved = torch.cuda.memory_allocated()
+    engines = [llm.new_engine() for _ in range(3)]  # one reservation: no engine reserves the budget again
+    assert torch.cuda.memory_allocated() - reserved < 0.01 * llm.kv_budget.bytes
+    assert len({e.pool.k.data_ptr() for e in engines + [llm.engine]}) == 1
+    del llm, engines
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()  # the other tests' LLMs find the memory free again
+
+
+def test_cuda_0_named_explicitly_gives_the_cpu_engines_answers(tiny_model, tiny_llm):
+    """On cuda:0 by name (the guard makes it the current device for every step), greedy fp32
+    answers equal the CPU engine's, but for a near tie."""
+    from chunkgen.engine import SamplingParams
+    from chunkgen.llm import LLM
+    from tests.test_engine import template_prompts
+
+    llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda:0", chunk_size=16, kv_memory="64MiB", max_batch=16)
+    assert llm.device == "cuda:0" and llm.device_choice.reason == "as asked"
+    prompts = template_prompts("document_qa", 8)
+    params = SamplingParams(max_new_tokens=12)
+    gpu = [r.token_ids for r in llm.generate(prompts, params)]
+    cpu = [r.token_ids for r in tiny_llm.generate(prompts, params)]
+    assert sum(a == b for a, b in zip(gpu, cpu)) >= 7
+
+
+def test_bench_e2e_dummy_weights_on_the_gpu(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    out = tmp_path / "rows.json"
+    res = CliRunner().invoke(app, ["bench", "e2e", "--dummy-weights", "smollm2-135m", "--n-shared", "256",
+                                   "--n-queries", "8", "--max-new-tokens", "8", "--json", str(out)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "device cuda:" in res.output
+    rows = {r["system"]: r for r in json.loads(out.read_text())}
+    assert rows["chunkgen"]["dtype"] == "bf16"  # the config's own dtype: --dtype auto on a GPU
+    assert all(r["gen_tokens_per_s"] > 0 for r in rows.values())
