@@ -6,6 +6,7 @@
 #include <vector>
 
 #ifdef CHUNKGEN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -283,8 +284,11 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   float* part_o = workspace.data_ptr<float>();
   float* part_m = part_o + rows_cap * p.q_heads * p.head_dim;
   float* part_l = part_m + rows_cap * p.q_heads;
+  // On q's GPU and that GPU's current stream, whichever device the caller has current: the kernels
+  // read the device's limits and launch on the current device.
+  const c10::cuda::CUDAGuard guard(q.device());
   decode_attention_cuda_raw(p, part_off.data_ptr<int32_t>(), p.batch, part_o, part_m, part_l,
-                            c10::cuda::getCurrentCUDAStream().stream());
+                            c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
 #else
   TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; q is on ", q.device());
 #endif

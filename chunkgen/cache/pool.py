@@ -192,9 +192,9 @@ class KVReservation:
 
     def lease(self, engine: object, budget_bytes: int) -> ChunkPool:
         """A pool of `budget_bytes` (at most the reservation's) over the reserved storage, for
-        `engine` (anything with `has_work`)."""
+        `engine` (an Engine: its scheduler says whether sequences still need their K/V)."""
         current = self.holder
-        if current is not None and current is not engine and current.has_work:  # type: ignore[attr-defined]
+        if current is not None and current is not engine and current.scheduler.has_work:  # type: ignore[attr-defined]
             raise RuntimeError(
                 "another engine of this LLM still has requests and holds its KV memory: finish them "
                 "(or drop that engine) before giving requests to this one")
