@@ -7,14 +7,30 @@
 // segments (merged in phase 3) so both cores have work whatever the tree looks like.
 //
 // SIMD width comes from the build machine (-march=native): GCC vector extensions keep one source
-// for AVX-512, AVX2 and narrower targets.
+// for AVX-512, AVX2 and narrower targets. With bf16 KV, the chunk-first products run in bf16 on AMX
+// tiles or AVX512_BF16 dot products where the build targets them and the CPU (and for AMX the OS)
+// grants them at run time; everything else (fp32 KV, the sequence-first phase) is the fp32 path.
+// q and out are fp32 or bf16 (the model's dtype); softmax statistics and sums are fp32 throughout.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include "bf16_gemm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -171,6 +187,12 @@ inline void weighted_values(const float* p, int C, const T* v, int n, int d, flo
   }
 }
 
+// Query and output elements as fp32, whatever their dtype (fp32, or bf16 stored as uint16_t).
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) { return bf16::to_float(x); }
+inline void from_f32(float x, float* dst) { *dst = x; }
+inline void from_f32(float x, uint16_t* dst) { *dst = bf16::from_float(x); }
+
 struct Scratch {
   std::vector<float> q, o, m, l, s, alpha;
   void reserve(int rows, int d, int C) {
@@ -251,9 +273,76 @@ inline void merge_partial(float* o, float& m, float& l, const float* po, float p
   m = mn;
 }
 
-inline void write_normalized(float* dst, const float* o, float l, int d) {
+template <typename Q>
+inline void write_normalized(Q* dst, const float* o, float l, int d) {
   const float inv = l > 0.f ? 1.f / l : 0.f;
-  for (int i = 0; i < d; ++i) dst[i] = o[i] * inv;
+  for (int i = 0; i < d; ++i) from_f32(o[i] * inv, dst + i);
+}
+
+// ---- which path runs ---------------------------------------------------------------------------
+
+enum class Isa { Fp32, Avx512Bf16, Amx };
+
+const char* fp32_isa_name() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__AVX__)
+  return "avx";
+#elif defined(__SSE__)
+  return "sse";
+#else
+  return "generic";
+#endif
+}
+
+// The best bf16 path this build has and this CPU/OS grants, asked once per process.
+Isa best_isa() {
+  static const Isa best = [] {
+    Isa isa = Isa::Fp32;
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+    unsigned a, b, c, d;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) isa = Isa::Avx512Bf16;
+#if defined(CHUNKGEN_HAVE_AMX) && defined(__linux__)
+    // AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24) in leaf 7, then the kernel's permission to use
+    // the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): a kernel or VM may refuse it.
+    if (isa == Isa::Avx512Bf16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
+        (d & (1u << 24)) && syscall(SYS_arch_prctl, 0x1023, 18) == 0)
+      isa = Isa::Amx;
+#endif
+#endif
+    return isa;
+  }();
+  return best;
+}
+
+// best_isa(), lowered by CHUNKGEN_CPU_ISA when it names a lower path (read on every call, so a
+// test can switch paths inside one process).
+Isa current_isa() {
+  const Isa best = best_isa();
+  const char* env = std::getenv("CHUNKGEN_CPU_ISA");
+  if (env == nullptr || *env == '\0') return best;
+  const std::string want(env);
+  Isa w;
+  if (want == "amx")
+    w = Isa::Amx;
+  else if (want == "avx512_bf16")
+    w = Isa::Avx512Bf16;
+  else if (want == "fp32" || want == fp32_isa_name())
+    w = Isa::Fp32;
+  else
+    throw std::invalid_argument("CHUNKGEN_CPU_ISA=" + want + " is not one of amx, avx512_bf16, fp32, " +
+                                fp32_isa_name());
+  return std::min(w, best);
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Amx: return "amx";
+    case Isa::Avx512Bf16: return "avx512_bf16";
+    default: return fp32_isa_name();
+  }
 }
 
 struct SharedItem {
@@ -284,12 +373,121 @@ void grow(Vec& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-template <typename T>
-void run(const DecodeProblem& p) {
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+
+// Per-thread buffers of the bf16 chunk-first phase: the chunk's K and V repacked once per work
+// item, then queries, scores, probabilities and outputs of a block of rows.
+struct Bf16Scratch {
+  std::vector<uint16_t> kp, vp, q, p;
+  std::vector<float> s, o, m, l;
+};
+
+constexpr int kBf16Rows = 128;  // query rows per block: 16-row tiles, scores stay in L2
+
+// One shared chunk and KV head against rows [w.begin, w.end) of the batch, in bf16 products with
+// fp32 accumulation; writes each row's partial (o, m, l) like the fp32 path.
+template <typename Q>
+void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa,
+                      Bf16Scratch& sc) {
+  const int Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, C = p.chunk;
+  const int dp = bf16::round_up(d, 32), Cp = bf16::round_up(C, 32);
+  const size_t head_elems = static_cast<size_t>(d) * C, slot_elems = head_elems * Hk;
+  const int c = w.chunk, h = w.head, n = p.shared_len[c];
+  const uint16_t* kt = static_cast<const uint16_t*>(p.k) + p.shared_slot[c] * slot_elems + h * head_elems;
+  const uint16_t* vv = static_cast<const uint16_t*>(p.v) + p.shared_slot[c] * slot_elems + h * head_elems;
+  grow(sc.kp, static_cast<size_t>(dp) * C);
+  grow(sc.vp, static_cast<size_t>(Cp) * d);
+  bf16::pack_pairs(kt, C, d, dp, C, n, sc.kp.data());  // K^T [d, C]: pairs along d
+  bf16::pack_pairs(vv, d, n, Cp, d, d, sc.vp.data());  // V [C, d]: pairs along the tokens
+
+  const auto gemm = isa == Isa::Amx ?
+#if defined(CHUNKGEN_HAVE_AMX)
+                                    bf16::gemm_amx
+#else
+                                    bf16::gemm_dpbf16
+#endif
+                                    : bf16::gemm_dpbf16;
+  const Q* q = static_cast<const Q*>(p.q);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const int seq_block = std::max(1, kBf16Rows / G);
+  for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
+    const int b1 = std::min(w.end, b0 + seq_block);
+    const int R = (b1 - b0) * G, Rp = bf16::round_up(R, 16);
+    grow(sc.q, static_cast<size_t>(Rp) * dp);
+    grow(sc.p, static_cast<size_t>(Rp) * Cp);
+    grow(sc.s, static_cast<size_t>(Rp) * C);
+    grow(sc.o, static_cast<size_t>(Rp) * d);
+    grow(sc.m, Rp);
+    grow(sc.l, Rp);
+    // Queries of the block as bf16 rows of dp (zero padded); the scale is applied to the fp32 scores.
+    for (int r = 0; r < Rp; ++r) {
+      uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
+      if (r >= R) {
+        std::fill_n(dst, dp, uint16_t{0});
+        continue;
+      }
+      const Q* src = q + (static_cast<size_t>(b0 + r / G) * Hq + h * G + r % G) * d;
+      if constexpr (sizeof(Q) == 2)
+        std::memcpy(dst, src, sizeof(uint16_t) * d);
+      else
+        for (int i = 0; i < d; ++i) dst[i] = bf16::from_float(src[i]);
+      std::fill(dst + d, dst + dp, uint16_t{0});
+    }
+    gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp);
+
+    // Softmax of one chunk from a fresh state: m = row max, P = exp(s - m) (bf16), l = sum P.
+    for (int r = 0; r < Rp; ++r) {
+      uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * Cp;
+      if (r >= R) {
+        std::fill_n(pr, Cp, uint16_t{0});
+        continue;
+      }
+      float* sr = sc.s.data() + static_cast<size_t>(r) * C;
+      __m512 mx = neg_inf;
+      for (int j = 0; j < C; j += 16) {
+        const __mmask16 valid = j >= n ? 0 : n - j >= 16 ? 0xffff : (__mmask16(1) << (n - j)) - 1;
+        const __m512 x = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(sr + j), scale);
+        _mm512_storeu_ps(sr + j, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float m = _mm512_reduce_max_ps(mx);
+      const __m512 mv = _mm512_set1_ps(m);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < C; j += 16) {
+        const __mmask16 valid = j >= n ? 0 : n - j >= 16 ? 0xffff : (__mmask16(1) << (n - j)) - 1;
+        const __m512 e = _mm512_maskz_mov_ps(valid, bf16::exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+        // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
+        const __m256bh eb = _mm512_cvtneps_pbh(e);
+        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
+      }
+      std::fill(pr + C, pr + Cp, uint16_t{0});
+      sc.m[r] = m;
+      sc.l[r] = _mm512_reduce_add_ps(sum);
+    }
+    gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp);
+
+    for (int r = 0; r < R; ++r) {
+      const int b = b0 + r / G, g = r % G;
+      const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+      std::memcpy(ws.part_o.data() + pr * d, sc.o.data() + static_cast<size_t>(r) * d, sizeof(float) * d);
+      ws.part_m[pr] = sc.m[r];
+      ws.part_l[pr] = sc.l[r];
+    }
+  }
+}
+
+#endif  // CHUNKGEN_HAVE_AVX512_BF16
+
+template <typename T, typename Q>
+void run(const DecodeProblem& p, Isa isa) {
   const int B = p.batch, Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim,
             C = p.chunk;
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
+  const Q* q = static_cast<const Q*>(p.q);
+  Q* out = static_cast<Q*>(p.out);
   const size_t head_elems = static_cast<size_t>(d) * C;
   const size_t slot_elems = head_elems * Hk;
   const int nthreads = omp_get_max_threads();
@@ -366,6 +564,24 @@ void run(const DecodeProblem& p) {
     thread_local Scratch sc;
 
     // ---- phase 1: chunk-first.
+    bool fp32_phase1 = true;
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+    if (isa != Isa::Fp32) {
+      fp32_phase1 = false;
+      thread_local Bf16Scratch bsc;
+#if defined(CHUNKGEN_HAVE_AMX)
+      static const bf16::TileConfig tile_config;
+      if (isa == Isa::Amx) _tile_loadconfig(&tile_config);  // tile configuration is per thread
+#endif
+#pragma omp for schedule(dynamic, 1)
+      for (int it = 0; it < n_shared_items; ++it)
+        shared_item_bf16<Q>(p, ws, ws.shared_items[it], isa, bsc);
+#if defined(CHUNKGEN_HAVE_AMX)
+      if (isa == Isa::Amx) _tile_release();
+#endif
+    }
+#endif
+    if (fp32_phase1) {
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < n_shared_items; ++it) {
       const SharedItem& w = ws.shared_items[it];
@@ -379,9 +595,9 @@ void run(const DecodeProblem& p) {
         sc.reserve(R, d, C);
         for (int b = b0; b < b1; ++b)
           for (int g = 0; g < G; ++g) {
-            const float* src = p.q + (static_cast<size_t>(b) * Hq + h * G + g) * d;
+            const Q* src = q + (static_cast<size_t>(b) * Hq + h * G + g) * d;
             float* dst = sc.q.data() + static_cast<size_t>((b - b0) * G + g) * d;
-            for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
+            for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * scale;
           }
         sc.reset_state(R, d);
         attend_chunk<T>(sc.q.data(), R, kt, v, p.shared_len[c], C, d, sc.o.data(), sc.m.data(),
@@ -398,6 +614,7 @@ void run(const DecodeProblem& p) {
           }
       }
     }
+    }  // fp32_phase1
 
     // ---- phase 2: sequence-first.
 #pragma omp for schedule(dynamic, 1)
@@ -405,8 +622,8 @@ void run(const DecodeProblem& p) {
       const SeqItem& w = ws.seq_items[it];
       const int b = w.seq, h = w.head, nseg = ws.seq_nseg[b];
       sc.reserve(G, d, C);
-      const float* src = p.q + (static_cast<size_t>(b) * Hq + h * G) * d;
-      for (int i = 0; i < G * d; ++i) sc.q[i] = src[i] * scale;
+      const Q* src = q + (static_cast<size_t>(b) * Hq + h * G) * d;
+      for (int i = 0; i < G * d; ++i) sc.q[i] = to_f32(src[i]) * scale;
       sc.reset_state(G, d);
       if (w.seg == 0 && p.chunk_first) {
         for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
@@ -432,7 +649,7 @@ void run(const DecodeProblem& p) {
       for (int g = 0; g < G; ++g) {
         const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
         if (nseg == 1) {
-          write_normalized(p.out + row * d, sc.o.data() + g * d, sc.l[g], d);
+          write_normalized(out + row * d, sc.o.data() + g * d, sc.l[g], d);
         } else {
           const size_t sr = static_cast<size_t>(ws.seg_row[b] + w.seg) * Hq + h * G + g;
           std::memcpy(ws.seg_o.data() + sr * d, sc.o.data() + g * d, sizeof(float) * d);
@@ -454,7 +671,7 @@ void run(const DecodeProblem& p) {
         merge_partial(sc.o.data(), sc.m[0], sc.l[0], ws.seg_o.data() + sr * d, ws.seg_m[sr],
                       ws.seg_l[sr], d);
       }
-      write_normalized(p.out + static_cast<size_t>(row) * d, sc.o.data(), sc.l[0], d);
+      write_normalized(out + static_cast<size_t>(row) * d, sc.o.data(), sc.l[0], d);
     }
   }
 }
@@ -463,11 +680,19 @@ void run(const DecodeProblem& p) {
 
 int simd_width() { return W; }
 
+const char* cpu_kernel_isa() { return isa_name(current_isa()); }
+
 void decode_attention_cpu(const DecodeProblem& p) {
-  if (p.kv_type == KVType::F32)
-    run<float>(p);
+  const bool q32 = p.q_type == KVType::F32;
+  if (p.kv_type == KVType::F32) {
+    run<float, float>(p, Isa::Fp32);
+    return;
+  }
+  const Isa isa = current_isa();
+  if (q32)
+    run<uint16_t, float>(p, isa);
   else
-    run<uint16_t>(p);
+    run<uint16_t, uint16_t>(p, isa);
 }
 
 }  // namespace chunkgen

@@ -282,7 +282,7 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       float x = 0.f;
       if (r < tile_rows) {
         const int seq = begin + (r0 + r) / G, g = (r0 + r) % G;
-        x = p.q[(static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t] * p.scale;
+        x = static_cast<const float*>(p.q)[(static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t] * p.scale;
       }
       qs[r * L.qs_ld + t] = from_float<T>(x);
     }
@@ -361,7 +361,7 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
   WarpState s = WarpState::at(mine + G * d, mine, G, d, C);
   const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
   for (int seq = begin + split * kWarps + warp; seq < end; seq += splits * kWarps) {
-    load_queries(mine, p.q + (static_cast<size_t>(seq) * p.q_heads + h * G) * d, p.scale, G * d, lane, 32);
+    load_queries(mine, static_cast<const float*>(p.q) + (static_cast<size_t>(seq) * p.q_heads + h * G) * d, p.scale, G * d, lane, 32);
     s.reset(G, d);
     warp_attend<T>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off,
                    p.shared_len[c], G, d, C);
@@ -387,7 +387,7 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   float* q_s = reinterpret_cast<float*>(shared_bytes());
   float* base = q_s + G * d;
   const size_t per_warp = WarpState::floats(G, d, C);
-  load_queries(q_s, p.q + (static_cast<size_t>(b) * p.q_heads + h * G) * d, p.scale, G * d, threadIdx.x, kThreads);
+  load_queries(q_s, static_cast<const float*>(p.q) + (static_cast<size_t>(b) * p.q_heads + h * G) * d, p.scale, G * d, threadIdx.x, kThreads);
   __syncthreads();
   WarpState s = WarpState::at(base + warp * per_warp, q_s, G, d, C);
   s.reset(G, d);
@@ -429,7 +429,7 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
       o += sw.o[i] * a;
       l += sw.l[g] * a;
     }
-    p.out[(static_cast<size_t>(b) * p.q_heads + h * G) * d + i] = l > 0.f ? o / l : 0.f;
+    static_cast<float*>(p.out)[(static_cast<size_t>(b) * p.q_heads + h * G) * d + i] = l > 0.f ? o / l : 0.f;
   }
 }
 
