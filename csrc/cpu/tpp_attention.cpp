@@ -345,8 +345,12 @@ const char* isa_name(Isa isa) {
   }
 }
 
+// Chunk-first work: shared chunks group_chunks[first, last), which all cover rows [begin, end) of
+// the batch, against one KV head. Chunks covering the same rows lie on the same paths, so one
+// online softmax runs over all of them and leaves one partial per row (stored at the first chunk's
+// partial rows; the others get l = 0, which the merge skips) instead of one per chunk.
 struct SharedItem {
-  int chunk, head, begin, end;
+  int first, last, head, begin, end;
 };
 struct SeqItem {
   int seq, head, seg;
@@ -357,6 +361,7 @@ struct Workspace {
   std::vector<int64_t> shared_row;  // first partial row of each shared chunk
   std::vector<float> part_o, part_m, part_l;
   std::vector<SharedItem> shared_items;
+  std::vector<int32_t> group_chunks;  // live shared chunks, ordered by their row range
   std::vector<int32_t> chunk_slot, chunk_len, seq_chunk_ptr;  // chunks each sequence reads itself
   std::vector<int32_t> seq_nseg, seg_row;
   std::vector<float> seg_o, seg_m, seg_l;
@@ -373,33 +378,51 @@ void grow(Vec& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
+// The partials of rows [b0, b1) of item w (state rows (b - b0) * G + g): at the item's first chunk;
+// its other chunks' partials for those rows are marked empty (l = 0).
+inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedItem& w, int b0, int b1,
+                           const float* o, const float* m, const float* l) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
+  for (int i = w.first; i < w.last; ++i) {
+    const int c = ws.group_chunks[i];
+    for (int b = b0; b < b1; ++b)
+      for (int g = 0; g < G; ++g) {
+        const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+        const int r = (b - b0) * G + g;
+        if (i == w.first) {
+          std::memcpy(ws.part_o.data() + pr * d, o + static_cast<size_t>(r) * d, sizeof(float) * d);
+          ws.part_m[pr] = m[r];
+          ws.part_l[pr] = l[r];
+        } else {
+          ws.part_l[pr] = 0.f;
+        }
+      }
+  }
+}
+
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
 
-// Per-thread buffers of the bf16 chunk-first phase: the chunk's K and V repacked once per work
-// item, then queries, scores, probabilities and outputs of a block of rows.
+// Per-thread buffers of the bf16 chunk-first phase: one chunk's K and V repacked, then queries,
+// scores, probabilities, the product P.V and the running (o, m, l) of a block of rows.
 struct Bf16Scratch {
   std::vector<uint16_t> kp, vp, q, p;
-  std::vector<float> s, o, m, l;
+  std::vector<float> s, t, o, m, l, alpha;
 };
 
 constexpr int kBf16Rows = 128;  // query rows per block: 16-row tiles, scores stay in L2
 
-// One shared chunk and KV head against rows [w.begin, w.end) of the batch, in bf16 products with
-// fp32 accumulation; writes each row's partial (o, m, l) like the fp32 path.
+inline __mmask16 valid_lanes(int j, int n) {
+  return j >= n ? 0 : n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+}
+
+// Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
+// online softmax across its chunks; stores each row's partial (o, m, l) like the fp32 path.
 template <typename Q>
 void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa,
                       Bf16Scratch& sc) {
-  const int Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, C = p.chunk;
+  const int Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, C = p.chunk, h = w.head;
   const int dp = bf16::round_up(d, 32), Cp = bf16::round_up(C, 32);
   const size_t head_elems = static_cast<size_t>(d) * C, slot_elems = head_elems * Hk;
-  const int c = w.chunk, h = w.head, n = p.shared_len[c];
-  const uint16_t* kt = static_cast<const uint16_t*>(p.k) + p.shared_slot[c] * slot_elems + h * head_elems;
-  const uint16_t* vv = static_cast<const uint16_t*>(p.v) + p.shared_slot[c] * slot_elems + h * head_elems;
-  grow(sc.kp, static_cast<size_t>(dp) * C);
-  grow(sc.vp, static_cast<size_t>(Cp) * d);
-  bf16::pack_pairs(kt, C, d, dp, C, n, sc.kp.data());  // K^T [d, C]: pairs along d
-  bf16::pack_pairs(vv, d, n, Cp, d, d, sc.vp.data());  // V [C, d]: pairs along the tokens
-
   const auto gemm = isa == Isa::Amx ?
 #if defined(CHUNKGEN_HAVE_AMX)
                                     bf16::gemm_amx
@@ -408,8 +431,12 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 #endif
                                     : bf16::gemm_dpbf16;
   const Q* q = static_cast<const Q*>(p.q);
+  const uint16_t* K = static_cast<const uint16_t*>(p.k);
+  const uint16_t* V = static_cast<const uint16_t*>(p.v);
   const __m512 scale = _mm512_set1_ps(p.scale);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  grow(sc.kp, static_cast<size_t>(dp) * C);
+  grow(sc.vp, static_cast<size_t>(Cp) * d);
   const int seq_block = std::max(1, kBf16Rows / G);
   for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
     const int b1 = std::min(w.end, b0 + seq_block);
@@ -417,14 +444,17 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
     grow(sc.q, static_cast<size_t>(Rp) * dp);
     grow(sc.p, static_cast<size_t>(Rp) * Cp);
     grow(sc.s, static_cast<size_t>(Rp) * C);
+    grow(sc.t, static_cast<size_t>(Rp) * d);
     grow(sc.o, static_cast<size_t>(Rp) * d);
     grow(sc.m, Rp);
     grow(sc.l, Rp);
+    grow(sc.alpha, Rp);
     // Queries of the block as bf16 rows of dp (zero padded); the scale is applied to the fp32 scores.
     for (int r = 0; r < Rp; ++r) {
       uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
       if (r >= R) {
         std::fill_n(dst, dp, uint16_t{0});
+        std::fill_n(sc.p.data() + static_cast<size_t>(r) * Cp, Cp, uint16_t{0});  // padding rows
         continue;
       }
       const Q* src = q + (static_cast<size_t>(b0 + r / G) * Hq + h * G + r % G) * d;
@@ -433,48 +463,58 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
       else
         for (int i = 0; i < d; ++i) dst[i] = bf16::from_float(src[i]);
       std::fill(dst + d, dst + dp, uint16_t{0});
+      sc.m[r] = kNegInf;
+      sc.l[r] = 0.f;
     }
-    gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp);
 
-    // Softmax of one chunk from a fresh state: m = row max, P = exp(s - m) (bf16), l = sum P.
-    for (int r = 0; r < Rp; ++r) {
-      uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * Cp;
-      if (r >= R) {
-        std::fill_n(pr, Cp, uint16_t{0});
-        continue;
-      }
-      float* sr = sc.s.data() + static_cast<size_t>(r) * C;
-      __m512 mx = neg_inf;
-      for (int j = 0; j < C; j += 16) {
-        const __mmask16 valid = j >= n ? 0 : n - j >= 16 ? 0xffff : (__mmask16(1) << (n - j)) - 1;
-        const __m512 x = _mm512_mask_mul_ps(neg_inf, valid, _mm512_loadu_ps(sr + j), scale);
-        _mm512_storeu_ps(sr + j, x);
-        mx = _mm512_max_ps(mx, x);
-      }
-      const float m = _mm512_reduce_max_ps(mx);
-      const __m512 mv = _mm512_set1_ps(m);
-      __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < C; j += 16) {
-        const __mmask16 valid = j >= n ? 0 : n - j >= 16 ? 0xffff : (__mmask16(1) << (n - j)) - 1;
-        const __m512 e = _mm512_maskz_mov_ps(valid, bf16::exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
-        // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
-        const __m256bh eb = _mm512_cvtneps_pbh(e);
-        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
-      }
-      std::fill(pr + C, pr + Cp, uint16_t{0});
-      sc.m[r] = m;
-      sc.l[r] = _mm512_reduce_add_ps(sum);
-    }
-    gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp);
+    for (int i = w.first; i < w.last; ++i) {
+      const int c = ws.group_chunks[i], n = p.shared_len[c];
+      const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
+      bf16::pack_pairs(K + off, C, d, dp, C, n, sc.kp.data());  // K^T [d, C]: pairs along d
+      bf16::pack_pairs(V + off, d, n, Cp, d, d, sc.vp.data());  // V [C, d]: pairs along tokens
+      gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp);
 
-    for (int r = 0; r < R; ++r) {
-      const int b = b0 + r / G, g = r % G;
-      const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
-      std::memcpy(ws.part_o.data() + pr * d, sc.o.data() + static_cast<size_t>(r) * d, sizeof(float) * d);
-      ws.part_m[pr] = sc.m[r];
-      ws.part_l[pr] = sc.l[r];
+      // Online softmax: m' = max(m, row max), P = exp(s - m') in bf16, l = l alpha + sum P.
+      for (int r = 0; r < R; ++r) {
+        float* sr = sc.s.data() + static_cast<size_t>(r) * C;
+        uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * Cp;
+        __m512 mx = neg_inf;
+        for (int j = 0; j < C; j += 16) {
+          const __m512 x = _mm512_mask_mul_ps(neg_inf, valid_lanes(j, n), _mm512_loadu_ps(sr + j), scale);
+          _mm512_storeu_ps(sr + j, x);
+          mx = _mm512_max_ps(mx, x);
+        }
+        const float m = std::max(sc.m[r], _mm512_reduce_max_ps(mx));
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < C; j += 16) {
+          const __m512 e =
+              _mm512_maskz_mov_ps(valid_lanes(j, n), bf16::exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+          // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
+          const __m256bh eb = _mm512_cvtneps_pbh(e);
+          sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
+        }
+        std::fill(pr + C, pr + Cp, uint16_t{0});
+        const float alpha = std::exp(sc.m[r] - m);  // 0 on the first chunk (m was -inf)
+        sc.alpha[r] = alpha;
+        sc.l[r] = sc.l[r] * alpha + _mm512_reduce_add_ps(sum);
+        sc.m[r] = m;
+      }
+      if (i == w.first) {
+        gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp);
+      } else {
+        gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.t.data(), d, Rp);
+        for (int r = 0; r < R; ++r) {
+          float* o = sc.o.data() + static_cast<size_t>(r) * d;
+          const float* t = sc.t.data() + static_cast<size_t>(r) * d;
+          const __m512 a = _mm512_set1_ps(sc.alpha[r]);
+          for (int k = 0; k < d; k += 16)
+            _mm512_storeu_ps(o + k, _mm512_fmadd_ps(_mm512_loadu_ps(o + k), a, _mm512_loadu_ps(t + k)));
+        }
+      }
     }
+    store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
   }
 }
 
@@ -504,13 +544,36 @@ void run(const DecodeProblem& p, Isa isa) {
     ws.shared_row[c + 1] = ws.shared_row[c] + cover;
     shared_work += static_cast<int64_t>(cover) * Hk;
   }
-  const int per_item = static_cast<int>(
-      std::max<int64_t>(4, (shared_work + target_items - 1) / target_items));
-  ws.shared_items.clear();
+  // Group the live chunks by row range; split each group's (rows x chunks) work per head into
+  // about target_items pieces, by chunks first (each piece repacks/reads its chunks once).
+  ws.group_chunks.clear();
   for (int c = 0; c < S; ++c)
+    if (p.shared_end[c] > p.shared_begin[c]) ws.group_chunks.push_back(c);
+  std::sort(ws.group_chunks.begin(), ws.group_chunks.end(), [&](int a, int b) {
+    if (p.shared_begin[a] != p.shared_begin[b]) return p.shared_begin[a] < p.shared_begin[b];
+    if (p.shared_end[a] != p.shared_end[b]) return p.shared_end[a] < p.shared_end[b];
+    return a < b;
+  });
+  const int64_t per_item = std::max<int64_t>(4, (shared_work + target_items - 1) / target_items);
+  ws.shared_items.clear();
+  const int n_live = static_cast<int>(ws.group_chunks.size());
+  for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
+    const int c0 = ws.group_chunks[g0], begin = p.shared_begin[c0], end = p.shared_end[c0];
+    for (g1 = g0 + 1; g1 < n_live && p.shared_begin[ws.group_chunks[g1]] == begin &&
+                      p.shared_end[ws.group_chunks[g1]] == end;
+         ++g1) {
+    }
+    const int nch = g1 - g0, cover = end - begin;
+    const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;
+    const int chunk_pieces = static_cast<int>(std::min<int64_t>(nch, pieces));
+    const int row_pieces = static_cast<int>((pieces + chunk_pieces - 1) / chunk_pieces);
+    const int rows_per = (cover + row_pieces - 1) / row_pieces;
     for (int h = 0; h < Hk; ++h)
-      for (int b = p.shared_begin[c]; b < p.shared_end[c]; b += per_item)
-        ws.shared_items.push_back({c, h, b, std::min(b + per_item, p.shared_end[c])});
+      for (int cp = 0; cp < chunk_pieces; ++cp)
+        for (int b = begin; b < end; b += rows_per)
+          ws.shared_items.push_back({g0 + nch * cp / chunk_pieces, g0 + nch * (cp + 1) / chunk_pieces, h,
+                                     b, std::min(b + rows_per, end)});
+  }
   const size_t part_rows = static_cast<size_t>(ws.shared_row[S]) * Hq;
   grow(ws.part_o, part_rows * d);
   grow(ws.part_m, part_rows);
@@ -585,9 +648,7 @@ void run(const DecodeProblem& p, Isa isa) {
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < n_shared_items; ++it) {
       const SharedItem& w = ws.shared_items[it];
-      const int c = w.chunk, h = w.head;
-      const T* kt = K + p.shared_slot[c] * slot_elems + h * head_elems;
-      const T* v = V + p.shared_slot[c] * slot_elems + h * head_elems;
+      const int h = w.head;
       const int seq_block = std::max(1, kRowBlock / G);
       for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
         const int b1 = std::min(w.end, b0 + seq_block);
@@ -600,18 +661,13 @@ void run(const DecodeProblem& p, Isa isa) {
             for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * scale;
           }
         sc.reset_state(R, d);
-        attend_chunk<T>(sc.q.data(), R, kt, v, p.shared_len[c], C, d, sc.o.data(), sc.m.data(),
-                        sc.l.data(), sc.s.data(), sc.alpha.data());
-        for (int b = b0; b < b1; ++b)
-          for (int g = 0; g < G; ++g) {
-            const int r = (b - b0) * G + g;
-            const size_t pr =
-                static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
-            std::memcpy(ws.part_o.data() + pr * d, sc.o.data() + static_cast<size_t>(r) * d,
-                        sizeof(float) * d);
-            ws.part_m[pr] = sc.m[r];
-            ws.part_l[pr] = sc.l[r];
-          }
+        for (int i = w.first; i < w.last; ++i) {
+          const int c = ws.group_chunks[i];
+          const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
+          attend_chunk<T>(sc.q.data(), R, K + off, V + off, p.shared_len[c], C, d, sc.o.data(),
+                          sc.m.data(), sc.l.data(), sc.s.data(), sc.alpha.data());
+        }
+        store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
       }
     }
     }  // fp32_phase1
