@@ -289,7 +289,6 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
     return;
   }
 #ifdef CHUNKGEN_WITH_CUDA
-  TORCH_CHECK_TYPE(p.q_type == KVType::F32, "the CUDA kernel takes float32 q and out, got ", q.scalar_type());
   // Grids are sized by capacity (every shared entry, every row of the batch); unused entries cover
   // no rows and padded rows read no chunk, so nothing here depends on the tree's live values.
   const int64_t rows_cap = workspace.numel() / (p.q_heads * (p.head_dim + 2));
