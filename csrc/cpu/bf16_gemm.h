@@ -71,16 +71,21 @@ inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int 
   }
 }
 
-// out[r, n] = sum_k A[r, k] B[k, n] for r < R (a multiple of 16), K a multiple of 32, N of 16;
-// A bf16 row-major (stride lda elements), B packed by pack_pairs (N columns), out fp32 (stride ldo).
+// out[r, n] (+)= sum_k A[r, k] B[k, n] for r < R (a multiple of 16), K a multiple of 32, N of 16;
+// A bf16 row-major (stride lda elements), B packed by pack_pairs (N columns), out fp32 (stride
+// ldo); `accumulate` adds to out instead of overwriting it.
 inline void gemm_dpbf16(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out,
-                        int ldo, int R) {
+                        int ldo, int R, bool accumulate) {
   constexpr int RB = 8;  // rows per register block: RB x 2 accumulators + 2 B vectors
   for (int n = 0; n < N; n += 32) {
     const bool two = n + 16 < N;
     for (int r0 = 0; r0 < R; r0 += RB) {
       __m512 acc0[RB], acc1[RB];
-      for (int r = 0; r < RB; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+      for (int r = 0; r < RB; ++r) {
+        const float* o = out + static_cast<size_t>(r0 + r) * ldo + n;
+        acc0[r] = accumulate ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+        acc1[r] = accumulate && two ? _mm512_loadu_ps(o + 16) : _mm512_setzero_ps();
+      }
       const uint16_t* bp = B + 2 * n;
       for (int kp = 0; kp < K / 2; ++kp, bp += 2 * N) {
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp);
@@ -135,11 +140,18 @@ struct alignas(64) TileConfig {
 // NB accumulators (tiles 0..NB-1), A in tile 4, B in tiles 5..7 in turn: columns [n, n + 16 NB).
 template <int NB>
 inline void amx_block(const uint16_t* A, int lda, const uint16_t* B, int K, int N, int n, float* out,
-                      int ldo) {
-  _tile_zero(0);
-  if constexpr (NB > 1) _tile_zero(1);
-  if constexpr (NB > 2) _tile_zero(2);
-  if constexpr (NB > 3) _tile_zero(3);
+                      int ldo, bool accumulate) {
+  if (accumulate) {
+    _tile_loadd(0, out + n, ldo * 4);
+    if constexpr (NB > 1) _tile_loadd(1, out + n + 16, ldo * 4);
+    if constexpr (NB > 2) _tile_loadd(2, out + n + 32, ldo * 4);
+    if constexpr (NB > 3) _tile_loadd(3, out + n + 48, ldo * 4);
+  } else {
+    _tile_zero(0);
+    if constexpr (NB > 1) _tile_zero(1);
+    if constexpr (NB > 2) _tile_zero(2);
+    if constexpr (NB > 3) _tile_zero(3);
+  }
   const int bstride = 4 * N;  // bytes per pair-row of B
   for (int k = 0; k < K; k += 32) {
     _tile_loadd(4, A + k, lda * 2);
@@ -167,16 +179,16 @@ inline void amx_block(const uint16_t* A, int lda, const uint16_t* B, int K, int 
 
 // Same contract as gemm_dpbf16; the calling thread must have loaded TileConfig.
 inline void gemm_amx(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out, int ldo,
-                     int R) {
+                     int R, bool accumulate) {
   for (int r = 0; r < R; r += 16) {
     const uint16_t* a = A + static_cast<size_t>(r) * lda;
     float* o = out + static_cast<size_t>(r) * ldo;
     int n = 0;
-    for (; n + 64 <= N; n += 64) amx_block<4>(a, lda, B, K, N, n, o, ldo);
+    for (; n + 64 <= N; n += 64) amx_block<4>(a, lda, B, K, N, n, o, ldo, accumulate);
     switch ((N - n) / 16) {
-      case 3: amx_block<3>(a, lda, B, K, N, n, o, ldo); break;
-      case 2: amx_block<2>(a, lda, B, K, N, n, o, ldo); break;
-      case 1: amx_block<1>(a, lda, B, K, N, n, o, ldo); break;
+      case 3: amx_block<3>(a, lda, B, K, N, n, o, ldo, accumulate); break;
+      case 2: amx_block<2>(a, lda, B, K, N, n, o, ldo, accumulate); break;
+      case 1: amx_block<1>(a, lda, B, K, N, n, o, ldo, accumulate); break;
       default: break;
     }
   }

@@ -406,7 +406,7 @@ inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedIt
 // scores, probabilities, the product P.V and the running (o, m, l) of a block of rows.
 struct Bf16Scratch {
   std::vector<uint16_t> kp, vp, q, p;
-  std::vector<float> s, t, o, m, l, alpha;
+  std::vector<float> s, o, m, l, lv;
 };
 
 constexpr int kBf16Rows = 128;  // query rows per block: 16-row tiles, scores stay in L2
@@ -444,11 +444,9 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
     grow(sc.q, static_cast<size_t>(Rp) * dp);
     grow(sc.p, static_cast<size_t>(Rp) * Cp);
     grow(sc.s, static_cast<size_t>(Rp) * C);
-    grow(sc.t, static_cast<size_t>(Rp) * d);
     grow(sc.o, static_cast<size_t>(Rp) * d);
     grow(sc.m, Rp);
     grow(sc.l, Rp);
-    grow(sc.alpha, Rp);
     // Queries of the block as bf16 rows of dp (zero padded); the scale is applied to the fp32 scores.
     for (int r = 0; r < Rp; ++r) {
       uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
@@ -467,53 +465,57 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
       sc.l[r] = 0.f;
     }
 
+    // l is kept as 16 lane sums per row (reduced once at the end): no horizontal add per chunk.
+    grow(sc.lv, static_cast<size_t>(Rp) * 16);
+    std::fill_n(sc.lv.data(), static_cast<size_t>(R) * 16, 0.f);
     for (int i = w.first; i < w.last; ++i) {
       const int c = ws.group_chunks[i], n = p.shared_len[c];
+      const bool first = i == w.first;
       const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
       bf16::pack_pairs(K + off, C, d, dp, C, n, sc.kp.data());  // K^T [d, C]: pairs along d
       bf16::pack_pairs(V + off, d, n, Cp, d, d, sc.vp.data());  // V [C, d]: pairs along tokens
-      gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp);
+      gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp, false);
 
-      // Online softmax: m' = max(m, row max), P = exp(s - m') in bf16, l = l alpha + sum P.
+      // Online softmax. The running max m only moves when a score exceeds it (a vector compare,
+      // rarely true after the first chunks), and only then does a row's state get rescaled.
       for (int r = 0; r < R; ++r) {
-        float* sr = sc.s.data() + static_cast<size_t>(r) * C;
+        const float* sr = sc.s.data() + static_cast<size_t>(r) * C;
         uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * Cp;
         __m512 mx = neg_inf;
-        for (int j = 0; j < C; j += 16) {
-          const __m512 x = _mm512_mask_mul_ps(neg_inf, valid_lanes(j, n), _mm512_loadu_ps(sr + j), scale);
-          _mm512_storeu_ps(sr + j, x);
-          mx = _mm512_max_ps(mx, x);
+        for (int j = 0; j < C; j += 16)
+          mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, valid_lanes(j, n), _mm512_loadu_ps(sr + j), scale));
+        float m = sc.m[r];
+        if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+          const float mnew = _mm512_reduce_max_ps(mx);
+          const float alpha = std::exp(m - mnew);  // 0 on the first chunk (m was -inf)
+          m = mnew;
+          sc.m[r] = m;
+          float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+          _mm512_storeu_ps(lv, _mm512_mul_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha)));
+          if (!first) {
+            float* o = sc.o.data() + static_cast<size_t>(r) * d;
+            const __m512 av = _mm512_set1_ps(alpha);
+            for (int k = 0; k < d; k += 16) _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_loadu_ps(o + k), av));
+          }
         }
-        const float m = std::max(sc.m[r], _mm512_reduce_max_ps(mx));
-        const __m512 mv = _mm512_set1_ps(m);
+        const __m512 neg_m = _mm512_set1_ps(-m);
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < C; j += 16) {
-          const __m512 e =
-              _mm512_maskz_mov_ps(valid_lanes(j, n), bf16::exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+          const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale, neg_m);
+          const __m512 e = _mm512_maskz_mov_ps(valid_lanes(j, n), bf16::exp512(x));
           // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
           const __m256bh eb = _mm512_cvtneps_pbh(e);
           sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
         }
         std::fill(pr + C, pr + Cp, uint16_t{0});
-        const float alpha = std::exp(sc.m[r] - m);  // 0 on the first chunk (m was -inf)
-        sc.alpha[r] = alpha;
-        sc.l[r] = sc.l[r] * alpha + _mm512_reduce_add_ps(sum);
-        sc.m[r] = m;
+        float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+        _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
       }
-      if (i == w.first) {
-        gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp);
-      } else {
-        gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.t.data(), d, Rp);
-        for (int r = 0; r < R; ++r) {
-          float* o = sc.o.data() + static_cast<size_t>(r) * d;
-          const float* t = sc.t.data() + static_cast<size_t>(r) * d;
-          const __m512 a = _mm512_set1_ps(sc.alpha[r]);
-          for (int k = 0; k < d; k += 16)
-            _mm512_storeu_ps(o + k, _mm512_fmadd_ps(_mm512_loadu_ps(o + k), a, _mm512_loadu_ps(t + k)));
-        }
-      }
+      // o (+)= P V straight into the running sums (AMX loads them into the accumulator tiles).
+      gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp, !first);
     }
+    for (int r = 0; r < R; ++r) sc.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(r) * 16));
     store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
   }
 }
