@@ -717,7 +717,9 @@ void run(const DecodeProblem& p, Isa isa) {
       }
     }
 
-    // ---- phase 3: merge the segments of long private tails.
+    // ---- phase 3: merge the segments of long private tails (none: no loop, one barrier less,
+    // which matters when the cores are shared and a waiting thread may lose its time slice).
+    if (seg_rows > 0)
 #pragma omp for schedule(static)
     for (int row = 0; row < B * Hq; ++row) {
       const int b = row / Hq, qh = row % Hq, nseg = ws.seq_nseg[b];
