@@ -1221,7 +1221,8 @@ def _print_kernel_table(rows: list[dict]) -> None:
         table.add_column(col, justify="right")
     cells: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        key = (f"b{r['batch']} h{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} c{r['chunk']} {r['dtype']} {r['device']}",
+        key = (f"b{r['batch']} h{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} c{r['chunk']} {r['dtype']} {r['device']}"
+               f" q/out {r.get('q_dtype', r['dtype'])}",
                r["n_p"], r["n_s"])
         cells.setdefault(key, {})[r["impl"]] = r["us"]
     for (shape, n_p, n_s), by in cells.items():
@@ -1229,6 +1230,9 @@ def _print_kernel_table(rows: list[dict]) -> None:
         speed = f"{min(others) / by['chunk_tpp']:.2f}x" if others and "chunk_tpp" in by else "-"
         table.add_row(shape, str(n_p), str(n_s), *[f"{by[i]:.0f}" if i in by else "-" for i in impls], speed)
     stdout.print(table)
+    paths = sorted({r["cpu_path"] for r in rows if r.get("cpu_path")})
+    if paths:
+        stdout.print(f"CPU kernel path: {', '.join(paths)} (CHUNKGEN_CPU_ISA forces a lower one)")
 
 
 def main() -> None:  # pragma: no cover

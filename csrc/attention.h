@@ -11,9 +11,11 @@ namespace chunkgen {
 enum class KVType { F32, BF16, F16 };
 
 struct DecodeProblem {
-  // queries [batch, q_heads, head_dim] fp32, contiguous; output the same shape.
-  const float* q;
-  float* out;
+  // queries [batch, q_heads, head_dim], contiguous; output the same shape and dtype. Both are fp32,
+  // or both the pool's dtype (q_type == kv_type): softmax statistics and sums stay fp32 inside.
+  const void* q;
+  void* out;
+  KVType q_type;
   const void* k;  // one layer of the pool
   const void* v;
   KVType kv_type;
@@ -42,5 +44,9 @@ struct DecodeProblem {
 
 void decode_attention_cpu(const DecodeProblem& p);
 int simd_width();  // fp32 lanes the CPU kernel was compiled for
+// The CPU kernel path a bf16 call takes now: "amx", "avx512_bf16", or the fp32 path ("avx512",
+// "avx2", "avx", "sse", "generic"; fp32 KV always takes it). CHUNKGEN_CPU_ISA names a lower path to
+// force one (tests run every path the machine has); a higher one than available is not granted.
+const char* cpu_kernel_isa();
 
 }  // namespace chunkgen

@@ -2,7 +2,9 @@
 // checked here, so a bad call raises a Python ValueError/TypeError instead of reading out of bounds.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef CHUNKGEN_WITH_CUDA
@@ -52,7 +54,10 @@ DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const
                            const ContextArgs& c, const torch::Tensor& out, double scale,
                            bool chunk_first) {
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be [batch, q_heads, head_dim], got ", q.sizes());
-  TORCH_CHECK_TYPE(q.scalar_type() == torch::kFloat32, "q must be float32, got ", q.scalar_type());
+  // q and out are fp32, or the pool's dtype (the model's): the kernel reads and writes them as they
+  // are, with fp32 softmax statistics and sums inside.
+  TORCH_CHECK_TYPE(q.scalar_type() == torch::kFloat32 || q.scalar_type() == k.scalar_type(),
+                   "q must be float32 or the pool's dtype (", k.scalar_type(), "), got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK_VALUE(k.dim() == 4 && v.dim() == 4,
                     "k must be [slots, kv_heads, head_dim, chunk] and v [slots, kv_heads, chunk, "
@@ -71,9 +76,10 @@ DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const
                     Hk, ")");
   TORCH_CHECK_VALUE(d % 16 == 0 && d > 0, "head_dim must be a positive multiple of 16, got ", d);
   TORCH_CHECK_VALUE(C % 16 == 0 && C > 0, "chunk size must be a positive multiple of 16, got ", C);
-  TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat32 &&
-                        out.is_contiguous() && out.device() == q.device(),
-                    "out must be a contiguous float32 tensor shaped like q");
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.is_contiguous() && out.device() == q.device(),
+                    "out must be a contiguous tensor shaped like q on q's device");
+  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "out must have q's dtype (", q.scalar_type(),
+                   "), got ", out.scalar_type());
 
   const auto dev = q.device();
   check_index_tensor(c.shared_slot, "shared_slot", dev);
@@ -98,8 +104,9 @@ DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const
                     "priv_count and priv_last_len must have batch entries");
 
   DecodeProblem p{};
-  p.q = q.data_ptr<float>();
-  p.out = out.data_ptr<float>();
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.q_type = kv_type_of(q);
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.kv_type = kv_type_of(k);
@@ -202,9 +209,17 @@ void write_rows(Dst* kc, Dst* vc, const Src* k, const Src* v, const int64_t* ks,
     for (int64_t h = 0; h < Hk; ++h) {
       const Src* kr = k + b * ks[0] + h * ks[1];
       const Src* vr = v + b * vs[0] + h * vs[1];
-      for (int64_t i = 0; i < d; ++i) {
-        kb[h * head + i * C] = static_cast<Dst>(static_cast<float>(kr[i * ks[2]]));
-        vb[h * head + i] = static_cast<Dst>(static_cast<float>(vr[i * vs[2]]));
+      if constexpr (std::is_same_v<Dst, Src>) {  // the model's dtype is the pool's: plain copies
+        for (int64_t i = 0; i < d; ++i) kb[h * head + i * C] = kr[i * ks[2]];
+        if (vs[2] == 1)
+          std::memcpy(vb + h * head, vr, sizeof(Dst) * d);
+        else
+          for (int64_t i = 0; i < d; ++i) vb[h * head + i] = vr[i * vs[2]];
+      } else {
+        for (int64_t i = 0; i < d; ++i) {
+          kb[h * head + i * C] = static_cast<Dst>(static_cast<float>(kr[i * ks[2]]));
+          vb[h * head + i] = static_cast<Dst>(static_cast<float>(vr[i * vs[2]]));
+        }
       }
     }
   }
@@ -323,6 +338,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("shared_begin"), py::arg("shared_end"), py::arg("part_off"), py::arg("seq_shared_ptr"),
         py::arg("seq_shared_idx"), py::arg("priv_slot"), py::arg("priv_count"), py::arg("priv_last_len"));
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
+  m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
+        "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "
+        "CHUNKGEN_CPU_ISA forces a lower one");
   m.def("fma_peak_gflops", &chunkgen::fma_peak_gflops, "measured fp32 FMA GFLOP/s on all OpenMP threads",
         py::arg("iters") = 200000000);
 #ifdef CHUNKGEN_WITH_CUDA

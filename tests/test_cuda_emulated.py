@@ -38,7 +38,7 @@ def run_emulated(fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: boo
     out = torch.full_like(q, float("nan"))
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())
     err = ctypes.create_string_buffer(4096)
-    rc = fn(ptr(q), ptr(out), ptr(k), ptr(v), KV_TYPES[k.dtype],
+    rc = fn(ptr(q), ptr(out), KV_TYPES[q.dtype], ptr(k), ptr(v), KV_TYPES[k.dtype],
             q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[3], ctypes.c_float(scale),
             ctx.shared_slot.numel(), ptr(ctx.shared_slot), ptr(ctx.shared_len), ptr(ctx.shared_begin),
             ptr(ctx.shared_end), ptr(ctx.seq_shared_ptr), ptr(ctx.seq_shared_idx), ptr(ctx.priv_slot),
@@ -55,16 +55,20 @@ def run_emulated(fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: boo
     head_dim=st.sampled_from([64, 128, 80]),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
     decode_steps=st.integers(0, 3), chunk_first=st.booleans(), sms=st.sampled_from([1, 8, 132]),
+    q_in_pool_dtype=st.booleans(),
 )
 def test_emulated_cuda_kernel_matches_reference(emulated, seed, n_seqs, shared_len, chunk, heads, head_dim,
-                                                dtype, decode_steps, chunk_first, sms):
+                                                dtype, decode_steps, chunk_first, sms, q_in_pool_dtype):
+    """q and out fp32, or in the pool's dtype (the model's), as the op takes them."""
     q_heads, kv_heads = heads
     pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype,
                             max_private=150, decode_steps=decode_steps)
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    q = q.to(dtype) if q_in_pool_dtype else q
     scale = head_dim ** -0.5
     out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, scale, chunk_first, sms)
+    assert out.dtype == q.dtype
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

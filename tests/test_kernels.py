@@ -1,14 +1,18 @@
-"""The native two-phase kernel against the naive reference, on randomized prefix trees."""
+"""The native two-phase kernel against the naive reference, on randomized prefix trees: every CPU
+path this machine has (AMX, AVX512_BF16, the fp32 path), q and out in fp32 or the model's bf16."""
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
-from chunkgen.kernels import decode_attention
+from chunkgen.kernels import decode_attention, decode_step_attention, workspace_for
 from chunkgen.kernels.reference import reference_decode_attention
 
 
@@ -68,7 +72,7 @@ def test_kernel_matches_reference(seed, n_seqs, shared_len, chunk, heads, head_d
     scale = head_dim ** -0.5
     out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale)
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), ref, **tolerance(native().cpu_kernel_isa(), dtype, q.dtype))
 
 
 @pytest.mark.parametrize("case", ["batch1_many_chunks", "all_identical", "no_sharing", "empty_private"])
@@ -118,3 +122,158 @@ def test_bad_arguments_raise_python_errors():
     ctx.priv_slot[int(ctx.priv_count.argmax()), 0] = 10**6  # a row that reads its first private slot
     with pytest.raises(ValueError, match="outside the pool"):
         decode_attention(q, k, v, ctx, 1.0)
+
+
+# ---- the CPU kernel's paths ---------------------------------------------------------------------
+
+def cpu_paths() -> list[str]:
+    """The paths a bf16 call can take here, best first: forcing each one through CHUNKGEN_CPU_ISA."""
+    old = os.environ.pop("CHUNKGEN_CPU_ISA", None)
+    try:
+        best = native().cpu_kernel_isa()
+        os.environ["CHUNKGEN_CPU_ISA"] = "fp32"
+        fp32 = native().cpu_kernel_isa()
+    finally:
+        os.environ.pop("CHUNKGEN_CPU_ISA", None)
+        if old is not None:
+            os.environ["CHUNKGEN_CPU_ISA"] = old
+    order = ["amx", "avx512_bf16"]
+    return [p for p in order[order.index(best):]] + [fp32] if best in order else [fp32]
+
+
+PATHS = cpu_paths()
+
+
+@contextlib.contextmanager
+def forced(path: str):
+    """Run the kernel on `path` (CHUNKGEN_CPU_ISA is read on every call)."""
+    old = os.environ.get("CHUNKGEN_CPU_ISA")
+    os.environ["CHUNKGEN_CPU_ISA"] = path
+    try:
+        assert native().cpu_kernel_isa() == path
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CHUNKGEN_CPU_ISA")
+        else:
+            os.environ["CHUNKGEN_CPU_ISA"] = old
+
+
+def tolerance(path: str, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> dict:
+    """fp32 everything: float rounding only. bf16 out: its rounding (half an ulp, 2^-9 relative).
+    bf16 products (AMX / AVX512_BF16 paths, bf16 KV): q (when fp32) and the probabilities are
+    rounded to bf16 before the products, sums stay fp32: a few 1e-3 on outputs of order 1."""
+    if path in ("amx", "avx512_bf16") and kv_dtype == torch.bfloat16:
+        return {"atol": 1e-2, "rtol": 2e-2}
+    if q_dtype == torch.bfloat16:
+        return {"atol": 2e-3, "rtol": 8e-3}
+    return {"atol": 2e-5, "rtol": 1e-4}
+
+
+def test_the_best_path_is_reported_and_lower_ones_can_be_forced(monkeypatch):
+    assert PATHS[-1] in ("avx512", "avx2", "avx", "sse", "generic")
+    for path in PATHS:
+        monkeypatch.setenv("CHUNKGEN_CPU_ISA", path)
+        assert native().cpu_kernel_isa() == path
+    monkeypatch.setenv("CHUNKGEN_CPU_ISA", "no_such_isa")
+    with pytest.raises(ValueError, match="no_such_isa"):
+        native().cpu_kernel_isa()
+
+
+@pytest.mark.parametrize("cpu_path", PATHS)
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 40),
+    shared_len=st.integers(0, 300),
+    chunk=st.sampled_from([16, 32, 64, 128]),
+    heads=st.sampled_from([(4, 4), (8, 2), (9, 3), (6, 1)]),
+    head_dim=st.sampled_from([64, 80, 128]),
+    q_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    decode_steps=st.integers(0, 3),
+    chunk_first=st.booleans(),
+)
+def test_every_cpu_path_matches_reference_in_bf16(cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim,
+                                                  q_dtype, decode_steps, chunk_first):
+    q_heads, kv_heads = heads
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, torch.bfloat16,
+                            max_private=150, decode_steps=decode_steps)
+    ctx = KernelContext(tree, chunk_first=chunk_first)
+    q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    q = q.to(q_dtype)
+    scale = head_dim ** -0.5
+    with forced(cpu_path):
+        out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale)
+    assert out.dtype == q_dtype
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
+    torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, torch.bfloat16, q_dtype))
+
+
+@pytest.mark.parametrize("cpu_path", PATHS)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_the_step_shape_long_shared_prompt(cpu_path, q_dtype):
+    """The default model's decode shape: 32 rows, a 2,048-token shared prompt (32 full chunks, one
+    online softmax across them), 20..80 private tokens each (partial last chunks)."""
+    rnd = random.Random(3)
+    pool = ChunkPool(1, 3, 64, 64, torch.bfloat16, budget_bytes=1 << 26)
+    tree = PrefixTree(pool)
+    for s in range(32):
+        tree.insert(s, list(range(2048)) + [5000 + 100 * s + i for i in range(rnd.randrange(20, 81))])
+        tree.mark_ready(s)
+    pool.k.normal_()
+    pool.v.normal_()
+    ctx = KernelContext(tree)
+    q = torch.randn(ctx.batch_size, 9, 64, generator=torch.Generator().manual_seed(3)).to(q_dtype) * 3
+    with forced(cpu_path):
+        out = decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125)
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, 0.125)
+    torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, torch.bfloat16, q_dtype))
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_the_op_writes_the_steps_kv_rows(src_dtype):
+    """The op's K/V write: row b's k, v land at (write_slot[b], write_offset[b]) of the layer, as
+    the pool's dtype, from strided views; nothing else in the pool changes."""
+    pool, tree = build_tree(1, 6, 100, 32, 2, 64, torch.bfloat16)
+    for s in range(6):
+        tree.append(s, 1)
+    ctx = KernelContext(tree)
+    slots, offsets = [], []
+    for s in ctx.order:
+        n = tree.lengths[s]
+        sl, of = tree.positions(s, n - 1, n)
+        slots.append(sl[0])
+        offsets.append(of[0])
+    ctx.set_step([1] * len(slots), [0] * len(slots), slots, offsets)
+    rows = len(slots)
+    kv = torch.randn(rows, 2, 2, 64).to(src_dtype)  # one buffer: k and v are strided views of it
+    k, v = kv[:, 0], kv[:, 1]
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    q = torch.randn(ctx.batch_size, 4, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    decode_step_attention(q, k, v, pool.k, pool.v, 0, ctx.arrays(), workspace_for(ctx, 4, 64, q.device), out,
+                          0.125, True)
+    s, o = torch.tensor(slots), torch.tensor(offsets)
+    assert torch.equal(pool.k[0, s, :, :, o], k.to(torch.bfloat16))
+    assert torch.equal(pool.v[0, s, :, o], v.to(torch.bfloat16))
+    before_k[0, s, :, :, o] = k.to(torch.bfloat16)
+    before_v[0, s, :, o] = v.to(torch.bfloat16)
+    assert torch.equal(pool.k.view(torch.int16), before_k.view(torch.int16))  # NaN-safe comparison
+    assert torch.equal(pool.v.view(torch.int16), before_v.view(torch.int16))
+
+
+def test_bad_dtypes_raise_python_errors():
+    pool, tree = build_tree(0, 3, 100, 32, 2, 64, torch.float32)
+    ctx = KernelContext(tree)
+    q = torch.randn(ctx.batch_size, 4, 64)
+    with pytest.raises(TypeError, match="float32 or the pool's dtype"):  # bf16 q on an fp32 pool
+        decode_attention(q.bfloat16(), pool.k[0], pool.v[0], ctx, 1.0)
+    with pytest.raises(TypeError, match="out must have q's dtype"):
+        decode_attention(q, pool.k[0], pool.v[0], ctx, 1.0, out=torch.empty_like(q, dtype=torch.bfloat16))
+    pool16, tree16 = build_tree(0, 3, 100, 32, 2, 64, torch.bfloat16)
+    ctx16 = KernelContext(tree16)
+    q16 = torch.randn(ctx16.batch_size, 4, 64)
+    with pytest.raises(TypeError, match="out must have q's dtype"):  # bf16 q, fp32 out
+        decode_attention(q16.bfloat16(), pool16.k[0], pool16.v[0], ctx16, 1.0, out=torch.empty_like(q16))
+    with pytest.raises(TypeError, match="float32 or the pool's dtype"):  # fp16 q on a bf16 pool
+        decode_attention(q16.half(), pool16.k[0], pool16.v[0], ctx16, 1.0)

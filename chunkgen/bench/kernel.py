@@ -16,6 +16,17 @@ from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import decode_attention
 
 IMPLS = ("naive", "sdpa", "paged", "paged_shared", "chunk_tpp")
+KERNEL_IMPLS = ("paged", "paged_shared", "chunk_tpp")  # chunkgen's own op
+
+
+def kernel_path(dtype: torch.dtype) -> str:
+    """The CPU kernel path the op takes for this KV dtype (bf16: AMX, AVX512_BF16 or fp32 FMAs)."""
+    from chunkgen._native import native
+
+    isa = native().cpu_kernel_isa()
+    if dtype != torch.bfloat16 and isa in ("amx", "avx512_bf16"):
+        return "fp32 FMAs"
+    return isa
 
 
 @dataclass(frozen=True)
@@ -108,13 +119,18 @@ def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS,
     G = Hq // Hk
     scale = d ** -0.5
     q = torch.randn(B, Hq, d, device=device)
+    # The kernel takes q and out in the pool's dtype on the CPU (the model's decode step passes them
+    # so), fp32 on CUDA; naive and sdpa always compute in the pool's dtype.
+    kernel_q = q.to(dtype) if device.type == "cpu" and dtype == torch.bfloat16 else q
     rows = []
     time_us = lambda fn: _median_us(fn, repeats, device)
 
     def record(impl: str, us: float) -> None:
         rows.append({"n_p": shape.n_p, "n_s": shape.n_s, "batch": B, "q_heads": Hq, "kv_heads": Hk,
                      "head_dim": d, "chunk": shape.chunk, "dtype": str(dtype).replace("torch.", ""),
-                     "device": str(device), "impl": impl, "us": us})
+                     "device": str(device), "impl": impl, "us": us,
+                     "q_dtype": str((kernel_q if impl in KERNEL_IMPLS else q.to(dtype)).dtype).replace("torch.", ""),
+                     "cpu_path": kernel_path(dtype) if device.type == "cpu" and impl in KERNEL_IMPLS else None})
 
     if "naive" in impls or "sdpa" in impls:
         k = torch.empty(B, Hk, n, d, dtype=dtype, device=device).uniform_(-1, 1)
@@ -137,9 +153,9 @@ def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS,
                 record("sdpa", time_us(lambda: F.scaled_dot_product_attention(q4, ke, ve, scale=scale)))
             del ke, ve
         del k, v
-    out = torch.empty(B, Hq, d, device=device)
+    out = torch.empty_like(kernel_q)
     kernel = lambda pool, ctx, chunk_first: lambda: decode_attention(
-        q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out)
+        kernel_q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out)
     if "paged" in impls:
         pool, tree, ctx = _tree(shape, dtype, False, device)
         record("paged", time_us(kernel(pool, ctx, False)))

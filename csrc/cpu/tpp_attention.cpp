@@ -7,14 +7,30 @@
 // segments (merged in phase 3) so both cores have work whatever the tree looks like.
 //
 // SIMD width comes from the build machine (-march=native): GCC vector extensions keep one source
-// for AVX-512, AVX2 and narrower targets.
+// for AVX-512, AVX2 and narrower targets. With bf16 KV, the chunk-first products run in bf16 on AMX
+// tiles or AVX512_BF16 dot products where the build targets them and the CPU (and for AMX the OS)
+// grants them at run time; everything else (fp32 KV, the sequence-first phase) is the fp32 path.
+// q and out are fp32 or bf16 (the model's dtype); softmax statistics and sums are fp32 throughout.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include "bf16_gemm.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -171,6 +187,12 @@ inline void weighted_values(const float* p, int C, const T* v, int n, int d, flo
   }
 }
 
+// Query and output elements as fp32, whatever their dtype (fp32, or bf16 stored as uint16_t).
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) { return bf16::to_float(x); }
+inline void from_f32(float x, float* dst) { *dst = x; }
+inline void from_f32(float x, uint16_t* dst) { *dst = bf16::from_float(x); }
+
 struct Scratch {
   std::vector<float> q, o, m, l, s, alpha;
   void reserve(int rows, int d, int C) {
@@ -251,13 +273,84 @@ inline void merge_partial(float* o, float& m, float& l, const float* po, float p
   m = mn;
 }
 
-inline void write_normalized(float* dst, const float* o, float l, int d) {
+template <typename Q>
+inline void write_normalized(Q* dst, const float* o, float l, int d) {
   const float inv = l > 0.f ? 1.f / l : 0.f;
-  for (int i = 0; i < d; ++i) dst[i] = o[i] * inv;
+  for (int i = 0; i < d; ++i) from_f32(o[i] * inv, dst + i);
 }
 
+// ---- which path runs ---------------------------------------------------------------------------
+
+enum class Isa { Fp32, Avx512Bf16, Amx };
+
+const char* fp32_isa_name() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#elif defined(__AVX__)
+  return "avx";
+#elif defined(__SSE__)
+  return "sse";
+#else
+  return "generic";
+#endif
+}
+
+// The best bf16 path this build has and this CPU/OS grants, asked once per process.
+Isa best_isa() {
+  static const Isa best = [] {
+    Isa isa = Isa::Fp32;
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+    unsigned a, b, c, d;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) isa = Isa::Avx512Bf16;
+#if defined(CHUNKGEN_HAVE_AMX) && defined(__linux__)
+    // AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24) in leaf 7, then the kernel's permission to use
+    // the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): a kernel or VM may refuse it.
+    if (isa == Isa::Avx512Bf16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
+        (d & (1u << 24)) && syscall(SYS_arch_prctl, 0x1023, 18) == 0)
+      isa = Isa::Amx;
+#endif
+#endif
+    return isa;
+  }();
+  return best;
+}
+
+// best_isa(), lowered by CHUNKGEN_CPU_ISA when it names a lower path (read on every call, so a
+// test can switch paths inside one process).
+Isa current_isa() {
+  const Isa best = best_isa();
+  const char* env = std::getenv("CHUNKGEN_CPU_ISA");
+  if (env == nullptr || *env == '\0') return best;
+  const std::string want(env);
+  Isa w;
+  if (want == "amx")
+    w = Isa::Amx;
+  else if (want == "avx512_bf16")
+    w = Isa::Avx512Bf16;
+  else if (want == "fp32" || want == fp32_isa_name())
+    w = Isa::Fp32;
+  else
+    throw std::invalid_argument("CHUNKGEN_CPU_ISA=" + want + " is not one of amx, avx512_bf16, fp32, " +
+                                fp32_isa_name());
+  return std::min(w, best);
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Amx: return "amx";
+    case Isa::Avx512Bf16: return "avx512_bf16";
+    default: return fp32_isa_name();
+  }
+}
+
+// Chunk-first work: shared chunks group_chunks[first, last), which all cover rows [begin, end) of
+// the batch, against one KV head. Chunks covering the same rows lie on the same paths, so one
+// online softmax runs over all of them and leaves one partial per row (stored at the first chunk's
+// partial rows; the others get l = 0, which the merge skips) instead of one per chunk.
 struct SharedItem {
-  int chunk, head, begin, end;
+  int first, last, head, begin, end;
 };
 struct SeqItem {
   int seq, head, seg;
@@ -268,6 +361,7 @@ struct Workspace {
   std::vector<int64_t> shared_row;  // first partial row of each shared chunk
   std::vector<float> part_o, part_m, part_l;
   std::vector<SharedItem> shared_items;
+  std::vector<int32_t> group_chunks;  // live shared chunks, ordered by their row range
   std::vector<int32_t> chunk_slot, chunk_len, seq_chunk_ptr;  // chunks each sequence reads itself
   std::vector<int32_t> seq_nseg, seg_row;
   std::vector<float> seg_o, seg_m, seg_l;
@@ -284,12 +378,158 @@ void grow(Vec& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-template <typename T>
-void run(const DecodeProblem& p) {
+// The partials of rows [b0, b1) of item w (state rows (b - b0) * G + g): at the item's first chunk;
+// its other chunks' partials for those rows are marked empty (l = 0).
+inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedItem& w, int b0, int b1,
+                           const float* o, const float* m, const float* l) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
+  for (int i = w.first; i < w.last; ++i) {
+    const int c = ws.group_chunks[i];
+    for (int b = b0; b < b1; ++b)
+      for (int g = 0; g < G; ++g) {
+        const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+        const int r = (b - b0) * G + g;
+        if (i == w.first) {
+          std::memcpy(ws.part_o.data() + pr * d, o + static_cast<size_t>(r) * d, sizeof(float) * d);
+          ws.part_m[pr] = m[r];
+          ws.part_l[pr] = l[r];
+        } else {
+          ws.part_l[pr] = 0.f;
+        }
+      }
+  }
+}
+
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+
+// Per-thread buffers of the bf16 chunk-first phase: one chunk's K and V repacked, then queries,
+// scores, probabilities, the product P.V and the running (o, m, l) of a block of rows.
+struct Bf16Scratch {
+  std::vector<uint16_t> kp, vp, q, p;
+  std::vector<float> s, o, m, l, lv;
+};
+
+constexpr int kBf16Rows = 128;  // query rows per block: 16-row tiles, scores stay in L2
+
+inline __mmask16 valid_lanes(int j, int n) {
+  return j >= n ? 0 : n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+}
+
+// Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
+// online softmax across its chunks; stores each row's partial (o, m, l) like the fp32 path.
+template <typename Q>
+void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa,
+                      Bf16Scratch& sc) {
+  const int Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, C = p.chunk, h = w.head;
+  const int dp = bf16::round_up(d, 32), Cp = bf16::round_up(C, 32);
+  const size_t head_elems = static_cast<size_t>(d) * C, slot_elems = head_elems * Hk;
+  const auto gemm = isa == Isa::Amx ?
+#if defined(CHUNKGEN_HAVE_AMX)
+                                    bf16::gemm_amx
+#else
+                                    bf16::gemm_dpbf16
+#endif
+                                    : bf16::gemm_dpbf16;
+  const Q* q = static_cast<const Q*>(p.q);
+  const uint16_t* K = static_cast<const uint16_t*>(p.k);
+  const uint16_t* V = static_cast<const uint16_t*>(p.v);
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  grow(sc.kp, static_cast<size_t>(dp) * C);
+  grow(sc.vp, static_cast<size_t>(Cp) * d);
+  const int seq_block = std::max(1, kBf16Rows / G);
+  for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
+    const int b1 = std::min(w.end, b0 + seq_block);
+    const int R = (b1 - b0) * G, Rp = bf16::round_up(R, 16);
+    grow(sc.q, static_cast<size_t>(Rp) * dp);
+    grow(sc.p, static_cast<size_t>(Rp) * Cp);
+    grow(sc.s, static_cast<size_t>(Rp) * C);
+    grow(sc.o, static_cast<size_t>(Rp) * d);
+    grow(sc.m, Rp);
+    grow(sc.l, Rp);
+    // Queries of the block as bf16 rows of dp (zero padded); the scale is applied to the fp32 scores.
+    for (int r = 0; r < Rp; ++r) {
+      uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
+      if (r >= R) {
+        std::fill_n(dst, dp, uint16_t{0});
+        std::fill_n(sc.p.data() + static_cast<size_t>(r) * Cp, Cp, uint16_t{0});  // padding rows
+        continue;
+      }
+      const Q* src = q + (static_cast<size_t>(b0 + r / G) * Hq + h * G + r % G) * d;
+      if constexpr (sizeof(Q) == 2)
+        std::memcpy(dst, src, sizeof(uint16_t) * d);
+      else
+        for (int i = 0; i < d; ++i) dst[i] = bf16::from_float(src[i]);
+      std::fill(dst + d, dst + dp, uint16_t{0});
+      sc.m[r] = kNegInf;
+      sc.l[r] = 0.f;
+    }
+
+    // l is kept as 16 lane sums per row (reduced once at the end): no horizontal add per chunk.
+    grow(sc.lv, static_cast<size_t>(Rp) * 16);
+    std::fill_n(sc.lv.data(), static_cast<size_t>(R) * 16, 0.f);
+    for (int i = w.first; i < w.last; ++i) {
+      const int c = ws.group_chunks[i], n = p.shared_len[c];
+      const bool first = i == w.first;
+      const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
+      bf16::pack_pairs(K + off, C, d, dp, C, n, sc.kp.data());  // K^T [d, C]: pairs along d
+      bf16::pack_pairs(V + off, d, n, Cp, d, d, sc.vp.data());  // V [C, d]: pairs along tokens
+      gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp, false);
+
+      // Online softmax. The running max m only moves when a score exceeds it (a vector compare,
+      // rarely true after the first chunks), and only then does a row's state get rescaled.
+      for (int r = 0; r < R; ++r) {
+        const float* sr = sc.s.data() + static_cast<size_t>(r) * C;
+        uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * Cp;
+        __m512 mx = neg_inf;
+        for (int j = 0; j < C; j += 16)
+          mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, valid_lanes(j, n), _mm512_loadu_ps(sr + j), scale));
+        float m = sc.m[r];
+        if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+          const float mnew = _mm512_reduce_max_ps(mx);
+          const float alpha = std::exp(m - mnew);  // 0 on the first chunk (m was -inf)
+          m = mnew;
+          sc.m[r] = m;
+          float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+          _mm512_storeu_ps(lv, _mm512_mul_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha)));
+          if (!first) {
+            float* o = sc.o.data() + static_cast<size_t>(r) * d;
+            const __m512 av = _mm512_set1_ps(alpha);
+            for (int k = 0; k < d; k += 16) _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_loadu_ps(o + k), av));
+          }
+        }
+        const __m512 neg_m = _mm512_set1_ps(-m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < C; j += 16) {
+          const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale, neg_m);
+          const __m512 e = _mm512_maskz_mov_ps(valid_lanes(j, n), bf16::exp512(x));
+          // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
+          const __m256bh eb = _mm512_cvtneps_pbh(e);
+          sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
+        }
+        std::fill(pr + C, pr + Cp, uint16_t{0});
+        float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+        _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
+      }
+      // o (+)= P V straight into the running sums (AMX loads them into the accumulator tiles).
+      gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp, !first);
+    }
+    for (int r = 0; r < R; ++r) sc.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(r) * 16));
+    store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
+  }
+}
+
+#endif  // CHUNKGEN_HAVE_AVX512_BF16
+
+template <typename T, typename Q>
+void run(const DecodeProblem& p, Isa isa) {
   const int B = p.batch, Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim,
             C = p.chunk;
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
+  const Q* q = static_cast<const Q*>(p.q);
+  Q* out = static_cast<Q*>(p.out);
   const size_t head_elems = static_cast<size_t>(d) * C;
   const size_t slot_elems = head_elems * Hk;
   const int nthreads = omp_get_max_threads();
@@ -306,13 +546,36 @@ void run(const DecodeProblem& p) {
     ws.shared_row[c + 1] = ws.shared_row[c] + cover;
     shared_work += static_cast<int64_t>(cover) * Hk;
   }
-  const int per_item = static_cast<int>(
-      std::max<int64_t>(4, (shared_work + target_items - 1) / target_items));
-  ws.shared_items.clear();
+  // Group the live chunks by row range; split each group's (rows x chunks) work per head into
+  // about target_items pieces, by chunks first (each piece repacks/reads its chunks once).
+  ws.group_chunks.clear();
   for (int c = 0; c < S; ++c)
+    if (p.shared_end[c] > p.shared_begin[c]) ws.group_chunks.push_back(c);
+  std::sort(ws.group_chunks.begin(), ws.group_chunks.end(), [&](int a, int b) {
+    if (p.shared_begin[a] != p.shared_begin[b]) return p.shared_begin[a] < p.shared_begin[b];
+    if (p.shared_end[a] != p.shared_end[b]) return p.shared_end[a] < p.shared_end[b];
+    return a < b;
+  });
+  const int64_t per_item = std::max<int64_t>(4, (shared_work + target_items - 1) / target_items);
+  ws.shared_items.clear();
+  const int n_live = static_cast<int>(ws.group_chunks.size());
+  for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
+    const int c0 = ws.group_chunks[g0], begin = p.shared_begin[c0], end = p.shared_end[c0];
+    for (g1 = g0 + 1; g1 < n_live && p.shared_begin[ws.group_chunks[g1]] == begin &&
+                      p.shared_end[ws.group_chunks[g1]] == end;
+         ++g1) {
+    }
+    const int nch = g1 - g0, cover = end - begin;
+    const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;
+    const int chunk_pieces = static_cast<int>(std::min<int64_t>(nch, pieces));
+    const int row_pieces = static_cast<int>((pieces + chunk_pieces - 1) / chunk_pieces);
+    const int rows_per = (cover + row_pieces - 1) / row_pieces;
     for (int h = 0; h < Hk; ++h)
-      for (int b = p.shared_begin[c]; b < p.shared_end[c]; b += per_item)
-        ws.shared_items.push_back({c, h, b, std::min(b + per_item, p.shared_end[c])});
+      for (int cp = 0; cp < chunk_pieces; ++cp)
+        for (int b = begin; b < end; b += rows_per)
+          ws.shared_items.push_back({g0 + nch * cp / chunk_pieces, g0 + nch * (cp + 1) / chunk_pieces, h,
+                                     b, std::min(b + rows_per, end)});
+  }
   const size_t part_rows = static_cast<size_t>(ws.shared_row[S]) * Hq;
   grow(ws.part_o, part_rows * d);
   grow(ws.part_m, part_rows);
@@ -366,12 +629,28 @@ void run(const DecodeProblem& p) {
     thread_local Scratch sc;
 
     // ---- phase 1: chunk-first.
+    bool fp32_phase1 = true;
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+    if (isa != Isa::Fp32) {
+      fp32_phase1 = false;
+      thread_local Bf16Scratch bsc;
+#if defined(CHUNKGEN_HAVE_AMX)
+      static const bf16::TileConfig tile_config;
+      if (isa == Isa::Amx) _tile_loadconfig(&tile_config);  // tile configuration is per thread
+#endif
+#pragma omp for schedule(dynamic, 1)
+      for (int it = 0; it < n_shared_items; ++it)
+        shared_item_bf16<Q>(p, ws, ws.shared_items[it], isa, bsc);
+#if defined(CHUNKGEN_HAVE_AMX)
+      if (isa == Isa::Amx) _tile_release();
+#endif
+    }
+#endif
+    if (fp32_phase1) {
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < n_shared_items; ++it) {
       const SharedItem& w = ws.shared_items[it];
-      const int c = w.chunk, h = w.head;
-      const T* kt = K + p.shared_slot[c] * slot_elems + h * head_elems;
-      const T* v = V + p.shared_slot[c] * slot_elems + h * head_elems;
+      const int h = w.head;
       const int seq_block = std::max(1, kRowBlock / G);
       for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
         const int b1 = std::min(w.end, b0 + seq_block);
@@ -379,25 +658,21 @@ void run(const DecodeProblem& p) {
         sc.reserve(R, d, C);
         for (int b = b0; b < b1; ++b)
           for (int g = 0; g < G; ++g) {
-            const float* src = p.q + (static_cast<size_t>(b) * Hq + h * G + g) * d;
+            const Q* src = q + (static_cast<size_t>(b) * Hq + h * G + g) * d;
             float* dst = sc.q.data() + static_cast<size_t>((b - b0) * G + g) * d;
-            for (int i = 0; i < d; ++i) dst[i] = src[i] * scale;
+            for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]) * scale;
           }
         sc.reset_state(R, d);
-        attend_chunk<T>(sc.q.data(), R, kt, v, p.shared_len[c], C, d, sc.o.data(), sc.m.data(),
-                        sc.l.data(), sc.s.data(), sc.alpha.data());
-        for (int b = b0; b < b1; ++b)
-          for (int g = 0; g < G; ++g) {
-            const int r = (b - b0) * G + g;
-            const size_t pr =
-                static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
-            std::memcpy(ws.part_o.data() + pr * d, sc.o.data() + static_cast<size_t>(r) * d,
-                        sizeof(float) * d);
-            ws.part_m[pr] = sc.m[r];
-            ws.part_l[pr] = sc.l[r];
-          }
+        for (int i = w.first; i < w.last; ++i) {
+          const int c = ws.group_chunks[i];
+          const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
+          attend_chunk<T>(sc.q.data(), R, K + off, V + off, p.shared_len[c], C, d, sc.o.data(),
+                          sc.m.data(), sc.l.data(), sc.s.data(), sc.alpha.data());
+        }
+        store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
       }
     }
+    }  // fp32_phase1
 
     // ---- phase 2: sequence-first.
 #pragma omp for schedule(dynamic, 1)
@@ -405,8 +680,8 @@ void run(const DecodeProblem& p) {
       const SeqItem& w = ws.seq_items[it];
       const int b = w.seq, h = w.head, nseg = ws.seq_nseg[b];
       sc.reserve(G, d, C);
-      const float* src = p.q + (static_cast<size_t>(b) * Hq + h * G) * d;
-      for (int i = 0; i < G * d; ++i) sc.q[i] = src[i] * scale;
+      const Q* src = q + (static_cast<size_t>(b) * Hq + h * G) * d;
+      for (int i = 0; i < G * d; ++i) sc.q[i] = to_f32(src[i]) * scale;
       sc.reset_state(G, d);
       if (w.seg == 0 && p.chunk_first) {
         for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
@@ -432,7 +707,7 @@ void run(const DecodeProblem& p) {
       for (int g = 0; g < G; ++g) {
         const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
         if (nseg == 1) {
-          write_normalized(p.out + row * d, sc.o.data() + g * d, sc.l[g], d);
+          write_normalized(out + row * d, sc.o.data() + g * d, sc.l[g], d);
         } else {
           const size_t sr = static_cast<size_t>(ws.seg_row[b] + w.seg) * Hq + h * G + g;
           std::memcpy(ws.seg_o.data() + sr * d, sc.o.data() + g * d, sizeof(float) * d);
@@ -442,7 +717,9 @@ void run(const DecodeProblem& p) {
       }
     }
 
-    // ---- phase 3: merge the segments of long private tails.
+    // ---- phase 3: merge the segments of long private tails (none: no loop, one barrier less,
+    // which matters when the cores are shared and a waiting thread may lose its time slice).
+    if (seg_rows > 0)
 #pragma omp for schedule(static)
     for (int row = 0; row < B * Hq; ++row) {
       const int b = row / Hq, qh = row % Hq, nseg = ws.seq_nseg[b];
@@ -454,7 +731,7 @@ void run(const DecodeProblem& p) {
         merge_partial(sc.o.data(), sc.m[0], sc.l[0], ws.seg_o.data() + sr * d, ws.seg_m[sr],
                       ws.seg_l[sr], d);
       }
-      write_normalized(p.out + static_cast<size_t>(row) * d, sc.o.data(), sc.l[0], d);
+      write_normalized(out + static_cast<size_t>(row) * d, sc.o.data(), sc.l[0], d);
     }
   }
 }
@@ -463,11 +740,19 @@ void run(const DecodeProblem& p) {
 
 int simd_width() { return W; }
 
+const char* cpu_kernel_isa() { return isa_name(current_isa()); }
+
 void decode_attention_cpu(const DecodeProblem& p) {
-  if (p.kv_type == KVType::F32)
-    run<float>(p);
+  const bool q32 = p.q_type == KVType::F32;
+  if (p.kv_type == KVType::F32) {
+    run<float, float>(p, Isa::Fp32);
+    return;
+  }
+  const Isa isa = current_isa();
+  if (q32)
+    run<uint16_t, float>(p, isa);
   else
-    run<uint16_t>(p);
+    run<uint16_t, uint16_t>(p, isa);
 }
 
 }  // namespace chunkgen

@@ -55,6 +55,7 @@ template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat
   return __bfloat162float(x);
 }
 template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
@@ -87,10 +88,24 @@ __device__ __forceinline__ size_t part_row(const DecodeProblem& p, const int32_t
 
 // ---- SIMT: one warp, one sequence, the G query heads of one KV head -----------------------------
 
-// Scaled queries of G consecutive rows of the [batch * q_heads, d] query matrix, copied by the
-// threads [first, first + stride) of the block.
-__device__ void load_queries(float* dst, const float* q_rows, float scale, int n, int first, int stride) {
-  for (int i = first; i < n; i += stride) dst[i] = q_rows[i] * scale;
+// q and out are fp32 or the pool's dtype T (the model's): a branch uniform over the whole grid,
+// loads convert to fp32, all math stays fp32.
+template <typename T>
+__device__ __forceinline__ float load_q(const DecodeProblem& p, size_t i) {
+  return p.q_type == KVType::F32 ? static_cast<const float*>(p.q)[i] : to_float(static_cast<const T*>(p.q)[i]);
+}
+// Scaled queries of G consecutive rows (from element row0 of the [batch * q_heads, d] query
+// matrix), copied by the threads [first, first + stride) of the block.
+template <typename T>
+__device__ void load_queries(float* dst, const DecodeProblem& p, size_t row0, int n, int first, int stride) {
+  for (int i = first; i < n; i += stride) dst[i] = load_q<T>(p, row0 + i) * p.scale;
+}
+template <typename T>
+__device__ __forceinline__ void store_out(const DecodeProblem& p, size_t i, float x) {
+  if (p.q_type == KVType::F32)
+    static_cast<float*>(p.out)[i] = x;
+  else
+    static_cast<T*>(p.out)[i] = from_float<T>(x);
 }
 
 // One warp's running state in shared memory, for the G query heads of one KV head. The queries
@@ -282,7 +297,7 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       float x = 0.f;
       if (r < tile_rows) {
         const int seq = begin + (r0 + r) / G, g = (r0 + r) % G;
-        x = p.q[(static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t] * p.scale;
+        x = load_q<T>(p, (static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t) * p.scale;
       }
       qs[r * L.qs_ld + t] = from_float<T>(x);
     }
@@ -361,7 +376,7 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
   WarpState s = WarpState::at(mine + G * d, mine, G, d, C);
   const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
   for (int seq = begin + split * kWarps + warp; seq < end; seq += splits * kWarps) {
-    load_queries(mine, p.q + (static_cast<size_t>(seq) * p.q_heads + h * G) * d, p.scale, G * d, lane, 32);
+    load_queries<T>(mine, p, (static_cast<size_t>(seq) * p.q_heads + h * G) * d, G * d, lane, 32);
     s.reset(G, d);
     warp_attend<T>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off,
                    p.shared_len[c], G, d, C);
@@ -387,7 +402,7 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   float* q_s = reinterpret_cast<float*>(shared_bytes());
   float* base = q_s + G * d;
   const size_t per_warp = WarpState::floats(G, d, C);
-  load_queries(q_s, p.q + (static_cast<size_t>(b) * p.q_heads + h * G) * d, p.scale, G * d, threadIdx.x, kThreads);
+  load_queries<T>(q_s, p, (static_cast<size_t>(b) * p.q_heads + h * G) * d, G * d, threadIdx.x, kThreads);
   __syncthreads();
   WarpState s = WarpState::at(base + warp * per_warp, q_s, G, d, C);
   s.reset(G, d);
@@ -429,7 +444,7 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
       o += sw.o[i] * a;
       l += sw.l[g] * a;
     }
-    p.out[(static_cast<size_t>(b) * p.q_heads + h * G) * d + i] = l > 0.f ? o / l : 0.f;
+    store_out<T>(p, (static_cast<size_t>(b) * p.q_heads + h * G) * d + i, l > 0.f ? o / l : 0.f);
   }
 }
 

@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <limits>
 
-extern "C" int emu_decode_attention(const float* q, float* out, const void* k, const void* v, int kv_type,
+extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const void* k, const void* v, int kv_type,
                                     int batch, int q_heads, int kv_heads, int head_dim, int chunk, float scale,
                                     int num_shared, const int32_t* shared_slot, const int32_t* shared_len,
                                     const int32_t* shared_begin, const int32_t* shared_end,
@@ -20,6 +20,7 @@ extern "C" int emu_decode_attention(const float* q, float* out, const void* k, c
   DecodeProblem p{};
   p.q = q;
   p.out = out;
+  p.q_type = static_cast<KVType>(q_type);  // q and out: fp32 or the pool's dtype
   p.k = k;
   p.v = v;
   p.kv_type = static_cast<KVType>(kv_type);
