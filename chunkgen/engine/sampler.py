@@ -5,7 +5,7 @@ import math
 import threading
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -167,13 +167,24 @@ def make_generator(params: SamplingParams, index: int) -> torch.Generator | None
     return g
 
 
-# Top-p over a whole vocabulary uses a histogram of log-weights below the row's maximum: _BINS
-# bins over [0, _SPAN), everything further down (each token under e**-_SPAN) in the last bin.
-_BINS = 4096
-_SPAN = 32.0
+# Sampled rows look for their top-k / top-p cut among a fixed number of best tokens: the largest k
+# asked plus one (to see whether ties with the k-th run past the list), or CANDIDATES for rows with
+# top-p but no top-k. A row whose cut the list cannot settle (nucleus not reached, ties past its
+# end) is redone exactly over its whole vocabulary after the step's one read: that costs a sync,
+# counted in FALLBACKS, and happens only for such rows.
+CANDIDATES = 1024
 _BLOCK = 256  # the draw's two-level inverse CDF: block sums, then one block's running sum
 _ROWS = 32  # rows filtered at once: bounds the reused scratch memory to ~25 bytes x _ROWS x vocab
 _SUBNORMAL = math.log(torch.finfo(torch.float32).tiny)
+
+
+class Fallbacks:
+    """How many rows were redone over their whole vocabulary (a sync each); tests read it."""
+
+    rows = 0
+
+
+FALLBACKS = Fallbacks()
 
 
 class _Scratch(threading.local):
@@ -196,40 +207,123 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """Next token per row of `logits` [batch, vocab]: greedy rows take the argmax, the others draw
-    from the temperature-scaled distribution cut to its top-k, then to its top-p nucleus.
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor for copies to or from `device`: pinned for CUDA, so they run asynchronously
+    (the caller waits on what uses them), plain memory on the CPU, where there is nothing to copy."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
-    Rows are filtered together on the logits' device. Each sampled row takes exactly one uniform
-    number per call from its own CPU generator and maps it through the inverse CDF in vocabulary
-    order, and which tokens are kept depends on the row alone, so a seeded row draws the same
-    token whatever else is in the batch and on whichever device, up to float rounding at a
-    boundary."""
-    dev = logits.device
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy) == len(params):  # the common case: one argmax, no index tensor
-        return logits.argmax(dim=-1).tolist()
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
-    if greedy:
-        sel = torch.tensor(greedy, device=dev)
-        out[sel] = logits.index_select(0, sel).argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    u = [float(torch.rand((), generator=generators[i], dtype=torch.float64)) for i in rows]
-    for lo in range(0, len(rows), _ROWS):
-        part = rows[lo:lo + _ROWS]
-        sel = torch.tensor(part, device=dev)
-        if part[-1] - part[0] == len(part) - 1:  # a run of rows: no copy
-            x = logits[part[0]:part[-1] + 1]
+
+class _Part:
+    """One slice of a batch's sampled rows, filtered together: its parameters on the device."""
+
+    def __init__(self, rows: list[int], params: list[SamplingParams], device: torch.device) -> None:
+        self.rows = rows
+        self.run = rows[-1] - rows[0] == len(rows) - 1  # consecutive rows: a view, no copy
+        self.index = torch.tensor(rows, device=device)
+        self.temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([params[i].top_k for i in rows], device=device)
+        self.top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64, device=device)
+        self.cap = max([params[i].top_k + 1 for i in rows if params[i].top_k]
+                       + [CANDIDATES for i in rows if params[i].top_p < 1.0 and not params[i].top_k], default=0)
+
+
+class SamplingBatch:
+    """A batch's sampling parameters, on the logits' device, built once per batch composition
+    (the engine keeps it while the same sequences run in the same order): a step then moves only
+    its rows' uniform numbers to the device."""
+
+    def __init__(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                 device: torch.device) -> None:
+        self.params = list(params)
+        self.generators = list(generators)
+        self.device = device
+        self.sampled = [i for i, p in enumerate(self.params) if not p.greedy]
+        self.parts = [_Part(self.sampled[lo:lo + _ROWS], self.params, device)
+                      for lo in range(0, len(self.sampled), _ROWS)]
+        # Each sampled row's uniform number of the step, drawn on the host from its own generator
+        # straight into this buffer (no Python floats), then moved in one copy. The previous
+        # step's copy has finished by then: every step waits for its sampled tokens.
+        self.u_host = host_buffer((len(self.sampled),), torch.float64, device)
+
+    def uniforms(self) -> torch.Tensor:
+        """One uniform number per sampled row from its generator: the row's stream advances by
+        exactly one draw per step, whatever else is in the batch."""
+        for j, i in enumerate(self.sampled):
+            torch.rand(1, generator=self.generators[i], dtype=torch.float64, out=self.u_host[j:j + 1])
+        return self.u_host.to(self.device, non_blocking=True)
+
+
+def draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next token per row of `logits` [batch, vocab] on their device, without waiting for it:
+    (tokens [batch] int64, per row whether its cut must be redone exactly, or None when no row
+    can need that). Greedy rows take the argmax; the others draw from the temperature-scaled
+    distribution cut to its top-k, then to its top-p nucleus.
+
+    Each sampled row takes exactly one uniform number per step from its own CPU generator and
+    maps it through the inverse CDF in vocabulary order, and which tokens are kept depends on the
+    row alone, so a seeded row draws the same token whatever else is in the batch and on
+    whichever device, up to float rounding at a boundary."""
+    out = logits.argmax(dim=-1)
+    if not batch.sampled:  # the common case: one argmax
+        return out, None
+    u = batch.uniforms()
+    V = logits.shape[1]
+    short = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device) if any(
+        0 < p.cap < V for p in batch.parts) else None
+    at = 0
+    for part in batch.parts:
+        n = len(part.rows)
+        if part.run:
+            x = logits[part.rows[0]:part.rows[0] + n]
         else:
-            x = _scratch.take("x", (len(part), logits.shape[1]), logits.dtype, dev)
-            torch.index_select(logits, 0, sel, out=x)
-        uniforms = torch.tensor(u[lo:lo + _ROWS], dtype=torch.float64, device=dev)
-        out[sel] = _draw_rows(x.float(), [params[i] for i in part], uniforms)
-    return out.tolist()
+            x = _scratch.take("x", (n, V), logits.dtype, logits.device)
+            torch.index_select(logits, 0, part.index, out=x)
+        tokens, part_short = _draw_rows(x.float(), part.temperature, part.top_k, part.top_p, u[at:at + n],
+                                        min(part.cap, V))
+        out.index_copy_(0, part.index, tokens)
+        if short is not None and part_short is not None:
+            short.index_copy_(0, part.index, part_short)
+        at += n
+    return out, short
 
 
-def _draw_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """One token per row of logits `x` [rows, vocab], from uniforms `u` [rows]."""
+def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int], short: list[bool]) -> list[int]:
+    """The rows whose cut their candidate list could not settle, drawn again over the whole
+    vocabulary with the same uniform numbers (the step's u_host): what `draw` would give with
+    an unlimited list. Their count goes to FALLBACKS.rows."""
+    rows = [i for i, s in enumerate(short) if s]
+    if not rows:
+        return tokens
+    FALLBACKS.rows += len(rows)
+    where = {i: j for j, i in enumerate(batch.sampled)}
+    p = [batch.params[i] for i in rows]
+    dev = logits.device
+    x = logits.index_select(0, torch.tensor(rows, device=dev)).float()
+    u = torch.tensor([float(batch.u_host[where[i]]) for i in rows], dtype=torch.float64, device=dev)
+    new, _ = _draw_rows(x, torch.tensor([q.temperature for q in p], dtype=torch.float32, device=dev),
+                        torch.tensor([q.top_k for q in p], device=dev),
+                        torch.tensor([q.top_p for q in p], dtype=torch.float64, device=dev), u, x.shape[1])
+    tokens = list(tokens)
+    for i, t in zip(rows, new.tolist()):
+        tokens[i] = t
+    return tokens
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """`draw` for one batch, read back to the host (rows needing it redone exactly)."""
+    batch = SamplingBatch(params, generators, logits.device)
+    tokens, short = draw(logits, batch)
+    if short is None:
+        return tokens.tolist()
+    host = torch.stack([tokens, short.long()]).tolist()
+    return redo_short_rows(logits, batch, host[0], [bool(s) for s in host[1]])
+
+
+def _draw_rows(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+               cap: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of logits `x` [rows, vocab], from uniforms `u` [rows], with its
+    parameters as tensors [rows]; the cut is sought among the `cap` best tokens (0: no row cuts).
+    Returns the tokens and, when cap < vocab, which rows that list could not settle."""
     R, V = x.shape
     dev = x.device
     top = x.amax(dim=-1, keepdim=True)
@@ -239,7 +333,6 @@ def _draw_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     fallback = torch.nan_to_num(x, nan=-math.inf).argmax(dim=-1)
     x = x.masked_fill(bad[:, None], 0.0)
     top = top.masked_fill(bad[:, None], 0.0)
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     s = torch.sub(x, top, out=_scratch.take("s", (R, V), torch.float32, dev))
     s.div_(temp[:, None])  # log-weights: <= 0, the row's best is 0
     # Weights below float32's smallest normal (a chance under 1e-38 against the best token) would
@@ -249,103 +342,59 @@ def _draw_rows(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     buf = _scratch.take("w", (R, blocks * _BLOCK), torch.float32, dev)
     buf[:, V:] = 0.0
     w = torch.exp(s, out=buf[:, :V])  # unnormalised probabilities, the best is 1
-    _cut(s, w, [p.top_k for p in params], [p.top_p for p in params])
+    short = _cut(s, w, top_k, top_p, cap) if cap else None
     drawn = _draw(buf.view(R, blocks, _BLOCK), u)
-    return torch.where(bad, fallback, drawn)
+    tokens = torch.where(bad, fallback, drawn)
+    return tokens, (short & ~bad) if short is not None else None
 
 
-def _cut(s: torch.Tensor, w: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
-    """Zero the weights `w` of the tokens top-k, then top-p, leave out, given log-weights `s`.
+def _order_keys(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (log-weight, token) pairs by log-weight, then among equal log-weights
+    by token id, the lowest id the greatest key: float32 bits made monotonic in the high half,
+    the inverted id in the low half. One sort by these is the order top-p walks."""
+    bits = vals.contiguous().view(torch.int32)
+    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    return mono * (1 << 32) + ((1 << 32) - 1 - ids)
+
+
+def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, cap: int) -> torch.Tensor:
+    """Zero the weights `w` of the tokens top-k, then top-p, leave out, given log-weights `s`
+    [rows, vocab], top_k [rows] (0: off) and top_p [rows], looking among the `cap` best tokens.
 
     Top-k keeps every token tied with the k-th. Top-p then keeps the shortest prefix of the
     top-k tokens, sorted by weight and among equal weights by token id, whose mass reaches p
-    (at least one token). Rows with a top-k find that prefix in their sorted top-k list; the
-    others (and the rare row whose ties with the k-th run past the list) through a histogram:
-    sorting a whole vocabulary costs ~30x more on CPU."""
-    with_p = [q < 1.0 for q in top_p]
-    if not any(top_k) and not any(with_p):
-        return
+    (at least one token). Returns per row whether the list was too short to settle this (the
+    nucleus not reached within it, or ties at its cut running past its end); such rows' weights
+    are left cut at a guess and must be redone with cap = vocab. Fixed shapes throughout."""
     R, V = s.shape
-    dev = s.device
-    floor = torch.full((R,), -math.inf, device=dev)  # per row: the smallest log-weight kept
-    listed = [False] * R  # rows whose top-k list holds every token their prefix may need
-    if any(top_k):
-        k = torch.tensor(top_k, device=dev).clamp_(max=V)
-        # one more than the largest k: a list ends in a tie with the k-th only if that one is too
-        vals, ids = s.topk(min(max(top_k) + 1, V), dim=-1)
-        kth = torch.where(k > 0, vals.gather(1, (k.clamp(min=1) - 1)[:, None]).squeeze(1), -math.inf)
-        floor = kth
-        complete = ((vals[:, -1] < kth) | (vals.shape[1] == V)).tolist()
-        listed = [bool(kk) and p and c for kk, p, c in zip(top_k, with_p, complete)]
-    drop_r = drop_c = None
-    if any(with_p):
-        p = torch.tensor(top_p, dtype=torch.float64, device=dev)
-        parts = []  # candidates for the end of the prefix: rows, token ids, log-weights, weights
-        above = torch.zeros(R, dtype=torch.float64, device=dev)  # per row: weight above its candidates
-        target = torch.zeros(R, dtype=torch.float64, device=dev)  # per row: the mass to reach
-        if any(listed):
-            r, j = (torch.tensor(listed, device=dev)[:, None] & (vals >= kth[:, None])).nonzero(as_tuple=True)
-            wts = w[r, ids[r, j]].double()
-            target.index_add_(0, r, wts).mul_(p)
-            parts.append((r, ids[r, j], vals[r, j], wts))
-        hist = [q and not c for q, c in zip(with_p, listed)]
-        if any(hist):
-            idx = torch.tensor([i for i, h in enumerate(hist) if h], device=dev)
-            whole = len(idx) == R
-            hs, hw = (s, w) if whole else (s[idx], w[idx])
-            if any(top_k):  # the histogram weighs the top k only
-                hw.mul_(_at_least(hs, floor[idx]))
-            r, c, v, wts, above[idx], target[idx] = _histogram_candidates(hs, hw, p[idx])
-            parts.append((idx[r], c, v, wts))
-        cut, drop_r, drop_c = _prefix(*(torch.cat(t) for t in zip(*parts)), above, target)
-        floor = torch.maximum(floor, cut)
+    C = min(cap, V)
+    vals, ids = s.topk(C, dim=-1)
+    order = _order_keys(vals, ids).argsort(dim=-1, descending=True)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
+    has_k = top_k > 0
+    kth = vals.gather(1, (top_k.clamp(1, C) - 1)[:, None]).squeeze(1)
+    kth = torch.where(has_k, kth, -math.inf)
+    in_k = vals >= kth[:, None]
+    wc = vals.exp().double() * in_k
+    cum = wc.cumsum(dim=-1)
+    total = torch.where(has_k, cum[:, -1], w.sum(dim=-1, dtype=torch.float64))
+    with_p = top_p < 1.0
+    target = top_p * total
+    before = torch.cat([cum.new_zeros(R, 1), cum[:, :-1]], dim=1)  # mass ahead of each candidate
+    reach = (before < target[:, None]) & in_k
+    n = torch.where(with_p, reach.sum(dim=-1).clamp(min=1), in_k.sum(dim=-1))
+    cuts = has_k | with_p
+    last = (n - 1).clamp(min=0)[:, None]
+    floor = torch.where(cuts, vals.gather(1, last).squeeze(1), -math.inf)
+    # tokens tied with the floor but past the cut: the list holds them all unless it is short
+    drop = (torch.arange(C, device=s.device) >= n[:, None]) & (vals == floor[:, None])
     w.mul_(_at_least(s, floor))
-    if drop_r is not None:
-        w[drop_r, drop_c] = 0.0
-
-
-def _histogram_candidates(s: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tokens among which each row's top-p prefix ends: weights summed per log-weight bin
-    find the bin where the mass reaches p of the row's; that bin's tokens are the candidates.
-    Returns their rows, token ids, log-weights and weights, and per row the weight of the bins
-    above and the mass to reach."""
-    B, V = s.shape
-    dev = s.device
-    scaled = torch.mul(s, -(_BINS / _SPAN), out=_scratch.take("tmp", s.shape, s.dtype, dev)).clamp_(max=_BINS - 1)
-    bins = _scratch.take("bins", s.shape, torch.long, dev).copy_(scaled)
-    cum = torch.zeros(B, _BINS, dtype=w.dtype, device=dev).scatter_add_(1, bins, w).double().cumsum(dim=-1)
-    target = p * cum[:, -1]
-    star = torch.searchsorted(cum, target[:, None]).clamp_(max=_BINS - 1)  # first bin reaching it
-    above = torch.where(star > 0, cum.gather(1, (star - 1).clamp(min=0)), 0.0).squeeze(1)
-    hit = torch.eq(bins, star, out=_scratch.take("hit", s.shape, torch.bool, dev))
-    flat = hit.view(-1).nonzero().squeeze(1)  # flat is ~2x faster than per dimension
-    r, c = flat // V, flat % V
-    return r, c, s[r, c], w[r, c].double(), above, target
-
-
-def _prefix(r: torch.Tensor, c: torch.Tensor, v: torch.Tensor, wts: torch.Tensor, above: torch.Tensor,
-            target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-p's cut among candidates (row r, token c, log-weight v, weight wts; `above`: weight of
-    the row above all its candidates): a candidate is kept while the mass before it, in order of
-    log-weight then token id, is below the row's target. Returns per row the smallest kept
-    log-weight (-inf for rows without candidates) and the (rows, tokens) tied with it but past
-    the cut, which that floor alone would keep."""
-    rows = above.shape[0]
-    o = c.argsort(stable=True)
-    o = o[v[o].argsort(descending=True, stable=True)]
-    o = o[r[o].argsort(stable=True)]
-    r, c, v, wts = r[o], c[o], v[o], wts[o]
-    run = torch.cat([wts.new_zeros(1), wts.cumsum(dim=0)])  # run[j]: weight of candidates before j
-    counts = torch.bincount(r, minlength=rows)
-    first = torch.cumsum(counts, dim=0) - counts
-    kept = above[r] + run[:-1] - run[first][r] < target[r]
-    kept[first[counts > 0]] = True  # at least one token, even where float sums disagree
-    n = torch.bincount(r[kept], minlength=rows)  # kept candidates are a prefix of their row's
-    last = (first + n - 1).clamp(min=0)
-    floor = torch.where(n > 0, v[last] if v.numel() else v.new_zeros(rows), -math.inf)
-    drop = ~kept & (v == floor[r])
-    return floor, r[drop], c[drop]
-
+    w.scatter_(1, ids, w.gather(1, ids).masked_fill_(drop, 0.0))
+    if C == V:
+        return torch.zeros(R, dtype=torch.bool, device=s.device)
+    end = vals[:, -1]
+    return ((has_k & (kth > -math.inf) & (end == kth)) | (cuts & (floor > -math.inf) & (end == floor))
+            | (~has_k & with_p & (cum[:, -1] < target)))
 
 def _at_least(s: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """1.0 where s >= its row's floor, else 0.0. Float arithmetic: boolean masks cost ~5x more
