@@ -14,8 +14,8 @@ from chunkgen.cache.stats import unshared_chunks
 from chunkgen.device import on_model_device
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
-from chunkgen.engine.logits import StepLogprobs, TokenLogprob, apply_penalties, token_texts
-from chunkgen.engine.sampler import ParamError, make_generator, sample
+from chunkgen.engine.logits import Penalties, StepLogprobs, TokenLogprob, token_texts
+from chunkgen.engine.sampler import ParamError, SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.runner import ModelRunner
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
@@ -74,6 +74,9 @@ class Engine:
         self._num_constrained = 0  # live sequences with a matcher: none, no mask work at all
         self._pending: dict[int, list[Sequence]] = {}  # request key -> its samples, until all finish
         self._refused: list[Result] = []  # error results of requests refused by add(), for the next step
+        self._plan: tuple | None = None  # (seq ids, SamplingBatch, penalized rows) of the last sampled batch
+        self._penalties: Penalties | None = None  # generated-token counts, built with the first penalized batch
+        self._reader = StepReader()  # the step's one device-to-host read
 
     @on_model_device
     def _fresh_cache(self) -> None:
@@ -136,17 +139,47 @@ class Engine:
                 early_mask: Future | None = None) -> list[tuple[int, TokenLogprob | None]]:
         """Next token of each of `seqs` from its logits row, with its logprobs entry when asked.
         Logprobs are read off the raw logits; penalties, then constraint masks change them before
-        the draw. `early_mask`: the rows' masks, started before the forward that made `logits`."""
-        params = [s.params for s in seqs]
-        logprobs = StepLogprobs(logits, params)
-        apply_penalties(logits, params, [s.counts for s in seqs])
+        the draw. `early_mask`: the rows' masks, started before the forward that made `logits`.
+        Everything runs on the logits' device; the step's one read brings back the tokens with
+        their logprobs (and which rows need their cut redone exactly, a rare extra sync)."""
+        batch, penalized = self._sampling_plan(seqs, logits.device)
+        logprobs = StepLogprobs(logits, batch)
+        if penalized is not None:
+            self.penalties.apply_(logits, penalized)
         if self._num_constrained:
             t0 = time.perf_counter()  # only what the step waits for: a mask computed early is free
             mask = early_mask.result() if early_mask else self.constraints.fill([s.matcher for s in seqs])
             self.constraints.apply_(logits, mask)
             self.stats.mask_s += time.perf_counter() - t0
-        tokens = sample(logits, params, [s.generator for s in seqs])
-        return list(zip(tokens, logprobs.pick(tokens, self._token_text)))
+        tokens_dev, short = draw(logits, batch)
+        parts = [tokens_dev, logprobs.columns(tokens_dev)] + ([short] if short is not None else [])
+        read = self._reader.read(*parts)
+        tokens = [int(t) for t in read[0]]
+        redrawn: list[int] = []
+        if short is not None and any(read[2]):
+            new = redo_short_rows(logits, batch, tokens, [bool(f) for f in read[2]])
+            redrawn = [i for i, (a, b) in enumerate(zip(tokens, new)) if a != b]
+            if redrawn:
+                tokens_dev = torch.tensor(new, device=logits.device)
+            tokens = new
+        if penalized is not None:
+            self.penalties.count_(penalized, tokens_dev)
+        return list(zip(tokens, logprobs.entries(read[1], tokens, self._token_text, redrawn)))
+
+    def _sampling_plan(self, seqs: list[Sequence], device: torch.device) -> tuple[SamplingBatch, object]:
+        """The batch's sampling parameters and penalized rows on the device, rebuilt only when
+        the sequences sampled (or their order) change: most decode steps reuse the last plan."""
+        key = tuple(s.seq_id for s in seqs)
+        if self._plan is None or self._plan[0] != key:
+            batch = SamplingBatch([s.params for s in seqs], [s.generator for s in seqs], device)
+            self._plan = (key, batch, self.penalties.plan(seqs))
+        return self._plan[1], self._plan[2]
+
+    @property
+    def penalties(self) -> Penalties:
+        if self._penalties is None:
+            self._penalties = Penalties(self.model.vocab_size, self.model.device)
+        return self._penalties
 
     def _refusal(self, req: Request) -> str | None:
         n = len(req.prompt_tokens)
@@ -266,8 +299,6 @@ class Engine:
         self.stats.generated_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(entry)
-        if seq.counts is not None:
-            seq.counts[token] = seq.counts.get(token, 0) + 1
         p = seq.params
         out = seq.output
         m = seq.matcher

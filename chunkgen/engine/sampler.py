@@ -244,6 +244,11 @@ class SamplingBatch:
         # straight into this buffer (no Python floats), then moved in one copy. The previous
         # step's copy has finished by then: every step waits for its sampled tokens.
         self.u_host = host_buffer((len(self.sampled),), torch.float64, device)
+        # rows asking for logprobs (engine/logits.py reads them on the device)
+        self.logprob_rows = [i for i, p in enumerate(self.params) if p.logprobs is not None]
+        self.logprob_index = None if len(self.logprob_rows) == len(self.params) else torch.tensor(
+            self.logprob_rows, dtype=torch.long, device=device)
+        self.max_logprobs = max((self.params[i].logprobs or 0 for i in self.logprob_rows), default=0)
 
     def uniforms(self) -> torch.Tensor:
         """One uniform number per sampled row from its generator: the row's stream advances by
@@ -287,6 +292,34 @@ def draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torc
     return out, short
 
 
+class StepReader:
+    """A step's one device-to-host read: its tensors flattened into one float64 row on the
+    device (token ids are exact in float64), copied at once into a reused host buffer (pinned
+    for CUDA, copied asynchronously and waited for once), split back into Python lists."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.copies = 0  # reads done: one per step
+
+    def read(self, *parts: torch.Tensor) -> list[list[float]]:
+        flat = torch.cat([p.reshape(-1).double() for p in parts])
+        n = flat.numel()
+        if self.buf is None or self.buf.numel() < n or self.buf.is_pinned() != (flat.device.type == "cuda"):
+            self.buf = host_buffer((max(n, 2 * (self.buf.numel() if self.buf is not None else 0)),),
+                                   torch.float64, flat.device)
+        host = self.buf[:n]
+        host.copy_(flat, non_blocking=True)
+        if flat.device.type == "cuda":
+            torch.cuda.current_stream(flat.device).synchronize()
+        self.copies += 1
+        values = host.tolist()
+        out, at = [], 0
+        for p in parts:
+            out.append(values[at:at + p.numel()])
+            at += p.numel()
+        return out
+
+
 def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int], short: list[bool]) -> list[int]:
     """The rows whose cut their candidate list could not settle, drawn again over the whole
     vocabulary with the same uniform numbers (the step's u_host): what `draw` would give with
@@ -315,8 +348,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens, short = draw(logits, batch)
     if short is None:
         return tokens.tolist()
-    host = torch.stack([tokens, short.long()]).tolist()
-    return redo_short_rows(logits, batch, host[0], [bool(s) for s in host[1]])
+    toks, flags = StepReader().read(tokens, short)
+    return redo_short_rows(logits, batch, [int(t) for t in toks], [bool(f) for f in flags])
 
 
 def _draw_rows(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,

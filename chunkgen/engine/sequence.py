@@ -87,7 +87,6 @@ class Sequence:
         self.matcher: Any = None  # an llguidance LLMatcher for constrained requests (engine/constraint.py)
         self.matched: bool | None = None  # set when a constrained sequence finishes
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
-        self.counts: dict[int, int] | None = {} if request.params.penalized else None  # generated tokens
 
     @property
     def params(self) -> SamplingParams:
