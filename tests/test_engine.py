@@ -207,3 +207,35 @@ def test_sequences_that_outgrow_a_tiny_budget_end_with_length(tiny_llm):
     # Alone at the end, each filled the whole budget: 96 positions, plus the token with no room.
     assert max(20 + len(r.token_ids) for r in results) == 6 * 16 + 1
     engine.tree.check()
+
+
+def test_decode_steps_sample_without_host_work_and_read_once(tiny_llm):
+    """Engine decode steps of a fixed batch (seeded top-k / top-p / temperature rows, penalties,
+    logprobs, greedy rows) sample with no scalar read, nonzero, boolean-mask index or tensor from
+    Python data, and read the device once: tokens and logprobs together."""
+    from tests.test_sampler import OpLog, copies_into, host_work
+
+    engine = tiny_llm.new_engine()
+    kinds = [dict(), dict(temperature=0.8, top_k=20, seed=1), dict(temperature=1.0, top_p=0.9, seed=2),
+             dict(temperature=1.1, seed=3, logprobs=3), dict(presence_penalty=0.5, frequency_penalty=0.4, logprobs=0)]
+    prompts = template_prompts("arithmetic_cot", 10)
+    engine.add([Request(i, tiny_llm.encode(prompts[i]),
+                        SamplingParams(max_new_tokens=12, ignore_eos=True, **kinds[i % len(kinds)])) for i in range(10)])
+    logs: list[tuple[list, int, bool]] = []
+    sample = engine._sample
+
+    def logged(seqs, logits, early=None):
+        plan = engine._plan
+        with OpLog() as log:
+            out = sample(seqs, logits, early)
+        logs.append((log.calls, plan is engine._plan, engine._reader.buf))
+        return out
+
+    engine._sample = logged
+    while engine.has_work:
+        engine.step()
+    steady = [(calls, buf) for calls, same, buf in logs if same]  # steps that reused the batch's plan
+    assert len(steady) >= 5
+    for calls, buf in steady:
+        assert host_work(calls) == {"syncs": [], "nonzero": [], "bool_index": [], "from_python": []}
+        assert copies_into(calls, buf) == 1

@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from chunkgen.engine.sampler import MAX_SEED, ParamError, SamplingParams, _cut, make_generator, sample, sample_seed
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from chunkgen.engine import sampler
+from chunkgen.engine.logits import Penalties, StepLogprobs
+from chunkgen.engine.sampler import (FALLBACKS, MAX_SEED, ParamError, SamplingBatch, SamplingParams, StepReader, _cut,
+                                     draw, make_generator, sample, sample_seed)
 
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -196,3 +201,126 @@ def test_param_messages_read_well_and_good_values_are_normalised():
     assert p.as_dict()["stop"] == ["###"] and p.as_dict()["seed"] == 0
     with pytest.raises(AttributeError):
         p.n = 2  # type: ignore[misc]
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += _tensors(a)
+    return out
+
+
+def host_work(calls: list[tuple]) -> dict[str, list[str]]:
+    """The ops of a logged step that would wait for the device or give shapes that depend on the
+    data: scalar reads, nonzero, boolean-mask indexing, tensors built from Python data."""
+    names = [str(f) for f, _, _ in calls]
+    return {
+        "syncs": [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")],
+        "nonzero": [n for n in names if "nonzero" in n or "masked_select" in n or "unique" in n],
+        "bool_index": [str(f) for f, a, k in calls if str(f).startswith(("aten.index.", "aten.index_put"))
+                       and any(t.dtype == torch.bool for t in _tensors(a[1:2]))],
+        "from_python": [n for n in names if "lift_fresh" in n or "scalar_tensor" in n],
+    }
+
+
+def copies_into(calls: list[tuple], buf: torch.Tensor) -> int:
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    return sum(1 for f, a, _ in calls if str(f).startswith("aten.copy_") and lo <= a[0].data_ptr() < hi)
+
+
+def mixed_batch(rows: int = 32, vocab: int = 3000) -> tuple[torch.Tensor, list[SamplingParams]]:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(rows, vocab, generator=g) * 6  # peaky, as a trained model's: nuclei well inside the list
+    kinds = [dict(), dict(temperature=0.8, top_k=50), dict(temperature=1.0, top_p=0.9),
+             dict(temperature=0.7, top_k=40, top_p=0.8), dict(temperature=1.2)]
+    params = [SamplingParams(seed=i, logprobs=i % 3, presence_penalty=0.5 * (i % 2), frequency_penalty=0.3,
+                             **kinds[i % len(kinds)]) for i in range(rows)]
+    return logits, params
+
+
+class _Seq:
+    """What the penalty state reads of a sequence."""
+
+    def __init__(self, i: int, params: SamplingParams) -> None:
+        self.seq_id, self.params, self.finish_reason = i, params, None
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_step_reads_the_device_once_and_never_waits_on_it_before(greedy):
+    """The common path of a step (greedy batch; seeded top-k / top-p / temperature rows with
+    penalties and logprobs) under a dispatch log: no scalar read, nonzero, boolean-mask index or
+    tensor from Python data, and one copy to the host, of tokens and logprobs together."""
+    logits, params = mixed_batch()
+    if greedy:
+        params = [SamplingParams()] * len(params)
+    gens = [make_generator(p, 0) for p in params]
+    batch = SamplingBatch(params, gens, logits.device)  # once per batch composition
+    penalties = Penalties(logits.shape[1], logits.device)
+    pen = penalties.plan([_Seq(i, p) for i, p in enumerate(params)])
+    reader = StepReader()
+    reader.read(torch.zeros(4096, dtype=torch.float64))  # its buffer exists before the logged steps
+    for step in range(3):
+        x = logits.clone()
+        with OpLog() as log:
+            lp = StepLogprobs(x, batch)
+            if pen is not None:
+                penalties.apply_(x, pen)
+            tokens, short = draw(x, batch)
+            parts = [tokens, lp.columns(tokens)] + ([short] if short is not None else [])
+            read = reader.read(*parts)
+            if pen is not None:
+                penalties.count_(pen, tokens)
+        assert host_work(log.calls) == {"syncs": [], "nonzero": [], "bool_index": [], "from_python": []}
+        assert copies_into(log.calls, reader.buf) == 1
+        assert short is None or not any(read[2])  # every row settled within its candidate list
+        got = [int(t) for t in read[0]]
+        if greedy:
+            assert got == logits.argmax(dim=-1).tolist() and pen is None and short is None
+    if not greedy:
+        assert int(penalties.counts.sum()) == 3 * len(params)  # every sampled token counted once
+
+
+def test_rows_the_candidate_list_cannot_settle_are_redone_exactly(monkeypatch):
+    """A flat row's nucleus lies past the candidate list: the row is flagged, counted and drawn
+    again over its whole vocabulary with the same uniform number, so it gets the token an
+    unlimited list gives; the peaky rows beside it are not redone."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(vocab, generator=g) * 0.1
+    peaky = torch.randn(vocab, generator=g) * 8
+    logits = torch.stack([peaky, flat, peaky, flat])
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in range(4)]
+    for trial in range(20):
+        gens = [make_generator(SamplingParams(temperature=1.0, seed=trial * 4 + i), 0) for i in range(4)]
+        before = FALLBACKS.rows
+        got = sample(logits, params, gens)
+        assert FALLBACKS.rows - before == 2  # the flat rows only
+        monkeypatch.setattr(sampler, "CANDIDATES", vocab)
+        gens = [make_generator(SamplingParams(temperature=1.0, seed=trial * 4 + i), 0) for i in range(4)]
+        assert sample(logits, params, gens) == got
+        assert FALLBACKS.rows - before == 2  # an unlimited list settles every row
+        monkeypatch.undo()
+
+
+def test_top_k_ties_running_past_the_list_are_redone():
+    """Top-k keeps every token tied with the k-th, even past the k + 1 the list holds."""
+    logits = torch.zeros(1, 300)
+    logits[0, :5] = 3.0
+    params = [SamplingParams(temperature=1.0, top_k=2, seed=1)]
+    before = FALLBACKS.rows
+    draws = draw_many(logits[0], params[0], 2000)
+    assert FALLBACKS.rows - before == 2000
+    assert set(draws.tolist()) == set(range(5))  # all five tied tokens kept, none of the rest

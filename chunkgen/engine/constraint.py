@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from chunkgen.engine.sampler import ParamError
+from chunkgen.engine.sampler import ParamError, host_buffer
 
 KINDS = ("json_schema", "regex", "grammar")  # SamplingParams fields, at most one set
 # JSON as people and chat models write it, `{"a": 1, "b": [2, 3]}`: with llguidance's default
@@ -86,14 +86,20 @@ class Constraints:
     """One engine's constrained-decoding state: its llguidance tokenizer, the worker thread that
     fills masks and the lookup tables that apply them."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: set[int]) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: set[int], device: torch.device | None = None) -> None:
         self.hf_tokenizer = hf_tokenizer
+        self.device = device or torch.device("cpu")  # where the logits are: masks are pinned for CUDA
         self.vocab_size = vocab_size  # logits' width; may exceed the tokenizer's (padded embeddings)
         self.eos_ids = sorted(eos_ids)
         self._tokenizer = None
         self._executor = None
         self._worker: ThreadPoolExecutor | None = None
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        # Two host buffers taken in turn: the next step's masks fill one while the device still
+        # copies from the other (pinned for CUDA, so that copy is asynchronous).
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+        self._index: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last rows' index on the device
 
     def _ll_tokenizer(self):
         if self._tokenizer is None:
@@ -124,14 +130,21 @@ class Constraints:
         return self._worker.submit(self.fill, matchers)
 
     def fill(self, matchers: list) -> Bitmask | None:
-        """The packed masks of the rows whose matcher is not None (None when there are none),
-        in a fresh buffer: a step's masks may be read while the next step's are computed."""
+        """The packed masks of the rows whose matcher is not None (None when there are none), in
+        the host buffer not filled last time: a step's masks may be copied to the device while
+        the next step's are computed."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
         from llguidance.torch import fill_next_token_bitmask_par
 
-        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        words = (self.vocab_size + 31) // 32
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < len(rows):
+            buf = self._buffers[self._turn] = host_buffer((max(len(rows), 2 * (0 if buf is None else buf.shape[0])),
+                                                           words), torch.int32, self.device)
+        bitmask = buf[:len(rows)]
         fill_next_token_bitmask_par(self._executor, [(matchers[i], j) for j, i in enumerate(rows)], bitmask)
         return Bitmask(rows, bitmask)
 
@@ -155,7 +168,13 @@ class Constraints:
         if len(rows) == logits.shape[0]:
             logits.add_(terms)
         else:
-            logits.index_add_(0, torch.tensor(rows, device=dev), terms)
+            logits.index_add_(0, self._rows_index(tuple(rows), dev), terms)
+
+    def _rows_index(self, rows: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+        """The constrained rows as a device index, kept while they stay the same rows."""
+        if self._index is None or self._index[0] != rows or self._index[1].device != dev:
+            self._index = (rows, torch.tensor(rows, device=dev))
+        return self._index[1]
 
     def _table(self, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """[256, 8]: for each byte value, 0 for its set bits and -inf for the others, low bit first

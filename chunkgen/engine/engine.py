@@ -132,7 +132,7 @@ class Engine:
     @property
     def constraints(self) -> Constraints:
         if self._constraints is None:
-            self._constraints = Constraints(self.tokenizer, self.model.vocab_size, self.eos_ids)
+            self._constraints = Constraints(self.tokenizer, self.model.vocab_size, self.eos_ids, self.model.device)
         return self._constraints
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,

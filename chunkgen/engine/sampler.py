@@ -373,7 +373,7 @@ def _draw_rows(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: 
     torch.threshold_(s, _SUBNORMAL, -math.inf)
     blocks = -(-V // _BLOCK)
     buf = _scratch.take("w", (R, blocks * _BLOCK), torch.float32, dev)
-    buf[:, V:] = 0.0
+    buf[:, V:].fill_(0.0)
     w = torch.exp(s, out=buf[:, :V])  # unnormalised probabilities, the best is 1
     short = _cut(s, w, top_k, top_p, cap) if cap else None
     drawn = _draw(buf.view(R, blocks, _BLOCK), u)
@@ -406,7 +406,7 @@ def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     vals, ids = vals.gather(1, order), ids.gather(1, order)
     has_k = top_k > 0
     kth = vals.gather(1, (top_k.clamp(1, C) - 1)[:, None]).squeeze(1)
-    kth = torch.where(has_k, kth, -math.inf)
+    kth = kth.masked_fill(~has_k, -math.inf)
     in_k = vals >= kth[:, None]
     wc = vals.exp().double() * in_k
     cum = wc.cumsum(dim=-1)
@@ -418,7 +418,7 @@ def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     n = torch.where(with_p, reach.sum(dim=-1).clamp(min=1), in_k.sum(dim=-1))
     cuts = has_k | with_p
     last = (n - 1).clamp(min=0)[:, None]
-    floor = torch.where(cuts, vals.gather(1, last).squeeze(1), -math.inf)
+    floor = vals.gather(1, last).squeeze(1).masked_fill_(~cuts, -math.inf)
     # tokens tied with the floor but past the cut: the list holds them all unless it is short
     drop = (torch.arange(C, device=s.device) >= n[:, None]) & (vals == floor[:, None])
     w.mul_(_at_least(s, floor))
@@ -445,7 +445,7 @@ def _draw(blocks: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     B = blocks.shape[0]
     cum = blocks.sum(dim=-1).double().cumsum(dim=-1)
     b = _pick(cum, u[:, None] * cum[:, -1:])
-    left = u[:, None] * cum[:, -1:] - torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), 0.0)
+    left = u[:, None] * cum[:, -1:] - cum.gather(1, (b - 1).clamp(min=0)).masked_fill_(b == 0, 0.0)
     inner = blocks[torch.arange(B, device=blocks.device), b.squeeze(1)].double().cumsum(dim=-1)
     return (b * blocks.shape[2] + _pick(inner, left)).squeeze(1)
 
