@@ -223,6 +223,7 @@ class _Part:
         self.temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
         self.top_k = torch.tensor([params[i].top_k for i in rows], device=device)
         self.top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64, device=device)
+        self.total = any(params[i].top_p < 1.0 and not params[i].top_k for i in rows)
         self.cap = max([params[i].top_k + 1 for i in rows if params[i].top_k]
                        + [CANDIDATES for i in rows if params[i].top_p < 1.0 and not params[i].top_k], default=0)
 
@@ -258,23 +259,28 @@ class SamplingBatch:
         return self.u_host.to(self.device, non_blocking=True)
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value (the first of equals): max's indices, which torch
+    computes several times faster on CPU than argmax."""
+    return x.max(dim=-1).indices
+
+
 def draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next token per row of `logits` [batch, vocab] on their device, without waiting for it:
-    (tokens [batch] int64, per row whether its cut must be redone exactly, or None when no row
-    can need that). Greedy rows take the argmax; the others draw from the temperature-scaled
-    distribution cut to its top-k, then to its top-p nucleus.
+    (tokens [batch] int64, per row whether it must be redone on the host by `redo_short_rows`,
+    or None when no row is sampled). Greedy rows take the argmax; the others draw from the
+    temperature-scaled distribution cut to its top-k, then to its top-p nucleus.
 
     Each sampled row takes exactly one uniform number per step from its own CPU generator and
     maps it through the inverse CDF in vocabulary order, and which tokens are kept depends on the
     row alone, so a seeded row draws the same token whatever else is in the batch and on
     whichever device, up to float rounding at a boundary."""
-    out = logits.argmax(dim=-1)
+    B, V = logits.shape
     if not batch.sampled:  # the common case: one argmax
-        return out, None
+        return _argmax(logits), None
     u = batch.uniforms()
-    V = logits.shape[1]
-    short = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device) if any(
-        0 < p.cap < V for p in batch.parts) else None
+    out = _argmax(logits) if len(batch.sampled) < B else torch.empty(B, dtype=torch.long, device=logits.device)
+    redo = torch.zeros(B, dtype=torch.bool, device=logits.device)
     at = 0
     for part in batch.parts:
         n = len(part.rows)
@@ -283,13 +289,12 @@ def draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torc
         else:
             x = _scratch.take("x", (n, V), logits.dtype, logits.device)
             torch.index_select(logits, 0, part.index, out=x)
-        tokens, part_short = _draw_rows(x.float(), part.temperature, part.top_k, part.top_p, u[at:at + n],
-                                        min(part.cap, V))
+        tokens, part_redo = _draw_rows(x.float(), part.temperature, part.top_k, part.top_p, u[at:at + n],
+                                       min(part.cap, V), part.total)
         out.index_copy_(0, part.index, tokens)
-        if short is not None and part_short is not None:
-            short.index_copy_(0, part.index, part_short)
+        redo.index_copy_(0, part.index, part_redo)
         at += n
-    return out, short
+    return out, redo
 
 
 class StepReader:
@@ -320,11 +325,12 @@ class StepReader:
         return out
 
 
-def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int], short: list[bool]) -> list[int]:
-    """The rows whose cut their candidate list could not settle, drawn again over the whole
-    vocabulary with the same uniform numbers (the step's u_host): what `draw` would give with
-    an unlimited list. Their count goes to FALLBACKS.rows."""
-    rows = [i for i, s in enumerate(short) if s]
+def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int], redo: list[bool]) -> list[int]:
+    """The rows `draw` could not settle on the device (a cut its candidate list was too short
+    for, or no distribution at all: NaN or infinite logits), drawn again over the whole
+    vocabulary with the same uniform numbers (the step's u_host): what `draw` would give with an
+    unlimited list. Their count goes to FALLBACKS.rows."""
+    rows = [i for i, r in enumerate(redo) if r]
     if not rows:
         return tokens
     FALLBACKS.rows += len(rows)
@@ -335,7 +341,8 @@ def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int
     u = torch.tensor([float(batch.u_host[where[i]]) for i in rows], dtype=torch.float64, device=dev)
     new, _ = _draw_rows(x, torch.tensor([q.temperature for q in p], dtype=torch.float32, device=dev),
                         torch.tensor([q.top_k for q in p], device=dev),
-                        torch.tensor([q.top_p for q in p], dtype=torch.float64, device=dev), u, x.shape[1])
+                        torch.tensor([q.top_p for q in p], dtype=torch.float64, device=dev), u, x.shape[1],
+                        True, exact=True)
     tokens = list(tokens)
     for i, t in zip(rows, new.tolist()):
         tokens[i] = t
@@ -345,28 +352,28 @@ def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """`draw` for one batch, read back to the host (rows needing it redone exactly)."""
     batch = SamplingBatch(params, generators, logits.device)
-    tokens, short = draw(logits, batch)
-    if short is None:
+    tokens, redo = draw(logits, batch)
+    if redo is None:
         return tokens.tolist()
-    toks, flags = StepReader().read(tokens, short)
+    toks, flags = StepReader().read(tokens, redo)
     return redo_short_rows(logits, batch, [int(t) for t in toks], [bool(f) for f in flags])
 
 
 def _draw_rows(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
-               cap: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+               cap: int, total: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits `x` [rows, vocab], from uniforms `u` [rows], with its
-    parameters as tensors [rows]; the cut is sought among the `cap` best tokens (0: no row cuts).
-    Returns the tokens and, when cap < vocab, which rows that list could not settle."""
+    parameters as tensors [rows]; the cut is sought among the `cap` best tokens (0: no row cuts;
+    `total`: some row needs its whole mass, for top-p without top-k). Returns the tokens and
+    which rows must be redone `exact`: those the list could not settle, and rows without a
+    distribution (NaN, +inf or all -inf logits), whose token is their argmax, found only when
+    exact: looking past NaNs costs two more passes over the logits."""
     R, V = x.shape
     dev = x.device
     top = x.amax(dim=-1, keepdim=True)
-    # NaN, +inf or an all -inf row has no distribution to draw from: it takes its argmax instead
-    # (for every row, whatever it holds: asking which rows are bad would wait for the device).
     bad = ~torch.isfinite(top.squeeze(1))
-    fallback = torch.nan_to_num(x, nan=-math.inf).argmax(dim=-1)
-    x = x.masked_fill(bad[:, None], 0.0)
     top = top.masked_fill(bad[:, None], 0.0)
     s = torch.sub(x, top, out=_scratch.take("s", (R, V), torch.float32, dev))
+    s.masked_fill_(bad[:, None], 0.0)  # a bad row draws from nothing in particular until redone
     s.div_(temp[:, None])  # log-weights: <= 0, the row's best is 0
     # Weights below float32's smallest normal (a chance under 1e-38 against the best token) would
     # be subnormal, which is slow on CPUs; they count as nothing.
@@ -375,10 +382,12 @@ def _draw_rows(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: 
     buf = _scratch.take("w", (R, blocks * _BLOCK), torch.float32, dev)
     buf[:, V:].fill_(0.0)
     w = torch.exp(s, out=buf[:, :V])  # unnormalised probabilities, the best is 1
-    short = _cut(s, w, top_k, top_p, cap) if cap else None
-    drawn = _draw(buf.view(R, blocks, _BLOCK), u)
-    tokens = torch.where(bad, fallback, drawn)
-    return tokens, (short & ~bad) if short is not None else None
+    redo = _cut(s, w, top_k, top_p, cap, total) if cap else torch.zeros(R, dtype=torch.bool, device=dev)
+    tokens = _draw(buf.view(R, blocks, _BLOCK), u)
+    if exact:
+        tokens = torch.where(bad, _argmax(torch.nan_to_num(x, nan=-math.inf)), tokens)
+        return tokens, torch.zeros_like(bad)
+    return tokens, redo | bad
 
 
 def _order_keys(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -390,9 +399,11 @@ def _order_keys(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return mono * (1 << 32) + ((1 << 32) - 1 - ids)
 
 
-def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, cap: int) -> torch.Tensor:
+def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, cap: int,
+         total: bool = True) -> torch.Tensor:
     """Zero the weights `w` of the tokens top-k, then top-p, leave out, given log-weights `s`
-    [rows, vocab], top_k [rows] (0: off) and top_p [rows], looking among the `cap` best tokens.
+    [rows, vocab], top_k [rows] (0: off) and top_p [rows], looking among the `cap` best tokens
+    (`total` False: no row has top-p without top-k, whose mass is then the whole row's).
 
     Top-k keeps every token tied with the k-th. Top-p then keeps the shortest prefix of the
     top-k tokens, sorted by weight and among equal weights by token id, whose mass reaches p
@@ -410,7 +421,7 @@ def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     in_k = vals >= kth[:, None]
     wc = vals.exp().double() * in_k
     cum = wc.cumsum(dim=-1)
-    total = torch.where(has_k, cum[:, -1], w.sum(dim=-1, dtype=torch.float64))
+    total = torch.where(has_k, cum[:, -1], w.sum(dim=-1, dtype=torch.float64)) if total else cum[:, -1]
     with_p = top_p < 1.0
     target = top_p * total
     before = torch.cat([cum.new_zeros(R, 1), cum[:, :-1]], dim=1)  # mass ahead of each candidate
@@ -421,22 +432,13 @@ def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     floor = vals.gather(1, last).squeeze(1).masked_fill_(~cuts, -math.inf)
     # tokens tied with the floor but past the cut: the list holds them all unless it is short
     drop = (torch.arange(C, device=s.device) >= n[:, None]) & (vals == floor[:, None])
-    w.mul_(_at_least(s, floor))
+    w.masked_fill_(torch.lt(s, floor[:, None], out=_scratch.take("below", s.shape, torch.bool, s.device)), 0.0)
     w.scatter_(1, ids, w.gather(1, ids).masked_fill_(drop, 0.0))
     if C == V:
         return torch.zeros(R, dtype=torch.bool, device=s.device)
     end = vals[:, -1]
     return ((has_k & (kth > -math.inf) & (end == kth)) | (cuts & (floor > -math.inf) & (end == floor))
             | (~has_k & with_p & (cum[:, -1] < target)))
-
-def _at_least(s: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """1.0 where s >= its row's floor, else 0.0. Float arithmetic: boolean masks cost ~5x more
-    on CPU. The sign of a difference is exact; -inf floors become the lowest float, since
-    -inf - -inf is NaN."""
-    low = torch.finfo(s.dtype).min
-    keep = torch.sub(s, floor.clamp(min=low)[:, None], out=_scratch.take("tmp", s.shape, s.dtype, s.device))
-    return keep.sign_().add_(1.0).clamp_(max=1.0)
-
 
 def _draw(blocks: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF in vocabulary order of weights [B, blocks, _BLOCK], u in [0, 1) per row: block
