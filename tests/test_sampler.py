@@ -324,3 +324,22 @@ def test_top_k_ties_running_past_the_list_are_redone():
     draws = draw_many(logits[0], params[0], 2000)
     assert FALLBACKS.rows - before == 2000
     assert set(draws.tolist()) == set(range(5))  # all five tied tokens kept, none of the rest
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (0, 0.95), (0, 0.3), (40, 0.9)])
+def test_draws_follow_the_kept_distribution_when_the_candidate_list_is_short(monkeypatch, top_k, top_p):
+    """With a candidate list shorter than many nuclei (rows settled on the device and rows redone
+    on the host mixed), draws still stay in the reference's kept set at its frequencies."""
+    monkeypatch.setattr(sampler, "CANDIDATES", 24)
+    vocab = 400
+    logits = logits_with("ties", vocab, seed=11) * 0.5
+    ref = reference(logits, 1.0, top_k, top_p)
+    n = 20000
+    before = FALLBACKS.rows
+    draws = draw_many(logits, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p), n)
+    if int((ref > 0).sum()) > 24 and not top_k:  # the nucleus is longer than the list: every row redone
+        assert FALLBACKS.rows - before == n
+    freq = torch.bincount(draws, minlength=vocab).double() / n
+    assert not set(draws.tolist()) - set(ref.nonzero().squeeze(1).tolist())
+    sigma = (ref * (1 - ref) / n).sqrt()
+    assert ((freq - ref).abs() / (sigma + 1e-12))[ref > 0].max().item() < 5.0
