@@ -326,7 +326,7 @@ def test_top_k_ties_running_past_the_list_are_redone():
     assert set(draws.tolist()) == set(range(5))  # all five tied tokens kept, none of the rest
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (0, 0.95), (0, 0.3), (40, 0.9)])
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.7), (0, 0.95), (0, 0.3), (0, 0.05), (40, 0.9), (10, 0.8)])
 def test_draws_follow_the_kept_distribution_when_the_candidate_list_is_short(monkeypatch, top_k, top_p):
     """With a candidate list shorter than many nuclei (rows settled on the device and rows redone
     on the host mixed), draws still stay in the reference's kept set at its frequencies."""
