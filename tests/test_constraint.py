@@ -251,3 +251,23 @@ def test_schema_leaves_a_valid_greedy_answer_unchanged(default_model_dir):
         assert b.text == f.text
         same += 1
     assert same >= 2  # not vacuous
+
+
+def test_masks_fill_two_host_buffers_in_turn(tiny_llm):
+    """A step's masks stay intact while the next step's fill the other buffer; applied, they
+    forbid exactly the tokens whose bit is clear, in the constrained rows only."""
+    import torch
+
+    c = tiny_llm.new_engine().constraints
+    ms = [c.matcher(SamplingParams(regex="[0-9]+")), None, c.matcher(SamplingParams(regex="[a-z]+"))]
+    first, second, third = c.fill(ms), c.fill(ms), c.fill(ms)
+    assert first.rows == [0, 2] and first.bits.data_ptr() != second.bits.data_ptr()
+    assert third.bits.data_ptr() == first.bits.data_ptr()  # two buffers, taken in turn
+    logits = torch.zeros(3, c.vocab_size)
+    c.apply_(logits, second)
+    words = torch.arange(c.vocab_size)
+    for j, row in enumerate(second.rows):
+        bits = (second.bits[j, words // 32].long() >> (words % 32)) & 1  # unpacked bit by bit
+        assert torch.equal(torch.isfinite(logits[row]), bits == 1)
+    assert torch.isfinite(logits[1]).all()
+    assert not torch.equal(torch.isfinite(logits[0]), torch.isfinite(logits[2]))

@@ -14,7 +14,7 @@ from chunkgen.cache.stats import unshared_chunks
 from chunkgen.device import on_model_device
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
-from chunkgen.engine.logits import Penalties, StepLogprobs, TokenLogprob, token_texts
+from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
 from chunkgen.engine.sampler import ParamError, SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.runner import ModelRunner
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
@@ -166,7 +166,7 @@ class Engine:
             self.penalties.count_(penalized, tokens_dev)
         return list(zip(tokens, logprobs.entries(read[1], tokens, self._token_text, redrawn)))
 
-    def _sampling_plan(self, seqs: list[Sequence], device: torch.device) -> tuple[SamplingBatch, object]:
+    def _sampling_plan(self, seqs: list[Sequence], device: torch.device) -> tuple[SamplingBatch, PenaltyRows | None]:
         """The batch's sampling parameters and penalized rows on the device, rebuilt only when
         the sequences sampled (or their order) change: most decode steps reuse the last plan."""
         key = tuple(s.seq_id for s in seqs)

@@ -81,7 +81,7 @@ class StepLogprobs:
 
 
 @dataclass
-class _PenaltyRows:
+class PenaltyRows:
     """One batch composition's penalized rows: their batch rows and count slots on the device."""
 
     rows: torch.Tensor | None  # None: every row of the batch, in order
@@ -102,7 +102,7 @@ class Penalties:
         self.owner: dict[int, object] = {}  # slot -> sequence
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
 
-    def plan(self, seqs: Sequence) -> _PenaltyRows | None:
+    def plan(self, seqs: Sequence) -> PenaltyRows | None:
         """The penalized rows of a batch composition, their slots assigned (None: none)."""
         rows = [i for i, s in enumerate(seqs) if s.params.penalized]
         if not rows:
@@ -122,7 +122,7 @@ class Penalties:
             self.owner[slot], self.slot_of[seq.seq_id] = seq, slot
             self.counts[slot].zero_()
         params = [seqs[i].params for i in rows]
-        return _PenaltyRows(
+        return PenaltyRows(
             rows=None if len(rows) == len(seqs) else torch.tensor(rows, device=dev),
             slots=torch.tensor([self.slot_of[seqs[i].seq_id] for i in rows], device=dev),
             frequency=torch.tensor([[p.frequency_penalty] for p in params], device=dev),
@@ -131,7 +131,7 @@ class Penalties:
         )
 
     @torch.inference_mode()  # the model's logits are inference tensors: in-place only in this mode
-    def apply_(self, logits: torch.Tensor, rows: _PenaltyRows) -> None:
+    def apply_(self, logits: torch.Tensor, rows: PenaltyRows) -> None:
         c = self.counts.index_select(0, rows.slots)
         amount = (c * rows.frequency).add_(c.clamp(max=1.0) * rows.presence).to(logits.dtype)
         if rows.rows is None:
@@ -140,7 +140,7 @@ class Penalties:
             logits.index_add_(0, rows.rows, amount, alpha=-1)
 
     @torch.inference_mode()
-    def count_(self, rows: _PenaltyRows, tokens: torch.Tensor) -> None:
+    def count_(self, rows: PenaltyRows, tokens: torch.Tensor) -> None:
         """Adds the step's sampled tokens [batch] (on the device) to the penalized rows' counts."""
         mine = tokens if rows.rows is None else tokens.index_select(0, rows.rows)
         self.counts.index_put_((rows.slots, mine), rows.ones, accumulate=True)
