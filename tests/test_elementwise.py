@@ -13,10 +13,14 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (NaN payloads and signed zeros included)."""
+    """Same dtype, shape and bits (signed zeros included); NaN where the other has NaN (its payload
+    is whatever the conversion picks: ATen's vector and scalar paths differ there themselves)."""
     as_int = {2: torch.int16, 4: torch.int32}
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(as_int[a.element_size()]), b.contiguous().view(as_int[b.element_size()])))
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    keep = ~a.isnan()
+    return torch.equal(a[keep].contiguous().view(as_int[a.element_size()]),
+                       b[keep].contiguous().view(as_int[b.element_size()]))
 
 
 def rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,22 +85,18 @@ def test_rotary_rejects_a_position_outside_the_table():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_the_torch_composition(dtype):
-    """Rounded where torch rounds: in bf16 and fp16 bit for bit (the one transcendental, exp, may
-    differ from ATen's in its last fp32 bit, which the 16-bit rounding absorbs on these inputs);
-    in fp32 within one ulp of the product."""
+def test_silu_mul_is_bitwise_the_torch_composition(dtype):
+    """exp included: the kernel evaluates it as ATen's vectorised kernel does; the ends of its
+    range (overflow, underflow, infinities, NaN) too."""
     g = torch.Generator().manual_seed(2)
     rows, n = 33, 1536
-    gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 6).to(dtype)
+    gate_up[0, :10] = torch.tensor([float("nan"), float("inf"), -float("inf"), 200, -200, 88.5, -88.5, 0.0, -0.0, 104.5])
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     out = torch.empty(rows, n, dtype=dtype)
     silu_mul(gate_up, out)
-    if dtype == torch.float32:
-        ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
-        assert ((out - want).abs() <= 2 * ulp).all()
-    else:
-        assert bits_equal(out, want), int((out != want).sum())
+    assert bits_equal(out, want), int((out != want).sum())
 
 
 def test_ops_check_their_arguments():
