@@ -56,6 +56,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
+        self.weight_t = self.weight.t()  # what F.linear multiplies by: mm/addmm on it is F.linear, one op
         self.packed = None
         if (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
                 and weight.numel() >= _ONEDNN_MIN_WEIGHT and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"):
@@ -68,7 +69,8 @@ class Linear:
         # Inductor cannot lower the prepacked weight; a compiled forward packs weights itself.
         if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        # x is [rows, in] here: F.linear's own path for it, without its nested transpose and views
+        return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
 
 @dataclass
