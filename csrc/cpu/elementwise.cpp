@@ -11,6 +11,7 @@
 #include "../elementwise.h"
 
 #ifdef CHUNKGEN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -259,6 +260,7 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
   const int64_t ds = delta.has_value() ? delta->stride(0) : 0;
   if (!residual.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(residual.device());  // launch on the tensors' GPU, whichever is current
     add_rms_norm_cuda(residual.data_ptr(), delta.has_value() ? delta->data_ptr() : nullptr, weight.data_ptr(),
                       out.data_ptr(), rows, n, residual.stride(0), ds, out.stride(0), static_cast<float>(eps),
                       dt, stream_of(residual));
@@ -309,6 +311,7 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
   const bool pos64 = positions.scalar_type() == torch::kInt64;
   if (!qkv.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(qkv.device());
     rotary_cuda(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), pos64, cos.data_ptr(), sin.data_ptr(), ts,
                 rows, q_heads, kv_heads, d, q_out.data_ptr(), qt, dt, stream_of(qkv));
     return;
@@ -348,6 +351,7 @@ void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) {
   if (rows == 0) return;
   if (!gate_up.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(gate_up.device());
     silu_mul_cuda(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, n, dt,
                   stream_of(gate_up));
     return;
