@@ -66,8 +66,10 @@ clean-venv:
 cuda-check: $(VENV)/.installed
 	@if command -v nvcc >/dev/null; then \
 	  set -e; \
-	  nvcc -std=c++17 -O3 -c csrc/cuda/tpp_attention.cu -o /dev/null \
-	    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90; \
+	  for f in csrc/cuda/*.cu; do \
+	    nvcc -std=c++17 -O3 --use_fast_math -c $$f -o /dev/null \
+	      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90; \
+	  done; \
 	  echo "CUDA kernels compile (sm_80, sm_90)"; \
 	  cuda_inc=$$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^" ]*\).*/\1/p' | head -1); \
 	  shim=$$(mktemp -d); mkdir -p $$shim/c10/cuda/impl; \
@@ -75,7 +77,7 @@ cuda-check: $(VENV)/.installed
 	  torch_inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))"); \
 	  py_inc=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
 	  g++ -std=c++20 -fsyntax-only -w -DCHUNKGEN_WITH_CUDA -DTORCH_EXTENSION_NAME=_C -I$$shim $$torch_inc \
-	    -I$$cuda_inc -I$$py_inc csrc/bindings.cpp; \
+	    -I$$cuda_inc -I$$py_inc csrc/bindings.cpp csrc/cpu/elementwise.cpp; \
 	  rm -rf $$shim; \
 	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi

@@ -13,6 +13,7 @@
 #endif
 
 #include "attention.h"
+#include "elementwise.h"
 
 namespace chunkgen {
 
@@ -322,12 +323,27 @@ TORCH_LIBRARY(chunkgen, m) {
       "Tensor shared_end, Tensor part_off, Tensor seq_shared_ptr, Tensor seq_shared_idx, Tensor priv_slot, "
       "Tensor priv_count, Tensor priv_last_len, Tensor(c!) workspace, Tensor(d!) out, float scale, "
       "bool chunk_first) -> ()");
+  // The decode forward's elementwise work, fused (csrc/elementwise.h says what each one rounds where).
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
+        "Tensor(b!) q_out) -> ()");
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(chunkgen, CPU, m) { m.impl("decode_attention", &chunkgen::decode_attention_op); }
+TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
+  m.impl("decode_attention", &chunkgen::decode_attention_op);
+  m.impl("add_rms_norm", &chunkgen::add_rms_norm_op);
+  m.impl("rotary", &chunkgen::rotary_op);
+  m.impl("silu_mul", &chunkgen::silu_mul_op);
+}
 
 #ifdef CHUNKGEN_WITH_CUDA
-TORCH_LIBRARY_IMPL(chunkgen, CUDA, m) { m.impl("decode_attention", &chunkgen::decode_attention_op); }
+TORCH_LIBRARY_IMPL(chunkgen, CUDA, m) {
+  m.impl("decode_attention", &chunkgen::decode_attention_op);
+  m.impl("add_rms_norm", &chunkgen::add_rms_norm_op);
+  m.impl("rotary", &chunkgen::rotary_op);
+  m.impl("silu_mul", &chunkgen::silu_mul_op);
+}
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -145,3 +145,21 @@ def test_one_host_to_device_copy_per_step(llm):
                     and a[0].untyped_storage().data_ptr() == dev_storage]
         assert len(into_dev) == 1, [str(f) for f in into_dev]
     assert ctx.uploads == engine.stats.decode_steps
+
+
+def test_decode_forward_runs_its_elementwise_work_as_fused_ops(llm):
+    """Per layer: two add_rms_norm (each residual add fused into the norm after it), one rotary,
+    one silu_mul, the attention op, four linear layers and a few views; no unfused elementwise math
+    (the ops the fused ones replaced), so the step's op count stays a small multiple of its layers."""
+    engine = prepared_runner(llm)
+    layers = len(llm.model.layers)
+    with OpLog() as log:
+        engine.runner.forward()
+    names = [str(f) for f, _, _ in log.calls]
+    count = lambda op: sum(1 for n in names if n.startswith(f"chunkgen.{op}"))  # noqa: E731
+    assert count("add_rms_norm") == 2 * layers + 1  # the final norm too
+    assert count("rotary") == layers and count("silu_mul") == layers and count("decode_attention") == layers
+    unfused = [n for n in names if n.split(".")[1] in
+               {"mul", "add", "cat", "neg", "pow", "rsqrt", "mean", "silu", "rms_norm", "index", "sum", "div"}]
+    assert unfused == [], unfused
+    assert len(names) <= 20 * layers, names

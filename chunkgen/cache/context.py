@@ -236,14 +236,18 @@ class KernelContext:
             self.validate()
 
     # -- the step -----------------------------------------------------------------------------
-    def set_step(self, tokens: list[int], positions: list[int], write_slot: list[int],
-                 write_offset: list[int]) -> None:
-        """The step's per-row inputs, in `order` (padded rows keep their scratch values)."""
+    def set_step(self, tokens: Sequence[int], positions: Sequence[int],
+                 write_rows: Sequence[tuple[int, int]]) -> None:
+        """The step's per-row inputs, in `order`: token, position and (slot, offset) of its K/V
+        (padded rows keep their scratch values). Whole columns at once: one numpy conversion per
+        field, no Python loop over the rows."""
         n = len(tokens)
         self._np_view("tokens")[:n] = tokens
         self._np_view("positions")[:n] = positions
-        self._np_view("write_slot")[:n] = write_slot
-        self._np_view("write_offset")[:n] = write_offset
+        if n:
+            rows = np.asarray(write_rows, dtype=np.int32).reshape(n, 2)
+            self._np_view("write_slot")[:n] = rows[:, 0]
+            self._np_view("write_offset")[:n] = rows[:, 1]
 
     def upload(self) -> None:
         """One host->device copy: the step's fields, plus the tree's structure when it changed."""

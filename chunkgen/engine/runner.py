@@ -63,7 +63,7 @@ class ModelRunner:
 
     def prepare(self, tokens: list[int], positions: list[int], write_rows: list[tuple[int, int]]) -> None:
         """Fill the step buffers for rows in `ctx.order` and copy them to the device (one copy)."""
-        self.ctx.set_step(tokens, positions, [r[0] for r in write_rows], [r[1] for r in write_rows])
+        self.ctx.set_step(tokens, positions, write_rows)
         self.ctx.upload()
 
     def forward(self) -> torch.Tensor:

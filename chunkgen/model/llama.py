@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from chunkgen.cache.context import ContextArrays
 from chunkgen.cache.pool import ChunkPool, kv_shape
 from chunkgen.kernels import decode_step_attention
+from chunkgen.kernels.elementwise import add_rms_norm, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -39,17 +41,25 @@ class PrefillItem:
     want_logits: bool = True
 
 
+# Below this many weight elements oneDNN's fixed cost per call (about 15 us on Xeon, against 4 us
+# for F.linear) outweighs its faster kernel: measured at batch 32 and 256, one thread, weights of
+# 64x64 to 64x2048 (even at 64x2048 the two paths tie).
+_ONEDNN_MIN_WEIGHT = 1 << 17
+
+
 class Linear:
     """y = x W^T + b. On the CPU the weight is packed once into oneDNN's blocked layout when the
-    build supports it for this dtype: 1.4-2.1x faster than F.linear at decode batch sizes here
-    (measured at batch 32 on the default model's shapes). CHUNKGEN_ONEDNN=0 turns it off."""
+    build supports it for this dtype and the weight is not tiny: 1.4-2.1x faster than F.linear at
+    decode batch sizes here (measured at batch 32 on the default model's shapes).
+    CHUNKGEN_ONEDNN=0 turns it off."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
+        self.weight_t = self.weight.t()  # what F.linear multiplies by: mm/addmm on it is F.linear, one op
         self.packed = None
         if (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"):
+                and weight.numel() >= _ONEDNN_MIN_WEIGHT and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
             except (RuntimeError, AttributeError):  # e.g. bf16 without AVX-512: plain path
@@ -59,7 +69,8 @@ class Linear:
         # Inductor cannot lower the prepacked weight; a compiled forward packs weights itself.
         if self.packed is not None and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        # x is [rows, in] here: F.linear's own path for it, without its nested transpose and views
+        return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
 
 @dataclass
@@ -125,59 +136,72 @@ class LlamaModel:
                                    _cat_bias(m.gate_proj, m.up_proj)),
                     down=Linear(m.down_proj.weight, m.down_proj.bias),
                 ))
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
-        with torch.no_grad():  # the whole table once: decode indexes it by position, no rotary call per step
-            self._rope(self.embed[:1], torch.arange(self.max_context, device=self.device))
+        self._inter = cfg.intermediate_size
+        self._silu = cfg.hidden_act == "silu"  # silu_mul fuses SiLU(gate) * up; other activations run unfused
+        with torch.no_grad():  # the whole table once: the rotary op indexes it by position, no rotary call per step
+            table = self._rope_table()
         # [positions, 1, head_dim] in the model's dtype; None for rope types computed per call
-        self.rope_cos, self.rope_sin = self._rope_table or (None, None)
+        self.rope_cos, self.rope_sin = table or (None, None)
 
     # -- pieces shared by prefill and decode --------------------------------------------------
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # One fused pass in fp32; in 16-bit the normalized value is rounded before the weight
-        # multiplies it, as transformers does (bitwise the same result).
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        return w * F.rms_norm(x, (x.shape[-1],), None, self.eps)
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor):
-        """cos, sin `[tokens, 1, head_dim]` in x's dtype, looked up in a table of every position so
-        far (grown by doubling); rope types whose frequencies depend on the length are computed
-        per call."""
+    # The forward's elementwise work runs as fused ops (kernels/elementwise.py) that round as the
+    # torch compositions they replace did; the activation runs unfused when it is not SiLU.
+    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin `[positions, 1, head_dim]` of every position, in the model's dtype (the rotary
+        module's own rounding); None for rope types whose frequencies depend on the length."""
         if getattr(self.rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
-            cos, sin = self.rotary(x, positions.view(1, -1))
-            return cos[0, :, None, :], sin[0, :, None, :]
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if self._rope_table is None or self._rope_table[0].dtype != x.dtype or len(self._rope_table[0]) < need:
-            n = max(need, 2 * len(self._rope_table[0]) if self._rope_table is not None else 1024)
-            cos, sin = self.rotary(x, torch.arange(min(n, max(need, self.max_context)), device=x.device)[None])
-            self._rope_table = (cos[0, :, None, :], sin[0, :, None, :])
-        cos, sin = self._rope_table
-        return cos[positions], sin[positions]
+            return None
+        x = self.embed[:1]
+        cos, sin = self.rotary(x, torch.arange(self.max_context, device=x.device)[None])
+        return cos[0, :, None, :], sin[0, :, None, :]
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[tokens, 1, head_dim]` of these positions, for rope types whose frequencies
+        depend on the length (computed per call, no table)."""
+        cos, sin = self.rotary(x, positions.view(1, -1))
+        return cos[0, :, None, :], sin[0, :, None, :]
 
-    def _qkv(self, x: torch.Tensor, layer: LayerWeights, cos, sin):
-        """q `[tokens, q_heads, d]`, k, v `[tokens, kv_heads, d]`; q and k rotated in one pass."""
-        t = x.shape[0]
-        qkv = layer.qkv(self._rms(x, layer.ln_attn))
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits (fp32) of the final-normed hidden states h."""
+        return self.lm_head(h).float()
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Every decoder layer over the rows of x (the residual stream, updated in place), then the
+        final norm: returns the normed hidden states. q `[rows, q_heads, d]` receives each layer's
+        rotated queries (its dtype is the one attention takes); attend(layer, q, k, v) returns the
+        attention output `[rows, q_heads * d]` in the model's dtype.
+
+        Per layer: add_rms_norm, qkv, rotary, attention, o, add_rms_norm, gate_up, silu_mul, down.
+        Each residual add is fused into the norm after it; the buffers are allocated once here."""
+        rows = x.shape[0]
+        h = torch.empty_like(x)
+        if self.rope_cos is not None and self.rope_cos.dtype == x.dtype:
+            cos, sin = self.rope_cos, self.rope_sin  # every position, indexed by the rotary op
+        else:  # length-dependent frequencies: this call's rows, in row order
+            cos, sin = self._rope(x, positions)
+            positions = torch.arange(rows, device=x.device)
+        act = torch.empty(rows, self._inter, dtype=x.dtype, device=x.device) if self._silu else None
         n_qk = self._q_size + self._kv_size
-        qk = self._rotate(qkv[:, :n_qk].view(t, self.q_heads + self.kv_heads, self.head_dim), cos, sin)
-        v = qkv[:, n_qk:].view(t, self.kv_heads, self.head_dim)
-        return qk[:, : self.q_heads], qk[:, self.q_heads :], v
-
-    def _finish_layer(self, x: torch.Tensor, attn: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        x = x + layer.o(attn.reshape(x.shape[0], -1))
-        gate, up = layer.gate_up(self._rms(x, layer.ln_mlp)).chunk(2, dim=-1)
-        return x + layer.down(self.act(gate) * up)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._rms(x, self.norm)).float()
+        delta = None
+        for i, layer in enumerate(self.layers):
+            add_rms_norm(x, delta, layer.ln_attn, self.eps, h)
+            qkv = layer.qkv(h)
+            rotary(qkv, positions, cos, sin, self.q_heads, self.kv_heads, q)
+            k = qkv[:, self._q_size : n_qk].view(rows, self.kv_heads, self.head_dim)
+            v = qkv[:, n_qk:].view(rows, self.kv_heads, self.head_dim)
+            add_rms_norm(x, layer.o(attend(i, q, k, v)), layer.ln_mlp, self.eps, h)
+            gate_up = layer.gate_up(h)
+            if act is not None:
+                silu_mul(gate_up, act)
+                delta = layer.down(act)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                delta = layer.down(self.act(gate) * up)
+        add_rms_norm(x, delta, self.norm, self.eps, h)
+        return h
 
     # -- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -207,16 +231,18 @@ class LlamaModel:
         w_rows_t = None if w_rows == list(range(row)) else torch.tensor(w_rows, dtype=torch.long, device=dev)
         groups = plan_groups(spans, C, self.dtype, dev)
         x = F.embedding(torch.tensor(ids, device=dev), self.embed)
-        cos, sin = self._rope(x, torch.tensor(positions, device=dev))
         attn = torch.empty(len(ids), self.q_heads, self.head_dim, dtype=x.dtype, device=dev)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
+        q = torch.empty_like(attn)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if w_rows:
                 pool.write(i, w_slots_t, w_offs_t, *((k, v) if w_rows_t is None else (k[w_rows_t], v[w_rows_t])))
             prefill_attention(groups, i, q, k, v, pool, self.scale, attn)
-            x = self._finish_layer(x, attn, layer)
+            return attn.view(len(ids), -1)
+
+        h = self._layers(x, torch.tensor(positions, device=dev), q, attend)
         last = [sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits]
-        logits = iter(self._logits(x[last]) if last else ())
+        logits = iter(self._logits(h[last]) if last else ())
         return [next(logits) if it.want_logits else None for it in items]
 
     # -- decode -------------------------------------------------------------------------------
@@ -227,14 +253,13 @@ class LlamaModel:
         model's device); returns logits [rows, vocab] (fp32). A plain forward: no host data is read
         and no tensor is built from Python values, so it compiles to one graph and replays as one."""
         x = F.embedding(step.tokens, self.embed)
-        if self.rope_cos is None:  # frequencies that depend on the length: the rotary module decides
-            cos, sin = self._rope(x, step.positions)
-        else:
-            cos, sin = self.rope_cos[step.positions], self.rope_sin[step.positions]
-        out = torch.empty(x.shape[0], self.q_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
-            decode_step_attention(q.float().contiguous(), k, v, k_cache, v_cache, i, step, workspace, out,
-                                  self.scale, chunk_first)
-            x = self._finish_layer(x, out.to(x.dtype), layer)
-        return self._logits(x)
+        rows = x.shape[0]
+        q = torch.empty(rows, self.q_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        out = torch.empty_like(q)
+        flat = out.view(rows, -1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            decode_step_attention(q, k, v, k_cache, v_cache, i, step, workspace, out, self.scale, chunk_first)
+            return flat.to(x.dtype)
+
+        return self._logits(self._layers(x, step.positions, q, attend))

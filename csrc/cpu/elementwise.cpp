@@ -1,0 +1,369 @@
+// The fused elementwise ops of the decode forward (see elementwise.h): argument checks, the CPU
+// kernels, and the hand-off to the CUDA kernels for device tensors.
+//
+// Bitwise contract: each op computes in fp32 and rounds to the storage dtype wherever the unfused
+// torch composition stores an intermediate, so a bf16 model gives the same bits as before. Two
+// details matter for that:
+// - no fused multiply-add: torch rounds a product before it adds, so contraction is off below;
+// - the RMSNorm's sum of squares runs in the order of ATen's CPU sum (SumKernel.cpp's cascade over
+//   8-lane vectors, four interleaved accumulators): a different order changes the mean's last bit,
+//   and that flips a bf16 rounding now and then.
+#include "../elementwise.h"
+
+#ifdef CHUNKGEN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <array>
+#include <cmath>
+#include <cstring>
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+namespace chunkgen {
+namespace {
+
+// Storage <-> fp32. bf16 by bit operations (round to nearest even, NaN kept quiet) so that loops
+// over a row vectorise; fp16 through c10's conversion.
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float load(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T store(float f);
+template <>
+inline float store<float>(float f) { return f; }
+template <>
+inline c10::BFloat16 store<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  c10::BFloat16 b;
+  b.x = static_cast<uint16_t>(std::isnan(f) ? 0x7FC0u : rounded);
+  return b;
+}
+template <>
+inline c10::Half store<c10::Half>(float f) { return c10::Half(f); }
+
+// The value a torch op would leave in storage of type T.
+template <typename T>
+inline float rnd(float f) { return load(store<T>(f)); }
+
+// ATen's float sum of one contiguous row (vectorized_inner_sum -> row_sum -> multi_row_sum), with
+// the vector width of its AVX2 kernel (8 floats): ATen registers no AVX-512 sum kernel, and its
+// default and AVX2 kernels both use 8-float vectors. sq(i) gives element i.
+constexpr int kLanes = 8;
+using Vec = std::array<float, kLanes>;
+
+inline void vadd(Vec& a, const Vec& b) {
+  for (int l = 0; l < kLanes; ++l) a[l] += b[l];
+}
+
+template <typename Load>
+inline Vec vload(const Load& sq, int64_t vec_index) {
+  Vec v;
+  for (int l = 0; l < kLanes; ++l) v[l] = sq(vec_index * kLanes + l);
+  return v;
+}
+
+inline int64_t ceil_log2(int64_t x) {
+  int64_t bits = 0;
+  while ((int64_t(1) << bits) < x) ++bits;
+  return bits;
+}
+
+template <typename Load>
+float aten_row_sum(const Load& sq, int64_t n) {
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t vec_size = n / kLanes, size = vec_size / ilp;
+  // multi_row_sum over the row seen as [size, 4] vectors: chunks of level_step summed level by level.
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / levels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  Vec acc[levels][ilp] = {};
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int64_t k = 0; k < ilp; ++k) vadd(acc[0][k], vload(sq, i * ilp + k));
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        vadd(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = Vec{};
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int64_t k = 0; k < ilp; ++k) vadd(acc[0][k], vload(sq, i * ilp + k));
+  for (int64_t j = 1; j < levels; ++j)
+    for (int64_t k = 0; k < ilp; ++k) vadd(acc[0][k], acc[j][k]);
+  // row_sum: the vectors past the last group of four, then the four partial sums.
+  for (int64_t v = size * ilp; v < vec_size; ++v) vadd(acc[0][0], vload(sq, v));
+  for (int64_t k = 1; k < ilp; ++k) vadd(acc[0][0], acc[0][k]);
+  // vectorized_inner_sum: the scalar tail first, then the lanes in order.
+  float total = 0.f;
+  for (int64_t e = vec_size * kLanes; e < n; ++e) total += sq(e);
+  for (int l = 0; l < kLanes; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// Rows are split over OpenMP threads only when there is enough work to pay for waking them.
+constexpr int64_t kParallelElems = 1 << 15;
+
+template <typename T>
+void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, int64_t n, int64_t rs,
+                      int64_t ds, int64_t os, float eps) {
+#pragma omp parallel for if (rows * n >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* x = res + r * rs;
+    if (delta != nullptr) {  // residual add, rounded as torch's add
+      const T* y = delta + r * ds;
+      for (int64_t i = 0; i < n; ++i) x[i] = store<T>(load(x[i]) + load(y[i]));
+    }
+    // F.rms_norm: fp32 copy, pow(2) (x * x), mean = sum / n, + eps, rsqrt = 1 / sqrt.
+    const float total = aten_row_sum([x](int64_t i) { const float v = load(x[i]); return v * v; }, n);
+    const float inv = 1.f / std::sqrt(total / static_cast<float>(n) + eps);
+    T* o = out + r * os;
+    for (int64_t i = 0; i < n; ++i) o[i] = store<T>(rnd<T>(load(x[i]) * inv) * load(w[i]));
+  }
+}
+
+template <typename T, typename Q, typename P>
+void rotary_cpu(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts, int64_t rows,
+                int64_t hq, int64_t hk, int64_t d, Q* q_out) {
+  const int64_t half = d / 2;
+#pragma omp parallel for if (rows * (hq + hk) * d >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* c = cos + static_cast<int64_t>(pos[r]) * ts;
+    const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
+    for (int64_t h = 0; h < hq + hk; ++h) {
+      T* x = qkv + r * stride + h * d;
+      float y[1024];  // the rotated head, before any of x is overwritten (d <= 1024, checked)
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = load(x[i]), b = load(x[i + half]);
+        y[i] = rnd<T>(rnd<T>(a * load(c[i])) + rnd<T>(-b * load(s[i])));
+        y[i + half] = rnd<T>(rnd<T>(b * load(c[i + half])) + rnd<T>(a * load(s[i + half])));
+      }
+      if (h < hq) {
+        Q* q = q_out + (r * hq + h) * d;
+        for (int64_t i = 0; i < d; ++i) q[i] = store<Q>(y[i]);
+      } else {
+        for (int64_t i = 0; i < d; ++i) x[i] = store<T>(y[i]);
+      }
+    }
+  }
+}
+
+// exp as ATen's vectorised CPU kernels compute it (Vectorized<float>::exp, SLEEF's 1-ulp expf with
+// FMA): Cody-Waite reduction by ln 2 in two parts, a degree-6 polynomial, scaling by 2^q in two
+// halves. The same algorithm here gives the same bits, and the loop over a row vectorises.
+inline float exp_u10(float d) {
+  // q = rint(d / ln 2) from the input clamped to where the result is finite and nonzero (the ends
+  // are selected below, NaN goes through s), rounded half to even by the 1.5 * 2^23 trick, which
+  // is exact in this range and keeps the loop free of calls.
+  const float dc = d < -104.f ? -104.f : (d > 100.f ? 100.f : (d == d ? d : 0.f));
+  const float t = dc * 1.442695040888963407359924681001892137426645954152985934135449406931f;
+  const float qf = (t + 12582912.f) - 12582912.f;
+  const int q = static_cast<int>(qf);
+  float s = std::fma(qf, -0.693145751953125f, d);
+  s = std::fma(qf, -1.428606765330187045e-06f, s);
+  float u = 0.000198527617612853646278381f;
+  u = std::fma(u, s, 0.00139304355252534151077271f);
+  u = std::fma(u, s, 0.00833336077630519866943359f);
+  u = std::fma(u, s, 0.0416664853692054748535156f);
+  u = std::fma(u, s, 0.166666671633720397949219f);
+  u = std::fma(u, s, 0.5f);
+  u = 1.f + std::fma(s * s, u, s);
+  const auto pow2 = [](int e) {
+    const uint32_t b = static_cast<uint32_t>(e + 127) << 23;
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  };
+  u = u * pow2(q >> 1) * pow2(q - (q >> 1));
+  u = d < -104.f ? 0.f : u;
+  return d > 100.f ? INFINITY : u;
+}
+
+template <typename T>
+void silu_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows * n >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * is;
+    const T* u = g + n;
+    T* o = out + r * os;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = load(g[i]);
+      o[i] = store<T>(rnd<T>(x / (1.f + exp_u10(-x))) * load(u[i]));
+    }
+  }
+}
+
+// The storage dtypes the ops take (dtype_code rejects the others first).
+#define CHUNKGEN_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                      \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)      \
+                             AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+// ---- argument checks ----------------------------------------------------------------------------
+
+int dtype_code(const torch::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return 0;
+    case torch::kBFloat16: return 1;
+    case torch::kHalf: return 2;
+    default: TORCH_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-d with contiguous rows, got ",
+                    t.sizes(), " strides ", t.strides());
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like.device(), ", got ", t.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must be ", like.scalar_type(), ", got ",
+                   t.scalar_type());
+}
+
+#ifdef CHUNKGEN_WITH_CUDA
+void* stream_of(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+}  // namespace
+
+void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>& delta,
+                     const torch::Tensor& weight, double eps, torch::Tensor& out) {
+  check_rows(residual, "residual", residual);
+  check_rows(out, "out", residual);
+  const int64_t rows = residual.size(0), n = residual.size(1);
+  TORCH_CHECK_VALUE(out.sizes() == residual.sizes(), "out ", out.sizes(), " must be shaped like residual ",
+                    residual.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(),
+                    "weight must be a contiguous [", n, "] tensor, got ", weight.sizes());
+  TORCH_CHECK_TYPE(weight.scalar_type() == residual.scalar_type() && weight.device() == residual.device(),
+                   "weight must be ", residual.scalar_type(), " on ", residual.device());
+  if (delta.has_value()) {
+    check_rows(*delta, "delta", residual);
+    TORCH_CHECK_VALUE(delta->sizes() == residual.sizes(), "delta ", delta->sizes(),
+                      " must be shaped like residual ", residual.sizes());
+  }
+  const int dt = dtype_code(residual, "residual");
+  if (rows == 0) return;
+  const int64_t ds = delta.has_value() ? delta->stride(0) : 0;
+  if (!residual.device().is_cpu()) {
+#ifdef CHUNKGEN_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(residual.device());  // launch on the tensors' GPU, whichever is current
+    add_rms_norm_cuda(residual.data_ptr(), delta.has_value() ? delta->data_ptr() : nullptr, weight.data_ptr(),
+                      out.data_ptr(), rows, n, residual.stride(0), ds, out.stride(0), static_cast<float>(eps),
+                      dt, stream_of(residual));
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; residual is on ", residual.device());
+#endif
+  }
+  CHUNKGEN_DISPATCH_MODEL_TYPES(residual.scalar_type(), "add_rms_norm", [&] {
+    add_rms_norm_cpu<scalar_t>(residual.data_ptr<scalar_t>(),
+                               delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
+                               weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n,
+                               residual.stride(0), ds, out.stride(0), static_cast<float>(eps));
+  });
+}
+
+void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+               const torch::Tensor& sin, int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out) {
+  check_rows(qkv, "qkv", qkv);
+  const int dt = dtype_code(qkv, "qkv");
+  const int64_t rows = qkv.size(0);
+  TORCH_CHECK_VALUE(cos.dim() >= 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides(),
+                    "cos and sin must be tables shaped alike, [positions, ..., head_dim]; got ", cos.sizes(),
+                    " and ", sin.sizes());
+  const int64_t d = cos.size(-1), table = cos.size(0);
+  TORCH_CHECK_VALUE(cos.numel() == table * d && cos.stride(-1) == 1,
+                    "cos and sin must hold one contiguous row of head_dim values per position, got ", cos.sizes());
+  TORCH_CHECK_TYPE(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+                   "cos and sin must be in qkv's dtype (", qkv.scalar_type(), "), got ", cos.scalar_type());
+  TORCH_CHECK_VALUE(cos.device() == qkv.device() && sin.device() == qkv.device(),
+                    "cos and sin must be on qkv's device");
+  TORCH_CHECK_VALUE(d > 0 && d % 2 == 0 && d <= 1024, "head_dim must be even and at most 1024, got ", d);
+  TORCH_CHECK_VALUE(q_heads >= 0 && kv_heads >= 0 && (q_heads + kv_heads) * d <= qkv.size(1),
+                    "qkv rows of ", qkv.size(1), " values cannot hold ", q_heads, " + ", kv_heads,
+                    " heads of ", d);
+  TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == rows && positions.is_contiguous() &&
+                        positions.device() == qkv.device(),
+                    "positions must be a contiguous [", rows, "] tensor on qkv's device, got ", positions.sizes());
+  TORCH_CHECK_TYPE(positions.scalar_type() == torch::kInt32 || positions.scalar_type() == torch::kInt64,
+                   "positions must be int32 or int64, got ", positions.scalar_type());
+  TORCH_CHECK_VALUE(q_out.dim() == 3 && q_out.size(0) == rows && q_out.size(1) == q_heads &&
+                        q_out.size(2) == d && q_out.is_contiguous() && q_out.device() == qkv.device(),
+                    "q_out must be a contiguous [", rows, ", ", q_heads, ", ", d, "] tensor on qkv's device, got ",
+                    q_out.sizes());
+  const int qt = dtype_code(q_out, "q_out");
+  if (rows == 0) return;
+  const int64_t ts = cos.size(0) > 1 ? cos.stride(0) : d;
+  const bool pos64 = positions.scalar_type() == torch::kInt64;
+  if (!qkv.device().is_cpu()) {
+#ifdef CHUNKGEN_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(qkv.device());
+    rotary_cuda(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), pos64, cos.data_ptr(), sin.data_ptr(), ts,
+                rows, q_heads, kv_heads, d, q_out.data_ptr(), qt, dt, stream_of(qkv));
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; qkv is on ", qkv.device());
+#endif
+  }
+  // Positions outside the table would read past it: checked here, on the host, at no extra cost.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = pos64 ? positions.data_ptr<int64_t>()[r] : positions.data_ptr<int32_t>()[r];
+    TORCH_CHECK_VALUE(p >= 0 && p < table, "position ", p, " of row ", r, " is outside the rotary table (",
+                      table, " positions)");
+  }
+  CHUNKGEN_DISPATCH_MODEL_TYPES(qkv.scalar_type(), "rotary", [&] {
+    using T = scalar_t;
+    CHUNKGEN_DISPATCH_MODEL_TYPES(q_out.scalar_type(), "rotary_q", [&] {
+      using Q = scalar_t;
+      if (pos64)
+        rotary_cpu<T, Q>(qkv.data_ptr<T>(), qkv.stride(0), positions.data_ptr<int64_t>(), cos.data_ptr<T>(),
+                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>());
+      else
+        rotary_cpu<T, Q>(qkv.data_ptr<T>(), qkv.stride(0), positions.data_ptr<int32_t>(), cos.data_ptr<T>(),
+                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>());
+    });
+  });
+  (void)dt;
+  (void)qt;
+}
+
+void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) {
+  check_rows(gate_up, "gate_up", gate_up);
+  check_rows(out, "out", gate_up);
+  const int dt = dtype_code(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), n = out.size(1);
+  TORCH_CHECK_VALUE(out.size(0) == rows && gate_up.size(1) == 2 * n, "gate_up ", gate_up.sizes(),
+                    " must be [rows, 2n] for out [rows, n], got out ", out.sizes());
+  if (rows == 0) return;
+  if (!gate_up.device().is_cpu()) {
+#ifdef CHUNKGEN_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(gate_up.device());
+    silu_mul_cuda(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, n, dt,
+                  stream_of(gate_up));
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; gate_up is on ", gate_up.device());
+#endif
+  }
+  CHUNKGEN_DISPATCH_MODEL_TYPES(gate_up.scalar_type(), "silu_mul", [&] {
+    silu_mul_cpu<scalar_t>(gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(),
+                           out.stride(0), rows, n);
+  });
+  (void)dt;
+}
+
+}  // namespace chunkgen

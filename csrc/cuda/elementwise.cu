@@ -1,0 +1,153 @@
+// The fused elementwise ops of the decode forward on the GPU (see elementwise.h). The same roundings
+// as the CPU kernels: fp32 math, a product rounded to the storage dtype before it is added (the
+// explicit __fmul_rn / __fadd_rn keep nvcc from contracting them into an FMA, even under fast math).
+// The RMSNorm's sum of squares is a block reduction here, so its last bit may differ from the CPU's.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace chunkgen {
+namespace {
+
+__device__ __forceinline__ float ld(float x) { return x; }
+__device__ __forceinline__ float ld(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ld(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T st(float f);
+template <>
+__device__ __forceinline__ float st<float>(float f) { return f; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 st<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+template <>
+__device__ __forceinline__ __half st<__half>(float f) { return __float2half_rn(f); }
+
+template <typename T>
+__device__ __forceinline__ float rnd(float f) { return ld(st<T>(f)); }
+
+constexpr int kThreads = 256;
+
+// One block per row: the residual add, the sum of squares, then the normalised, weighted row.
+template <typename T>
+__global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, int64_t n, int64_t rs,
+                                    int64_t ds, int64_t os, float eps) {
+  const int64_t r = blockIdx.x;
+  T* x = res + r * rs;
+  float part = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    float v = ld(x[i]);
+    if (delta != nullptr) {
+      v = rnd<T>(__fadd_rn(v, ld(delta[r * ds + i])));
+      x[i] = st<T>(v);
+    }
+    part = __fadd_rn(part, __fmul_rn(v, v));
+  }
+  __shared__ float sums[kThreads / 32];
+  for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
+  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = part;
+  __syncthreads();
+  __shared__ float inv;
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int i = 0; i < kThreads / 32; ++i) total += sums[i];
+    inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(n)), eps)));
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    out[r * os + i] = st<T>(__fmul_rn(rnd<T>(__fmul_rn(ld(x[i]), inv)), ld(w[i])));
+}
+
+// One thread per (row, rotated head, pair i / i + d/2): both halves of the pair are read before
+// either is written, so the rotation is safe in place.
+template <typename T, typename Q, typename P>
+__global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts,
+                              int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out) {
+  const int64_t half = d / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * (hq + hk) * half) return;
+  const int64_t i = idx % half, h = (idx / half) % (hq + hk), r = idx / (half * (hq + hk));
+  const T* c = cos + static_cast<int64_t>(pos[r]) * ts;
+  const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
+  T* x = qkv + r * stride + h * d;
+  const float a = ld(x[i]), b = ld(x[i + half]);
+  const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, ld(c[i]))), rnd<T>(__fmul_rn(-b, ld(s[i])))));
+  const float hi = rnd<T>(
+      __fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
+  if (h < hq) {
+    Q* q = q_out + (r * hq + h) * d;
+    q[i] = st<Q>(lo);
+    q[i + half] = st<Q>(hi);
+  } else {
+    x[i] = st<T>(lo);
+    x[i + half] = st<T>(hi);
+  }
+}
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * n) return;
+  const int64_t r = idx / n, i = idx % n;
+  const float g = ld(gu[r * is + i]);
+  const float silu = rnd<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))));
+  out[r * os + i] = st<T>(__fmul_rn(silu, ld(gu[r * is + n + i])));
+}
+
+unsigned blocks_for(int64_t items) { return static_cast<unsigned>((items + kThreads - 1) / kThreads); }
+
+template <typename F>
+void by_dtype(int dtype, F&& f) {
+  if (dtype == 0)
+    f(float{});
+  else if (dtype == 1)
+    f(__nv_bfloat16{});
+  else
+    f(__half{});
+}
+
+}  // namespace
+
+void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, void* out, int64_t rows,
+                       int64_t n, int64_t res_stride, int64_t delta_stride, int64_t out_stride, float eps,
+                       int dtype, void* stream) {
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<T*>(residual), static_cast<const T*>(delta), static_cast<const T*>(weight),
+        static_cast<T*>(out), n, res_stride, delta_stride, out_stride, eps);
+  });
+}
+
+void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos64, const void* cos,
+                 const void* sin, int64_t table_stride, int64_t rows, int64_t q_heads, int64_t kv_heads,
+                 int64_t d, void* q_out, int q_out_dtype, int dtype, void* stream) {
+  const unsigned grid = blocks_for(rows * (q_heads + kv_heads) * (d / 2));
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    by_dtype(q_out_dtype, [&](auto qtag) {
+      using Q = decltype(qtag);
+      auto launch = [&](auto* pos) {
+        rotary_kernel<T, Q><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+            static_cast<T*>(qkv), qkv_stride, pos, static_cast<const T*>(cos), static_cast<const T*>(sin),
+            table_stride, rows, q_heads, kv_heads, d, static_cast<Q*>(q_out));
+      };
+      if (pos64)
+        launch(static_cast<const int64_t*>(positions));
+      else
+        launch(static_cast<const int32_t*>(positions));
+    });
+  });
+}
+
+void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows,
+                   int64_t n, int dtype, void* stream) {
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
+  });
+}
+
+}  // namespace chunkgen

@@ -1,0 +1,156 @@
+"""The fused elementwise ops against the unfused torch compositions they replace in the decode
+forward: bit for bit in fp32 and bf16 (fp16 too), on random inputs of the shapes that matter (a hidden
+size with a scalar tail past the 8-float vectors, long rows that take the sum's multi-level path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkgen.kernels.elementwise import add_rms_norm, rotary, silu_mul
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (signed zeros included); NaN where the other has NaN (its payload
+    is whatever the conversion picks: ATen's vector and scalar paths differ there themselves)."""
+    as_int = {2: torch.int16, 4: torch.int32}
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    keep = ~a.isnan()
+    return torch.equal(a[keep].contiguous().view(as_int[a.element_size()]),
+                       b[keep].contiguous().view(as_int[b.element_size()]))
+
+
+def rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """What the forward computed before the fused op (and transformers' LlamaRMSNorm does)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 576), (33, 960), (3, 4100), (2, 70000)])
+def test_add_rms_norm_is_bitwise_the_torch_composition(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    y = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (1 + torch.randn(hidden, generator=g) * 0.2).to(dtype)
+    eps = 1e-5
+    want_res = x + y
+    want = rms_reference(want_res, w, eps)
+    res, out = x.clone(), torch.empty_like(x)
+    add_rms_norm(res, y, w, eps, out)
+    assert bits_equal(res, want_res)
+    assert bits_equal(out, want), (out.float() - want.float()).abs().max()
+    # Without a delta: the norm alone, residual untouched.
+    out2 = torch.empty_like(x)
+    add_rms_norm(x, None, w, eps, out2)
+    assert bits_equal(out2, rms_reference(x, w, eps))
+
+
+def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_rotary_is_bitwise_the_torch_composition(dtype, pos_dtype):
+    g = torch.Generator().manual_seed(1)
+    rows, hq, hk, d, table = 13, 9, 3, 64, 300
+    qkv = torch.randn(rows, (hq + 2 * hk) * d, generator=g).to(dtype)
+    angles = torch.rand(table, 1, d, generator=g) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, table, (rows,), generator=g).to(pos_dtype)
+    c, s = cos[positions.long()], sin[positions.long()]
+    qk = rotate_reference(qkv[:, : (hq + hk) * d].view(rows, hq + hk, d), c, s)
+    for q_dtype in (dtype, torch.float32):
+        got = qkv.clone()
+        q_out = torch.empty(rows, hq, d, dtype=q_dtype)
+        rotary(got, positions, cos, sin, hq, hk, q_out)
+        assert bits_equal(q_out, qk[:, :hq].to(q_dtype).contiguous())
+        assert bits_equal(got[:, hq * d : (hq + hk) * d], qk[:, hq:].reshape(rows, -1))
+        assert bits_equal(got[:, :hq * d], qkv[:, :hq * d])  # q's heads in qkv are left alone
+        assert bits_equal(got[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :])  # v untouched
+
+
+def test_rotary_rejects_a_position_outside_the_table():
+    qkv = torch.randn(2, 3 * 16)
+    cos = sin = torch.ones(4, 1, 16)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        rotary(qkv, torch.tensor([1, 4], dtype=torch.int32), cos, sin, 1, 1, torch.empty(2, 1, 16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_bitwise_the_torch_composition(dtype):
+    """exp included: the kernel evaluates it as ATen's vectorised kernel does; the ends of its
+    range (overflow, underflow, infinities, NaN) too."""
+    g = torch.Generator().manual_seed(2)
+    rows, n = 33, 1536
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 6).to(dtype)
+    gate_up[0, :10] = torch.tensor([float("nan"), float("inf"), -float("inf"), 200, -200, 88.5, -88.5, 0.0, -0.0, 104.5])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    out = torch.empty(rows, n, dtype=dtype)
+    silu_mul(gate_up, out)
+    assert bits_equal(out, want), int((out != want).sum())
+
+
+def test_ops_check_their_arguments():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, None, torch.ones(7), 1e-5, torch.empty_like(x))
+    with pytest.raises(TypeError, match="delta must be"):
+        add_rms_norm(x, x.double(), torch.ones(8), 1e-5, torch.empty_like(x))
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul(torch.randn(4, 9), torch.empty(4, 4))
+
+
+def unfused_decode(model, step, k_cache, v_cache, workspace, chunk_first: bool) -> torch.Tensor:
+    """The decode forward as torch ops (what it was before the fused ops): the reference the fused
+    forward must equal bit for bit."""
+    from chunkgen.kernels import decode_step_attention
+
+    def rms(x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, model.eps) if x.dtype == torch.float32 else \
+            w * F.rms_norm(x, (x.shape[-1],), None, model.eps)
+
+    x = F.embedding(step.tokens, model.embed)
+    rows, d = x.shape[0], model.head_dim
+    cos, sin = model.rope_cos[step.positions], model.rope_sin[step.positions]
+    out = torch.empty(rows, model.q_heads, d)
+    for i, layer in enumerate(model.layers):
+        qkv = layer.qkv(rms(x, layer.ln_attn))
+        n_qk = (model.q_heads + model.kv_heads) * d
+        qk = rotate_reference(qkv[:, :n_qk].view(rows, -1, d), cos, sin)
+        v = qkv[:, n_qk:].view(rows, model.kv_heads, d)
+        decode_step_attention(qk[:, :model.q_heads].float().contiguous(), qk[:, model.q_heads:], v, k_cache,
+                              v_cache, i, step, workspace, out, model.scale, chunk_first)
+        x = x + layer.o(out.to(x.dtype).reshape(rows, -1))
+        gate, up = layer.gate_up(rms(x, layer.ln_mlp)).chunk(2, dim=-1)
+        x = x + layer.down(F.silu(gate) * up)
+    return model.lm_head(rms(x, model.norm)).float()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_decode_forward_is_bitwise_the_unfused_one(tiny_model, dtype):
+    from chunkgen.engine import Request, SamplingParams
+    from chunkgen.llm import LLM
+
+    llm = LLM(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=8, dtype=dtype)
+    engine = llm.new_engine()
+    engine.add([Request(i, [3 + i % 2] * 21 + [20 + i], SamplingParams(max_new_tokens=8, ignore_eos=True))
+                for i in range(6)])
+    while engine.num_waiting:
+        engine.step()
+    for _ in range(3):  # a few steps in, so positions and paths differ between rows
+        engine.step()
+    r = engine.runner
+    args = (r.ctx.arrays(), r.pool.k, r.pool.v, r.workspace(), r.chunk_first)
+    with torch.inference_mode():
+        want = unfused_decode(llm.model, *args)
+    got = llm.model.decode(*args)  # writes the same K/V to the same places: the pool is unchanged
+    assert bits_equal(got, want), (got - want).abs().max()
