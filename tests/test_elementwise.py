@@ -121,13 +121,14 @@ def unfused_decode(model, step, k_cache, v_cache, workspace, chunk_first: bool) 
     x = F.embedding(step.tokens, model.embed)
     rows, d = x.shape[0], model.head_dim
     cos, sin = model.rope_cos[step.positions], model.rope_sin[step.positions]
-    out = torch.empty(rows, model.q_heads, d)
+    q_dtype = x.dtype if x.dtype == k_cache.dtype else torch.float32  # as the model's decode passes q
+    out = torch.empty(rows, model.q_heads, d, dtype=q_dtype)
     for i, layer in enumerate(model.layers):
         qkv = layer.qkv(rms(x, layer.ln_attn))
         n_qk = (model.q_heads + model.kv_heads) * d
         qk = rotate_reference(qkv[:, :n_qk].view(rows, -1, d), cos, sin)
         v = qkv[:, n_qk:].view(rows, model.kv_heads, d)
-        decode_step_attention(qk[:, :model.q_heads].float().contiguous(), qk[:, model.q_heads:], v, k_cache,
+        decode_step_attention(qk[:, :model.q_heads].to(q_dtype).contiguous(), qk[:, model.q_heads:], v, k_cache,
                               v_cache, i, step, workspace, out, model.scale, chunk_first)
         x = x + layer.o(out.to(x.dtype).reshape(rows, -1))
         gate, up = layer.gate_up(rms(x, layer.ln_mlp)).chunk(2, dim=-1)

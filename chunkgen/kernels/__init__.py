@@ -40,7 +40,8 @@ def decode_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                           workspace: torch.Tensor, out: torch.Tensor, scale: float,
                           chunk_first: bool) -> None:
     """Store the step's k, v `[rows, kv_heads, head_dim]` in `layer` of the pool at the rows' write
-    positions, then attend q `[rows, q_heads, head_dim]` (fp32) over each row's path into `out`."""
+    positions, then attend q `[rows, q_heads, head_dim]` (fp32, or the pool's dtype; `out` the same)
+    over each row's path into `out`."""
     a = arrays
     torch.ops.chunkgen.decode_attention.default(q, k, v, k_cache, v_cache, layer, a.write_slot, a.write_offset, a.shared_slot,
                         a.shared_len, a.shared_begin, a.shared_end, a.part_off, a.seq_shared_ptr,
@@ -59,7 +60,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole path in the tree, nothing written.
 
-    q `[rows, q_heads, head_dim]` fp32 in `ctx.order` (rows: the batch, padded to its bucket);
+    q `[rows, q_heads, head_dim]` (fp32 or the pool's dtype) in `ctx.order` (rows: the batch,
+    padded to its bucket);
     k, v one layer of the pool (`pool.k[layer]`, `pool.v[layer]`) on the CPU or a CUDA device.
     chunk_first=False runs the paged baseline. For kernel tests and benchmarks: the model's decode
     step calls the op through `decode_step_attention` with the K/V write.

@@ -254,12 +254,15 @@ class LlamaModel:
         and no tensor is built from Python values, so it compiles to one graph and replays as one."""
         x = F.embedding(step.tokens, self.embed)
         rows = x.shape[0]
-        q = torch.empty(rows, self.q_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        # q and out in the model's dtype when the pool holds it (the kernel accumulates in fp32);
+        # fp32 otherwise (an fp16 model's K/V are fp32 on the CPU).
+        q_dtype = x.dtype if x.dtype == k_cache.dtype else torch.float32
+        q = torch.empty(rows, self.q_heads, self.head_dim, dtype=q_dtype, device=x.device)
         out = torch.empty_like(q)
         flat = out.view(rows, -1)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             decode_step_attention(q, k, v, k_cache, v_cache, i, step, workspace, out, self.scale, chunk_first)
-            return flat.to(x.dtype)
+            return flat if flat.dtype == x.dtype else flat.to(x.dtype)
 
         return self._logits(self._layers(x, step.positions, q, attend))
