@@ -244,7 +244,7 @@ def test_the_op_writes_the_steps_kv_rows(src_dtype):
         sl, of = tree.positions(s, n - 1, n)
         slots.append(sl[0])
         offsets.append(of[0])
-    ctx.set_step([1] * len(slots), [0] * len(slots), slots, offsets)
+    ctx.set_step([1] * len(slots), [0] * len(slots), list(zip(slots, offsets)))
     rows = len(slots)
     kv = torch.randn(rows, 2, 2, 64).to(src_dtype)  # one buffer: k and v are strided views of it
     k, v = kv[:, 0], kv[:, 1]
