@@ -18,6 +18,8 @@
 namespace chunkgen {
 
 double fma_peak_gflops(int64_t iters);
+void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const torch::Tensor& slots,
+               int64_t n, torch::Tensor k_out, torch::Tensor v_out);
 
 #ifdef CHUNKGEN_WITH_CUDA
 void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows,
@@ -261,6 +263,20 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
   });
 }
 
+// Prefill's K/V write (outside the decode op, so the indices are checked here, once per call).
+void write_kv_checked(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_layer, torch::Tensor v_layer,
+                      const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
+  TORCH_CHECK_VALUE(k_layer.dim() == 4 && v_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous(),
+                    "k_layer and v_layer must be one contiguous layer of the pool");
+  check_index_tensor(write_slot, "write_slot", k_layer.device());
+  check_index_tensor(write_offset, "write_offset", k_layer.device());
+  if (k_layer.device().is_cpu()) {
+    check_range(write_slot, write_slot.numel(), 0, k_layer.size(0), "write_slot");
+    check_range(write_offset, write_offset.numel(), 0, k_layer.size(3), "write_offset");
+  }
+  write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
+}
+
 // ---- the op ---------------------------------------------------------------------------------
 
 void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -353,6 +369,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("chunk"), py::arg("shared_slot"), py::arg("shared_len"),
         py::arg("shared_begin"), py::arg("shared_end"), py::arg("part_off"), py::arg("seq_shared_ptr"),
         py::arg("seq_shared_idx"), py::arg("priv_slot"), py::arg("priv_count"), py::arg("priv_last_len"));
+  m.def("gather_kv", &chunkgen::gather_kv,
+        "Dense K, V [kv_heads, n, head_dim] (into k_out, v_out) of the first n tokens along a path of slots of "
+        "one CPU pool layer", py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n"),
+        py::arg("k_out"), py::arg("v_out"));
+  m.def("write_kv", &chunkgen::write_kv_checked,
+        "Store rows of k, v [rows, kv_heads, head_dim] at (write_slot, write_offset) (int32) of one pool layer",
+        py::arg("k"), py::arg("v"), py::arg("k_layer"), py::arg("v_layer"), py::arg("write_slot"),
+        py::arg("write_offset"));
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
         "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "

@@ -136,6 +136,12 @@ class ChunkPool:
     def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer."""
+        if self.device.type == "cpu":  # one native pass, converting to the pool's dtype as it goes
+            from chunkgen._native import native
+
+            native().write_kv(k, v, self.k[layer], self.v[layer], slots.to(torch.int32).contiguous(),
+                              offsets.to(torch.int32).contiguous())
+            return
         slots, offsets = slots.to(self.device), offsets.to(self.device)
         self.k[layer, slots, :, :, offsets] = k.to(self.dtype)
         self.v[layer, slots, :, offsets] = v.to(self.dtype)
@@ -143,6 +149,14 @@ class ChunkPool:
     def gather(self, layer: int, slots: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V `[kv_heads, n_tokens, head_dim]` of a path of slots (all full but the last)."""
         c = self.chunk_size
+        if self.device.type == "cpu":  # one native pass instead of an index copy and a transposing copy
+            from chunkgen._native import native
+
+            n = int(n_tokens)
+            k = torch.empty(self.kv_heads, n, self.head_dim, dtype=self.dtype)
+            v = torch.empty_like(k)
+            native().gather_kv(self.k[layer], self.v[layer], slots.to(torch.long).contiguous(), n, k, v)
+            return k, v
         slots = slots.to(self.device)
         k = self.k[layer, slots].permute(1, 0, 3, 2).reshape(self.kv_heads, -1, self.head_dim)
         v = self.v[layer, slots].permute(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)
