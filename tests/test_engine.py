@@ -213,7 +213,8 @@ def test_decode_steps_sample_without_host_work_and_read_once(tiny_llm):
     """Engine decode steps of a fixed batch (seeded top-k / top-p / temperature rows, penalties,
     logprobs, greedy rows) sample with no scalar read, nonzero, boolean-mask index or tensor from
     Python data, and read the device once: tokens and logprobs together."""
-    from tests.test_sampler import OpLog, copies_into, host_work
+    from tests.dispatch_log import OpLog
+    from tests.test_sampler import copies_into, host_work
 
     engine = tiny_llm.new_engine()
     kinds = [dict(), dict(temperature=0.8, top_k=20, seed=1), dict(temperature=1.0, top_p=0.9, seed=2),

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.engine.runner import ModelRunner, batch_buckets
 from chunkgen.llm import LLM
+from tests.dispatch_log import OpLog
 
 CHUNK = 16
 
@@ -95,16 +95,6 @@ def test_graph_replay_over_mirrored_buffers_equals_eager_with_preemption(llm):
     assert got == eager
     assert engine.runner.captures == len(set(rows))  # one capture per (bucket, layout)
     assert engine.runner.ctx.uploads == engine.stats.decode_steps
-
-
-class OpLog(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def prepared_runner(llm, **runner_args) -> ModelRunner:

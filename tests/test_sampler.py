@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunkgen.engine import sampler
 from chunkgen.engine.logits import Penalties, StepLogprobs
 from chunkgen.engine.sampler import (FALLBACKS, MAX_SEED, ParamError, SamplingBatch, SamplingParams, StepReader, _cut,
                                      draw, make_generator, sample, sample_seed)
+from tests.dispatch_log import OpLog
 
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -201,16 +201,6 @@ def test_param_messages_read_well_and_good_values_are_normalised():
     assert p.as_dict()["stop"] == ["###"] and p.as_dict()["seed"] == 0
     with pytest.raises(AttributeError):
         p.n = 2  # type: ignore[misc]
-
-
-class OpLog(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def _tensors(args) -> list[torch.Tensor]:

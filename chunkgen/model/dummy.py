@@ -52,20 +52,10 @@ def config_path(spec: str | Path) -> Path:
 
 
 def load_config(spec: str | Path):
-    from transformers import AutoConfig
+    """The config a shipped name or a path stands for (see config_path)."""
+    from chunkgen.model.loading import read_config
 
-    from chunkgen.model.llama import SUPPORTED_ARCHITECTURES
-
-    path = config_path(spec)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises several types for a bad or unknown config
-        raise DummyWeightsError(f"{path}: cannot read the config ({type(exc).__name__}: {exc})") from None
-    arch = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise DummyWeightsError(f"{path}: architecture {arch} is not supported; chunkgen runs "
-                                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    return config
+    return read_config(config_path(spec), DummyWeightsError)
 
 
 def config_dtype(config) -> torch.dtype:

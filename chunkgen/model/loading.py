@@ -219,21 +219,27 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
-def check_model_dir(path: Path):
-    """The model's config, after checking (without loading weights) that chunkgen can run it."""
+def read_config(path: Path, error: type[Exception] | None = None):
+    """A Hugging Face config (a model folder or a config.json) of an architecture chunkgen runs;
+    anything else raises `error` (ModelNotFound by default) naming the path."""
     from transformers import AutoConfig
 
     from chunkgen.model.llama import SUPPORTED_ARCHITECTURES
 
+    error = error or ModelNotFound
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises several types for a bad or unknown config
-        raise ModelNotFound(f"{path}: cannot read config.json ({exc})") from None
+        raise error(f"{path}: cannot read the config ({type(exc).__name__}: {exc})") from None
     arch = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelNotFound(
-            f"{path}: architecture {arch} is not supported; chunkgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise error(f"{path}: architecture {arch} is not supported; chunkgen runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def check_model_dir(path: Path):
+    """The model's config, after checking (without loading weights) that chunkgen can run it."""
+    config = read_config(path)
     if not any(next(path.glob(p), None) for p in WEIGHT_FILES):
         raise ModelNotFound(f"{path}: no weights (*.safetensors or *.bin files) in this folder")
     return config
