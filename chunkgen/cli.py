@@ -1167,7 +1167,8 @@ def bench_step(
     json_out: Optional[Path] = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
-        "30-layer random model with hidden size 64), graph_breaks (torch._dynamo.explain of the decode forward)."),
+        "30-layer random model with hidden size 64, the attention op dispatched without its arithmetic; "
+        "cpu_step_ms_b32 / _b256 with it), graph_breaks (torch._dynamo.explain of the decode forward)."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
     from chunkgen.bench import step as bench
@@ -1183,9 +1184,13 @@ def bench_step(
     if json_out:
         floor = bench.host_floor_engine(llm.tokenizer)
         r.update(ops_per_step=bench.ops_per_step(llm, prompts), host_floor_ms_b32=bench.host_floor_ms(floor, 32),
-                 host_floor_ms_b256=bench.host_floor_ms(floor, 256), graph_breaks=bench.graph_breaks(llm, prompts))
+                 host_floor_ms_b256=bench.host_floor_ms(floor, 256),
+                 cpu_step_ms_b32=bench.host_floor_ms(floor, 32, attention=True),
+                 cpu_step_ms_b256=bench.host_floor_ms(floor, 256, attention=True),
+                 graph_breaks=bench.graph_breaks(llm, prompts))
         stdout.print(f"host share: {r['ops_per_step']} ops a step; host floor {r['host_floor_ms_b32']:.2f} ms at "
-                     f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256; {r['graph_breaks']} graph breaks")
+                     f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256 (with the CPU attention kernel: "
+                     f"{r['cpu_step_ms_b32']:.2f} and {r['cpu_step_ms_b256']:.2f} ms); {r['graph_breaks']} graph breaks")
         json_out.write_text(json.dumps(r, indent=2) + "\n")
 
 

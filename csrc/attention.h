@@ -40,6 +40,18 @@ struct DecodeProblem {
 
   // false: the "paged" baseline: every sequence reads its shared chunks itself.
   bool chunk_first;
+
+  // The step's new K/V for the CPU kernel to store (null: the caller stored them): row b's k, v
+  // [kv_heads, head_dim] in the pool's dtype (strides in elements) go to the pool layer at
+  // (write_slot[b], write_offset[b]). The kernel stores a row's K/V in the same pass that reads
+  // the row's chunks, while their lines are in cache, where the row's last private chunk is the
+  // target (always, for a live row), and before any reading otherwise.
+  const void* new_k = nullptr;
+  const void* new_v = nullptr;
+  int64_t new_k_stride[3] = {0, 0, 0};
+  int64_t new_v_stride[3] = {0, 0, 0};
+  const int32_t* write_slot = nullptr;
+  const int32_t* write_offset = nullptr;
 };
 
 void decode_attention_cpu(const DecodeProblem& p);

@@ -228,9 +228,8 @@ void write_rows(Dst* kc, Dst* vc, const Src* k, const Src* v, const int64_t* ks,
   }
 }
 
-// k and v may be strided views (e.g. split from one qkv product): no copy before the write.
-void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_layer, torch::Tensor& v_layer,
-              const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
+void check_write(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_layer,
+                 const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
   const int64_t rows = k.size(0);
   TORCH_CHECK_VALUE(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_layer.size(1) &&
                         k.size(2) == k_layer.size(2),
@@ -241,6 +240,13 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
                     "k and v must be on the pool's device");
   TORCH_CHECK_VALUE(write_slot.numel() == rows && write_offset.numel() == rows,
                     "write_slot and write_offset must have one entry per row of k");
+}
+
+// k and v may be strided views (e.g. split from one qkv product): no copy before the write.
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_layer, torch::Tensor& v_layer,
+              const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
+  check_write(k, v, k_layer, write_slot, write_offset);
+  const int64_t rows = k.size(0);
   if (rows == 0) return;
   if (!k.device().is_cpu()) {  // one index_put_ per pool on the GPU: no host read of the indices
     using torch::indexing::Slice;
@@ -299,7 +305,18 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   DecodeProblem p = make_problem(q, k_layer, v_layer, ctx, out, scale, chunk_first);
   check_index_tensor(write_slot, "write_slot", q.device());
   check_index_tensor(write_offset, "write_offset", q.device());
-  write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
+  const bool kernel_writes = q.device().is_cpu() && p.batch > 0 && k.size(0) == p.batch &&
+                             k.scalar_type() == k_layer.scalar_type() && v.scalar_type() == k.scalar_type();
+  if (kernel_writes) {
+    check_write(k, v, k_layer, write_slot, write_offset);
+    p.new_k = k.data_ptr();
+    p.new_v = v.data_ptr();
+    for (int i = 0; i < 3; ++i) p.new_k_stride[i] = k.stride(i), p.new_v_stride[i] = v.stride(i);
+    p.write_slot = write_slot.data_ptr<int32_t>();
+    p.write_offset = write_offset.data_ptr<int32_t>();
+  } else {
+    write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
+  }
   if (p.batch == 0) return;
   if (q.device().is_cpu()) {
     TORCH_CHECK_TYPE(p.kv_type != KVType::F16, "the CPU kernel takes float32 or bfloat16 KV");

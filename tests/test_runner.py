@@ -153,3 +153,23 @@ def test_decode_forward_runs_its_elementwise_work_as_fused_ops(llm):
                {"mul", "add", "cat", "neg", "pow", "rsqrt", "mean", "silu", "rms_norm", "index", "sum", "div"}]
     assert unfused == [], unfused
     assert len(names) <= 20 * layers, names
+
+
+def test_host_floor_dispatches_attention_without_its_work(llm):
+    """`bench step`'s host floor calls the attention op in every layer of a decode step, over no
+    rows (no arithmetic, no K/V write); its CPU-kernel variant calls it over the batch. The model's
+    own attention call is back afterwards."""
+    from chunkgen.bench import step as bench
+    from chunkgen.kernels import decode_step_attention
+    from chunkgen.model import llama
+
+    op = torch.ops.chunkgen.decode_attention.default
+    for attention in (False, True):
+        engine = llm.new_engine()
+        with OpLog() as log:
+            bench.host_floor_ms(engine, batch=4, steps=2, prompt=4, attention=attention)
+        rows = [args[0].shape[0] for func, args, _ in log.calls if func == op]
+        timed = rows.count(0)  # the warm-up step before the timed ones runs the kernel either way
+        assert timed == (0 if attention else 2 * llm.model.num_layers)
+        assert len(rows) - timed >= llm.model.num_layers
+        assert llama.decode_step_attention is decode_step_attention

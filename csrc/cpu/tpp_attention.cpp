@@ -85,6 +85,10 @@ inline vf load(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+#if defined(__AVX512F__)
+inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
+inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+#else
 inline float hsum(vf v) {
   float s = 0.f;
   for (int i = 0; i < W; ++i) s += v[i];
@@ -94,6 +98,14 @@ inline float hmax(vf v) {
   float m = v[0];
   for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
   return m;
+}
+#endif
+// Lanes [0, left) of a vector: token masks for a chunk's last, partly filled vector (no scalar
+// stores into a buffer that is then read as a vector: that stalls store forwarding).
+inline vi lanes_below(int left) {
+  vi iota;
+  for (int i = 0; i < W; ++i) iota[i] = i;
+  return iota < (vi{} + left);
 }
 
 // exp on a vector (Cephes polynomial, ~1 ulp in the range softmax uses); scalar expf per score
@@ -244,18 +256,22 @@ void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, 
   const int nv = (n + W - 1) / W;
   scores_rows<T, kRB>(q, R, kt, nv, C, d, s);
 
+  const vi tail = lanes_below(n - (nv - 1) * W);  // valid lanes of the last vector
   for (int r = 0; r < R; ++r) {
     float* sr = s + static_cast<size_t>(r) * C;
-    for (int j = n; j < nv * W; ++j) sr[j] = kNegInf;
     vf mx = splat(kNegInf);
-    for (int jv = 0; jv < nv; ++jv) mx = vmax(mx, load(sr + jv * W));
+    for (int jv = 0; jv + 1 < nv; ++jv) mx = vmax(mx, load(sr + jv * W));
+    mx = vmax(mx, tail ? load(sr + (nv - 1) * W) : splat(kNegInf));
     const float mnew = std::max(m[r], hmax(mx));
     const vf mv = splat(mnew);
-    for (int jv = 0; jv < nv; ++jv) store(sr + jv * W, vexp(load(sr + jv * W) - mv));
-    for (int j = n; j < nv * W; ++j) sr[j] = 0.f;  // padded lanes carry no weight
     vf sum = {};
-    for (int jv = 0; jv < nv; ++jv) sum += load(sr + jv * W);
-    alpha[r] = std::exp(m[r] - mnew);
+    for (int jv = 0; jv < nv; ++jv) {
+      vf e = vexp(load(sr + jv * W) - mv);
+      if (jv + 1 == nv) e = tail ? e : vf{};  // padded lanes carry no weight
+      store(sr + jv * W, e);
+      sum += e;
+    }
+    alpha[r] = mnew == m[r] ? 1.f : std::exp(m[r] - mnew);  // 0 on a row's first chunk (m = -inf)
     l[r] = l[r] * alpha[r] + hsum(sum);
     m[r] = mnew;
   }
@@ -271,6 +287,21 @@ inline void merge_partial(float* o, float& m, float& l, const float* po, float p
   for (int i = 0; i < d; ++i) o[i] = o[i] * a + po[i] * b;
   l = l * a + pl * b;
   m = mn;
+}
+
+// Stores row b's new k, v of head h (see DecodeProblem::new_k) into the pool layer.
+template <typename T>
+inline void store_new_kv(const DecodeProblem& p, int b, int h) {
+  const size_t head_elems = static_cast<size_t>(p.head_dim) * p.chunk, slot = p.write_slot[b];
+  const size_t base = (slot * p.kv_heads + h) * head_elems;
+  const int C = p.chunk, d = p.head_dim, off = p.write_offset[b];
+  // The pool layer is the op's mutable argument; the kernel only reads it through p.k, p.v.
+  T* kt = static_cast<T*>(const_cast<void*>(p.k)) + base + off;  // a column of K^T
+  T* vr = static_cast<T*>(const_cast<void*>(p.v)) + base + static_cast<size_t>(off) * d;  // a row of V
+  const T* nk = static_cast<const T*>(p.new_k) + b * p.new_k_stride[0] + h * p.new_k_stride[1];
+  const T* nv = static_cast<const T*>(p.new_v) + b * p.new_v_stride[0] + h * p.new_v_stride[1];
+  for (int i = 0; i < d; ++i) kt[static_cast<size_t>(i) * C] = nk[i * p.new_k_stride[2]];
+  for (int i = 0; i < d; ++i) vr[i] = nv[i * p.new_v_stride[2]];
 }
 
 template <typename Q>
@@ -352,8 +383,10 @@ const char* isa_name(Isa isa) {
 struct SharedItem {
   int first, last, head, begin, end;
 };
+// Sequence-first work: rows [begin, end) against one KV head, each over segment `seg` of its own
+// chunks (several segments only for a lone long tail; then end = begin + 1).
 struct SeqItem {
-  int seq, head, seg;
+  int begin, end, head, seg;
 };
 
 // Reused between calls so that a steady decode loop does not allocate.
@@ -366,6 +399,7 @@ struct Workspace {
   std::vector<int32_t> seq_nseg, seg_row;
   std::vector<float> seg_o, seg_m, seg_l;
   std::vector<SeqItem> seq_items;
+  std::vector<uint8_t> item_writes;  // row b's new K/V are stored by its sequence-first item
 };
 
 Workspace& workspace() {
@@ -376,6 +410,13 @@ Workspace& workspace() {
 template <typename Vec>
 void grow(Vec& v, size_t n) {
   if (v.size() < n) v.resize(n);
+}
+
+// Tokens row b reads in the sequence-first phase.
+inline int64_t seq_tokens(const Workspace& ws, int b) {
+  int64_t n = 0;
+  for (int i = ws.seq_chunk_ptr[b]; i < ws.seq_chunk_ptr[b + 1]; ++i) n += ws.chunk_len[i];
+  return n;
 }
 
 // The partials of rows [b0, b1) of item w (state rows (b - b0) * G + g): at the item's first chunk;
@@ -612,8 +653,39 @@ void run(const DecodeProblem& p, Isa isa) {
     const int nseg = std::max(1, std::min(nc, max_seg));
     ws.seq_nseg[b] = nseg;
     ws.seg_row[b + 1] = ws.seg_row[b] + (nseg > 1 ? nseg : 0);
-    for (int h = 0; h < Hk; ++h)
-      for (int sgi = 0; sgi < nseg; ++sgi) ws.seq_items.push_back({b, h, sgi});
+  }
+  if (max_seg > 1) {  // few rows: one item per (row, head, segment), so both cores have work
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hk; ++h)
+        for (int sgi = 0; sgi < ws.seq_nseg[b]; ++sgi) ws.seq_items.push_back({b, b + 1, h, sgi});
+  } else {
+    // Many rows: consecutive rows grouped into items of about equal work (tokens read, plus a
+    // fixed cost per row), a few items per thread: a row's few hundred nanoseconds of work would
+    // otherwise be matched by the cost of handing it out.
+    constexpr int64_t kRowCost = 32;
+    int64_t total = 0;
+    for (int b = 0; b < B; ++b) total += kRowCost + seq_tokens(ws, b);
+    const int per_head = std::max(1, (4 * target_items + Hk - 1) / Hk);
+    const int64_t per_item = std::max<int64_t>(1, (total + per_head - 1) / per_head);
+    for (int b0 = 0, b1; b0 < B; b0 = b1) {
+      int64_t work = 0;
+      for (b1 = b0; b1 < B && (b1 == b0 || work < per_item); ++b1) work += kRowCost + seq_tokens(ws, b1);
+      for (int h = 0; h < Hk; ++h) ws.seq_items.push_back({b0, b1, h, 0});
+    }
+  }
+  // ---- the step's K/V: a live row writes into its last private chunk, which only it reads, so
+  // its sequence-first item stores them (on the lines it is about to read); any other row (padding
+  // rows write to the scratch slot) is stored now, before anything reads the pool.
+  grow(ws.item_writes, B);
+  if (p.new_k != nullptr) {
+    for (int b = 0; b < B; ++b) {
+      const int np = p.priv_count[b];
+      ws.item_writes[b] = np > 0 && p.write_slot[b] == p.priv_slot[static_cast<size_t>(b) * p.priv_stride + np - 1];
+      if (!ws.item_writes[b])
+        for (int h = 0; h < Hk; ++h) store_new_kv<T>(p, b, h);
+    }
+  } else {
+    std::fill_n(ws.item_writes.begin(), B, uint8_t{0});
   }
   const size_t seg_rows = static_cast<size_t>(ws.seg_row[B]) * Hq;
   grow(ws.seg_o, seg_rows * d);
@@ -678,41 +750,45 @@ void run(const DecodeProblem& p, Isa isa) {
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < n_seq_items; ++it) {
       const SeqItem& w = ws.seq_items[it];
-      const int b = w.seq, h = w.head, nseg = ws.seq_nseg[b];
+      const int h = w.head;
       sc.reserve(G, d, C);
-      const Q* src = q + (static_cast<size_t>(b) * Hq + h * G) * d;
-      for (int i = 0; i < G * d; ++i) sc.q[i] = to_f32(src[i]) * scale;
-      sc.reset_state(G, d);
-      if (w.seg == 0 && p.chunk_first) {
-        for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
-          const int c = p.seq_shared_idx[i];
-          for (int g = 0; g < G; ++g) {
-            const size_t pr =
-                static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
-            merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d,
-                          ws.part_m[pr], ws.part_l[pr], d);
+      for (int b = w.begin; b < w.end; ++b) {
+        const int nseg = ws.seq_nseg[b];
+        const int c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
+        const int lo = c0 + static_cast<int>(static_cast<int64_t>(nc) * w.seg / nseg);
+        const int hi = c0 + static_cast<int>(static_cast<int64_t>(nc) * (w.seg + 1) / nseg);
+        if (ws.item_writes[b] && w.seg == nseg - 1) store_new_kv<T>(p, b, h);  // its segment has the last chunk
+        const Q* src = q + (static_cast<size_t>(b) * Hq + h * G) * d;
+        for (int i = 0; i < G * d; ++i) sc.q[i] = to_f32(src[i]) * scale;
+        sc.reset_state(G, d);
+        if (w.seg == 0 && p.chunk_first) {
+          for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
+            const int c = p.seq_shared_idx[i];
+            for (int g = 0; g < G; ++g) {
+              const size_t pr =
+                  static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+              merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d,
+                            ws.part_m[pr], ws.part_l[pr], d);
+            }
           }
         }
-      }
-      const int c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
-      const int lo = c0 + static_cast<int>(static_cast<int64_t>(nc) * w.seg / nseg);
-      const int hi = c0 + static_cast<int>(static_cast<int64_t>(nc) * (w.seg + 1) / nseg);
-      for (int i = lo; i < hi; ++i) {
-        const int n = ws.chunk_len[i];
-        if (n <= 0) continue;
-        const size_t off = ws.chunk_slot[i] * slot_elems + h * head_elems;
-        attend_chunk<T>(sc.q.data(), G, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
-                        sc.l.data(), sc.s.data(), sc.alpha.data());
-      }
-      for (int g = 0; g < G; ++g) {
-        const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
-        if (nseg == 1) {
-          write_normalized(out + row * d, sc.o.data() + g * d, sc.l[g], d);
-        } else {
-          const size_t sr = static_cast<size_t>(ws.seg_row[b] + w.seg) * Hq + h * G + g;
-          std::memcpy(ws.seg_o.data() + sr * d, sc.o.data() + g * d, sizeof(float) * d);
-          ws.seg_m[sr] = sc.m[g];
-          ws.seg_l[sr] = sc.l[g];
+        for (int i = lo; i < hi; ++i) {
+          const int n = ws.chunk_len[i];
+          if (n <= 0) continue;
+          const size_t off = ws.chunk_slot[i] * slot_elems + h * head_elems;
+          attend_chunk<T>(sc.q.data(), G, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                          sc.l.data(), sc.s.data(), sc.alpha.data());
+        }
+        for (int g = 0; g < G; ++g) {
+          const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
+          if (nseg == 1) {
+            write_normalized(out + row * d, sc.o.data() + g * d, sc.l[g], d);
+          } else {
+            const size_t sr = static_cast<size_t>(ws.seg_row[b] + w.seg) * Hq + h * G + g;
+            std::memcpy(ws.seg_o.data() + sr * d, sc.o.data() + g * d, sizeof(float) * d);
+            ws.seg_m[sr] = sc.m[g];
+            ws.seg_l[sr] = sc.l[g];
+          }
         }
       }
     }
