@@ -22,7 +22,10 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
-cxx_flags = ["-O3", f"-march={os.environ.get('CHUNKGEN_MARCH', 'native')}", "-fopenmp", "-std=c++17"]
+# 512-bit vectors where the machine has them: GCC's default for AVX-512 targets keeps loops it
+# vectorises itself (the elementwise ops) at 256 bits; 512 measured ~20% faster on the bf16 ones.
+cxx_flags = ["-O3", f"-march={os.environ.get('CHUNKGEN_MARCH', 'native')}", "-mprefer-vector-width=512",
+             "-fopenmp", "-std=c++17"]
 sources = ["csrc/bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
 

@@ -42,9 +42,11 @@ inline float to_float(uint16_t h) {
 
 // dst[k/2][n][k%2] = src row k, column n, for rows k < rows_valid and columns n < cols_valid
 // (zero elsewhere, up to k_pad rows and n_cols columns). Zeroing matters: tokens past a chunk's
-// length hold whatever the pool slot held before (possibly NaN), and 0 * NaN is NaN.
+// length hold whatever the pool slot held before (possibly NaN), and 0 * NaN is NaN. dst_cols:
+// the width of dst's rows when it is wider than n_cols (several sources side by side).
 inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int k_pad, int n_cols,
-                       int cols_valid, uint16_t* dst) {
+                       int cols_valid, uint16_t* dst, int dst_cols = 0) {
+  const int ld = dst_cols > 0 ? dst_cols : n_cols;
   // Word i of the low/high result: element i/2 (+16 for high) of row a (even i) or row b (odd i).
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -54,7 +56,7 @@ inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int 
   for (int k = 0; k < k_pad; k += 2) {
     const uint16_t* ra = src + static_cast<size_t>(k) * src_stride;
     const uint16_t* rb = ra + src_stride;
-    uint16_t* out = dst + static_cast<size_t>(k) * n_cols;
+    uint16_t* out = dst + static_cast<size_t>(k) * ld;
     for (int n = 0; n < n_cols; n += 32) {
       const int left = cols_valid - n;
       const __mmask32 m = left >= 32 ? ~__mmask32(0) : left <= 0 ? 0 : (__mmask32(1) << left) - 1;

@@ -450,7 +450,21 @@ struct Bf16Scratch {
   std::vector<float> s, o, m, l, lv;
 };
 
-constexpr int kBf16Rows = 128;  // query rows per block: 16-row tiles, scores stay in L2
+constexpr int kBf16Rows = 32;     // query rows per product: two 16-row tiles
+constexpr int kBlockTokens = 256;  // chunk tokens per product (a multiple of 16)
+
+// 2^t for t <= 0 (finite), to the accuracy P needs: P is rounded to bf16 (relative step 2^-8)
+// before the product with V and before it is summed into l, so a cubic for 2^f on [0, 1)
+// (relative error 7.5e-5) is plenty, and the softmax is the phase's most frequent work.
+inline __m512 exp2_for_bf16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.07802403f);  // relative-error fit of 2^f
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606707f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69583398f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992514f));
+  return _mm512_scalef_ps(p, n);
+}
 
 inline __mmask16 valid_lanes(int j, int n) {
   return j >= n ? 0 : n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
@@ -475,60 +489,77 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
   const uint16_t* K = static_cast<const uint16_t*>(p.k);
   const uint16_t* V = static_cast<const uint16_t*>(p.v);
   const __m512 scale = _mm512_set1_ps(p.scale);
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 scale2 = _mm512_set1_ps(p.scale * kLog2e);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  grow(sc.kp, static_cast<size_t>(dp) * C);
-  grow(sc.vp, static_cast<size_t>(Cp) * d);
-  const int seq_block = std::max(1, kBf16Rows / G);
-  for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
-    const int b1 = std::min(w.end, b0 + seq_block);
-    const int R = (b1 - b0) * G, Rp = bf16::round_up(R, 16);
-    grow(sc.q, static_cast<size_t>(Rp) * dp);
-    grow(sc.p, static_cast<size_t>(Rp) * Cp);
-    grow(sc.s, static_cast<size_t>(Rp) * C);
-    grow(sc.o, static_cast<size_t>(Rp) * d);
-    grow(sc.m, Rp);
-    grow(sc.l, Rp);
-    // Queries of the block as bf16 rows of dp (zero padded); the scale is applied to the fp32 scores.
-    for (int r = 0; r < Rp; ++r) {
-      uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
-      if (r >= R) {
-        std::fill_n(dst, dp, uint16_t{0});
-        std::fill_n(sc.p.data() + static_cast<size_t>(r) * Cp, Cp, uint16_t{0});  // padding rows
-        continue;
-      }
-      const Q* src = q + (static_cast<size_t>(b0 + r / G) * Hq + h * G + r % G) * d;
-      if constexpr (sizeof(Q) == 2)
-        std::memcpy(dst, src, sizeof(uint16_t) * d);
-      else
-        for (int i = 0; i < d; ++i) dst[i] = bf16::from_float(src[i]);
-      std::fill(dst + d, dst + dp, uint16_t{0});
-      sc.m[r] = kNegInf;
-      sc.l[r] = 0.f;
+  // Chunks go through in blocks of up to kBlockTokens tokens: one product per block, not per
+  // chunk, since each hand-over between the AMX tiles and the vector units goes through memory and
+  // waits for it; a longer product also keeps more tile operations in flight.
+  const int per_block = std::max(1, kBlockTokens / C);
+  const int Nb = per_block * C, Kb = bf16::round_up(Nb, 32);  // columns of S, rows of packed V
+  grow(sc.kp, static_cast<size_t>(dp) * Nb);
+  grow(sc.vp, static_cast<size_t>(Kb) * d);
+  const int R = (w.end - w.begin) * G, Rp = bf16::round_up(R, 16);
+  grow(sc.q, static_cast<size_t>(Rp) * dp);
+  grow(sc.o, static_cast<size_t>(Rp) * d);
+  grow(sc.m, Rp);
+  grow(sc.l, Rp);
+  grow(sc.s, static_cast<size_t>(kBf16Rows) * Nb);
+  grow(sc.p, static_cast<size_t>(kBf16Rows) * Kb);
+  // Queries of the item as bf16 rows of dp (zero padded); the scale is applied to the fp32 scores.
+  for (int r = 0; r < Rp; ++r) {
+    uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
+    sc.m[r] = kNegInf;
+    if (r >= R) {
+      std::fill_n(dst, dp, uint16_t{0});
+      continue;
     }
+    const Q* src = q + (static_cast<size_t>(w.begin + r / G) * Hq + h * G + r % G) * d;
+    if constexpr (sizeof(Q) == 2)
+      std::memcpy(dst, src, sizeof(uint16_t) * d);
+    else
+      for (int i = 0; i < d; ++i) dst[i] = bf16::from_float(src[i]);
+    std::fill(dst + d, dst + dp, uint16_t{0});
+  }
 
-    // l is kept as 16 lane sums per row (reduced once at the end): no horizontal add per chunk.
-    grow(sc.lv, static_cast<size_t>(Rp) * 16);
-    std::fill_n(sc.lv.data(), static_cast<size_t>(R) * 16, 0.f);
-    for (int i = w.first; i < w.last; ++i) {
-      const int c = ws.group_chunks[i], n = p.shared_len[c];
-      const bool first = i == w.first;
+  // l is kept as 16 lane sums per row (reduced once at the end): no horizontal add per chunk.
+  grow(sc.lv, static_cast<size_t>(Rp) * 16);
+  std::fill_n(sc.lv.data(), static_cast<size_t>(Rp) * 16, 0.f);
+  int len[kBlockTokens / 16];  // valid tokens of each chunk of the block
+  for (int i0 = w.first; i0 < w.last; i0 += per_block) {
+    const int nc = std::min(per_block, w.last - i0), N = nc * C, Kn = bf16::round_up(N, 32);
+    const bool first = i0 == w.first;
+    for (int j = 0; j < nc; ++j) {
+      const int c = ws.group_chunks[i0 + j];
+      len[j] = p.shared_len[c];
       const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
-      bf16::pack_pairs(K + off, C, d, dp, C, n, sc.kp.data());  // K^T [d, C]: pairs along d
-      bf16::pack_pairs(V + off, d, n, Cp, d, d, sc.vp.data());  // V [C, d]: pairs along tokens
-      gemm(sc.q.data(), dp, sc.kp.data(), dp, C, sc.s.data(), C, Rp, false);
+      // K^T [d, C] side by side (pairs along d); V [C, d] stacked (pairs along tokens).
+      bf16::pack_pairs(K + off, C, d, dp, C, len[j], sc.kp.data() + 2 * j * C, N);
+      bf16::pack_pairs(V + off, d, len[j], C, d, d, sc.vp.data() + static_cast<size_t>(j) * C * d);
+    }
+    std::fill(sc.vp.data() + static_cast<size_t>(N) * d, sc.vp.data() + static_cast<size_t>(Kn) * d, uint16_t{0});
+    for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
+      const int rows = std::min(kBf16Rows, Rp - r0);
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, N, sc.s.data(), N, rows, false);
 
       // Online softmax. The running max m only moves when a score exceeds it (a vector compare,
-      // rarely true after the first chunks), and only then does a row's state get rescaled.
-      for (int r = 0; r < R; ++r) {
-        const float* sr = sc.s.data() + static_cast<size_t>(r) * C;
-        uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * Cp;
+      // rarely true after the first blocks), and only then does a row's state get rescaled.
+      for (int rr = 0; rr < rows; ++rr) {
+        const int r = r0 + rr;
+        const float* sr = sc.s.data() + static_cast<size_t>(rr) * N;
+        uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
+        if (r >= R) {  // padding rows carry no weight
+          std::fill_n(pr, Kn, uint16_t{0});
+          continue;
+        }
         __m512 mx = neg_inf;
-        for (int j = 0; j < C; j += 16)
-          mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, valid_lanes(j, n), _mm512_loadu_ps(sr + j), scale));
+        for (int jc = 0; jc < nc; ++jc)
+          for (int j = 0; j < C; j += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, valid_lanes(j, len[jc]), _mm512_loadu_ps(sr + jc * C + j), scale));
         float m = sc.m[r];
         if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
           const float mnew = _mm512_reduce_max_ps(mx);
-          const float alpha = std::exp(m - mnew);  // 0 on the first chunk (m was -inf)
+          const float alpha = std::exp(m - mnew);  // 0 on the first block (m was -inf)
           m = mnew;
           sc.m[r] = m;
           float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
@@ -539,26 +570,28 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
             for (int k = 0; k < d; k += 16) _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_loadu_ps(o + k), av));
           }
         }
-        const __m512 neg_m = _mm512_set1_ps(-m);
+        // exp(s * scale - m) = 2^(s * scale log2(e) - m log2(e)): one FMA before the power of two.
+        const __m512 neg_m2 = _mm512_set1_ps(-m * kLog2e);
         __m512 sum = _mm512_setzero_ps();
-        for (int j = 0; j < C; j += 16) {
-          const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale, neg_m);
-          const __m512 e = _mm512_maskz_mov_ps(valid_lanes(j, n), bf16::exp512(x));
-          // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
-          const __m256bh eb = _mm512_cvtneps_pbh(e);
-          sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
-        }
-        std::fill(pr + C, pr + Cp, uint16_t{0});
+        for (int jc = 0; jc < nc; ++jc)
+          for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
+            const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
+            const __m512 e = _mm512_maskz_mov_ps(valid_lanes(j - jc * C, len[jc]), exp2_for_bf16(x));
+            // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
+            const __m256bh eb = _mm512_cvtneps_pbh(e);
+            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
+          }
+        std::fill(pr + N, pr + Kn, uint16_t{0});
         float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
         _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
       }
       // o (+)= P V straight into the running sums (AMX loads them into the accumulator tiles).
-      gemm(sc.p.data(), Cp, sc.vp.data(), Cp, d, sc.o.data(), d, Rp, !first);
+      gemm(sc.p.data(), Kn, sc.vp.data(), Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, !first);
     }
-    for (int r = 0; r < R; ++r) sc.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(r) * 16));
-    store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
   }
+  for (int r = 0; r < R; ++r) sc.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(r) * 16));
+  store_partials(p, ws, w, w.begin, w.end, sc.o.data(), sc.m.data(), sc.l.data());
 }
 
 #endif  // CHUNKGEN_HAVE_AVX512_BF16
@@ -597,7 +630,9 @@ void run(const DecodeProblem& p, Isa isa) {
     if (p.shared_end[a] != p.shared_end[b]) return p.shared_end[a] < p.shared_end[b];
     return a < b;
   });
-  const int64_t per_item = std::max<int64_t>(4, (shared_work + target_items - 1) / target_items);
+  // Finer than phase 2's split (8 pieces a thread, not 4): these items are few and long, so the
+  // last one to finish decides the phase; more pieces only add partial rows to merge.
+  const int64_t per_item = std::max<int64_t>(4, (shared_work + 2 * target_items - 1) / (2 * target_items));
   ws.shared_items.clear();
   const int n_live = static_cast<int>(ws.group_chunks.size());
   for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
