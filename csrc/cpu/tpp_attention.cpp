@@ -633,6 +633,10 @@ void run(const DecodeProblem& p, Isa isa) {
   // Finer than phase 2's split (8 pieces a thread, not 4): these items are few and long, so the
   // last one to finish decides the phase; more pieces only add partial rows to merge.
   const int64_t per_item = std::max<int64_t>(4, (shared_work + 2 * target_items - 1) / (2 * target_items));
+  int block = 1;  // chunks the bf16 path multiplies at once
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  if (isa != Isa::Fp32 && sizeof(T) == 2) block = std::max(1, kBlockTokens / C);
+#endif
   ws.shared_items.clear();
   const int n_live = static_cast<int>(ws.group_chunks.size());
   for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
@@ -643,14 +647,19 @@ void run(const DecodeProblem& p, Isa isa) {
     }
     const int nch = g1 - g0, cover = end - begin;
     const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;
-    const int chunk_pieces = static_cast<int>(std::min<int64_t>(nch, pieces));
-    const int row_pieces = static_cast<int>((pieces + chunk_pieces - 1) / chunk_pieces);
+    // The bf16 path multiplies chunks in blocks: a piece of whole blocks (at most one block each
+    // when the group is split at all, so the pieces are equal), never a block cut short.
+    const int blocks = (nch + block - 1) / block;
+    const int chunk_pieces = block > 1 ? (pieces > 1 ? blocks : 1) : static_cast<int>(std::min<int64_t>(nch, pieces));
+    const int row_pieces = static_cast<int>(std::max<int64_t>(1, (pieces + chunk_pieces - 1) / chunk_pieces));
     const int rows_per = (cover + row_pieces - 1) / row_pieces;
+    const auto cut = [&](int cp) {
+      return g0 + (block > 1 ? std::min(nch, cp * (blocks / chunk_pieces) * block) : nch * cp / chunk_pieces);
+    };
     for (int h = 0; h < Hk; ++h)
       for (int cp = 0; cp < chunk_pieces; ++cp)
         for (int b = begin; b < end; b += rows_per)
-          ws.shared_items.push_back({g0 + nch * cp / chunk_pieces, g0 + nch * (cp + 1) / chunk_pieces, h,
-                                     b, std::min(b + rows_per, end)});
+          ws.shared_items.push_back({cut(cp), cp + 1 == chunk_pieces ? g1 : cut(cp + 1), h, b, std::min(b + rows_per, end)});
   }
   const size_t part_rows = static_cast<size_t>(ws.shared_row[S]) * Hq;
   grow(ws.part_o, part_rows * d);
