@@ -25,7 +25,7 @@ namespace {
 
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
 
-constexpr int kKeys = 64;   // keys per block: one AMX pass of four accumulator tiles
+constexpr int kKeys = 128;  // keys per block
 constexpr int kRows = 128;  // query matrix rows per work item (positions x group heads)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.44269504088896341f;
