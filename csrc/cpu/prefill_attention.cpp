@@ -41,10 +41,13 @@ struct Workspace {
   std::vector<Item> items;
 };
 
-// Per-thread buffers of one item: queries, a block's scores and probabilities, the running state.
+// Per-thread buffers of one item: queries and the running state, and one tile's scores and
+// probabilities.
 struct Scratch {
-  std::vector<uint16_t> q, p;
-  std::vector<float> s, o, m, lv;
+  std::vector<uint16_t> q;
+  std::vector<float> o, m, lv;
+  alignas(64) float s[16 * kKeys];
+  alignas(64) uint16_t p[16 * kKeys];
 };
 
 template <typename Vec>
@@ -84,8 +87,6 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
   const int shift = S - T;  // causal: position t sees keys < t + shift + 1
 
   grow(sc.q, static_cast<size_t>(Rp) * dp);
-  grow(sc.p, static_cast<size_t>(Rp) * kKeys);
-  grow(sc.s, static_cast<size_t>(Rp) * kKeys);
   grow(sc.o, static_cast<size_t>(Rp) * d);
   grow(sc.m, Rp);
   grow(sc.lv, static_cast<size_t>(Rp) * 16);
@@ -98,7 +99,6 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
       std::fill(dst + d, dst + dp, uint16_t{0});
     } else {
       std::fill_n(dst, dp, uint16_t{0});
-      std::fill_n(sc.p.data() + static_cast<size_t>(r) * kKeys, kKeys, uint16_t{0});  // padding rows
     }
   }
   std::fill_n(sc.o.data(), static_cast<size_t>(Rp) * d, 0.f);
@@ -109,64 +109,74 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
   const size_t head_blocks = (static_cast<size_t>(w.b) * Hk + w.h) * nkb;
   for (int j = 0; j * kKeys < key_end; ++j) {
     const int s0 = j * kKeys, valid = std::min(kKeys, S - s0);
-    const int nb = bf16::round_up(valid, 16), kv = bf16::round_up(valid, 32);
-    gemm(sc.q.data(), dp, ws.kp.data() + (head_blocks + j) * dp * kKeys, dp, nb, sc.s.data(), kKeys, Rp, false);
-
-    for (int r = 0; r < R; ++r) {
-      const int t = w.t0 + r / G;
-      const int n = p.causal ? std::min(valid, t + shift + 1 - s0) : valid;
-      uint16_t* pr = sc.p.data() + static_cast<size_t>(r) * kKeys;
-      if (n <= 0) {
-        std::fill_n(pr, kv, uint16_t{0});
-        continue;
-      }
-      float* sr = sc.s.data() + static_cast<size_t>(r) * kKeys;
-      __m512 mx = neg_inf;
-      if (masked) {
-        const uint16_t* mr = p.mask + w.b * p.mask_stride[0] + t * p.mask_stride[1] + s0;
-        for (int jj = 0; jj < n; jj += 16) {
-          const __mmask16 lanes = valid_lanes(jj, n);
-          const __m256i mb = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(lanes, mr + jj));
-          const __m512 mk = _mm512_cvtpbh_ps((__m256bh)mb);
-          const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), scale, mk);
-          mx = _mm512_mask_max_ps(mx, lanes, mx, x);
-          // Hidden keys stored finite, so that (x - m) * c stays a number; their exp is 0.
-          _mm512_storeu_ps(sr + jj, _mm512_max_ps(x, hidden));
+    const uint16_t* kb = ws.kp.data() + (head_blocks + j) * dp * kKeys;
+    const uint16_t* vb = ws.vp.data() + (head_blocks + j) * kKeys * d;
+    // One 16-row tile at a time through scores, softmax and P.V: the block's packed K and V stay
+    // in L1 across the tiles, and each tile's scores and probabilities are read while still there.
+    for (int r0 = 0; r0 < R; r0 += 16) {
+      const int r1 = std::min(R, r0 + 16);
+      // Keys of the block the tile's last (latest) row sees; the other rows see a prefix of them.
+      const int seen = p.causal ? std::min(valid, w.t0 + (r1 - 1) / G + shift + 1 - s0) : valid;
+      if (seen <= 0) continue;
+      // Scores of the whole block (the packed K^T's width), P.V over the keys seen only.
+      const int kv = bf16::round_up(seen, 32);
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, kb, dp, bf16::round_up(valid, 16), sc.s, kKeys, 16, false);
+      for (int r = r0; r < r1; ++r) {
+        const int t = w.t0 + r / G;
+        const int n = p.causal ? std::min(seen, t + shift + 1 - s0) : seen;
+        uint16_t* pr = sc.p + static_cast<size_t>(r - r0) * kKeys;
+        if (n <= 0) {
+          std::fill_n(pr, kv, uint16_t{0});
+          continue;
         }
-      } else {
-        for (int jj = 0; jj < n; jj += 16)
-          mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, valid_lanes(jj, n), sr + jj));
+        float* sr = sc.s + static_cast<size_t>(r - r0) * kKeys;
+        __m512 mx = neg_inf;
+        if (masked) {
+          const uint16_t* mr = p.mask + w.b * p.mask_stride[0] + t * p.mask_stride[1] + s0;
+          for (int jj = 0; jj < n; jj += 16) {
+            const __mmask16 lanes = valid_lanes(jj, n);
+            const __m256i mb = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(lanes, mr + jj));
+            const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), scale, _mm512_cvtpbh_ps((__m256bh)mb));
+            mx = _mm512_mask_max_ps(mx, lanes, mx, x);
+            // Hidden keys stored finite, so that (x - m) * c stays a number; their exp is 0.
+            _mm512_storeu_ps(sr + jj, _mm512_max_ps(x, hidden));
+          }
+        } else {
+          for (int jj = 0; jj < n; jj += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, valid_lanes(jj, n), sr + jj));
+        }
+        // The running max only moves when a score exceeds it; only then is the row rescaled.
+        float m = sc.m[r];
+        float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+        if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+          const float mnew = _mm512_reduce_max_ps(mx);
+          const __m512 alpha = _mm512_set1_ps(std::exp2((m - mnew) * unit * kLog2e));  // 0 from -inf
+          _mm512_storeu_ps(lv, _mm512_mul_ps(_mm512_loadu_ps(lv), alpha));
+          float* o = sc.o.data() + static_cast<size_t>(r) * d;
+          for (int i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), alpha));
+          m = mnew;
+          sc.m[r] = m;
+        }
+        if (m == kNegInf) {  // every key so far hidden by the mask
+          std::fill_n(pr, kv, uint16_t{0});
+          continue;
+        }
+        const __m512 neg_mc = _mm512_set1_ps(-m * unit * kLog2e);
+        __m512 sum = _mm512_setzero_ps();
+        for (int jj = 0; jj < kv; jj += 32) {
+          const __m512 e0 = _mm512_maskz_mov_ps(
+              valid_lanes(jj, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), c, neg_mc)));
+          const __m512 e1 = _mm512_maskz_mov_ps(
+              valid_lanes(jj + 16, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj + 16), c, neg_mc)));
+          const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
+          sum = _mm512_dpbf16_ps(sum, pb, ones);  // l adds the rounded probabilities the product uses
+          _mm512_storeu_si512(pr + jj, (__m512i)pb);
+        }
+        _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
       }
-      // The running max only moves when a score exceeds it; only then is the row rescaled.
-      float m = sc.m[r];
-      float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
-      if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
-        const float mnew = _mm512_reduce_max_ps(mx);
-        const __m512 alpha = _mm512_set1_ps(std::exp2((m - mnew) * unit * kLog2e));  // 0 from -inf
-        _mm512_storeu_ps(lv, _mm512_mul_ps(_mm512_loadu_ps(lv), alpha));
-        float* o = sc.o.data() + static_cast<size_t>(r) * d;
-        for (int i = 0; i < d; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), alpha));
-        m = mnew;
-        sc.m[r] = m;
-      }
-      if (m == kNegInf) {  // every key so far hidden by the mask
-        std::fill_n(pr, kv, uint16_t{0});
-        continue;
-      }
-      const __m512 neg_mc = _mm512_set1_ps(-m * unit * kLog2e);
-      __m512 sum = _mm512_setzero_ps();
-      for (int jj = 0; jj < kv; jj += 32) {
-        const __m512 e0 = _mm512_maskz_mov_ps(
-            valid_lanes(jj, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), c, neg_mc)));
-        const __m512 e1 = _mm512_maskz_mov_ps(
-            valid_lanes(jj + 16, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj + 16), c, neg_mc)));
-        const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
-        sum = _mm512_dpbf16_ps(sum, pb, ones);  // l adds the rounded probabilities the product uses
-        _mm512_storeu_si512(pr + jj, (__m512i)pb);
-      }
-      _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
+      for (int r = r1; r < r0 + 16; ++r) std::fill_n(sc.p + static_cast<size_t>(r - r0) * kKeys, kv, uint16_t{0});
+      gemm(sc.p, kKeys, vb, kv, d, sc.o.data() + static_cast<size_t>(r0) * d, d, 16, true);
     }
-    gemm(sc.p.data(), kKeys, ws.vp.data() + (head_blocks + j) * kKeys * d, kv, d, sc.o.data(), d, Rp, true);
   }
 
   for (int r = 0; r < R; ++r) {
