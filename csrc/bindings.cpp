@@ -3,6 +3,8 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -14,6 +16,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "prefill_attention.h"
 
 namespace chunkgen {
 
@@ -283,6 +286,68 @@ void write_kv_checked(const torch::Tensor& k, const torch::Tensor& v, torch::Ten
   write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
 }
 
+// ---- prefill attention ------------------------------------------------------------------------
+
+// (o, lse) as torch's CPU flash attention returns them: o [B, Hq, T, d] and lse [B, Hq, T] (fp32,
+// natural log) as views of [B, T, Hq, ...] storage.
+std::tuple<torch::Tensor, torch::Tensor> prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                           double scale, bool causal,
+                                                           c10::optional<torch::Tensor> mask) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+                    "q must be [batch, q_heads, q_len, head_dim] and k, v [batch, kv_heads, kv_len, head_dim]; "
+                    "got q ", q.sizes(), " k ", k.sizes(), " v ", v.sizes());
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == torch::kBFloat16, "q, k and v must be bfloat16, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "q, k and v must be CPU tensors, got ", t->device());
+  }
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have one shape; got k ", k.sizes(), " v ", v.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), d = q.size(3), Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == B && k.size(3) == d, "k must be [", B, ", kv_heads, kv_len, ", d, "], got ",
+                    k.sizes());
+  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0, "q_heads (", Hq, ") must be a multiple of kv_heads (", Hk, ")");
+  TORCH_CHECK_VALUE(d > 0 && d % 16 == 0, "head_dim must be a positive multiple of 16, got ", d);
+  // Rows are read as unit-stride vectors; any other strides are taken as they are.
+  q = q.stride(3) == 1 ? q : q.contiguous();
+  k = k.stride(3) == 1 ? k : k.contiguous();
+  v = v.stride(3) == 1 ? v : v.contiguous();
+  PrefillProblem p{};
+  if (mask.has_value()) {
+    torch::Tensor& m = *mask;
+    TORCH_CHECK_TYPE(m.scalar_type() == torch::kBFloat16, "mask must be bfloat16 (q's dtype), got ", m.scalar_type());
+    TORCH_CHECK_VALUE(m.device().is_cpu(), "mask must be a CPU tensor, got ", m.device());
+    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == T &&
+                          m.size(3) == S,
+                      "mask must be [", B, " or 1, 1, ", T, ", ", S, "], got ", m.sizes());
+    if (m.stride(3) != 1) m = m.contiguous();
+    p.mask = reinterpret_cast<const uint16_t*>(m.data_ptr());
+    p.mask_stride[0] = m.size(0) == 1 ? 0 : m.stride(0);
+    p.mask_stride[1] = m.stride(2);
+  }
+  for (const int64_t n : {B, Hq, T, S, d})
+    TORCH_CHECK_VALUE(n <= std::numeric_limits<int>::max(), "prefill attention sizes must fit int32");
+  auto out = torch::empty({B, T, Hq, d}, q.options());
+  auto lse = torch::empty({B, T, Hq}, q.options().dtype(torch::kFloat32));
+  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  p.k = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  p.v = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  for (int i = 0; i < 3; ++i) p.q_stride[i] = q.stride(i), p.k_stride[i] = k.stride(i), p.v_stride[i] = v.stride(i);
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  p.lse = lse.data_ptr<float>();
+  p.batch = static_cast<int>(B);
+  p.q_heads = static_cast<int>(Hq);
+  p.kv_heads = static_cast<int>(Hk);
+  p.q_len = static_cast<int>(T);
+  p.kv_len = static_cast<int>(S);
+  p.head_dim = static_cast<int>(d);
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  if (B * Hq * T > 0)
+    TORCH_CHECK_VALUE(prefill_attention_cpu(p),
+                      "the prefill attention kernel needs AMX or AVX512_BF16 (in this build and this CPU); "
+                      "cpu_kernel_isa() is ", cpu_kernel_isa());
+  return {out.transpose(1, 2), lse.transpose(1, 2)};
+}
+
 // ---- the op ---------------------------------------------------------------------------------
 
 void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -394,6 +459,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Store rows of k, v [rows, kv_heads, head_dim] at (write_slot, write_offset) (int32) of one pool layer",
         py::arg("k"), py::arg("v"), py::arg("k_layer"), py::arg("v_layer"), py::arg("write_slot"),
         py::arg("write_offset"));
+  m.def("prefill_attention", &chunkgen::prefill_attention,
+        "(o, lse) of softmax(q k^T * scale + mask) v for bfloat16 CPU q [B, Hq, T, d], k, v [B, Hk, S, d] "
+        "(GQA: Hq a multiple of Hk), optional additive mask [B or 1, 1, T, S]; causal aligns the last query "
+        "with the last key. Needs the amx or avx512_bf16 path (cpu_kernel_isa())",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = false,
+        py::arg("mask") = py::none());
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
         "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "

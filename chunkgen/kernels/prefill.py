@@ -4,10 +4,11 @@
 Sequences of a wave whose cached paths start with the same full chunks form a group. Their new
 tokens attend to those shared chunks in one product (the chunks are read once, as in the decode
 kernel's chunk-first phase), then each to the rest of its own path in one padded, masked batch;
-the two normalized parts merge by their log-sum-exp. Both products are torch's fused
-(flash) attention on the CPU, in the model's dtype with fp32 softmax state: no score matrix is
-materialized, no K/V is expanded to every query head, and everything that depends only on the
-wave's shape is planned once, not once per layer.
+the two normalized parts merge by their log-sum-exp. Both products are fused (flash) attention
+on the CPU, in the model's dtype with fp32 softmax state: chunkgen's own kernel in bf16 on AMX
+(csrc/cpu/prefill_attention.cpp), torch's otherwise. No score matrix is materialized, no K/V is
+expanded to every query head, and everything that depends only on the wave's shape is planned
+once, not once per layer.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.pool import ChunkPool
 
 MAX_GROUP_TOKENS = 512  # new tokens per group: bounds the padded own-part batch
@@ -119,12 +121,20 @@ def _shared(prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: to
                  real=(qidx.view(-1) != R).nonzero().view(-1).to(device))
 
 
+def _own_kernel() -> bool:
+    """Whether bf16 products go to chunkgen's kernel: on AMX only, where it beats torch's fused
+    kernel (its AVX512_BF16 path does not). CHUNKGEN_CPU_ISA=avx512_bf16 (or lower) turns it off."""
+    return native_cpu_available() and native().cpu_kernel_isa() == "amx"
+
+
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + mask) v and its row log-sum-exp (fp32): q `[B, Hq, T, d]`, k, v
     `[B, Hk, S, d]` with Hq a multiple of Hk (query head h reads kv head h // (Hq / Hk)); a causal
     product aligns the last query with the last key. Output in q's dtype."""
     if q.device.type == "cpu":
+        if q.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0 and _own_kernel():
+            return native().prefill_attention(q, k, v, scale, causal, mask)
         # The fused kernel reads rows as unit-stride vectors whatever the strides say (a one-chunk
         # gather of the transposed K is such a view).
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
