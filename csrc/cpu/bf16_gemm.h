@@ -138,6 +138,11 @@ inline __m512 exp2_bf16(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Mask of the lanes of the 16-lane vector at j that lie below n.
+inline __mmask16 valid_lanes(int j, int n) {
+  return j >= n ? 0 : n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+}
+
 #endif  // CHUNKGEN_HAVE_AVX512_BF16
 
 #if defined(CHUNKGEN_HAVE_AMX)

@@ -59,10 +59,6 @@ void grow(Vec& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-inline __mmask16 valid_lanes(int j, int n) {
-  return j >= n ? 0 : n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-}
-
 // K^T of keys [s0, s0 + n) as the B operand of q k^T: dst[i][c][0..1] = k[s0 + c][2i..2i+1], i.e.
 // a transpose of 32-bit pairs ([n, d / 2] -> [dp / 2, nb]), zero for c >= n and 2i >= d.
 void pack_keys(const uint16_t* k, int64_t stride, int n, int d, int dp, int nb, uint16_t* dst) {
@@ -138,7 +134,7 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
         if (masked) {
           const uint16_t* mr = p.mask + w.b * p.mask_stride[0] + t * p.mask_stride[1] + s0;
           for (int jj = 0; jj < n; jj += 16) {
-            const __mmask16 lanes = valid_lanes(jj, n);
+            const __mmask16 lanes = bf16::valid_lanes(jj, n);
             const __m256i mb = _mm512_castsi512_si256(_mm512_maskz_loadu_epi16(lanes, mr + jj));
             const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), scale, _mm512_cvtpbh_ps((__m256bh)mb));
             mx = _mm512_mask_max_ps(mx, lanes, mx, x);
@@ -147,7 +143,7 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
           }
         } else {
           for (int jj = 0; jj < n; jj += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, valid_lanes(jj, n), sr + jj));
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, bf16::valid_lanes(jj, n), sr + jj));
         }
         // The running max only moves when a score exceeds it; only then is the row rescaled.
         float m = sc.m[r];
@@ -169,9 +165,9 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
         __m512 sum = _mm512_setzero_ps();
         for (int jj = 0; jj < kv; jj += 32) {
           const __m512 e0 = _mm512_maskz_mov_ps(
-              valid_lanes(jj, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), c, neg_mc)));
+              bf16::valid_lanes(jj, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), c, neg_mc)));
           const __m512 e1 = _mm512_maskz_mov_ps(
-              valid_lanes(jj + 16, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj + 16), c, neg_mc)));
+              bf16::valid_lanes(jj + 16, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj + 16), c, neg_mc)));
           const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
           sum = _mm512_dpbf16_ps(sum, pb, ones);  // l adds the rounded probabilities the product uses
           _mm512_storeu_si512(pr + jj, (__m512i)pb);

@@ -380,23 +380,6 @@ struct Bf16Scratch {
 constexpr int kBf16Rows = 32;     // query rows per product: two 16-row tiles
 constexpr int kBlockTokens = 256;  // chunk tokens per product (a multiple of 16)
 
-// 2^t for t <= 0 (finite), to the accuracy P needs: P is rounded to bf16 (relative step 2^-8)
-// before the product with V and before it is summed into l, so a cubic for 2^f on [0, 1)
-// (relative error 7.5e-5) is plenty, and the softmax is the phase's most frequent work.
-inline __m512 exp2_for_bf16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.07802403f);  // relative-error fit of 2^f
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.22606707f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69583398f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992514f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 valid_lanes(int j, int n) {
-  return j >= n ? 0 : n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-}
-
 // Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
 // online softmax across its chunks; stores each row's partial (o, m, l) like the fp32 path.
 template <typename Q>
@@ -482,7 +465,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         __m512 mx = neg_inf;
         for (int jc = 0; jc < nc; ++jc)
           for (int j = 0; j < C; j += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, valid_lanes(j, len[jc]), _mm512_loadu_ps(sr + jc * C + j), scale));
+            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, bf16::valid_lanes(j, len[jc]), _mm512_loadu_ps(sr + jc * C + j), scale));
         float m = sc.m[r];
         if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
           const float mnew = _mm512_reduce_max_ps(mx);
@@ -503,7 +486,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         for (int jc = 0; jc < nc; ++jc)
           for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
             const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
-            const __m512 e = _mm512_maskz_mov_ps(valid_lanes(j - jc * C, len[jc]), exp2_for_bf16(x));
+            const __m512 e = _mm512_maskz_mov_ps(bf16::valid_lanes(j - jc * C, len[jc]), bf16::exp2_bf16(x));
             // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
             const __m256bh eb = _mm512_cvtneps_pbh(e);
             sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
