@@ -230,6 +230,37 @@ def test_the_step_shape_long_shared_prompt(cpu_path, q_dtype):
     torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, torch.bfloat16, q_dtype))
 
 
+@pytest.mark.parametrize("cpu_path", PATHS)
+@pytest.mark.parametrize("keys", ["rising", "spike"])
+def test_later_blocks_far_above_the_first_rescale(cpu_path, keys):
+    """The bf16 softmax takes a later block's probabilities against the row's max so far: keys that
+    grow along the shared prompt (every block far above the last) or one late token with scores far
+    above all others must move that max, not overflow or lose the earlier blocks."""
+    pool = ChunkPool(1, 3, 64, 64, torch.bfloat16, budget_bytes=1 << 26)
+    tree = PrefixTree(pool)
+    for s in range(8):
+        tree.insert(s, list(range(2048)) + [5000 + 100 * s + i for i in range(10 + s)])
+        tree.mark_ready(s)
+    gen = torch.Generator().manual_seed(5)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    slots, offsets = tree.positions(0, 0, 2048)
+    slots, offsets = torch.tensor(slots), torch.tensor(offsets)
+    # Scores reach hundreds: probabilities against an early max would overflow fp32 and bf16.
+    if keys == "rising":  # score spread grows 40x from the first block to the last
+        grow = torch.linspace(1, 40, 2048)
+        pool.k[0, slots, :, :, offsets] *= grow[:, None, None].to(torch.bfloat16)
+    else:
+        pool.k[0, slots[1900], :, :, offsets[1900]] *= 100
+    ctx = KernelContext(tree)
+    q = (torch.randn(ctx.batch_size, 9, 64, generator=gen) * 3).to(torch.bfloat16)
+    with forced(cpu_path):
+        out = decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125)
+    assert torch.isfinite(out).all()
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, 0.125)
+    torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, torch.bfloat16, q.dtype))
+
+
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
 def test_the_op_writes_the_steps_kv_rows(src_dtype):
     """The op's K/V write: row b's k, v land at (write_slot[b], write_offset[b]) of the layer, as

@@ -379,6 +379,9 @@ struct Bf16Scratch {
 
 constexpr int kBf16Rows = 32;     // query rows per product: two 16-row tiles
 constexpr int kBlockTokens = 256;  // chunk tokens per product (a multiple of 16)
+// A row's later blocks take their probabilities against the max it has so far, up to 2^8 times
+// above it (exact in fp32, and bf16's rounding is relative): no pass for the block's max first.
+constexpr float kLazyHeadroom = 8.f;  // log2 units
 
 // Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
 // online softmax across its chunks; stores each row's partial (o, m, l) like the fp32 path.
@@ -452,8 +455,9 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
       const int rows = std::min(kBf16Rows, Rp - r0);
       gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, N, sc.s.data(), N, rows, false);
 
-      // Online softmax. The running max m only moves when a score exceeds it (a vector compare,
-      // rarely true after the first blocks), and only then does a row's state get rescaled.
+      // Online softmax. A row's first block finds its max first; a later block uses the max so
+      // far and moves it only when a probability would exceed 2^kLazyHeadroom (rare after the
+      // first blocks): then the row is rescaled and its block done again.
       for (int rr = 0; rr < rows; ++rr) {
         const int r = r0 + rr;
         const float* sr = sc.s.data() + static_cast<size_t>(rr) * N;
@@ -462,11 +466,14 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
           std::fill_n(pr, Kn, uint16_t{0});
           continue;
         }
-        __m512 mx = neg_inf;
-        for (int jc = 0; jc < nc; ++jc)
-          for (int j = 0; j < C; j += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, bf16::valid_lanes(j, len[jc]), _mm512_loadu_ps(sr + jc * C + j), scale));
         float m = sc.m[r];
+        bool lazy = m != kNegInf;
+        __m512 mx = neg_inf;
+        if (!lazy)
+          for (int jc = 0; jc < nc; ++jc)
+            for (int j = 0; j < C; j += 16)
+              mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, bf16::valid_lanes(j, len[jc]), _mm512_loadu_ps(sr + jc * C + j), scale));
+      rescale:
         if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
           const float mnew = _mm512_reduce_max_ps(mx);
           const float alpha = std::exp(m - mnew);  // 0 on the first block (m was -inf)
@@ -482,16 +489,26 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         }
         // exp(s * scale - m) = 2^(s * scale log2(e) - m log2(e)): one FMA before the power of two.
         const __m512 neg_m2 = _mm512_set1_ps(-m * kLog2e);
-        __m512 sum = _mm512_setzero_ps();
+        __m512 sum = _mm512_setzero_ps(), xmax = neg_inf;
         for (int jc = 0; jc < nc; ++jc)
           for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
             const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
-            const __m512 e = _mm512_maskz_mov_ps(bf16::valid_lanes(j - jc * C, len[jc]), bf16::exp2_bf16(x));
+            const __mmask16 valid = bf16::valid_lanes(j - jc * C, len[jc]);
+            if (lazy) xmax = _mm512_mask_max_ps(xmax, valid, xmax, x);
+            const __m512 e = _mm512_maskz_mov_ps(valid, bf16::exp2_bf16(x));
             // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
             const __m256bh eb = _mm512_cvtneps_pbh(e);
             sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
           }
+        if (lazy) {
+          const float over = _mm512_reduce_max_ps(xmax);  // log2 of the largest probability
+          if (over > kLazyHeadroom) {
+            mx = _mm512_set1_ps(m + over / kLog2e);
+            lazy = false;
+            goto rescale;
+          }
+        }
         std::fill(pr + N, pr + Kn, uint16_t{0});
         float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
         _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
@@ -540,9 +557,10 @@ void run(const DecodeProblem& p, Isa isa) {
     if (p.shared_end[a] != p.shared_end[b]) return p.shared_end[a] < p.shared_end[b];
     return a < b;
   });
-  // Finer than phase 2's split (8 pieces a thread, not 4): these items are few and long, so the
-  // last one to finish decides the phase; more pieces only add partial rows to merge.
-  const int64_t per_item = std::max<int64_t>(4, (shared_work + 2 * target_items - 1) / (2 * target_items));
+  // About three equal pieces a thread: enough for the dynamic schedule to even out, and long, since
+  // every piece restarts its rows' softmax and adds partial rows for phase 2 to merge (8 pieces a
+  // thread measured 6-17% slower than 3).
+  const int64_t per_item = std::max<int64_t>(4, (shared_work + 3 * nthreads - 1) / (3 * nthreads));
   int block = 1;  // chunks the bf16 path multiplies at once
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
   if (isa != Isa::Fp32 && sizeof(T) == 2) block = std::max(1, kBlockTokens / C);
@@ -557,14 +575,13 @@ void run(const DecodeProblem& p, Isa isa) {
     }
     const int nch = g1 - g0, cover = end - begin;
     const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;
-    // The bf16 path multiplies chunks in blocks: a piece of whole blocks (at most one block each
-    // when the group is split at all, so the pieces are equal), never a block cut short.
+    // The bf16 path multiplies chunks in blocks: a piece of whole blocks, never a block cut short.
     const int blocks = (nch + block - 1) / block;
-    const int chunk_pieces = block > 1 ? (pieces > 1 ? blocks : 1) : static_cast<int>(std::min<int64_t>(nch, pieces));
+    const int chunk_pieces = static_cast<int>(std::min<int64_t>(blocks, pieces));
     const int row_pieces = static_cast<int>(std::max<int64_t>(1, (pieces + chunk_pieces - 1) / chunk_pieces));
     const int rows_per = (cover + row_pieces - 1) / row_pieces;
     const auto cut = [&](int cp) {
-      return g0 + (block > 1 ? std::min(nch, cp * (blocks / chunk_pieces) * block) : nch * cp / chunk_pieces);
+      return g0 + std::min(nch, cp * blocks / chunk_pieces * block);
     };
     for (int h = 0; h < Hk; ++h)
       for (int cp = 0; cp < chunk_pieces; ++cp)
