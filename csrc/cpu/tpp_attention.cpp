@@ -20,6 +20,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bf16_gemm.h"
@@ -506,17 +507,28 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         // exp(s * scale - m) = 2^(s * scale log2(e) - m log2(e)): one FMA before the power of two.
         const __m512 neg_m2 = _mm512_set1_ps(-m * kLog2e);
         __m512 sum = _mm512_setzero_ps(), xmax = neg_inf;
-        for (int jc = 0; jc < nc; ++jc)
+        // One chunk's probabilities; a full chunk (most of them) needs no mask of valid lanes.
+        const auto probabilities = [&](auto full, auto track_max, int jc) {
           for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
             const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
-            const __mmask16 valid = bf16::valid_lanes(j - jc * C, len[jc]);
-            if (lazy) xmax = _mm512_mask_max_ps(xmax, valid, xmax, x);
-            const __m512 e = _mm512_maskz_mov_ps(valid, bf16::exp2_bf16(x));
+            const __mmask16 valid = full ? __mmask16(0xffff) : bf16::valid_lanes(j - jc * C, len[jc]);
+            if constexpr (track_max) xmax = full ? _mm512_max_ps(xmax, x) : _mm512_mask_max_ps(xmax, valid, xmax, x);
+            const __m512 e = full ? bf16::exp2_bf16(x) : _mm512_maskz_mov_ps(valid, bf16::exp2_bf16(x));
             // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
             const __m256bh eb = _mm512_cvtneps_pbh(e);
             sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
           }
+        };
+        using Yes = std::true_type;
+        using No = std::false_type;
+        for (int jc = 0; jc < nc; ++jc) {
+          const bool full = len[jc] == C;
+          if (lazy)
+            full ? probabilities(Yes{}, Yes{}, jc) : probabilities(No{}, Yes{}, jc);
+          else
+            full ? probabilities(Yes{}, No{}, jc) : probabilities(No{}, No{}, jc);
+        }
         if (lazy) {
           const float over = _mm512_reduce_max_ps(xmax);  // log2 of the largest probability
           if (over > kLazyHeadroom) {
