@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "argmax.h"
 #include "attention.h"
 #include "elementwise.h"
 #include "prefill_attention.h"
@@ -426,6 +427,8 @@ TORCH_LIBRARY(chunkgen, m) {
   m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
         "Tensor(b!) q_out) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
@@ -433,6 +436,7 @@ TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
   m.impl("add_rms_norm", &chunkgen::add_rms_norm_op);
   m.impl("rotary", &chunkgen::rotary_op);
   m.impl("silu_mul", &chunkgen::silu_mul_op);
+  m.impl("argmax_rows", &chunkgen::argmax_rows_op);
 }
 
 #ifdef CHUNKGEN_WITH_CUDA

@@ -133,6 +133,28 @@ def test_greedy_rows_take_the_argmax_and_tiny_temperatures_are_greedy():
     assert all(0 <= t < 300 for t in out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 33, 300, 49_152])
+def test_the_argmax_is_the_first_of_equals_on_any_row(dtype, n):
+    """The CPU argmax op against torch.max's indices: random rows, rows of ties (bf16 makes them
+    common), the maximum in the tail past the last full vector, NaN (its first index wins) and
+    all -inf rows; fp32 and the model's bf16 logits."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(8, n, generator=gen).to(dtype)
+    x[1] = 0  # all equal: index 0
+    x[2, n // 2:] = 7  # a run of equal maxima: its first
+    x[3, -1] = 100  # in the tail
+    x[4] = float("-inf")
+    x[5, n // 3] = float("nan")
+    x[5, -1] = float("nan")
+    x[6, 0] = float("inf")
+    x[7] = torch.randint(0, 3, (n,), generator=gen).to(dtype)  # many ties
+    got = sampler._argmax(x)
+    assert torch.equal(got, x.max(dim=-1).indices)
+    assert got[5] == n // 3 and got[2] == n // 2 and got[1] == 0
+    assert torch.equal(sampler._argmax(x[:, :].t().contiguous().t()), got)  # strided rows: torch's path
+
+
 def test_rows_without_a_distribution_do_not_abort_the_batch():
     logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(2))
     logits[0, 7] = math.nan

@@ -143,6 +143,8 @@ class Engine:
         Everything runs on the logits' device; the step's one read brings back the tokens with
         their logprobs (and which rows need their cut redone exactly, a rare extra sync)."""
         batch, penalized = self._sampling_plan(seqs, logits.device)
+        if penalized is not None or self._num_constrained or batch.sampled:
+            logits = logits.float()  # penalties, masks and draws in fp32; greedy argmax needs none
         logprobs = StepLogprobs(logits, batch)
         if penalized is not None:
             self.penalties.apply_(logits, penalized)

@@ -164,8 +164,10 @@ class LlamaModel:
         return cos[0, :, None, :], sin[0, :, None, :]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits (fp32) of the final-normed hidden states h."""
-        return self.lm_head(h).float()
+        """Logits of the final-normed hidden states h, in the model's dtype: a greedy step takes
+        their argmax as they are (the same index as in fp32, which holds them exactly); the
+        sampler converts them to fp32 for everything else."""
+        return self.lm_head(h)
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -250,8 +252,9 @@ class LlamaModel:
     def decode(self, step: ContextArrays, k_cache: torch.Tensor, v_cache: torch.Tensor,
                workspace: torch.Tensor, chunk_first: bool = True) -> torch.Tensor:
         """One token per row of `step` (the kernel context's arrays and the step's inputs, on the
-        model's device); returns logits [rows, vocab] (fp32). A plain forward: no host data is read
-        and no tensor is built from Python values, so it compiles to one graph and replays as one."""
+        model's device); returns logits [rows, vocab] in the model's dtype. A plain forward: no
+        host data is read and no tensor is built from Python values, so it compiles to one graph
+        and replays as one."""
         x = F.embedding(step.tokens, self.embed)
         rows = x.shape[0]
         # q and out in the model's dtype when the pool holds it (the kernel accumulates in fp32);
