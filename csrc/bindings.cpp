@@ -17,6 +17,7 @@
 #include "argmax.h"
 #include "attention.h"
 #include "elementwise.h"
+#include "linear.h"
 #include "prefill_attention.h"
 
 namespace chunkgen {
@@ -429,6 +430,9 @@ TORCH_LIBRARY(chunkgen, m) {
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.
   m.def("argmax_rows(Tensor x) -> Tensor");
+  // The decode step's linear layers on AMX (csrc/linear.h); CPU only.
+  m.def("pack_linear(Tensor w) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
@@ -437,6 +441,8 @@ TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
   m.impl("rotary", &chunkgen::rotary_op);
   m.impl("silu_mul", &chunkgen::silu_mul_op);
   m.impl("argmax_rows", &chunkgen::argmax_rows_op);
+  m.impl("pack_linear", &chunkgen::pack_linear_op);
+  m.impl("packed_linear", &chunkgen::packed_linear_op);
 }
 
 #ifdef CHUNKGEN_WITH_CUDA

@@ -271,7 +271,7 @@ def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_
     with PeakRSS() as rss:
         start = rss.peak
         llm = LLM(dummy_weights="smollm2-135m", dtype="bf16", device="cpu", kv_memory="64MiB")
-    estimate = dummy.weight_bytes(config, torch.bfloat16) * dummy.peak_factor("cpu")
+    estimate = dummy.weight_bytes(config, torch.bfloat16) * dummy.peak_factor("cpu", torch.bfloat16)
     assert rss.peak - start <= estimate  # the memory check does not under-estimate
     assert not getattr(llm.tokenizer, "ids_only", False) and llm.model.dtype == torch.bfloat16
     out = tmp_path / "rows.json"

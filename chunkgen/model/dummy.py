@@ -24,14 +24,22 @@ SHIPPED = ("smollm2-135m", "llama-3.2-1b", "llama-2-7b")
 # while LlamaModel fuses q/k/v and gate/up into new tensors (~1.7x), plus on the CPU the
 # oneDNN-packed copy of every linear weight (CHUNKGEN_ONEDNN=0 turns packing off). Measured peak
 # RSS over weight bytes on the CPU in bf16: 2.71x on smollm2-135m shapes, 2.60x on llama-3.2-1b.
+# A bf16 model on an AMX CPU keeps one more copy, packed for the decode product
+# (CHUNKGEN_AMX_LINEAR=0 turns it off).
 PEAK_PER_WEIGHT_BYTE = {"cpu": 3.0, "cpu-unpacked": 2.0, "cuda": 2.0}
+AMX_DECODE_COPY = 1.0
 
 
-def peak_factor(device: str) -> float:
+def peak_factor(device: str, dtype: torch.dtype | None = None) -> float:
     if device.startswith("cuda"):
         return PEAK_PER_WEIGHT_BYTE["cuda"]
     packed = torch.backends.mkldnn.is_available() and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
-    return PEAK_PER_WEIGHT_BYTE["cpu" if packed else "cpu-unpacked"]
+    factor = PEAK_PER_WEIGHT_BYTE["cpu" if packed else "cpu-unpacked"]
+    if dtype == torch.bfloat16 and os.environ.get("CHUNKGEN_AMX_LINEAR", "1") != "0":
+        from chunkgen.model.llama import amx_available
+
+        factor += AMX_DECODE_COPY if amx_available() else 0.0
+    return factor
 
 
 class DummyWeightsError(ValueError):
@@ -86,7 +94,7 @@ def check_fits(config, dtype: torch.dtype, device: str, available: int, copies: 
     from chunkgen.model.precision import DTYPE_NAMES
 
     weights = weight_bytes(config, dtype)
-    need = int(weights * peak_factor(device)) + (copies - 1) * weights
+    need = int(weights * peak_factor(device, dtype)) + (copies - 1) * weights
     if need > available:
         where = "GPU memory free" if device.startswith("cuda") else "memory available"
         smaller = "" if dtype != torch.float32 else " (--dtype bf16 halves it)"

@@ -1,0 +1,77 @@
+"""chunkgen's AMX decode product (csrc/cpu/linear.cpp) against a float64 x W^T, and the model's
+Linear choosing it only where it applies."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from chunkgen.model import llama
+
+needs_amx = pytest.mark.skipif(not llama.amx_available(), reason="no AMX path on this machine")
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    packed = torch.ops.chunkgen.pack_linear.default(w)
+    return torch.ops.chunkgen.packed_linear.default(x, packed, w.shape[0])
+
+
+@needs_amx
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 32), n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
+       k=st.sampled_from([1, 31, 32, 40, 64, 200, 576]), strided=st.booleans(), seed=st.integers(0, 2**31))
+def test_the_product_is_x_times_w_transposed(rows, n, k, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(k, rows, generator=gen).bfloat16().t() if strided else torch.randn(rows, k, generator=gen).bfloat16()
+    got = packed_linear(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    want = x.double() @ w.double().t()
+    # fp32 sums of bf16 products, rounded once to bf16: within bf16's rounding of the result
+    # plus fp32's of a sum of k terms
+    bound = want.abs() * 2**-8 + (x.double().abs() @ w.double().abs().t()) * k * 2**-23 + 1e-30
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+@needs_amx
+def test_a_weight_with_nan_touches_only_its_own_columns():
+    w = torch.randn(40, 64).bfloat16()
+    w[33, 5] = float("nan")
+    got = packed_linear(torch.randn(3, 64).bfloat16(), w)
+    assert got[:, 33].isnan().all() and not got[:, :33].isnan().any() and not got[:, 34:].isnan().any()
+
+
+@needs_amx
+def test_bad_arguments_are_refused():
+    w = torch.randn(40, 64).bfloat16()
+    packed = torch.ops.chunkgen.pack_linear.default(w)
+    op = torch.ops.chunkgen.packed_linear.default
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        op(torch.randn(33, 64).bfloat16(), packed, 40)
+    with pytest.raises(TypeError, match="bfloat16"):
+        op(torch.randn(4, 64), packed, 40)
+    with pytest.raises(ValueError, match="pack_linear of a"):
+        op(torch.randn(4, 32).bfloat16(), packed, 40)
+    with pytest.raises(TypeError, match="bfloat16"):
+        torch.ops.chunkgen.pack_linear.default(w.float())
+
+
+@needs_amx
+def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
+    w = torch.randn(600, 512).bfloat16()  # above the size oneDNN and the AMX product are used for
+    lin = llama.Linear(w, None)
+    assert lin.decode_packed is not None
+    calls = []
+    real = torch.ops.chunkgen.packed_linear.default
+    monkeypatch.setattr(llama.torch.ops.chunkgen.packed_linear, "default",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 32, 33, 64):
+        x = torch.randn(rows, 512).bfloat16()
+        y = lin(x)
+        want = x.double() @ w.double().t()
+        assert y.shape == (rows, 600) and ((y.double() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
+    assert calls == [1, 32]
+    assert llama.Linear(w, torch.zeros(600).bfloat16()).decode_packed is None  # biased: oneDNN's path
+    assert llama.Linear(w.float(), None).decode_packed is None
+    monkeypatch.setenv("CHUNKGEN_AMX_LINEAR", "0")
+    assert llama.Linear(w, None).decode_packed is None
