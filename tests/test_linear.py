@@ -1,5 +1,5 @@
-"""chunkgen's AMX decode product (csrc/cpu/linear.cpp) against a float64 x W^T, and the model's
-Linear choosing it only where it applies."""
+"""chunkgen's bf16 decode product (csrc/cpu/linear.cpp) on every bf16 path this machine has (AMX,
+AVX512_BF16) against a float64 x W^T, and the model's Linear choosing it only where it applies."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from chunkgen.model import llama
+from tests.test_kernels import PATHS, forced
 
-needs_amx = pytest.mark.skipif(not llama.amx_available(), reason="no AMX path on this machine")
+BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
+needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")
 
 
 def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -16,15 +18,16 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.chunkgen.packed_linear.default(x, packed, w.shape[0])
 
 
-@needs_amx
-@settings(max_examples=60, deadline=None)
-@given(rows=st.integers(0, 32), n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
+@needs_bf16
+@settings(max_examples=80, deadline=None)
+@given(path=st.sampled_from(BF16_PATHS or ["none"]), rows=st.integers(0, 32), n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
        k=st.sampled_from([1, 31, 32, 40, 64, 200, 576]), strided=st.booleans(), seed=st.integers(0, 2**31))
-def test_the_product_is_x_times_w_transposed(rows, n, k, strided, seed):
+def test_the_product_is_x_times_w_transposed(path, rows, n, k, strided, seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(k, rows, generator=gen).bfloat16().t() if strided else torch.randn(rows, k, generator=gen).bfloat16()
-    got = packed_linear(x, w)
+    with forced(path):
+        got = packed_linear(x, w)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     want = x.double() @ w.double().t()
     # fp32 sums of bf16 products, rounded once to bf16: within bf16's rounding of the result
@@ -33,15 +36,17 @@ def test_the_product_is_x_times_w_transposed(rows, n, k, strided, seed):
     assert ((got.double() - want).abs() <= bound).all()
 
 
-@needs_amx
-def test_a_weight_with_nan_touches_only_its_own_columns():
+@needs_bf16
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_a_weight_with_nan_touches_only_its_own_columns(path):
     w = torch.randn(40, 64).bfloat16()
     w[33, 5] = float("nan")
-    got = packed_linear(torch.randn(3, 64).bfloat16(), w)
+    with forced(path):
+        got = packed_linear(torch.randn(20, 64).bfloat16(), w)
     assert got[:, 33].isnan().all() and not got[:, :33].isnan().any() and not got[:, 34:].isnan().any()
 
 
-@needs_amx
+@needs_bf16
 def test_bad_arguments_are_refused():
     w = torch.randn(40, 64).bfloat16()
     packed = torch.ops.chunkgen.pack_linear.default(w)
@@ -56,7 +61,7 @@ def test_bad_arguments_are_refused():
         torch.ops.chunkgen.pack_linear.default(w.float())
 
 
-@needs_amx
+@needs_bf16
 def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
     w = torch.randn(600, 512).bfloat16()  # above the size oneDNN and the AMX product are used for
     lin = llama.Linear(w, None)
@@ -73,5 +78,8 @@ def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
     assert calls == [1, 32]
     assert llama.Linear(w, torch.zeros(600).bfloat16()).decode_packed is None  # biased: oneDNN's path
     assert llama.Linear(w.float(), None).decode_packed is None
-    monkeypatch.setenv("CHUNKGEN_AMX_LINEAR", "0")
+    monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "0")
+    assert llama.Linear(w, None).decode_packed is None
+    monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "1")
+    monkeypatch.setenv("CHUNKGEN_CPU_ISA", "fp32")  # no bf16 arithmetic: oneDNN's path
     assert llama.Linear(w, None).decode_packed is None

@@ -24,10 +24,10 @@ SHIPPED = ("smollm2-135m", "llama-3.2-1b", "llama-2-7b")
 # while LlamaModel fuses q/k/v and gate/up into new tensors (~1.7x), plus on the CPU the
 # oneDNN-packed copy of every linear weight (CHUNKGEN_ONEDNN=0 turns packing off). Measured peak
 # RSS over weight bytes on the CPU in bf16: 2.71x on smollm2-135m shapes, 2.60x on llama-3.2-1b.
-# A bf16 model on an AMX CPU keeps one more copy, packed for the decode product
-# (CHUNKGEN_AMX_LINEAR=0 turns it off).
+# A bf16 model on a CPU with AMX or AVX512_BF16 keeps one more copy, packed for the decode product
+# (CHUNKGEN_DECODE_LINEAR=0 turns it off).
 PEAK_PER_WEIGHT_BYTE = {"cpu": 3.0, "cpu-unpacked": 2.0, "cuda": 2.0}
-AMX_DECODE_COPY = 1.0
+DECODE_PRODUCT_COPY = 1.0
 
 
 def peak_factor(device: str, dtype: torch.dtype | None = None) -> float:
@@ -35,10 +35,10 @@ def peak_factor(device: str, dtype: torch.dtype | None = None) -> float:
         return PEAK_PER_WEIGHT_BYTE["cuda"]
     packed = torch.backends.mkldnn.is_available() and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
     factor = PEAK_PER_WEIGHT_BYTE["cpu" if packed else "cpu-unpacked"]
-    if dtype == torch.bfloat16 and os.environ.get("CHUNKGEN_AMX_LINEAR", "1") != "0":
-        from chunkgen.model.llama import amx_available
+    if dtype == torch.bfloat16 and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0":
+        from chunkgen.model.llama import decode_product_available
 
-        factor += AMX_DECODE_COPY if amx_available() else 0.0
+        factor += DECODE_PRODUCT_COPY if decode_product_available() else 0.0
     return factor
 
 

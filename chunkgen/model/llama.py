@@ -46,23 +46,25 @@ class PrefillItem:
 # for F.linear) outweighs its faster kernel: measured at batch 32 and 256, one thread, weights of
 # 64x64 to 64x2048 (even at 64x2048 the two paths tie).
 _ONEDNN_MIN_WEIGHT = 1 << 17
-# Rows chunkgen's AMX decode product takes (csrc/linear.h); more go to oneDNN.
+# Rows chunkgen's decode product takes (csrc/linear.h); more go to oneDNN.
 _DECODE_PACKED_ROWS = 32
 
 
-def amx_available() -> bool:
-    """Whether chunkgen's CPU kernels run on AMX here (built with it, and the CPU and OS grant it)."""
-    return native_cpu_available() and native().cpu_kernel_isa() == "amx"
+def decode_product_available() -> bool:
+    """Whether chunkgen's bf16 decode product runs here: its CPU kernels built with, and running
+    on, AMX or AVX512_BF16."""
+    return native_cpu_available() and native().cpu_kernel_isa() in ("amx", "avx512_bf16")
 
 
 class Linear:
     """y = x W^T + b. On the CPU the weight is packed once into oneDNN's blocked layout when the
     build supports it for this dtype and the weight is not tiny: 1.4-2.1x faster than F.linear at
     decode batch sizes here (measured at batch 32 on the default model's shapes).
-    CHUNKGEN_ONEDNN=0 turns it off. A bf16 weight without bias on a CPU with AMX is also packed
-    for chunkgen's decode product (csrc/cpu/linear.cpp), which takes calls of up to 32 rows: it
-    streams the weights from memory faster than oneDNN does (a decode step's linear layers 13.5 ms
-    against 17.5 on the Xeon), with the same results. CHUNKGEN_AMX_LINEAR=0 turns it off."""
+    CHUNKGEN_ONEDNN=0 turns it off. A bf16 weight without bias on a CPU with AMX or AVX512_BF16 is
+    also packed for chunkgen's decode product (csrc/cpu/linear.cpp), which takes calls of up to 32
+    rows: it streams the weights from memory faster than oneDNN does (on the Xeon's AMX a decode
+    step's linear layers 14.5-15.4 ms against 17.3-19.4, with the same results).
+    CHUNKGEN_DECODE_LINEAR=0 turns it off."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach().contiguous()
@@ -77,8 +79,8 @@ class Linear:
                 self.packed = None
         self.decode_packed = None
         if (weight.dtype == torch.bfloat16 and bias is None and weight.numel() >= _ONEDNN_MIN_WEIGHT
-                and weight.device.type == "cpu" and amx_available()
-                and os.environ.get("CHUNKGEN_AMX_LINEAR", "1") != "0"):
+                and weight.device.type == "cpu" and decode_product_available()
+                and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"):
             self.decode_packed = torch.ops.chunkgen.pack_linear.default(self.weight)
         self.out_features = self.weight.shape[0]
 

@@ -94,6 +94,67 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
 }  // namespace
 #endif
 
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+namespace {
+
+// The same product on AVX512_BF16 dot products (CPUs without AMX): R rows x 32 columns of fp32
+// sums in registers, each pair-row of the block (32 columns x 2 k, two vectors) read once per
+// row group.
+template <int R>
+inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t kp, float* c) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; k += 2) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wb + k * 32);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(wb + k * 32 + 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + k, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(c + r * 32, acc0[r]);
+    _mm512_store_ps(c + r * 32 + 16, acc1[r]);
+  }
+}
+
+void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp,
+                          int64_t n, uint16_t* y) {
+  constexpr int kGroup = 14;  // 28 accumulators, two weight vectors, one broadcast: 31 registers
+  const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
+#pragma omp parallel
+  {
+    alignas(64) float c[32 * 32];
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
+      const uint16_t* wb = w + b * block_elems;
+      int r = 0;
+      for (; r + kGroup <= rows; r += kGroup) dpbf16_rows<kGroup>(x + r * ldx, ldx, wb, kp, c + r * 32);
+      switch (rows - r) {
+#define CHUNKGEN_ROWS(m) \
+  case m: dpbf16_rows<m>(x + r * ldx, ldx, wb, kp, c + r * 32); break;
+        CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
+        CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
+        CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13)
+#undef CHUNKGEN_ROWS
+        default: break;
+      }
+      const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
+      const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+      for (int rr = 0; rr < rows; ++rr) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + rr * 32 + 16), _mm512_load_ps(c + rr * 32));
+        _mm512_mask_storeu_epi16(y + rr * n + n0, m, (__m512i)v);
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
 torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-d CPU tensor, got ",
                     x.sizes(), " on ", x.device());
@@ -109,8 +170,9 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
                     "] weight, got ", packed.sizes());
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
-#if defined(CHUNKGEN_HAVE_AMX)
-  TORCH_CHECK(current_isa() == Isa::Amx, "packed_linear needs AMX; the CPU kernels' path is ", isa_name(current_isa()));
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  const Isa isa = current_isa();
+  TORCH_CHECK(isa != Isa::Fp32, "packed_linear needs AMX or AVX512_BF16; the CPU kernels' path is ", isa_name(isa));
   const int rt = rows > 16 ? 2 : 1;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t ldx = x.stride(0);
@@ -130,13 +192,19 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
   }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (rt == 2)
-    packed_linear_amx<2>(xs, ldx, static_cast<int>(rows), w, kp, n, out);
-  else
-    packed_linear_amx<1>(xs, ldx, static_cast<int>(rows), w, kp, n, out);
+#if defined(CHUNKGEN_HAVE_AMX)
+  if (isa == Isa::Amx) {
+    if (rt == 2)
+      packed_linear_amx<2>(xs, ldx, static_cast<int>(rows), w, kp, n, out);
+    else
+      packed_linear_amx<1>(xs, ldx, static_cast<int>(rows), w, kp, n, out);
+    return y;
+  }
+#endif
+  packed_linear_dpbf16(xs, ldx, static_cast<int>(rows), w, kp, n, out);
   return y;
 #else
-  TORCH_CHECK(false, "packed_linear needs AMX; this build has no AMX path");
+  TORCH_CHECK(false, "packed_linear needs AMX or AVX512_BF16; this build has neither");
 #endif
 }
 
