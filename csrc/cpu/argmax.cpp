@@ -13,16 +13,13 @@
 #include <cstring>
 #include <limits>
 
+#include "bf16_gemm.h"
+
 namespace chunkgen {
 namespace {
 
 inline float value(float x) { return x; }
-inline float value(c10::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float value(c10::BFloat16 x) { return bf16::to_float(x.x); }
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }

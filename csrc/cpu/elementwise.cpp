@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_gemm.h"
+
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -31,12 +33,7 @@ namespace {
 // Storage <-> fp32. bf16 by bit operations (round to nearest even, NaN kept quiet) so that loops
 // over a row vectorise; fp16 through c10's conversion.
 inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
-  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float load(c10::BFloat16 x) { return bf16::to_float(x.x); }
 inline float load(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>

@@ -1,9 +1,10 @@
-// The decode step's linear layers on AMX (csrc/linear.h). At a decode batch the product is bound
-// by reading the weights, once, from memory: each 32-column block of W is one contiguous run that
-// the hardware prefetcher streams, and the two threads read disjoint runs. Measured on the Xeon at
-// 32 rows against oneDNN's packed matmul: the default model's 120 layer products 9.5 ms against
-// 13.3 when their weights come from memory, a lone product right after a cache flush 70 us
-// against 150; equal results (the same fp32 sums in the same order, rounded once to bf16).
+// The decode step's linear layers on AMX tiles, or AVX512_BF16 dot products where a CPU has no
+// AMX (csrc/linear.h). At a decode batch the product is bound by reading the weights, once, from
+// memory: each 32-column block of W is one contiguous run that the hardware prefetcher streams,
+// and the two threads read disjoint runs. Measured on the Xeon's AMX at 32 rows against oneDNN's
+// packed matmul: the default model's 120 layer products 9.5 ms against 13.3 when their weights
+// come from memory, a lone product right after a cache flush 70 us against 150; equal results
+// (the same fp32 sums in the same order, rounded once to bf16).
 #include "../linear.h"
 
 #include <omp.h>
