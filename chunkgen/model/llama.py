@@ -63,7 +63,7 @@ class Linear:
     CHUNKGEN_ONEDNN=0 turns it off. A bf16 weight without bias on a CPU with AMX or AVX512_BF16 is
     also packed for chunkgen's decode product (csrc/cpu/linear.cpp), which takes calls of up to 32
     rows: it streams the weights from memory faster than oneDNN does (on the Xeon's AMX a decode
-    step's linear layers 14.5-15.4 ms against 17.3-19.4, with the same results).
+    step's linear layers 14.5-16.2 ms against 17.2-19.4, with the same results).
     CHUNKGEN_DECODE_LINEAR=0 turns it off."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
