@@ -812,7 +812,7 @@ def inspect_tree(
     template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option("fp32", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16 or fp16."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
@@ -826,6 +826,7 @@ def inspect_tree(
     from chunkgen.cache.stats import CacheReplay, plan_tree, tree_stats
     from chunkgen.jobs.requests import ErrorRecord
     from chunkgen.llm import encode_prompt
+    from chunkgen.model.precision import DTYPE_NAMES
 
     _check_format(fmt)
     _check_chunk_size(chunk_size)
@@ -887,7 +888,7 @@ def inspect_tree(
     _draw(tree.root, view, templates_under)
     console = stdout
     console.print(view)
-    table = Table(title=f"KV memory to hold all {st.sequences} prompts at once ({dtype})", show_header=True)
+    table = Table(title=f"KV memory to hold all {st.sequences} prompts at once ({DTYPE_NAMES.get(kv_dtype, dtype)})", show_header=True)
     table.add_column("")
     table.add_column("chunks", justify="right")
     table.add_column("bytes", justify="right")
