@@ -204,6 +204,7 @@ def test_inspect_tree_foresees_the_hit_rate_of_each_order(tiny_model, tmp_path):
     figures = tmp_path / "tree.json"
     res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
                                    "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB",
+                                   "--dtype", "fp32",  # the budget is sized for fp32 K/V
                                    "--max-batch", "4", "--json", str(figures)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     f = json.loads(figures.read_text())
