@@ -430,7 +430,7 @@ TORCH_LIBRARY(chunkgen, m) {
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.
   m.def("argmax_rows(Tensor x) -> Tensor");
-  // The decode step's linear layers on AMX (csrc/linear.h); CPU only.
+  // The decode step's bf16 linear layers on AMX or AVX512_BF16 (csrc/linear.h); CPU only.
   m.def("pack_linear(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
 }

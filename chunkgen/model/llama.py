@@ -86,11 +86,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Inductor cannot lower the prepacked weights; a compiled forward packs weights itself.
-        if (self.decode_packed is not None and x.shape[0] <= _DECODE_PACKED_ROWS
-                and not torch.compiler.is_compiling()):
-            return torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
-        if self.packed is not None and not torch.compiler.is_compiling():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if not torch.compiler.is_compiling():
+            if self.decode_packed is not None and x.shape[0] <= _DECODE_PACKED_ROWS:
+                return torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
+            if self.packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # x is [rows, in] here: F.linear's own path for it, without its nested transpose and views
         return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
