@@ -1,3 +1,3 @@
-from chunkgen.cli import app
+from chunkgen.entry import main
 
-app(prog_name="chunkgen")
+main()

@@ -23,6 +23,30 @@ try:  # typer 0.2x carries its own copy of click
 except ImportError:  # older typer: click itself
     from click import exceptions as click_exc
 
+
+def _abort_classes() -> tuple[type[BaseException], ...]:
+    """Every `Abort` the installed typer / click may raise (it moved between their versions; a
+    name that is missing in one of them must not break the handler that names it)."""
+    import importlib
+
+    found: list[type[BaseException]] = []
+    for module in ("typer.exceptions", "typer._click.exceptions", "click.exceptions"):
+        try:
+            cls = getattr(importlib.import_module(module), "Abort", None)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, BaseException) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+_ABORT = _abort_classes()
+
+
+class _Interrupted(Exception):
+    """SIGINT (KeyboardInterrupt) inside a command, carried past typer's and click's own handlers,
+    which turn it into a silent exit code (typer) or an Abort (click), so that it is said in one line."""
+
 _TTY = sys.stderr.isatty()
 
 
@@ -62,7 +86,15 @@ def _value_error_text(cause: BaseException | None) -> str | None:
 
 
 class _Group(TyperGroup):
-    """Usage errors (exit code 2) print one line in the same form as run errors (exit code 1)."""
+    """The CLI's one exception boundary: usage errors (exit code 2) print one line in the same form
+    as run errors (exit code 1); an interrupt, a full disk or any unexpected error is one line too,
+    never a traceback (CHUNKGEN_TRACEBACK=1 shows it, for a bug report)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any):
         if not standalone_mode:
@@ -75,10 +107,36 @@ class _Group(TyperGroup):
         except click_exc.ClickException as e:
             err.print(f"[bold red]error:[/] {escape(_usage_error_text(e))}", highlight=False)
             sys.exit(e.exit_code)
-        except click_exc.Abort:
-            err.print("aborted", highlight=False)
+        except (_Interrupted, KeyboardInterrupt):
+            err.print("interrupted (SIGINT) before any record was written; nothing to resume", highlight=False)
+            sys.exit(EXIT_SIGNAL[signal.SIGINT])
+        except BaseException as e:
+            if isinstance(e, SystemExit) or os.environ.get("CHUNKGEN_TRACEBACK"):
+                raise
+            if _ABORT and isinstance(e, _ABORT):
+                err.print("aborted", highlight=False)
+            elif not isinstance(e, Exception):
+                raise
+            else:
+                err.print(f"[bold red]error:[/] {escape(_unexpected_text(e))}", highlight=False)
             sys.exit(EXIT_ERROR)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _unexpected_text(e: BaseException) -> str:
+    """An error no check foresaw, in one line: a full disk or an unwritable temporary folder in
+    the user's words, anything else by its type and message, with how to see where it came from."""
+    import errno
+    import tempfile
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        where = e.filename or "a file"
+        if e.filename is None or str(e.filename).startswith(tempfile.gettempdir()):
+            where = f"the temporary folder {tempfile.gettempdir()} (TMPDIR)"
+        return f"cannot write {where}: {e.strerror}; free space there or set TMPDIR to a folder with room"
+    text = " ".join(str(e).split()) or "(no message)"
+    return (f"unexpected {type(e).__name__}: {text[:400]} (run again with CHUNKGEN_TRACEBACK=1 for the "
+            "traceback, and report it)")
 
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -459,16 +517,33 @@ class _Ticker:
 
 
 class _StopFlag:
-    """SIGINT / SIGTERM ask the run to stop after the current step; a second one stops at once."""
+    """SIGINT / SIGTERM ask the run to stop after the current step; a second one stops at once.
 
-    def __init__(self) -> None:
+    Stopping at once is an exit from the signal handler itself (`os._exit`), not an exception: an
+    exception raised wherever the main thread happens to be (a generator's cleanup, a finaliser) can
+    be swallowed as "Exception ignored" and the second signal lost. Nothing is lost by exiting: every
+    record was written whole by one system call, the lock goes with the process, and a rewrite's
+    copy left behind is removed by the next --resume. With `hard=False` (a Ray driver, which must
+    take its cluster down) the second signal raises KeyboardInterrupt instead."""
+
+    def __init__(self, out: Path | None = None, hard: bool = True) -> None:
         self.signum: int | None = None
+        self._out, self._hard = out, hard
         self._old = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        if not self._hard:
             raise KeyboardInterrupt
-        self.signum = signum
+        where = f" to {self._out}" if self._out is not None else ""
+        message = (f"stopped at once by a second signal: every record written{where} is whole; run the "
+                   "same command with --resume to continue\n")
+        try:
+            os.write(2, message.encode())
+        finally:
+            os._exit(EXIT_SIGNAL[self.signum])
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -651,7 +726,7 @@ def run(
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                       max_batch=max_batch, share_prefix=not no_share, device=chosen_device if use_ray else device,
                       enforce_eager=True if enforce_eager else None)
-    stop_flag = _StopFlag()  # from here on, a signal is never a traceback: the writer may be repairing
+    stop_flag = _StopFlag(out, hard=not use_ray)  # from here on, a signal is never a traceback: the writer may be repairing
     writer = None
     try:
         try:

@@ -53,7 +53,7 @@ def test_key_agrees_on_exactly_the_shared_chunks():
 @pytest.mark.parametrize("run_rows", [3, 1000])
 def test_external_sort_spills_runs_and_merges_them_in_order(run_rows, tmp_path):
     rng = random.Random(0)
-    entries = [(bytes(rng.randrange(4) for _ in range(rng.randrange(0, 5))), i, i + 1, 10 * i, i % 7)
+    entries = [(bytes(rng.randrange(4) for _ in range(rng.randrange(0, 5))), i, i + 1, 10 * i, i % 7, i % 3 - 1)
                for i in range(200)]
     sorter = ExternalSort(run_rows=run_rows, spill_dir=str(tmp_path))
     for e in entries:

@@ -114,8 +114,9 @@ class RowFile:
                 f.close()
 
 
-# An entry: (key, index, line, offset, crc). On disk: the fixed fields, then the key's bytes.
-_FIXED = struct.Struct("<qqqIH")
+# An entry: (key, index, line, offset, crc, occurrence); occurrence -1 for a row with an id. On
+# disk: the fixed fields, then the key's bytes.
+_FIXED = struct.Struct("<qqqIqH")
 
 
 class ExternalSort:
@@ -125,7 +126,7 @@ class ExternalSort:
     def __init__(self, run_rows: int = RUN_ROWS, spill_dir: str | None = None) -> None:
         self.run_rows = run_rows
         self.spill_dir = spill_dir
-        self._buffer: list[tuple[bytes, int, int, int, int]] = []
+        self._buffer: list[tuple[bytes, int, int, int, int, int]] = []
         self._runs: list[BinaryIO] = []
         self.count = 0
 
@@ -133,8 +134,8 @@ class ExternalSort:
     def spilled_runs(self) -> int:
         return len(self._runs)
 
-    def add(self, key: bytes, index: int, line: int, offset: int, crc: int) -> None:
-        self._buffer.append((key, index, line, offset, crc))
+    def add(self, key: bytes, index: int, line: int, offset: int, crc: int, occurrence: int = -1) -> None:
+        self._buffer.append((key, index, line, offset, crc, occurrence))
         self.count += 1
         if len(self._buffer) >= self.run_rows:
             self._spill()
@@ -143,13 +144,13 @@ class ExternalSort:
         self._buffer.sort()
         f = tempfile.TemporaryFile(prefix="chunkgen-order-", dir=self.spill_dir)
         pack = _FIXED.pack
-        f.write(b"".join(pack(i, l, o, c, len(k)) + k for k, i, l, o, c in self._buffer))
+        f.write(b"".join(pack(i, l, o, c, n, len(k)) + k for k, i, l, o, c, n in self._buffer))
         f.seek(0)
         self._runs.append(f)
         self._buffer = []
 
     @staticmethod
-    def _read_run(f: BinaryIO) -> Iterator[tuple[bytes, int, int, int, int]]:
+    def _read_run(f: BinaryIO) -> Iterator[tuple[bytes, int, int, int, int, int]]:
         reader = _FIXED.unpack
         size = _FIXED.size
         buffered = _BufferedReader(f)
@@ -157,10 +158,10 @@ class ExternalSort:
             head = buffered.take(size)
             if not head:
                 return
-            i, l, o, c, n = reader(head)
-            yield buffered.take(n), i, l, o, c
+            i, l, o, c, occ, n = reader(head)
+            yield buffered.take(n), i, l, o, c, occ
 
-    def __iter__(self) -> Iterator[tuple[bytes, int, int, int, int]]:
+    def __iter__(self) -> Iterator[tuple[bytes, int, int, int, int, int]]:
         self._buffer.sort()
         if not self._runs:
             return iter(self._buffer)
@@ -229,12 +230,15 @@ class PrefixOrder:
                     tokens = encode(job.messages, job.data)
                 except Exception:  # the answer loop tokenizes it again and writes the error record
                     tokens = []
-                sorter.add(prefix_key(tokens, chunk_size), index, job.line, offset, crc)
+                occurrence = -1 if job.occurrence is None else job.occurrence
+                sorter.add(prefix_key(tokens, chunk_size), index, job.line, offset, crc, occurrence)
             merged = iter(sorter)
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
-            for _, index, line, offset, crc in merged:
+            for _, index, line, offset, crc, occurrence in merged:
                 raw = self.rows.read(offset)
                 item = self.rebuild(line, raw) if zlib.crc32(raw) == crc else None
+                if isinstance(item, Job) and item.occurrence is not None:
+                    item.occurrence = occurrence  # counted over the whole file in the first pass
                 if not isinstance(item, Job):
                     raise QueryFileChanged(
                         f"{self.rows.path}: line {line} changed while the job ran (it is read twice to answer "

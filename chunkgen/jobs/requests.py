@@ -34,6 +34,9 @@ class Job:
     template: str | None = None  # template name, or None for OpenAI batch rows
     data: tuple[str, ...] = ()  # user-supplied text inside `messages`: tokenized as text, never as control tokens
     constraint_field: str | None = None  # what set the constraint (a row's field, "template", an option's kind)
+    # For a row without an id: how many earlier id-less rows of the file ask the same request. Its
+    # `line-N` id moves when lines are inserted above it; (request, occurrence) does not.
+    occurrence: int | None = None
 
     @functools.cached_property
     def request_hash(self) -> str:
@@ -41,6 +44,19 @@ class Job:
         canon = json.dumps({"messages": self.messages, "params": self.params.as_dict(),
                             "template": self.template}, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @property
+    def key(self) -> str:
+        """What an answer is matched to its row by on --resume: the row's own id, or for a row
+        without one its request and occurrence (`line-N` is only what the record shows)."""
+        if self.occurrence is None:
+            return self.id
+        return row_key(self.request_hash, self.occurrence)
+
+
+def row_key(request_hash: str, occurrence: int) -> str:
+    """The key of a row without an id; never equal to an id, which a row's `id` field sets."""
+    return f"request:{request_hash}#{occurrence}"
 
 
 @dataclass
@@ -52,9 +68,36 @@ class ErrorRecord:
 
 
 class RowError(Exception):
-    def __init__(self, field: str | None, message: str) -> None:
+    def __init__(self, field: str | None, message: str, row: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.field, self.message = field, message
+        self.row = row  # the parsed row when it is JSON but not usable, to read its id from
+
+
+class LongInt(str):
+    """An integer literal longer than Python converts to int (sys.get_int_max_str_digits): kept as
+    its digits. A template field takes it as text, an id as a string; a sampling field refuses it
+    as out of range."""
+
+
+def _parse_int(literal: str) -> int | LongInt:
+    try:
+        return int(literal)
+    except ValueError:
+        return LongInt(literal)
+
+
+def readable_id(row: dict[str, Any] | None, field: str) -> str | None:
+    """The id of a row that failed, when it is plain text (or an integer): error records name it."""
+    raw = row.get(field) if isinstance(row, dict) else None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)) or (isinstance(raw, str) and not raw):
+        return None
+    rid = str(raw)
+    try:
+        rid.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return rid
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -73,19 +116,19 @@ def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
     except UnicodeDecodeError as exc:
         return RowError(None, f"invalid UTF-8 at byte {exc.start}")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         return RowError(None, f"not valid JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
         return RowError(None, "not valid JSON: nested too deeply")
-    except ValueError as exc:  # e.g. an integer literal longer than Python converts
+    except ValueError as exc:  # e.g. a float literal out of range
         return RowError(None, f"not usable JSON: {exc}")
     if not isinstance(obj, dict):
         return RowError(None, f"expected a JSON object, got {type(obj).__name__}")
     bad = _unencodable(obj)
     if bad is not False:
         return RowError(bad, "holds a lone surrogate escape (e.g. \\ud800), which is not text; "
-                             "encode the text as UTF-8 or write the pair")
+                             "encode the text as UTF-8 or write the pair", row=obj)
     return obj
 
 
@@ -220,11 +263,12 @@ TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "
 def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any],
                   id_field: str = "id") -> Iterator[Job | ErrorRecord]:
     """Rows of a template query file. With several templates, each row names one in `template`."""
-    seen: set[str] = set()
+    seen: set[str] = set()  # explicit ids only: a generated `line-N` never collides with a row's own id
+    occurrences: dict[str, int] = {}  # request hash -> id-less rows with it so far
     only = next(iter(templates.values())) if len(templates) == 1 else None
     for number, obj in rows:
         if isinstance(obj, RowError):
-            yield ErrorRecord(None, number, obj.field, obj.message)
+            yield ErrorRecord(readable_id(obj.row, id_field), number, obj.field, obj.message)
             continue
         raw_id = obj.get(id_field)
         rid: str | None = None
@@ -235,9 +279,10 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
                 raise RowError(id_field, f"must be a string or an integer, got {_kind(raw_id)}")
             else:
                 rid = str(raw_id)
-            if rid in seen:
-                raise RowError(id_field, f"duplicate id {rid!r} (an earlier line has it; ids must be unique)")
-            seen.add(rid)
+            if raw_id is not None:
+                if rid in seen:
+                    raise RowError(id_field, f"duplicate id {rid!r} (an earlier line has it; ids must be unique)")
+                seen.add(rid)
             template = only
             if "template" in obj or template is None:
                 name = obj.get("template")
@@ -258,6 +303,9 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
             job = Job(rid, number, template.messages(values), params, template.name,
                       data=tuple(values.values()), constraint_field=source)
             job.request_hash  # computed here, so a row it fails on fails alone
+            if raw_id is None:
+                job.occurrence = occurrences.get(job.request_hash, 0)
+                occurrences[job.request_hash] = job.occurrence + 1
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)
             continue
@@ -348,7 +396,7 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
     seen: set[str] = set()
     for number, obj in rows:
         if isinstance(obj, RowError):
-            yield ErrorRecord(None, number, obj.field, obj.message)
+            yield ErrorRecord(readable_id(obj.row, "custom_id"), number, obj.field, obj.message)
             continue
         rid = obj.get("custom_id")
         try:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 from chunkgen.engine.sequence import Completion, Result
 from chunkgen.jobs.lock import OutputLock, same_file
-from chunkgen.jobs.requests import ErrorRecord, Job
+from chunkgen.jobs.requests import ErrorRecord, Job, row_key
 
 FORMAT_VERSION = 1  # the `chunkgen` field of every record; records without it (older releases) need `request_hash`
 
@@ -56,6 +56,12 @@ def _is_record(rec: Any) -> bool:
 
 def record_id(rec: dict[str, Any]) -> str | None:
     return rec.get("custom_id") if "custom_id" in rec else rec.get("id")
+
+
+def record_key(rec: dict[str, Any]) -> str | None:
+    """What a record's answer belongs to (Job.key): the row's id, or the `row_key` of a row without one."""
+    key = rec.get("row_key")
+    return key if isinstance(key, str) else record_id(rec)
 
 
 def is_error(rec: dict[str, Any]) -> bool:
@@ -108,10 +114,10 @@ class Ledger:
     def __init__(self) -> None:
         self.n = 0  # records added
         self.last_at_line: dict[int, tuple[int, bool, str | None]] = {}  # line -> (index, answer?, id)
-        self.answers: dict[str, tuple[int, int, str | None]] = {}  # id -> (index, line, request hash)
+        self.answers: dict[str, tuple[int, int, str | None]] = {}  # key -> (index, line, request hash)
 
     def add(self, rec: dict[str, Any]) -> None:
-        rid, line, answer = record_id(rec), rec["line"], not is_error(rec)
+        rid, line, answer = record_key(rec), rec["line"], not is_error(rec)
         self.last_at_line[line] = (self.n, answer, rid)
         if answer and rid is not None:
             self.answers[rid] = (self.n, line, rec.get("request_hash"))
@@ -124,7 +130,7 @@ class Ledger:
     def stands(self, index: int, rec: dict[str, Any], first_new: int | None = None) -> bool:
         """Whether record number `index` (0-based, file order) is kept. With `first_new`, error records
         before it (earlier runs') go too: a run that read its whole input gave every row a new verdict."""
-        rid, line = record_id(rec), rec["line"]
+        rid, line = record_key(rec), rec["line"]
         if is_error(rec) or rid is None:
             return self.last_at_line[line][0] == index and (first_new is None or index >= first_new)
         return self.answers[rid][0] == index and self._answer_stands(rid, index, line)
@@ -136,8 +142,20 @@ class Ledger:
         return errors + answers
 
     def standing_answers(self) -> dict[str, tuple[int, str | None]]:
-        """id -> (line, request hash) of every answer that stands."""
+        """key (record_key) -> (line, request hash) of every answer that stands."""
         return {rid: (line, h) for rid, (i, line, h) in self.answers.items() if self._answer_stands(rid, i, line)}
+
+
+def _legacy_keys(answers: dict[str, tuple[int, str | None]]) -> dict[str, tuple[int, str | None]]:
+    """Answers of id-less rows written before records carried `row_key` (id `line-N` at line N),
+    under the key their rows have now: the occurrences of a request counted in line order."""
+    out: dict[str, tuple[int, str | None]] = {}
+    counts: dict[str, int] = {}
+    for rid, (line, h) in sorted(answers.items(), key=lambda kv: kv[1][0]):
+        if h is not None and rid == f"line-{line}":
+            out[row_key(h, counts.get(h, 0))] = (line, h)
+            counts[h] = counts.get(h, 0) + 1
+    return out
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
@@ -183,7 +201,7 @@ class RecordFormat:
     def result_record(self, job: Job, res: Result) -> dict[str, Any]:
         if res.error is not None:
             field = job.constraint_field if res.error_field == "constraint" else "prompt"
-            return self.error_record(ErrorRecord(job.id, job.line, field, res.error), job.request_hash)
+            return self._keyed(self.error_record(ErrorRecord(job.id, job.line, field, res.error), job.request_hash), job)
         if self.fmt == "openai":
             body = {
                 "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
@@ -207,6 +225,13 @@ class RecordFormat:
         if len(res.completions) > 1:
             rec["completions"] = [{"text": c.text, "finish_reason": c.finish_reason, **_extras(c)}
                                   for c in res.completions]
+        return self._keyed(rec, job)
+
+    @staticmethod
+    def _keyed(rec: dict[str, Any], job: Job) -> dict[str, Any]:
+        """A row without an id: its record also names the request and occurrence it answers."""
+        if job.occurrence is not None:
+            rec["row_key"] = job.key
         return rec
 
     def error_record(self, err: ErrorRecord, request_hash: str | None = None) -> dict[str, Any]:
@@ -264,6 +289,7 @@ class ResultWriter(RecordFormat):
                                   "superseded record(s)")
                 self._scan()
         self.answers = self.ledger.standing_answers()
+        self._legacy = _legacy_keys(self.answers)
         self._first_new = self.ledger.n  # 0: a new file, where no record can supersede another
 
     def _remove_leftovers(self) -> None:
@@ -321,8 +347,11 @@ class ResultWriter(RecordFormat):
 
     # -- resume -------------------------------------------------------------------------------
     def answered(self, job: Job) -> bool:
-        """True when an earlier run already answered this row (same id, same request)."""
-        earlier = self.answers.get(job.id)
+        """True when an earlier run already answered this row (same id, same request; for a row
+        without an id: the same request, the same occurrence of it)."""
+        earlier = self.answers.get(job.key)
+        if earlier is None and job.occurrence is not None:
+            earlier = self._legacy.get(job.key)
         if earlier is None:
             return False
         line, request_hash = earlier
