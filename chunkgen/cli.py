@@ -200,8 +200,30 @@ def _check_queries(queries: str) -> None:
 
 
 def _check_out(out: Path, queries: str) -> None:
+    """The output is a regular file this run can append to (or create): a FIFO, a device or a
+    folder it cannot write is refused now, not after the model has loaded and answered."""
+    import stat as stat_
+
     if out.is_dir():
         _usage("--out", f"{out} is a directory; give a file path, e.g. {out / 'results.jsonl'}")
+    try:
+        mode = out.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        _usage("--out", f"cannot use {out}: {exc.strerror or exc}")
+    if mode is not None and not stat_.S_ISREG(mode):
+        kind = "a FIFO" if stat_.S_ISFIFO(mode) else "a device" if stat_.S_ISCHR(mode) or stat_.S_ISBLK(mode) \
+            else "a socket" if stat_.S_ISSOCK(mode) else "not a regular file"
+        _usage("--out", f"{out} is {kind}; results need a regular file they can be appended to and "
+                        "rewritten in (resume, the final compaction)")
+    if mode is not None and not os.access(out, os.W_OK):
+        _usage("--out", f"{out} is not writable")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        _usage("--out", f"the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        _usage("--out", f"the folder {parent} is not writable (the output is rewritten there at the end of a run)")
     if queries != "-" and out.exists():
         try:
             same = os.path.samefile(out, queries)
@@ -265,6 +287,13 @@ def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: s
         _usage("--kv-memory", str(exc) + " or auto")
     if budget <= 0:
         _usage("--kv-memory", f"must be positive, not {kv_memory!r}")
+    if not device.startswith("cuda"):
+        import psutil
+
+        total = psutil.virtual_memory().total
+        if budget > total:
+            _usage("--kv-memory", f"{_human(budget)} is more than this machine's memory ({_human(total)}); "
+                                  "on the CPU the budget is a cap used as chunks fill, so give at most that")
     return budget
 
 
@@ -321,12 +350,21 @@ def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict
     from chunkgen.jobs.requests import detect_format, open_queries, openai_jobs, read_rows, template_jobs
     from chunkgen.jobs.templates import TemplateError, load_templates
 
+    from chunkgen.jobs.whole_file import FileMistake, check_sample
+
     templates = None
     if template is not None:
         try:
             templates = load_templates(template)
         except TemplateError as exc:
             _fail(str(exc))
+    if queries != "-" and Path(queries).is_file():
+        try:
+            check_sample(Path(queries), fmt, templates, id_field)
+        except FileMistake as exc:
+            _usage("--queries", str(exc))
+        except OSError as exc:
+            _fail(f"{queries}: cannot read the queries file ({exc.strerror})")
     try:
         row_file = RowFile(queries) if prefix_order else None
         stream = row_file.lines() if row_file else open_queries(queries)
@@ -351,6 +389,62 @@ def _read_items(queries: str, template: Optional[Path], fmt: str, defaults: dict
     return fmt, items, templates, order
 
 
+def _csv_as_jsonl(queries: str) -> str:
+    """A .csv queries file (header row = field names) as the JSONL file the run reads: written once
+    to the temporary folder, removed when the process ends."""
+    if queries == "-" or Path(queries).suffix.lower() != ".csv" or not Path(queries).is_file():
+        return queries
+    import tempfile
+
+    from chunkgen.jobs.whole_file import csv_to_jsonl
+
+    folder = tempfile.TemporaryDirectory(prefix="chunkgen-csv-")
+    _KEEP.append(folder)
+    target = Path(folder.name) / (Path(queries).stem + ".jsonl")
+    try:
+        csv_to_jsonl(Path(queries), target)
+    except UnicodeDecodeError as exc:
+        _usage("--queries", f"{queries}: not UTF-8 text (byte {exc.start}); save the CSV as UTF-8")
+    except OSError as exc:
+        _fail(_unexpected_text(exc))
+    except Exception as exc:  # csv.Error: e.g. a field larger than the csv module takes
+        _usage("--queries", f"{queries}: cannot be read as CSV ({exc})")
+    return str(target)
+
+
+_KEEP: list = []  # temporary folders that live as long as the process
+
+
+def _check_tmpdir(queries: str, ordering: bool) -> None:
+    """The temporary folder the run writes to (standard input spooled and the prefix order's sorted
+    runs), usable and with room for what this input needs, before the model loads."""
+    import shutil
+    import tempfile
+
+    if not ordering:
+        return
+    named = os.environ.get("TMPDIR")
+    if named and not os.path.isdir(named):
+        _fail(f"TMPDIR={named} is not a folder; create it or set TMPDIR to a writable folder")
+    try:
+        folder = tempfile.gettempdir()
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        _fail(f"the temporary folder {named or '(TMPDIR)'} cannot be written ({exc.strerror or exc}); set TMPDIR "
+              "to a writable folder")
+    if named and os.path.realpath(folder) != os.path.realpath(named):
+        _fail(f"TMPDIR={named} cannot be written; set TMPDIR to a writable folder")
+    from chunkgen.jobs.order import sort_bytes_needed
+
+    needed = sort_bytes_needed(_count_lines(queries) or 0)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        _fail(f"the temporary folder {folder} (TMPDIR) has {_human(free)} free and --order prefix needs about "
+              f"{_human(needed)} there for this file's sort keys; free space there, set TMPDIR to a folder "
+              "with room, or pass --order input")
+
+
 def _check_not_empty(queries: str) -> None:
     """A queries file without a single row is a mistake worth a word (standard input is checked at the end)."""
     if queries == "-" or not Path(queries).is_file():
@@ -360,22 +454,34 @@ def _check_not_empty(queries: str) -> None:
             _fail(f"{queries} holds no rows (it is empty or blank); nothing to run")
 
 
-def _check_templates_fit(templates: dict, model_dir: Path) -> None:
-    """A template whose own text (system prompt and user message, before any row's values) does not
-    fit the model's context would fail every row: refused now, before the weights load."""
-    if not templates:
-        return
+def _check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool = True) -> None:
+    """Before the weights load: the model's tokenizer loads, it has a usable chat template (unless
+    --no-chat-template), and no template's own text (system prompt and user message, before any
+    row's values) is longer than the model's context, which would fail every row."""
     from transformers import AutoConfig, AutoTokenizer
 
     from chunkgen.llm import check_chat_template, encode_prompt
     from chunkgen.model.llama import context_length
 
-    context = context_length(AutoConfig.from_pretrained(model_dir))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises ValueError, OSError, or a tokenizer library's own
+        _fail(f"{model_dir}: cannot load the model's tokenizer ({type(exc).__name__}: "
+              f"{' '.join(str(exc).split())[:300]}); a model folder needs its tokenizer files "
+              "(tokenizer.json or tokenizer.model, tokenizer_config.json)")
+    if not chat_template:
+        tokenizer.chat_template = None
+    elif not getattr(tokenizer, "chat_template", None):
+        _fail(f"{model_dir}: the model has no chat template, so chat messages cannot be formatted for it; "
+              "pass --no-chat-template to send each prompt's messages as plain text joined by blank lines "
+              "(for a base model), or use an instruction-tuned model")
     try:
         check_chat_template(tokenizer, str(model_dir))
     except ValueError as exc:
         _fail(str(exc))
+    if not templates:
+        return
+    context = context_length(AutoConfig.from_pretrained(model_dir))
     for t in templates.values():
         n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
         if n >= context:
@@ -652,6 +758,7 @@ def run(
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
     shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
@@ -667,7 +774,7 @@ def run(
     the default shown here. A constraint counts as one setting whatever its kind: a row's regex
     replaces a template's JSON schema."""
     from chunkgen.jobs.lock import OutputLocked
-    from chunkgen.jobs.order import QueryFileChanged
+    from chunkgen.jobs.order import QueryFileChanged, TempSpaceError
     from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
     from chunkgen.model import display_name
 
@@ -703,7 +810,9 @@ def run(
             _fail("--ray needs Ray: pip install 'chunkgen[ray]'")
     if part is not None and queries == "-":
         _usage("--shard", "plans over the whole file before it runs: give --queries a file, not standard input")
+    queries = _csv_as_jsonl(queries)
     _check_not_empty(queries)
+    _check_tmpdir(queries, order == "prefix" and not use_ray)
     plan = None
     if part is not None:
         from chunkgen.scale.shard import plan_items
@@ -720,12 +829,12 @@ def run(
     model_dir = _resolve(model)
     if budget is not None:
         _check_budget(model_dir, chunk_size, dtype, chosen_device, budget)
-    _check_templates_fit(templates, model_dir)
+    _check_tokenizer(templates, model_dir, chat_template=not no_chat_template)
     # A local run resolves auto again in the LLM (the same answer) so its summary says why; Ray
     # workers get the device chosen here.
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                       max_batch=max_batch, share_prefix=not no_share, device=chosen_device if use_ray else device,
-                      enforce_eager=True if enforce_eager else None)
+                      enforce_eager=True if enforce_eager else None, chat_template=not no_chat_template)
     stop_flag = _StopFlag(out, hard=not use_ray)  # from here on, a signal is never a traceback: the writer may be repairing
     writer = None
     try:
@@ -745,7 +854,7 @@ def run(
                                  prefix_order)
     except OutputError as exc:
         _fail(str(exc))
-    except QueryFileChanged as exc:
+    except (QueryFileChanged, TempSpaceError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
         if writer is not None:

@@ -100,7 +100,8 @@ class LLM:
     device "auto" is the GPU when torch sees one and chunkgen's CUDA kernels are built, else the
     CPU; dtype "auto" is bf16 on a CPU with native bf16 arithmetic, fp32 on other CPUs, the model's
     own on a GPU; kv_memory "auto" is 85% of the GPU memory left free by the weights, or 4 GiB on the
-    CPU. `device_choice`, `dtype_reason` and `kv_budget` say what was chosen and why.
+    CPU. `device_choice`, `dtype_reason` and `kv_budget` say what was chosen and why. chat_template=False
+    joins chat messages with blank lines as plain text instead of using the model's chat template.
 
     dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b) or the path of a
     Hugging Face config.json, instead of `model`: random weights drawn from `seed` (benchmarks)."""
@@ -119,6 +120,7 @@ class LLM:
         enforce_eager: bool | None = None,
         dummy_weights: str | os.PathLike | None = None,
         seed: int = 0,
+        chat_template: bool = True,
     ) -> None:
         if model is not None and dummy_weights is not None:
             raise ValueError("give either a model or dummy_weights, not both")
@@ -130,6 +132,8 @@ class LLM:
         with device_guard(dev):
             if dummy_weights is None:
                 hf_model, self.tokenizer, self.model_path = load_hf(model, choice.dtype or "auto", dev)
+                if not chat_template:  # messages as plain text, joined by blank lines (encode_prompt)
+                    self.tokenizer.chat_template = None
                 check_chat_template(self.tokenizer, str(self.model_path))
             else:
                 hf_model, self.tokenizer = self._random_weights(dummy_weights, choice.dtype, dev, seed)

@@ -54,6 +54,26 @@ class QueryFileChanged(RuntimeError):
     """A row read again for the prefix order is not the row read the first time."""
 
 
+class TempSpaceError(RuntimeError):
+    """The temporary folder (TMPDIR) filled up or cannot be written while spooling or sorting."""
+
+
+def _temp_failure(exc: OSError, what: str, needed: int) -> TempSpaceError:
+    folder = tempfile.gettempdir()
+    return TempSpaceError(
+        f"cannot write the temporary folder {folder} (TMPDIR) while {what}: {exc.strerror or exc}; it "
+        f"needs about {needed / 2**20:.1f} MiB more there. Free space, set TMPDIR to a folder with room, "
+        "or pass --order input (which writes nothing there; not for standard input spooled for a shard)")
+
+
+def sort_bytes_needed(rows: int) -> int:
+    """Temporary space the prefix order's sort takes for `rows` rows: nothing while the keys fit in
+    one in-memory run, else every key with its fixed fields."""
+    if rows <= RUN_ROWS:
+        return 0
+    return rows * (_FIXED.size + HASH_BYTES * KEY_CHUNKS)
+
+
 class RowFile:
     """The query file's lines, read once as a stream and then again one by one by byte offset:
     the file itself, or for standard input a spool in a temporary file written as it is read."""
@@ -76,7 +96,10 @@ class RowFile:
         offset = 0
         for number, raw in enumerate(self._source, start=1):
             if self._spool is not None:
-                self._spool.write(raw)
+                try:
+                    self._spool.write(raw)
+                except OSError as exc:
+                    raise _temp_failure(exc, "spooling standard input", max(len(raw), offset)) from None
             if raw.strip():
                 self._pending[number] = (offset, zlib.crc32(raw))
             offset += len(raw)
@@ -100,7 +123,10 @@ class RowFile:
     def read(self, offset: int) -> bytes:
         if self._reader is None:
             if self._spool is not None:
-                self._spool.flush()
+                try:
+                    self._spool.flush()
+                except OSError as exc:
+                    raise _temp_failure(exc, "spooling standard input", self._spool.tell()) from None
                 self._reader = self._spool
             else:
                 self._reader = open(self.path, "rb")
@@ -142,9 +168,18 @@ class ExternalSort:
 
     def _spill(self) -> None:
         self._buffer.sort()
-        f = tempfile.TemporaryFile(prefix="chunkgen-order-", dir=self.spill_dir)
         pack = _FIXED.pack
-        f.write(b"".join(pack(i, l, o, c, n, len(k)) + k for k, i, l, o, c, n in self._buffer))
+        data = b"".join(pack(i, l, o, c, n, len(k)) + k for k, i, l, o, c, n in self._buffer)
+        try:
+            f = tempfile.TemporaryFile(prefix="chunkgen-order-", dir=self.spill_dir)
+            try:
+                f.write(data)
+                f.flush()
+            except BaseException:
+                f.close()
+                raise
+        except OSError as exc:
+            raise _temp_failure(exc, "sorting the rows' keys for --order prefix", len(data)) from None
         f.seek(0)
         self._runs.append(f)
         self._buffer = []
