@@ -625,36 +625,50 @@ class _Ticker:
 class _StopFlag:
     """SIGINT / SIGTERM ask the run to stop after the current step; a second one stops at once.
 
-    Stopping at once is an exit from the signal handler itself (`os._exit`), not an exception: an
-    exception raised wherever the main thread happens to be (a generator's cleanup, a finaliser) can
-    be swallowed as "Exception ignored" and the second signal lost. Nothing is lost by exiting: every
-    record was written whole by one system call, the lock goes with the process, and a rewrite's
-    copy left behind is removed by the next --resume. With `hard=False` (a Ray driver, which must
-    take its cluster down) the second signal raises KeyboardInterrupt instead."""
+    Stopping at once raises KeyboardInterrupt in the main thread, so the writer closes without the
+    final rewrite. Raised wherever the main thread happens to be, it can land in a generator's cleanup
+    or a finaliser and be swallowed ("Exception ignored"); so the second signal also arms a timer
+    that, unless the run has stopped by then (`settle`), exits the process. Nothing is lost by that
+    exit: every record was written whole by one system call, the lock goes with the process, and a
+    rewrite's copy left behind is removed by the next --resume."""
 
-    def __init__(self, out: Path | None = None, hard: bool = True) -> None:
+    GRACE_S = 3.0
+
+    def __init__(self, out: Path | None = None) -> None:
         self.signum: int | None = None
-        self._out, self._hard = out, hard
+        self._out = out
+        self._timer: threading.Timer | None = None
         self._old = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
 
     def _handle(self, signum, frame) -> None:
         if self.signum is None:
             self.signum = signum
             return
-        if not self._hard:
-            raise KeyboardInterrupt
+        if self._timer is None:
+            self._timer = threading.Timer(self.GRACE_S, self._exit_now)
+            self._timer.daemon = True
+            self._timer.start()
+        raise KeyboardInterrupt
+
+    def _exit_now(self) -> None:
         where = f" to {self._out}" if self._out is not None else ""
         message = (f"stopped at once by a second signal: every record written{where} is whole; run the "
                    "same command with --resume to continue\n")
         try:
             os.write(2, message.encode())
         finally:
-            os._exit(EXIT_SIGNAL[self.signum])
+            os._exit(EXIT_SIGNAL[self.signum or signal.SIGINT])
+
+    def settle(self) -> None:
+        """The run has stopped: no exit from the timer."""
+        if self._timer is not None:
+            self._timer.cancel()
 
     def __call__(self) -> bool:
         return self.signum is not None
 
     def restore(self) -> None:
+        self.settle()
         for s, h in self._old.items():
             signal.signal(s, h)
 
@@ -835,7 +849,7 @@ def run(
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                       max_batch=max_batch, share_prefix=not no_share, device=chosen_device if use_ray else device,
                       enforce_eager=True if enforce_eager else None, chat_template=not no_chat_template)
-    stop_flag = _StopFlag(out, hard=not use_ray)  # from here on, a signal is never a traceback: the writer may be repairing
+    stop_flag = _StopFlag(out)  # from here on, a signal is never a traceback: the writer may be repairing
     writer = None
     try:
         try:
@@ -857,6 +871,7 @@ def run(
     except (QueryFileChanged, TempSpaceError) as exc:
         _fail(str(exc))
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
+        stop_flag.settle()
         if writer is not None:
             writer.close(rewrite=False)
         err.print(f"stopped at once by a second signal: every record written to {out} is whole; run the "
