@@ -43,11 +43,19 @@ def _abort_classes() -> tuple[type[BaseException], ...]:
 _ABORT = _abort_classes()
 
 
+# True when the command is the whole process (the `chunkgen` entry point): the handlers a run installs
+# then stay until it exits, so a signal during the last lines of output or the exit is never a traceback.
+_PROCESS_EXITS_AFTER = False
+
+
 class _Interrupted(Exception):
     """SIGINT (KeyboardInterrupt) inside a command, carried past typer's and click's own handlers,
     which turn it into a silent exit code (typer) or an Abort (click), so that it is said in one line."""
 
 _TTY = sys.stderr.isatty()
+# transformers' own warnings (a config field it finds odd) would come between chunkgen's lines; its
+# errors still show, and TRANSFORMERS_VERBOSITY=warning brings the rest back.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _usage_error_text(e: click_exc.ClickException) -> str:
@@ -97,6 +105,15 @@ class _Group(TyperGroup):
             raise _Interrupted() from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any):
+        saved = {s: signal.getsignal(s) for s in EXIT_SIGNAL}
+        try:
+            return self._main(args, prog_name, complete_var, standalone_mode, **extra)
+        finally:
+            if not _PROCESS_EXITS_AFTER:  # the process goes on (a test's): its own handlers back
+                for s, h in saved.items():
+                    signal.signal(s, h)
+
+    def _main(self, args, prog_name, complete_var, standalone_mode, **extra: Any):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -105,7 +122,7 @@ class _Group(TyperGroup):
             e.show()
             sys.exit(e.exit_code)
         except click_exc.ClickException as e:
-            err.print(f"[bold red]error:[/] {escape(_usage_error_text(e))}", highlight=False)
+            err.print(f"[bold red]error:[/] {escape(_one_line(_usage_error_text(e)))}", highlight=False)
             sys.exit(e.exit_code)
         except (_Interrupted, KeyboardInterrupt):
             err.print("interrupted (SIGINT) before any record was written; nothing to resume", highlight=False)
@@ -157,8 +174,13 @@ PROGRESS_EVERY_S = 10.0  # plain progress lines outside a terminal
 JSON_PROGRESS_EVERY_S = 1.0
 
 
+def _one_line(text: str) -> str:
+    """A message as one line: a library's multi-line error (a parser's caret diagram) joined up."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def _fail(message: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    err.print(f"[bold red]error:[/] {_one_line(message)}", highlight=False, markup=True)
     raise typer.Exit(EXIT_ERROR)
 
 
@@ -668,9 +690,15 @@ class _StopFlag:
         return self.signum is not None
 
     def restore(self) -> None:
+        """The run is over: a signal from now on (while the summary prints, while the process exits)
+        has nothing left to stop; it is noted, never raised. The boundary puts the handlers that were
+        there before back when the command returns (in a process that goes on, e.g. a test's)."""
         self.settle()
-        for s, h in self._old.items():
-            signal.signal(s, h)
+        for s in self._old:
+            signal.signal(s, self._late)
+
+    def _late(self, signum, frame) -> None:
+        self.signum = self.signum or signum
 
 
 def _progress_text(p) -> str:
