@@ -41,6 +41,7 @@ def _abort_classes() -> tuple[type[BaseException], ...]:
 
 
 _ABORT = _abort_classes()
+_NO_ARGS_HELP = getattr(click_exc, "NoArgsIsHelpError", None)  # click 8.2 and later
 
 
 # True when the command is the whole process (the `chunkgen` entry point): the handlers a run installs
@@ -118,10 +119,10 @@ class _Group(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click_exc.NoArgsIsHelpError as e:  # a bare `chunkgen`: the help, as click prints it
-            e.show()
-            sys.exit(e.exit_code)
         except click_exc.ClickException as e:
+            if _NO_ARGS_HELP is not None and isinstance(e, _NO_ARGS_HELP):  # a bare `chunkgen`: the help
+                e.show()
+                sys.exit(e.exit_code)
             err.print(f"[bold red]error:[/] {escape(_one_line(_usage_error_text(e)))}", highlight=False)
             sys.exit(e.exit_code)
         except (_Interrupted, KeyboardInterrupt):

@@ -25,7 +25,8 @@ QUESTIONS = '{"id": "a", "question": "What is 2 + 2?"}\n{"id": "b", "question": 
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "COLUMNS": "400"}
     env.pop("CHUNKGEN_TRACEBACK", None)
     env.update(extra)
     return env

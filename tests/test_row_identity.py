@@ -95,3 +95,66 @@ def test_huge_integers_are_data():
     assert big_id.id == digits
     seed, = _jobs('{"id": "s", "question": "x", "seed": ' + digits + '}\n')
     assert isinstance(seed, ErrorRecord) and seed.field == "seed"
+
+
+# -- whole-file mistakes, CSV input, temporary space ---------------------------------------------------
+def test_csv_queries_are_read_natively(tiny_model, tmp_path):
+    csv_file, jsonl, out_csv, out_jsonl = (tmp_path / n for n in ("q.csv", "q.jsonl", "a.jsonl", "b.jsonl"))
+    csv_file.write_text('id,question,max_new_tokens\na,"What is 2 + 2, exactly?",3\nb,"Is 7\nprime?",\n')
+    jsonl.write_text('{"id": "a", "question": "What is 2 + 2, exactly?", "max_new_tokens": 3}\n'
+                     '{"id": "b", "question": "Is 7\\nprime?"}\n')
+    assert _run(*base_args(tiny_model, out_csv, queries=csv_file)).exit_code == 0
+    assert _run(*base_args(tiny_model, out_jsonl, queries=jsonl)).exit_code == 0
+    strip = lambda recs: sorted((r["id"], r["text"], r["request_hash"]) for r in recs)
+    assert strip(records(out_csv)) == strip(records(out_jsonl))
+
+
+def test_whole_file_mistakes_name_what_the_file_looks_like(tmp_path):
+    from chunkgen.jobs.whole_file import FileMistake, check_sample
+
+    templates = load_templates(PROMPTS / "arithmetic_cot.toml")
+    cases = {"id,question\na,x\n": "CSV with the header id, question", "id\tquestion\na\tx\n": "TSV",
+             '[{"id": "a"},\n {"id": "b"}]\n': "JSON array",
+             '{"id": "a", "questoin": "x"}\n{"id": "b", "questoin": "y"}\n': "did you mean 'questoin'"}
+    for text, says in cases.items():
+        path = tmp_path / "q.jsonl"
+        path.write_text(text)
+        with pytest.raises(FileMistake, match=says):
+            check_sample(path, "auto", templates, "id")
+    path.write_text('not json\n{"id": "a", "question": "x"}\n{"id": "b"}\n')  # some bad rows: their own records
+    check_sample(path, "auto", templates, "id")
+
+
+def test_a_full_temporary_folder_while_sorting_is_one_error(monkeypatch, tmp_path):
+    import errno
+    import tempfile
+
+    from chunkgen.jobs.order import ExternalSort, TempSpaceError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    sorter = ExternalSort(run_rows=2, spill_dir=str(tmp_path))
+    monkeypatch.setattr(tempfile, "TemporaryFile", full)
+    sorter.add(b"a", 0, 1, 0, 0)
+    with pytest.raises(TempSpaceError, match="TMPDIR.*needs about"):
+        sorter.add(b"b", 1, 2, 10, 0)
+
+
+def test_a_model_without_a_chat_template_runs_only_when_asked(tiny_model, tmp_path):
+    import shutil
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)  # transformers may keep it in chat_template.jinja instead
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    out = tmp_path / "out.jsonl"
+    args = base_args(tiny_model, out)
+    args[args.index("--model") + 1] = str(model)
+    refused = _run(*args)
+    assert refused.exit_code == 1 and "--no-chat-template" in refused.output and not out.exists()
+    res = _run(*args, "--no-chat-template")
+    assert res.exit_code == 0, res.output
+    assert all(r["usage"]["completion_tokens"] >= 1 for r in records(out))
