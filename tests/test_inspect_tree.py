@@ -35,3 +35,29 @@ def test_prefill_tokens_saved_agree_with_a_run(tiny_model, tmp_path):
     planned = json.loads(fig.read_text())
     assert planned["prefill_tokens_saved"] == summary["cached_tokens"]
     assert planned["tokens"] == summary["prompt_tokens"]
+
+
+def test_the_planned_tree_holds_one_chunk_per_distinct_chunk_aligned_prefix(tiny_model):
+    """Rows of one prefill wave that share a chunk still being computed wait for it instead of
+    computing a copy, so the tree a run builds (and inspect-tree reports) is the minimum."""
+    import random
+
+    import torch
+    from transformers import AutoConfig
+
+    from chunkgen.cache import ChunkPool
+    from chunkgen.cache.stats import plan_tree, tree_stats
+    from chunkgen.engine.engine import EngineConfig
+
+    rng = random.Random(0)
+    system = [rng.randrange(400) for _ in range(1300)]
+    # The system prompt ends 20 tokens into a 64-token chunk; openings shared by several rows fill
+    # that chunk and end inside the next, so a row gains less than a chunk of tokens by waiting.
+    openings = [[rng.randrange(400) for _ in range(rng.randrange(44, 60))] for _ in range(6)]
+    prompts = [system + rng.choice(openings) + [rng.randrange(400) for _ in range(rng.randrange(1, 30))]
+               for _ in range(64)]
+    for chunk in (16, 64):
+        minimum = len({tuple(p[:k + chunk]) for p in prompts for k in range(0, len(p), chunk)})
+        pool = ChunkPool.for_config(AutoConfig.from_pretrained(tiny_model), chunk, torch.float32,
+                                    budget_bytes=1 << 40, storage=False)
+        assert tree_stats(plan_tree(pool, prompts, EngineConfig.max_prefill_tokens)).chunks_shared == minimum

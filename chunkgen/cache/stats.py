@@ -58,14 +58,15 @@ def plan_tree(pool: ChunkPool, prompts: Iterable[list[int]], max_prefill_tokens:
 
     With `max_prefill_tokens`, prompts are grouped into prefill waves by the scheduler's rule: a wave
     closes when its new tokens reach that budget or when the next prompt would reuse a whole chunk
-    that the wave is still computing. Chunks become matchable only when their wave ends, as in a
+    that the wave is still computing (so no chunk is computed twice: one chunk per distinct
+    chunk-aligned prefix). Chunks become matchable only when their wave ends, as in a
     run, so a prompt copies a partial chunk only from an earlier wave and the saved-token count
     is the run's (for a file whose prompts are admitted together, in file order)."""
     tree = PrefixTree(pool)
     wave: list[int] = []
     budget = max_prefill_tokens
     for seq, tokens in enumerate(prompts):
-        if max_prefill_tokens is not None and wave and (budget <= 0 or tree.pending_gain(tokens) >= tree.chunk_size):
+        if max_prefill_tokens is not None and wave and (budget <= 0 or tree.waits_for_pending(tokens)):
             for s in wave:
                 tree.mark_ready(s)
             wave, budget = [], max_prefill_tokens

@@ -207,6 +207,14 @@ class PrefixTree:
         _, _, now_len, now_i = self._match(tokens, include_pending=False)
         return (with_i + with_len) - (now_i + now_len)
 
+    def waits_for_pending(self, tokens: Sequence[int]) -> bool:
+        """Whether the prompt would share a whole chunk that is still being prefilled: inserted now,
+        it would compute a second copy of that chunk (however few tokens that is), so it should
+        wait for the chunk instead. Every prompt that waits when this says so leaves the tree with
+        one chunk per distinct chunk-aligned prefix, the fewest a chunk-granular tree can hold."""
+        path, _, _, _ = self._match(list(tokens), include_pending=True)
+        return any(not c.ready for c in path)
+
     def mark_ready(self, seq: SeqId) -> None:
         """The sequence's K/V are all written: its chunks may now be matched by other prompts."""
         for chunk in self.paths[seq]:

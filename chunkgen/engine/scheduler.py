@@ -78,14 +78,14 @@ class Scheduler:
         running sequence (and it) keeps one free chunk for its next append, or preemption churns;
         insert checks that before touching the tree, so a refusal leaves the cache as it was.
         """
-        tree, C = self.tree, self.tree.chunk_size
+        tree = self.tree
         wave: list[Admission] = []
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             # A preempted sequence's last token was sampled but never written: decode writes it.
             kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
-            if wave and (budget <= 0 or tree.pending_gain(kv_tokens) >= C):
+            if wave and (budget <= 0 or tree.waits_for_pending(kv_tokens)):
                 break
             try:
                 cached = tree.insert(seq.seq_id, kv_tokens, reserve=len(self.running) + 1 if self.running else 0)
