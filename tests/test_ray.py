@@ -158,3 +158,39 @@ def test_an_engine_worker_answers_rows_sent_after_its_finish_call(tiny_model):
     assert {i for i, _, _ in got[:3]} & {3, 4, 5}, "the second group waited for the first to finish"
     stats = worker.collect(0.1)[1]
     assert stats.prompt_tokens > 0 and stats.decode_s > 0
+
+
+def test_a_killed_driver_leaves_no_process_of_its_cluster(tiny_model, tmp_path):
+    """SIGKILL of a `--ray` driver that started its own local cluster: its watcher stops every
+    process of that cluster (Ray's own clean-up never runs after SIGKILL)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT
+
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"id": f"r{i}", "question": f"{i} + {i}?"}) + "\n" for i in range(200)))
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    args = base_args(tiny_model, out, queries=queries)
+    args[args.index("--max-new-tokens") + 1] = "32"
+    driver = subprocess.Popen([sys.executable, "-m", "chunkgen", *args, "--ray", "--workers", "1"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not (out.exists() and out.stat().st_size):
+        time.sleep(0.2)
+    assert out.exists() and out.stat().st_size, "no record within 3 minutes"
+    cluster = [p for p in psutil.Process(driver.pid).children(recursive=True)]
+    names = {p.name() for p in cluster}
+    assert any("raylet" in n for n in names), names
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    _, alive = psutil.wait_procs(cluster, timeout=30)
+    left = [(p.pid, p.name()) for p in alive]
+    for p in alive:  # leave the machine clean whatever the verdict
+        p.kill()
+    assert not left, left

@@ -324,6 +324,16 @@ class _Pool:
         return [s.stats for s in self.slots if s.stats is not None] + self.retired
 
 
+_REAPER: list = []  # the watcher of the local cluster's processes, one per driver process
+
+
+def _keep_reaper() -> None:
+    from chunkgen.scale.reaper import start_reaper
+
+    if not _REAPER:
+        _REAPER.append(start_reaper())
+
+
 def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwargs: dict[str, Any],
                workers: int | None = None, address: str | None = None, device: str = "cpu",
                should_stop: Callable[[], bool] = never,
@@ -334,6 +344,8 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
 
     t0 = time.perf_counter()
     if not ray.is_initialized():
+        if address is None:  # a local cluster, started by this process: it must not outlive it
+            _keep_reaper()
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
     shape = plan_workers(device, workers, ray.cluster_resources(), node_cpus)
