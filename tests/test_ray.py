@@ -4,6 +4,7 @@ record, the output lock held under --ray, and the resources workers ask for."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import time
 
 import pytest
@@ -194,3 +195,115 @@ def test_a_killed_driver_leaves_no_process_of_its_cluster(tiny_model, tmp_path):
     for p in alive:  # leave the machine clean whatever the verdict
         p.kill()
     assert not left, left
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_two_node_cluster_losing_a_node_mid_job_resumes_to_a_local_runs_answers(tiny_model, tmp_path):
+    """A real cluster on this machine: `ray start --head` and a second `ray start --address` node,
+    each its own process tree. The second node is killed (SIGKILL) while the job runs; the run is
+    stopped, and `--resume` on what is left of the cluster gives every id one record, the answers a
+    local run gives."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT
+
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    nodes: list[subprocess.Popen] = []
+
+    def start_node(*args: str) -> subprocess.Popen:
+        node = subprocess.Popen([ray_cli, "start", "--block", "--num-cpus", "2", "--disable-usage-stats", *args],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        nodes.append(node)
+        return node
+
+    def kill_tree(node: subprocess.Popen) -> None:
+        try:
+            family = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+        except psutil.Error:
+            return
+        for p in family:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(family, timeout=10)
+
+    def alive_nodes() -> int:
+        import socket
+
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return 0
+        probe = ("import ray; ray.init(address=%r, log_to_driver=False); "
+                 "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
+        res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        return int(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 and res.stdout.strip() else 0
+
+    queries = tmp_path / "q.jsonl"
+    rows = [{"id": f"m{i}", "template": "arithmetic_cot", "question": f"What is {i} + {i}?"} for i in range(40)]
+    rows += [{"id": f"d{i}", "template": "document_qa", "question": f"Question {i}?"} for i in range(40)]
+    queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [*base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=PROMPTS),
+            "--max-batch", "4", "--max-new-tokens", "24"]
+    assert run_cli(*args).exit_code == 0
+    want = {r["id"]: r["text"] for r in records(tmp_path / "local.jsonl")}
+    out = tmp_path / "cluster.jsonl"
+    args[args.index("--out") + 1] = str(out)
+    command = [sys.executable, "-m", "chunkgen", *args, "--ray", "--ray-address", address, "--workers", "2"]
+    try:
+        import tempfile
+
+        short = tempfile.mkdtemp(prefix="cg-ray-", dir="/tmp")  # Ray's socket paths must stay short
+        start_node("--head", "--port", str(port), "--include-dashboard", "false", "--temp-dir", short)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and alive_nodes() < 1:
+            time.sleep(1)
+        second = start_node("--address", address)
+        while time.monotonic() < deadline and alive_nodes() < 2:
+            time.sleep(1)
+        assert alive_nodes() == 2, "the two-node cluster did not come up"
+        driver = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (out.exists() and len(out.read_text().splitlines()) >= 4):
+            time.sleep(0.2)
+        written = len(out.read_text().splitlines())
+        assert 4 <= written < len(rows), "the job ended before a node could be killed mid-job"
+        kill_tree(second)  # a node lost mid-job: its raylet, its worker, its agents
+        time.sleep(5)
+        driver.send_signal(signal.SIGTERM)  # what is written stays; the rest is for --resume
+        try:
+            driver.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a worker that can no longer be placed: stop it hard
+            driver.kill()
+            driver.communicate()
+        assert "Traceback" not in (driver.stderr.read() if driver.stderr and not driver.stderr.closed else "")
+        resumed = subprocess.run([*command, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        for node in reversed(nodes):
+            kill_tree(node)
+        if "short" in locals():
+            import shutil
+
+            shutil.rmtree(short, ignore_errors=True)
+    got = records(out)
+    assert sorted(r["id"] for r in got) == sorted(want)  # every id exactly once
+    assert {r["id"]: r["text"] for r in got} == want
