@@ -1061,6 +1061,7 @@ def inspect_tree(
     kv_dtype = _dtype_option(dtype)
     _check_queries(queries)
     budget = _check_engine_options(dtype, "cpu", chunk_size, kv_memory)
+    queries = _csv_as_jsonl(queries)
     _, items, _, prefix_order = _read_items(queries, template, fmt, {}, id_field, prefix_order=True)
     path = _resolve(model)
     _check_budget(path, chunk_size, dtype, "cpu", budget)

@@ -204,6 +204,19 @@ def test_each_mistake_is_one_line_and_its_exit_code(mistake: Mistake, tiny_model
     assert not (tmp_path / "out.jsonl").exists() or mistake.setup.__qualname__.startswith("_out_file")
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders; run the tests as a user")
+def test_an_output_in_a_read_only_folder_is_refused_before_the_model_loads(tiny_model, tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        cmd, env = _command(Mistake("read-only", ["--out", str(folder / "out.jsonl")], USAGE, ""), tmp_path, tiny_model)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    finally:
+        folder.chmod(0o755)
+    assert proc.returncode == USAGE and "not writable" in proc.stderr and len(_error_lines(proc.stderr)) == 1
+
+
 def test_an_output_locked_by_another_process_is_one_line(tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("")
