@@ -126,7 +126,7 @@ class _Group(TyperGroup):
             err.print(f"[bold red]error:[/] {escape(_one_line(_usage_error_text(e)))}", highlight=False)
             sys.exit(e.exit_code)
         except (_Interrupted, KeyboardInterrupt):
-            err.print("interrupted (SIGINT) before any record was written; nothing to resume", highlight=False)
+            err.print("interrupted (SIGINT); nothing was written after it", highlight=False)
             sys.exit(EXIT_SIGNAL[signal.SIGINT])
         except BaseException as e:
             if isinstance(e, SystemExit) or os.environ.get("CHUNKGEN_TRACEBACK"):
@@ -148,10 +148,10 @@ def _unexpected_text(e: BaseException) -> str:
     import tempfile
 
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-        where = e.filename or "a file"
         if e.filename is None or str(e.filename).startswith(tempfile.gettempdir()):
-            where = f"the temporary folder {tempfile.gettempdir()} (TMPDIR)"
-        return f"cannot write {where}: {e.strerror}; free space there or set TMPDIR to a folder with room"
+            return (f"cannot write the temporary folder {tempfile.gettempdir()} (TMPDIR): {e.strerror}; free "
+                    "space there or set TMPDIR to a writable folder with room")
+        return f"cannot write {e.filename}: {e.strerror}"
     text = " ".join(str(e).split()) or "(no message)"
     return (f"unexpected {type(e).__name__}: {text[:400]} (run again with CHUNKGEN_TRACEBACK=1 for the "
             "traceback, and report it)")

@@ -5,7 +5,9 @@ Every record carries chunkgen's format marker (`"chunkgen": 1`), the input line 
 hash of its request (`line`, `request_hash`); a file with any other line is refused before anything
 changes. An answer belongs to its row by id (ids are unique: a repeated one is an error record):
 `--resume` skips a row whose id has an answer made for the same request, wherever its line moved,
-and reports (or, when asked, re-answers) one whose request changed. Error records never stand for
+and reports (or, when asked, re-answers) one whose request changed. A row without an id belongs to
+its answer by its request and occurrence (`row_key`; its `line-N` id moves with the lines above
+it). Error records never stand for
 answers; a later record at the same line supersedes them. Superseded records are removed by an
 atomic rewrite at the end of the run, and by the next `--resume` when a run died before finishing it.
 """
