@@ -158,3 +158,20 @@ def test_a_model_without_a_chat_template_runs_only_when_asked(tiny_model, tmp_pa
     res = _run(*args, "--no-chat-template")
     assert res.exit_code == 0, res.output
     assert all(r["usage"]["completion_tokens"] >= 1 for r in records(out))
+
+
+def test_a_full_temporary_folder_while_spooling_standard_input_is_one_error(monkeypatch):
+    import errno
+    import io
+
+    from chunkgen.jobs.order import RowFile, TempSpaceError
+
+    class Full(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"id": "a"}\n')))
+    rows = RowFile("-")
+    rows._spool = Full()
+    with pytest.raises(TempSpaceError, match="spooling standard input.*TMPDIR|TMPDIR.*spooling standard input"):
+        list(rows.lines())
