@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import queue
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from chunkgen.scale.groups import group_digest
 CRASH_AFTER_ENV = "CHUNKGEN_FAULT_CRASH_AFTER"
 COLLECT_WAIT_S = 1.0  # a worker answers a collect call at the latest this long after it was made
 SEND_ROWS = 32  # rows sent to a worker in one call
+STOP_CHECK_S = 1.0  # the driver waits for answers this long at a time, then looks at the stop flag again
 MAX_REPLACEMENTS = 3  # workers replaced in one job before it stops (the records written are kept)
 GROUPS_REMEMBERED = 65536  # prefix groups whose workers the driver remembers (least recently used dropped)
 DEFAULT_CPU_WORKERS = 2
@@ -346,7 +348,13 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
     if not ray.is_initialized():
         if address is None:  # a local cluster, started by this process: it must not outlive it
             _keep_reaper()
+        # ray.init installs its own crash handler for SIGTERM (a stack dump, then death): the
+        # caller's handlers (a run's stop-after-this-step) are put back over it.
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        for s, h in handlers.items():
+            if h is not None:
+                signal.signal(s, h)
     node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
     shape = plan_workers(device, workers, ray.cluster_resources(), node_cpus)
     counts = JobCounts()
@@ -361,13 +369,13 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
                 if on_start:
                     on_start(shape)
             while pool.route(row) is None and not should_stop():
-                pool.collect(timeout=None)  # every worker this row could go to is full
+                pool.collect(timeout=STOP_CHECK_S)  # every worker this row could go to is full
             if n % SEND_ROWS == SEND_ROWS - 1:  # write what is ready as we go
                 pool.collect(timeout=0)
         if pool:
             pool.finish()
             while pool.unanswered and not should_stop():
-                pool.collect(timeout=None)
+                pool.collect(timeout=STOP_CHECK_S)
     finally:
         if pool:
             pool.close()
