@@ -65,7 +65,7 @@ def _usage_error_text(e: click_exc.ClickException) -> str:
         hint = e.param_hint if e.param_hint is not None else getattr(e.param, "opts", None)
         if isinstance(hint, (list, tuple)):
             hint = " / ".join(hint)
-        text = _value_error_text(e.__cause__) or e.message
+        text = _value_error_text(e.__cause__) or _click_value_text(e.message) or e.message
         message = f"{hint.replace(chr(39), '')}: {text}" if hint else text
     else:
         message = e.format_message()
@@ -73,6 +73,27 @@ def _usage_error_text(e: click_exc.ClickException) -> str:
     ctx = getattr(e, "ctx", None)
     where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
     return message.rstrip(".") + where
+
+
+def _click_value_text(message: str) -> str | None:
+    """click 8.1's type and range messages (older typer parses with click itself), in the same words
+    as _value_error_text gives newer typer's."""
+    import re
+
+    message = message.strip().removesuffix(".")
+    m = re.fullmatch(r"'?(.*?)'? is not a valid (integer|float)( range)?", message)
+    if m:
+        return f"must be {'an integer' if m[2] == 'integer' else 'a number'}, not {m[1]!r}"
+    m = re.fullmatch(r"(\S+) is not in the range (?:(\S+)<=)?x(?:<=(\S+))?", message)
+    if m:
+        value, low, high = m[1], m[2], m[3]
+        if low is not None and high is not None:
+            return f"must be between {low} and {high}, not {value}"
+        return f"must be at least {low}, not {value}" if low is not None else f"must be at most {high}, not {value}"
+    m = re.fullmatch(r"(\S+) is not in the range x>=(\S+)", message)
+    if m:
+        return f"must be at least {m[2]}, not {m[1]}"
+    return None
 
 
 def _value_error_text(cause: BaseException | None) -> str | None:
