@@ -120,6 +120,14 @@ class _Group(TyperGroup):
     as run errors (exit code 1); an interrupt, a full disk or any unexpected error is one line too,
     never a traceback (CHUNKGEN_TRACEBACK=1 shows it, for a bug report)."""
 
+    # typer turns an interrupt inside parsing or a command into a silent exit 130: both are caught
+    # first, so that it is said in one line.
+    def make_context(self, *args: Any, **kwargs: Any):
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
