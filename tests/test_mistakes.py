@@ -229,9 +229,15 @@ def test_an_output_locked_by_another_process_is_one_line(tiny_model, tmp_path):
 
 
 # -- signals -----------------------------------------------------------------------------------------
+def _default_sigint() -> None:
+    # A shell starts background jobs with SIGINT ignored, and a child inherits that: the tests send
+    # SIGINT as a terminal would, to a process that has Python's own handler.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, preexec_fn=_default_sigint, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
