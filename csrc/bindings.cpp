@@ -377,7 +377,6 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   DecodeProblem p = make_problem(q, k_layer, v_layer, ctx, out, scale, chunk_first);
   p.window = static_cast<int>(window);
   p.softcap = static_cast<float>(softcap);
-  TORCH_CHECK_VALUE(p.window == 0 && p.softcap == 0.f, "sliding windows and soft-capping are not in the kernels yet");
   check_index_tensor(write_slot, "write_slot", q.device());
   check_index_tensor(write_offset, "write_offset", q.device());
   const bool kernel_writes = q.device().is_cpu() && p.batch > 0 && k.size(0) == p.batch &&
