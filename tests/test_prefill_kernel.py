@@ -214,3 +214,24 @@ def test_prefill_windows_and_softcap_match_reference(seed, n_seqs, chunk, heads,
     prefill.prefill_attention(groups, 0, q, k, v, pool, 32 ** -0.5, out, window=window, softcap=softcap)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+
+
+def test_a_long_windowed_prompt_reads_its_keys_by_blocks():
+    """A lone 700-token prompt with a 100-token window (several query blocks, each needing only
+    its window's keys) and one of 600 cached tokens plus 300 new ones whose early cached chunks no
+    window reaches (NaN), against the float64 reference."""
+    pool = prefill.ChunkPool(1, 2, 32, 16, torch.float32, budget_bytes=1 << 24)
+    cached = [pool.allocate() for _ in range(-(-900 // 16))]
+    fresh = [pool.allocate() for _ in range(-(-700 // 16))]
+    spans = [prefill.PrefillSpan(0, fresh, 0, 700), prefill.PrefillSpan(600, cached, 700, 300)]
+    gen = torch.Generator().manual_seed(4)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    q, k, v = (torch.randn(1000, h, 32, generator=gen) for h in (4, 2, 2))
+    want = windowed_reference(q, k, v, pool, spans, 0.2, 100, 0.0)
+    pool.k[0, torch.tensor(cached[: (600 - 99) // 16])] = float("nan")
+    pool.v[0, torch.tensor(cached[: (600 - 99) // 16])] = float("nan")
+    out = torch.full((1000, 4, 32), float("nan"))
+    prefill.prefill_attention(prefill.plan_groups(spans, 16, torch.float32, q.device), 0, q, k, v, pool, 0.2, out,
+                              window=100)
+    assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-4), (out.double() - want).abs().max()

@@ -244,13 +244,21 @@ def _masked_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     lse = q.new_empty(B, Hq, T, dtype=torch.float32)
     for t0 in range(0, T, QUERY_BLOCK):
         t1 = min(T, t0 + QUERY_BLOCK)
-        s = torch.matmul(q[:, :, t0:t1].float(), kf) * scale
+        # Only the keys some query of the block sees: with a window, a long prompt's block reads
+        # about window + QUERY_BLOCK keys, not all of them.
+        seen = visible[:, t0:t1].any(0).any(0).nonzero()
+        if seen.numel() == 0:
+            o[:, :, t0:t1] = 0
+            lse[:, :, t0:t1] = float("-inf")
+            continue
+        c0, c1 = int(seen[0]), int(seen[-1]) + 1
+        s = torch.matmul(q[:, :, t0:t1].float(), kf[..., c0:c1]) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~visible[:, None, t0:t1], float("-inf"))
+        s = s.masked_fill(~visible[:, None, t0:t1, c0:c1], float("-inf"))
         block_lse = torch.logsumexp(s, -1)
         p = torch.exp(s - block_lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
-        o[:, :, t0:t1] = torch.matmul(p, vf)
+        o[:, :, t0:t1] = torch.matmul(p, vf[:, :, c0:c1])
         lse[:, :, t0:t1] = block_lse
     return o, lse
 
