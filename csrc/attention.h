@@ -38,6 +38,12 @@ struct DecodeProblem {
   const int32_t* priv_count;     // [batch]
   const int32_t* priv_last_len;  // [batch]
 
+  // Sliding window: a row whose current token is at position t (the row's length - 1) attends
+  // positions max(0, t - window + 1)..t only; 0 is full attention. softcap > 0 caps each scaled
+  // score s as softcap * tanh(s / softcap) before the softmax; 0 leaves scores as they are.
+  int window = 0;
+  float softcap = 0.f;
+
   // false: the "paged" baseline: every sequence reads its shared chunks itself.
   bool chunk_first;
 

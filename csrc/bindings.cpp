@@ -2,6 +2,7 @@
 // checked here, so a bad call raises a Python ValueError/TypeError instead of reading out of bounds.
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -360,7 +361,11 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
                          const torch::Tensor& part_off, const torch::Tensor& seq_shared_ptr,
                          const torch::Tensor& seq_shared_idx, const torch::Tensor& priv_slot,
                          const torch::Tensor& priv_count, const torch::Tensor& priv_last_len,
-                         torch::Tensor& workspace, torch::Tensor& out, double scale, bool chunk_first) {
+                         torch::Tensor& workspace, torch::Tensor& out, double scale, bool chunk_first,
+                         int64_t window, double softcap) {
+  TORCH_CHECK_VALUE(window >= 0 && window <= std::numeric_limits<int>::max(),
+                    "window must be 0 (full attention) or a positive number of positions, got ", window);
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be 0 (none) or positive, got ", softcap);
   TORCH_CHECK_VALUE(k_cache.dim() == 5 && v_cache.dim() == 5,
                     "k_cache and v_cache must be the whole pool, [layers, slots, ...]; got ",
                     k_cache.sizes(), " and ", v_cache.sizes());
@@ -370,6 +375,8 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   const ContextArgs ctx{shared_slot, shared_len,     shared_begin, shared_end, part_off,
                         seq_shared_ptr, seq_shared_idx, priv_slot, priv_count, priv_last_len};
   DecodeProblem p = make_problem(q, k_layer, v_layer, ctx, out, scale, chunk_first);
+  p.window = static_cast<int>(window);
+  p.softcap = static_cast<float>(softcap);
   check_index_tensor(write_slot, "write_slot", q.device());
   check_index_tensor(write_offset, "write_offset", q.device());
   const bool kernel_writes = q.device().is_cpu() && p.batch > 0 && k.size(0) == p.batch &&
@@ -422,7 +429,7 @@ TORCH_LIBRARY(chunkgen, m) {
       "Tensor write_slot, Tensor write_offset, Tensor shared_slot, Tensor shared_len, Tensor shared_begin, "
       "Tensor shared_end, Tensor part_off, Tensor seq_shared_ptr, Tensor seq_shared_idx, Tensor priv_slot, "
       "Tensor priv_count, Tensor priv_last_len, Tensor(c!) workspace, Tensor(d!) out, float scale, "
-      "bool chunk_first) -> ()");
+      "bool chunk_first, int window=0, float softcap=0.0) -> ()");
   // The decode forward's elementwise work, fused (csrc/elementwise.h says what each one rounds where).
   m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
   m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels.reference import reference_decode_attention
-from tests.test_kernels import build_tree
+from tests.test_kernels import build_tree, nan_outside_windows
 
 HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
@@ -34,7 +34,8 @@ def emulated(tmp_path_factory):
     return fn
 
 
-def run_emulated(fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: bool, sms: int) -> torch.Tensor:
+def run_emulated(fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: bool, sms: int, window: int = 0,
+                 softcap: float = 0.0) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
     ptr = lambda t: ctypes.c_void_p(t.data_ptr())
     err = ctypes.create_string_buffer(4096)
@@ -42,8 +43,8 @@ def run_emulated(fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: boo
             q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[3], ctypes.c_float(scale),
             ctx.shared_slot.numel(), ptr(ctx.shared_slot), ptr(ctx.shared_len), ptr(ctx.shared_begin),
             ptr(ctx.shared_end), ptr(ctx.seq_shared_ptr), ptr(ctx.seq_shared_idx), ptr(ctx.priv_slot),
-            ctx.priv_slot.shape[1], ptr(ctx.priv_count), ptr(ctx.priv_last_len), int(chunk_first), sms,
-            err, len(err))
+            ctx.priv_slot.shape[1], ptr(ctx.priv_count), ptr(ctx.priv_last_len), int(chunk_first), window,
+            ctypes.c_float(softcap), sms, err, len(err))
     assert rc == 0, err.value.decode()
     return out
 
@@ -70,6 +71,38 @@ def test_emulated_cuda_kernel_matches_reference(emulated, seed, n_seqs, shared_l
     out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, scale, chunk_first, sms)
     assert out.dtype == q.dtype
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000), n_seqs=st.integers(1, 10), shared_len=st.integers(0, 300),
+    chunk=st.sampled_from([32, 64]), heads=st.sampled_from([(8, 2), (9, 3), (4, 1)]),
+    head_dim=st.sampled_from([64, 80]), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
+    softcap=st.sampled_from([0.0, 3.0, 30.0]), decode_steps=st.integers(0, 2), chunk_first=st.booleans(),
+    sms=st.sampled_from([1, 8, 132]),
+)
+def test_emulated_cuda_kernel_windows_and_softcap(emulated, seed, n_seqs, shared_len, chunk, heads, head_dim, dtype,
+                                                  window_kind, softcap, decode_steps, chunk_first, sms):
+    """Sliding windows below, at and across a chunk, on shared and private chunks, with and
+    without soft-capping; chunks no window reaches are NaN, partials nobody writes are NaN."""
+    import random
+
+    rnd = random.Random(seed)
+    window = {"below_chunk": rnd.randrange(1, chunk), "one_chunk": chunk,
+              "several_chunks": rnd.randrange(chunk + 1, 4 * chunk), "none": 0}[window_kind]
+    q_heads, kv_heads = heads
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype,
+                            max_private=150, decode_steps=decode_steps)
+    ctx = KernelContext(tree, chunk_first=chunk_first)
+    q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    scale = head_dim ** -0.5
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale, window=window, softcap=softcap)
+    if window:
+        nan_outside_windows(pool, tree, ctx.order, window)
+    out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, scale, chunk_first, sms, window, softcap)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 

@@ -308,3 +308,97 @@ def test_bad_dtypes_raise_python_errors():
         decode_attention(q16.bfloat16(), pool16.k[0], pool16.v[0], ctx16, 1.0, out=torch.empty_like(q16))
     with pytest.raises(TypeError, match="float32 or the pool's dtype"):  # fp16 q on a bf16 pool
         decode_attention(q16.half(), pool16.k[0], pool16.v[0], ctx16, 1.0)
+
+
+# ---- sliding windows and soft-capping -----------------------------------------------------------
+
+def nan_outside_windows(pool: ChunkPool, tree: PrefixTree, order: list, window: int) -> None:
+    """NaN into every chunk no row's window reaches: a kernel that reads one (instead of skipping
+    it) turns its output NaN."""
+    needed = set()
+    for seq in order:
+        if seq is None:
+            continue
+        n = tree.lengths[seq]
+        slots, _ = tree.positions(seq, max(0, n - window), n)
+        needed.update(slots)
+    unused = [s for s in range(pool.capacity) if s not in needed]
+    if unused:
+        pool.k[0, torch.tensor(unused)] = float("nan")
+        pool.v[0, torch.tensor(unused)] = float("nan")
+
+
+def window_for(chunk: int, kind: str, rnd: random.Random) -> int:
+    """Windows against the chunk: inside one, exactly one, across several, or any."""
+    return {"below_chunk": rnd.randrange(1, chunk), "one_chunk": chunk,
+            "several_chunks": rnd.randrange(chunk + 1, 4 * chunk), "any": rnd.randrange(1, 400)}[kind]
+
+
+@pytest.mark.parametrize("cpu_path", PATHS)
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 24),
+    shared_len=st.integers(0, 400),
+    chunk=st.sampled_from([16, 32, 64]),
+    heads=st.sampled_from([(4, 4), (8, 2), (9, 3)]),
+    head_dim=st.sampled_from([64, 80]),
+    kv_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    q_bf16=st.booleans(),
+    window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "any", "none"]),
+    softcap=st.sampled_from([0.0, 0.0, 2.0, 30.0]),
+    decode_steps=st.integers(0, 2),
+    chunk_first=st.booleans(),
+)
+def test_windows_and_softcap_match_reference(cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim, kv_dtype,
+                                             q_bf16, window_kind, softcap, decode_steps, chunk_first):
+    """Sliding windows smaller than a chunk, equal to one and spanning several, on shared and
+    private chunks, with and without soft-capping, against the float64 reference; the chunks that
+    no row's window reaches are NaN, so reading one fails."""
+    rnd = random.Random(seed)
+    window = 0 if window_kind == "none" else window_for(chunk, window_kind, rnd)
+    q_heads, kv_heads = heads
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, kv_dtype, max_private=150,
+                            decode_steps=decode_steps)
+    ctx = KernelContext(tree, chunk_first=chunk_first)
+    q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)) * 3
+    q = q.to(torch.bfloat16 if q_bf16 and kv_dtype == torch.bfloat16 else torch.float32)
+    scale = head_dim ** -0.5
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale, window=window, softcap=softcap)
+    if window:
+        nan_outside_windows(pool, tree, ctx.order, window)
+    with forced(cpu_path):
+        out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale, window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, kv_dtype, q.dtype))
+
+
+@pytest.mark.parametrize("cpu_path", PATHS)
+@pytest.mark.parametrize("window", [1, 40, 64, 200])
+def test_a_long_shared_prompt_outside_the_window_is_not_read(cpu_path, window):
+    """Rows on a 2,048-token shared prompt with short private tails: a window shorter than the
+    tails leaves the whole prompt unread (it is NaN here), a longer one reaches its last chunks."""
+    pool = ChunkPool(1, 2, 64, 64, torch.bfloat16, budget_bytes=1 << 26)
+    tree = PrefixTree(pool)
+    for s in range(12):
+        tree.insert(s, list(range(2048)) + [5000 + 100 * s + i for i in range(50 + 3 * s)])
+        tree.mark_ready(s)
+    gen = torch.Generator().manual_seed(7)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    ctx = KernelContext(tree)
+    q = (torch.randn(ctx.batch_size, 8, 64, generator=gen) * 3).to(torch.bfloat16)
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, 0.125, window=window, softcap=20.0)
+    nan_outside_windows(pool, tree, ctx.order, window)
+    with forced(cpu_path):
+        out = decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125, window=window, softcap=20.0)
+    torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, torch.bfloat16, q.dtype))
+
+
+def test_window_and_softcap_arguments_are_checked():
+    pool, tree = build_tree(0, 2, 20, 16, 2, 64, torch.float32)
+    ctx = KernelContext(tree)
+    q = torch.randn(ctx.batch_size, 2, 64)
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125, window=-1)
+    with pytest.raises(ValueError, match="softcap"):
+        decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125, softcap=-1.0)

@@ -19,7 +19,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("chunkgen::decode_attention")
     def _(q, k, v, k_cache, v_cache, layer, write_slot, write_offset, shared_slot, shared_len, shared_begin,
           shared_end, part_off, seq_shared_ptr, seq_shared_idx, priv_slot, priv_count, priv_last_len,
-          workspace, out, scale, chunk_first) -> None:
+          workspace, out, scale, chunk_first, window=0, softcap=0.0) -> None:
         return None
 
 
@@ -38,15 +38,20 @@ def workspace_for(ctx: KernelContext, q_heads: int, head_dim: int, device: torch
 def decode_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, layer: int, arrays: ContextArrays,
                           workspace: torch.Tensor, out: torch.Tensor, scale: float,
-                          chunk_first: bool) -> None:
+                          chunk_first: bool, window: int = 0, softcap: float = 0.0) -> None:
     """Store the step's k, v `[rows, kv_heads, head_dim]` in `layer` of the pool at the rows' write
     positions, then attend q `[rows, q_heads, head_dim]` (fp32, or the pool's dtype; `out` the same)
-    over each row's path into `out`."""
+    over each row's path into `out`.
+
+    window > 0 makes it a sliding-window layer: a row whose current token is at position t attends
+    positions max(0, t - window + 1)..t only (the last `window` positions, itself included), and
+    chunks wholly before that are not read. softcap > 0 caps every scaled score s as
+    softcap * tanh(s / softcap) before the softmax (Gemma 2's attention soft-capping)."""
     a = arrays
     torch.ops.chunkgen.decode_attention.default(q, k, v, k_cache, v_cache, layer, a.write_slot, a.write_offset, a.shared_slot,
                         a.shared_len, a.shared_begin, a.shared_end, a.part_off, a.seq_shared_ptr,
                         a.seq_shared_idx, a.priv_slot, a.priv_count, a.priv_last_len, workspace, out,
-                        scale, chunk_first)
+                        scale, chunk_first, window, softcap)
 
 
 def decode_attention(
@@ -57,13 +62,15 @@ def decode_attention(
     scale: float,
     chunk_first: bool | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole path in the tree, nothing written.
 
     q `[rows, q_heads, head_dim]` (fp32 or the pool's dtype) in `ctx.order` (rows: the batch,
     padded to its bucket);
     k, v one layer of the pool (`pool.k[layer]`, `pool.v[layer]`) on the CPU or a CUDA device.
-    chunk_first=False runs the paged baseline. For kernel tests and benchmarks: the model's decode
+    chunk_first=False runs the paged baseline; window and softcap as in `decode_step_attention`. For kernel tests and benchmarks: the model's decode
     step calls the op through `decode_step_attention` with the K/V write.
     """
     if checks_enabled():
@@ -78,5 +85,5 @@ def decode_attention(
     decode_step_attention(q, none, none, k.unsqueeze(0), v.unsqueeze(0), 0,
                           arrays._replace(write_slot=no_rows, write_offset=no_rows),
                           workspace_for(ctx, q.shape[1], q.shape[2], q.device), out, scale,
-                          ctx.chunk_first if chunk_first is None else chunk_first)
+                          ctx.chunk_first if chunk_first is None else chunk_first, window, softcap)
     return out

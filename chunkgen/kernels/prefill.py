@@ -9,6 +9,11 @@ on the CPU, in the model's dtype with fp32 softmax state: chunkgen's own kernel 
 (csrc/cpu/prefill_attention.cpp), torch's otherwise. No score matrix is materialized, no K/V is
 expanded to every query head, and everything that depends only on the wave's shape is planned
 once, not once per layer.
+
+Sliding-window layers and attention soft-capping take a plain torch path instead of the fused
+kernels (neither torch's flash kernel nor chunkgen's bf16 one caps scores): scores in fp32 by
+blocks of queries, masked by position. A group's prefix chunks that end before the window of its
+earliest query (so of every member's) are not gathered or read.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ class Group:
     query_idx: torch.Tensor | None  # [M, T] into the group's rows (R: padding)
     mask: torch.Tensor | None       # [M, 1, T, L] additive, the model's dtype
     real: torch.Tensor | None       # positions of [M * T] that are real queries, in row order
+    positions: torch.Tensor | None = None  # [R] each row's position in its sequence (for windows)
 
 
 def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype,
@@ -57,6 +63,13 @@ def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype,
         full = tuple(sp.path_slots[: sp.start // chunk])
         (by_prefix.setdefault(full, []) if full else alone).append(sp)
     groups = [_lone(sp, chunk, device) for sp in alone]
+    groups += _grouped(by_prefix, chunk, dtype, device)
+    return groups
+
+
+def _grouped(by_prefix: dict[tuple[int, ...], list[PrefillSpan]], chunk: int, dtype: torch.dtype,
+             device: torch.device) -> list[Group]:
+    groups: list[Group] = []
     for prefix, members in by_prefix.items():
         if len(members) == 1:
             groups.append(_lone(members[0], chunk, device))
@@ -82,7 +95,8 @@ def _lone(sp: PrefillSpan, chunk: int, device: torch.device) -> Group:
     return Group(rows=torch.arange(sp.row, sp.row + sp.count, device=device),
                  contiguous=(sp.row, sp.row + sp.count),
                  prefix_slots=_slots(sp.path_slots[: -(-sp.start // chunk)], device), prefix_len=sp.start,
-                 own_slots=None, own_len=0, key_idx=None, query_idx=None, mask=None, real=None)
+                 own_slots=None, own_len=0, key_idx=None, query_idx=None, mask=None, real=None,
+                 positions=torch.arange(sp.start, sp.start + sp.count, device=device))
 
 
 def _shared(prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: torch.dtype,
@@ -118,7 +132,8 @@ def _shared(prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: to
     return Group(rows=rows.to(device), contiguous=contiguous, prefix_slots=_slots(prefix, device),
                  prefix_len=n_p, own_slots=_slots(own_slots, device) if own_slots else None,
                  own_len=n_own, key_idx=kidx.to(device), query_idx=qidx.to(device), mask=mask.to(device),
-                 real=(qidx.view(-1) != R).nonzero().view(-1).to(device))
+                 real=(qidx.view(-1) != R).nonzero().view(-1).to(device),
+                 positions=torch.cat([torch.arange(sp.start, sp.start + sp.count) for sp in members]).to(device))
 
 
 def _own_kernel() -> bool:
@@ -160,9 +175,19 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
 
 
 def prefill_attention(groups: list[Group], layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      pool: ChunkPool, scale: float, out: torch.Tensor) -> None:
+                      pool: ChunkPool, scale: float, out: torch.Tensor, window: int = 0,
+                      softcap: float = 0.0) -> None:
     """out[rows] = attention of the wave's new tokens over their paths: q `[rows, q_heads, d]`,
-    k, v `[rows, kv_heads, d]` (the new tokens' own K/V, also already written to the pool)."""
+    k, v `[rows, kv_heads, d]` (the new tokens' own K/V, also already written to the pool).
+
+    window > 0: a token at position t attends positions t - window + 1..t only (transformers'
+    sliding window); softcap > 0: scaled scores s become softcap * tanh(s / softcap)."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0 (0: off), got {window} and {softcap}")
+    if window or softcap:
+        for g in groups:
+            _masked_group(g, layer, q, k, v, pool, scale, out, window, softcap)
+        return
     for g in groups:
         a_b = g.contiguous
         qg = q[a_b[0]:a_b[1]] if a_b else q[g.rows]
@@ -199,5 +224,91 @@ def _own_parts(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
     v2 = torch.cat(values + [zero])[g.key_idx].transpose(1, 2)
     q2 = torch.cat([q, q.new_zeros(1, Hq, d)])[g.query_idx].transpose(1, 2)  # [M, Hq, T, d]
     o, lse = attention_lse(q2, k2, v2, scale, mask=g.mask)
+    o = o.transpose(1, 2).reshape(-1, Hq, d)[g.real]
+    return o, lse.transpose(1, 2).reshape(-1, Hq)[g.real]
+
+
+QUERY_BLOCK = 256  # queries per score matrix of the masked path: bounds its memory
+
+
+def _masked_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          visible: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_lse's contract for what the fused kernels cannot do (soft-capped scores, windows):
+    q `[B, Hq, T, d]`, k, v `[B, Hk, S, d]`, visible `[B, T, S]` (bool). In fp32; a row that sees
+    no key gets o = 0, lse = -inf (weight 0 in a merge)."""
+    B, Hq, T, d = q.shape
+    group = Hq // k.shape[1]
+    kf = k.float().repeat_interleave(group, 1).transpose(-1, -2)
+    vf = v.float().repeat_interleave(group, 1)
+    o = q.new_empty(B, Hq, T, d, dtype=torch.float32)
+    lse = q.new_empty(B, Hq, T, dtype=torch.float32)
+    for t0 in range(0, T, QUERY_BLOCK):
+        t1 = min(T, t0 + QUERY_BLOCK)
+        # Only the keys some query of the block sees: with a window, a long prompt's block reads
+        # about window + QUERY_BLOCK keys, not all of them.
+        seen = visible[:, t0:t1].any(0).any(0).nonzero()
+        if seen.numel() == 0:
+            o[:, :, t0:t1] = 0
+            lse[:, :, t0:t1] = float("-inf")
+            continue
+        c0, c1 = int(seen[0]), int(seen[-1]) + 1
+        s = torch.matmul(q[:, :, t0:t1].float(), kf[..., c0:c1]) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~visible[:, None, t0:t1, c0:c1], float("-inf"))
+        block_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - block_lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+        o[:, :, t0:t1] = torch.matmul(p, vf[:, :, c0:c1])
+        lse[:, :, t0:t1] = block_lse
+    return o, lse
+
+
+def _masked_group(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool,
+                  scale: float, out: torch.Tensor, window: int, softcap: float) -> None:
+    """One group on the masked path: its own part (each member's cached tokens past the prefix and
+    its new tokens, or a lone sequence's new tokens), then the prefix from its first chunk that
+    some member's window reaches."""
+    qg, kg, vg, pos = q[g.rows], k[g.rows], v[g.rows], g.positions
+    far = torch.iinfo(torch.long).max // 2  # no window: every earlier position is inside it
+    lower = pos - window if window else pos - far  # a key at position p is seen when p > lower
+    if g.key_idx is None:  # one sequence: its new tokens, causally
+        visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > lower[:, None])
+        o, lse = _masked_attention_lse(qg.transpose(0, 1)[None], kg.transpose(0, 1)[None],
+                                       vg.transpose(0, 1)[None], scale, visible[None], softcap)
+        o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    else:
+        o, lse = _masked_own_parts(g, layer, qg, kg, vg, pool, scale, lower, softcap)
+    first_pos = int(pos.min()) - window + 1 if window else 0
+    first_chunk = max(0, first_pos) // pool.chunk_size
+    if g.prefix_len > first_chunk * pool.chunk_size:  # else the prefix is before every window
+        base = first_chunk * pool.chunk_size
+        kp, vp = pool.gather(layer, g.prefix_slots[first_chunk:], g.prefix_len - base)
+        key_pos = torch.arange(base, g.prefix_len, device=q.device)
+        visible = key_pos[None, :] > lower[:, None]  # prefix keys all precede the new tokens
+        op, lsep = _masked_attention_lse(qg.transpose(0, 1)[None], kp[None], vp[None], scale, visible[None],
+                                         softcap)
+        o = merge(op[0].transpose(0, 1), lsep[0].transpose(0, 1), o, lse)
+    out[g.rows] = o.to(out.dtype)
+
+
+def _masked_own_parts(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool,
+                      scale: float, lower: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """_own_parts with the window's lower bound and soft-capping: key j of a member's own part
+    sits at position prefix_len + j."""
+    R, Hq, d = q.shape
+    zero = k.new_zeros(1, k.shape[1], d)
+    keys, values = [k], [v]
+    if g.own_slots is not None:
+        ok, ov = pool.gather(layer, g.own_slots, g.own_len)
+        keys.insert(0, ok.transpose(0, 1).to(k.dtype))
+        values.insert(0, ov.transpose(0, 1).to(v.dtype))
+    k2 = torch.cat(keys + [zero])[g.key_idx].transpose(1, 2)  # [M, Hk, L, d]
+    v2 = torch.cat(values + [zero])[g.key_idx].transpose(1, 2)
+    q2 = torch.cat([q, q.new_zeros(1, Hq, d)])[g.query_idx].transpose(1, 2)  # [M, Hq, T, d]
+    # Padded queries (index R) see nothing; their rows are dropped.
+    low = torch.cat([lower, lower.new_full((1,), torch.iinfo(torch.long).max // 2)])[g.query_idx]  # [M, T]
+    key_pos = g.prefix_len + torch.arange(g.key_idx.shape[1], device=q.device)
+    visible = (g.mask[:, 0] == 0) & (key_pos[None, None, :] > low[:, :, None])
+    o, lse = _masked_attention_lse(q2, k2, v2, scale, visible, softcap)
     o = o.transpose(1, 2).reshape(-1, Hq, d)[g.real]
     return o, lse.transpose(1, 2).reshape(-1, Hq)[g.real]

@@ -201,8 +201,10 @@ inline void from_f32(float x, uint16_t* dst) { *dst = bf16::from_float(x); }
 
 struct Scratch {
   std::vector<float> q, o, m, l, s, alpha;
+  std::vector<int> lo;  // per row: first token of the chunk inside the row's window
   void reserve(int rows, int d, int C) {
     const size_t r = static_cast<size_t>(rows);
+    if (lo.size() < r) lo.resize(r);
     if (q.size() < r * d) q.resize(r * d);
     if (o.size() < r * d) o.resize(r * d);
     if (m.size() < r) m.resize(r), l.resize(r), alpha.resize(r);
@@ -243,32 +245,74 @@ inline void values_rows(const float* p, int R, int C, const T* v, int n, int d, 
   }
 }
 
+// cap * tanh(x / cap) (Gemma 2's logit soft-capping), tanh(y) = 1 - 2 / (e^2y + 1): its absolute
+// error (~1e-7, times cap) is far below the scores' own rounding.
+inline vf soft_cap(vf x, float cap) {
+  const vf e = vexp(x * (2.f / cap));
+  return (1.f - 2.f / (e + 1.f)) * cap;
+}
+
+// A row's scores of one chunk beyond what full attention does: soft-capped (cap > 0) and, with a
+// window, tokens below `lo` (before the row's window) masked out.
+struct ChunkMask {
+  const int* lo;  // per row: first token of the chunk inside the row's window (0: all of it)
+  float cap;
+};
+
+// Online softmax of row r's n scores (nv vectors at sr, the last one's valid lanes `tail`): sr
+// becomes the probabilities against the new max, alpha the old state's rescale factor.
+template <bool Masked>
+inline void row_softmax(float* sr, int nv, vi tail, int lo, float cap, float& m, float& l, float& alpha) {
+  vf mx = splat(kNegInf);
+  if constexpr (!Masked) {
+    for (int jv = 0; jv + 1 < nv; ++jv) mx = vmax(mx, load(sr + jv * W));
+    mx = vmax(mx, tail ? load(sr + (nv - 1) * W) : splat(kNegInf));
+  } else {
+    for (int jv = 0; jv < nv; ++jv) {
+      vf x = load(sr + jv * W);
+      if (cap > 0.f) x = soft_cap(x, cap);
+      vi keep = ~lanes_below(lo - jv * W);
+      if (jv + 1 == nv) keep &= tail;
+      x = keep ? x : splat(kNegInf);
+      store(sr + jv * W, x);
+      mx = vmax(mx, x);
+    }
+  }
+  const float mnew = std::max(m, hmax(mx));
+  if (Masked && mnew == kNegInf) {  // nothing of this chunk (or before it) in the row's window
+    for (int jv = 0; jv < nv; ++jv) store(sr + jv * W, vf{});
+    alpha = 1.f;
+    return;
+  }
+  const vf mv = splat(mnew);
+  vf sum = {};
+  for (int jv = 0; jv < nv; ++jv) {
+    const vf x = load(sr + jv * W);
+    vf e = vexp(x - mv);
+    if constexpr (Masked)
+      e = x == splat(kNegInf) ? vf{} : e;  // vexp clamps -inf to a tiny positive value
+    else if (jv + 1 == nv)
+      e = tail ? e : vf{};  // padded lanes carry no weight
+    store(sr + jv * W, e);
+    sum += e;
+  }
+  alpha = mnew == m ? 1.f : std::exp(m - mnew);  // 0 on a row's first chunk (m = -inf)
+  l = l * alpha + hsum(sum);
+  m = mnew;
+}
+
 // Online-softmax update of R scaled query rows (q [R, d]) with the first n tokens of one chunk.
-template <typename T>
+// Masked: per-row window starts and soft-capping (mask); full attention instantiates without them.
+template <typename T, bool Masked>
 void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, int d, float* o,
-                  float* m, float* l, float* s, float* alpha) {
+                  float* m, float* l, float* s, float* alpha, ChunkMask mask = {nullptr, 0.f}) {
   const int nv = (n + W - 1) / W;
   scores_rows<T, kRB>(q, R, kt, nv, C, d, s);
 
   const vi tail = lanes_below(n - (nv - 1) * W);  // valid lanes of the last vector
-  for (int r = 0; r < R; ++r) {
-    float* sr = s + static_cast<size_t>(r) * C;
-    vf mx = splat(kNegInf);
-    for (int jv = 0; jv + 1 < nv; ++jv) mx = vmax(mx, load(sr + jv * W));
-    mx = vmax(mx, tail ? load(sr + (nv - 1) * W) : splat(kNegInf));
-    const float mnew = std::max(m[r], hmax(mx));
-    const vf mv = splat(mnew);
-    vf sum = {};
-    for (int jv = 0; jv < nv; ++jv) {
-      vf e = vexp(load(sr + jv * W) - mv);
-      if (jv + 1 == nv) e = tail ? e : vf{};  // padded lanes carry no weight
-      store(sr + jv * W, e);
-      sum += e;
-    }
-    alpha[r] = mnew == m[r] ? 1.f : std::exp(m[r] - mnew);  // 0 on a row's first chunk (m = -inf)
-    l[r] = l[r] * alpha[r] + hsum(sum);
-    m[r] = mnew;
-  }
+  for (int r = 0; r < R; ++r)
+    row_softmax<Masked>(s + static_cast<size_t>(r) * C, nv, tail, Masked && mask.lo ? mask.lo[r] : 0,
+                        mask.cap, m[r], l[r], alpha[r]);
 
   values_rows<T, kRB>(s, R, C, v, n, d, o, alpha);
 }
@@ -328,6 +372,10 @@ struct Workspace {
   std::vector<float> seg_o, seg_m, seg_l;
   std::vector<SeqItem> seq_items;
   std::vector<uint8_t> item_writes;  // row b's new K/V are stored by its sequence-first item
+  // Sliding windows: rows [eff_begin, eff_end) of each shared chunk read it (all its rows without a
+  // window); with one, each shared chunk's first position, each row's window start, and the first
+  // token inside the window of each chunk a row reads itself.
+  std::vector<int32_t> eff_begin, eff_end, shared_pos, row_lo, chunk_lo;
 };
 
 Workspace& workspace() {
@@ -338,6 +386,45 @@ Workspace& workspace() {
 template <typename Vec>
 void grow(Vec& v, size_t n) {
   if (v.size() < n) v.resize(n);
+}
+
+// The rows of each shared chunk that read it. With a window, a row whose window starts past a
+// chunk's last position skips it: the chunk's rows shrink to the first and last row that reach it
+// (rows between that do not are masked whole), and a chunk no row reaches has none, so nothing
+// reads it. Also each shared chunk's first position and each row's window start.
+void plan_windows(const DecodeProblem& p, Workspace& ws) {
+  const int S = p.num_shared, B = p.batch, C = p.chunk;
+  grow(ws.eff_begin, S);
+  grow(ws.eff_end, S);
+  std::copy_n(p.shared_begin, S, ws.eff_begin.begin());
+  std::copy_n(p.shared_end, S, ws.eff_end.begin());
+  if (p.window <= 0) return;
+  grow(ws.shared_pos, S);
+  grow(ws.row_lo, B);
+  for (int b = 0; b < B; ++b) {
+    int pos = 0;
+    for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
+      const int c = p.seq_shared_idx[i];
+      ws.shared_pos[c] = pos;  // a shared chunk is one node of the tree: one position for all rows
+      pos += p.shared_len[c];
+    }
+    const int np = p.priv_count[b];
+    const int len = pos + (np > 0 ? (np - 1) * C + p.priv_last_len[b] : 0);
+    ws.row_lo[b] = std::max(0, len - p.window);
+  }
+  for (int c = 0; c < S; ++c) {
+    const int end_pos = ws.shared_pos[c] + p.shared_len[c];
+    int lo = p.shared_end[c], hi = p.shared_begin[c];
+    for (int b = p.shared_begin[c]; b < p.shared_end[c]; ++b)
+      if (ws.row_lo[b] < end_pos) lo = std::min(lo, b), hi = b + 1;
+    ws.eff_begin[c] = lo < hi ? lo : p.shared_begin[c];
+    ws.eff_end[c] = lo < hi ? hi : p.shared_begin[c];
+  }
+}
+
+// First token of a chunk at position pos with n tokens inside row b's window (n: none).
+inline int window_lo(const Workspace& ws, int b, int pos, int n) {
+  return std::clamp(ws.row_lo[b] - pos, 0, n);
 }
 
 // Tokens row b reads in the sequence-first phase.
@@ -440,6 +527,10 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
   grow(sc.lv, static_cast<size_t>(Rp) * 16);
   std::fill_n(sc.lv.data(), static_cast<size_t>(Rp) * 16, 0.f);
   int len[kBlockTokens / 16];  // valid tokens of each chunk of the block
+  int pos[kBlockTokens / 16];  // and their first positions (with a window)
+  int lo[kBlockTokens / 16] = {};  // a row's first token of each chunk inside its window
+  const bool windowed = p.window > 0;
+  const float cap = p.softcap;
   const int region_lines = static_cast<int>(head_elems * sizeof(uint16_t) / 64);  // of one chunk's K or V
   for (int i0 = w.first; i0 < w.last; i0 += per_block) {
     const int nc = std::min(per_block, w.last - i0), N = nc * C, Kn = bf16::round_up(N, 32);
@@ -458,6 +549,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
     for (int j = 0; j < nc; ++j) {
       const int c = ws.group_chunks[i0 + j];
       len[j] = p.shared_len[c];
+      if (windowed) pos[j] = ws.shared_pos[c];
       const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
       // K^T [d, C] side by side (pairs along d); V [C, d] stacked (pairs along tokens).
       bf16::pack_pairs(K + off, C, d, dp, C, len[j], sc.kp.data() + 2 * j * C, N);
@@ -473,7 +565,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
       // first blocks): then the row is rescaled and its block done again.
       for (int rr = 0; rr < rows; ++rr) {
         const int r = r0 + rr;
-        const float* sr = sc.s.data() + static_cast<size_t>(rr) * N;
+        float* sr = sc.s.data() + static_cast<size_t>(rr) * N;
         uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
         for (int l = static_cast<int>(static_cast<int64_t>(r) * next_lines / Rp),
                  l_end = static_cast<int>(static_cast<int64_t>(r + 1) * next_lines / Rp);
@@ -483,13 +575,20 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
           std::fill_n(pr, Kn, uint16_t{0});
           continue;
         }
+        if (windowed)
+          for (int jc = 0; jc < nc; ++jc) lo[jc] = window_lo(ws, w.begin + r / G, pos[jc], len[jc]);
+        if (cap > 0.f) {  // capped as scale * s would be, so the scale still applies below
+          const float inv = 1.f / p.scale;
+          for (int j = 0; j < N; j += 16) store(sr + j, soft_cap(load(sr + j) * p.scale, cap) * inv);
+        }
         float m = sc.m[r];
         bool lazy = m != kNegInf;
         __m512 mx = neg_inf;
         if (!lazy)
           for (int jc = 0; jc < nc; ++jc)
             for (int j = 0; j < C; j += 16)
-              mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, bf16::valid_lanes(j, len[jc]), _mm512_loadu_ps(sr + jc * C + j), scale));
+              mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf, bf16::valid_lanes(j, len[jc]) & ~bf16::valid_lanes(j, lo[jc]),
+                                                         _mm512_loadu_ps(sr + jc * C + j), scale));
       rescale:
         if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) {
           const float mnew = _mm512_reduce_max_ps(mx);
@@ -504,6 +603,10 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
             for (int k = 0; k < d; k += 16) _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_loadu_ps(o + k), av));
           }
         }
+        if (m == kNegInf) {  // the row's window starts past this block (and every earlier one)
+          std::fill_n(pr, Kn, uint16_t{0});
+          continue;
+        }
         // exp(s * scale - m) = 2^(s * scale log2(e) - m log2(e)): one FMA before the power of two.
         const __m512 neg_m2 = _mm512_set1_ps(-m * kLog2e);
         __m512 sum = _mm512_setzero_ps(), xmax = neg_inf;
@@ -511,7 +614,8 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         const auto probabilities = [&](auto full, auto track_max, int jc) {
           for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
             const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
-            const __mmask16 valid = full ? __mmask16(0xffff) : bf16::valid_lanes(j - jc * C, len[jc]);
+            const __mmask16 valid = full ? __mmask16(0xffff)
+                                         : bf16::valid_lanes(j - jc * C, len[jc]) & ~bf16::valid_lanes(j - jc * C, lo[jc]);
             if constexpr (track_max) xmax = full ? _mm512_max_ps(xmax, x) : _mm512_mask_max_ps(xmax, valid, xmax, x);
             const __m512 e = full ? bf16::exp2_bf16(x) : _mm512_maskz_mov_ps(valid, bf16::exp2_bf16(x));
             // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
@@ -523,7 +627,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         using Yes = std::true_type;
         using No = std::false_type;
         for (int jc = 0; jc < nc; ++jc) {
-          const bool full = len[jc] == C;
+          const bool full = len[jc] == C && lo[jc] == 0;
           if (lazy)
             full ? probabilities(Yes{}, Yes{}, jc) : probabilities(No{}, Yes{}, jc);
           else
@@ -566,23 +670,26 @@ void run(const DecodeProblem& p, Isa isa) {
   Workspace& ws = workspace();
 
   // ---- plan phase 1: (shared chunk, kv head, sequence range) items.
+  const bool windowed = p.window > 0, masked = windowed || p.softcap > 0.f;
+  plan_windows(p, ws);
+  const int32_t* eff_begin = ws.eff_begin.data();
+  const int32_t* eff_end = ws.eff_end.data();
   const int S = p.chunk_first ? p.num_shared : 0;
   grow(ws.shared_row, S + 1);
   ws.shared_row[0] = 0;
   int64_t shared_work = 0;
   for (int c = 0; c < S; ++c) {
-    const int cover = p.shared_end[c] - p.shared_begin[c];
-    ws.shared_row[c + 1] = ws.shared_row[c] + cover;
-    shared_work += static_cast<int64_t>(cover) * Hk;
+    ws.shared_row[c + 1] = ws.shared_row[c] + p.shared_end[c] - p.shared_begin[c];
+    shared_work += static_cast<int64_t>(eff_end[c] - eff_begin[c]) * Hk;
   }
-  // Group the live chunks by row range; split each group's (rows x chunks) work per head into
-  // about target_items pieces, by chunks first (each piece repacks/reads its chunks once).
+  // Group the live chunks by the rows that read them; split each group's (rows x chunks) work per
+  // head into about target_items pieces, by chunks first (each piece repacks/reads its chunks once).
   ws.group_chunks.clear();
   for (int c = 0; c < S; ++c)
-    if (p.shared_end[c] > p.shared_begin[c]) ws.group_chunks.push_back(c);
+    if (eff_end[c] > eff_begin[c]) ws.group_chunks.push_back(c);
   std::sort(ws.group_chunks.begin(), ws.group_chunks.end(), [&](int a, int b) {
-    if (p.shared_begin[a] != p.shared_begin[b]) return p.shared_begin[a] < p.shared_begin[b];
-    if (p.shared_end[a] != p.shared_end[b]) return p.shared_end[a] < p.shared_end[b];
+    if (eff_begin[a] != eff_begin[b]) return eff_begin[a] < eff_begin[b];
+    if (eff_end[a] != eff_end[b]) return eff_end[a] < eff_end[b];
     return a < b;
   });
   // About three equal pieces a thread: enough for the dynamic schedule to even out, and long, since
@@ -596,9 +703,9 @@ void run(const DecodeProblem& p, Isa isa) {
   ws.shared_items.clear();
   const int n_live = static_cast<int>(ws.group_chunks.size());
   for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
-    const int c0 = ws.group_chunks[g0], begin = p.shared_begin[c0], end = p.shared_end[c0];
-    for (g1 = g0 + 1; g1 < n_live && p.shared_begin[ws.group_chunks[g1]] == begin &&
-                      p.shared_end[ws.group_chunks[g1]] == end;
+    const int c0 = ws.group_chunks[g0], begin = eff_begin[c0], end = eff_end[c0];
+    for (g1 = g0 + 1; g1 < n_live && eff_begin[ws.group_chunks[g1]] == begin &&
+                      eff_end[ws.group_chunks[g1]] == end;
          ++g1) {
     }
     const int nch = g1 - g0, cover = end - begin;
@@ -625,20 +732,32 @@ void run(const DecodeProblem& p, Isa isa) {
   grow(ws.seq_chunk_ptr, B + 1);
   ws.chunk_slot.clear();
   ws.chunk_len.clear();
+  ws.chunk_lo.clear();
   ws.seq_chunk_ptr[0] = 0;
   for (int b = 0; b < B; ++b) {
-    if (!p.chunk_first) {
-      for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
-        const int c = p.seq_shared_idx[i];
-        ws.chunk_slot.push_back(p.shared_slot[c]);
-        ws.chunk_len.push_back(p.shared_len[c]);
+    // With a window, a chunk that ends before the row's window is left out, and the first token
+    // inside the window is kept for each chunk that is read.
+    int pos = 0;
+    const auto add = [&](int slot, int n) {
+      if (windowed) {
+        const int lo = window_lo(ws, b, pos, n);
+        pos += n;
+        if (lo == n) return;
+        ws.chunk_lo.push_back(lo);
       }
+      ws.chunk_slot.push_back(slot);
+      ws.chunk_len.push_back(n);
+    };
+    for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
+      const int c = p.seq_shared_idx[i];
+      if (!p.chunk_first)
+        add(p.shared_slot[c], p.shared_len[c]);
+      else
+        pos += p.shared_len[c];
     }
     const int np = p.priv_count[b];
-    for (int i = 0; i < np; ++i) {
-      ws.chunk_slot.push_back(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i]);
-      ws.chunk_len.push_back(i + 1 == np ? p.priv_last_len[b] : C);
-    }
+    for (int i = 0; i < np; ++i)
+      add(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i], i + 1 == np ? p.priv_last_len[b] : C);
     ws.seq_chunk_ptr[b + 1] = static_cast<int32_t>(ws.chunk_slot.size());
   }
   const int base_items = B * Hk;
@@ -692,6 +811,7 @@ void run(const DecodeProblem& p, Isa isa) {
   grow(ws.seg_l, seg_rows);
 
   const float scale = p.scale;
+  const ChunkMask no_lo{nullptr, p.softcap};
   const int n_shared_items = static_cast<int>(ws.shared_items.size());
   const int n_seq_items = static_cast<int>(ws.seq_items.size());
 
@@ -735,10 +855,18 @@ void run(const DecodeProblem& p, Isa isa) {
           }
         sc.reset_state(R, d);
         for (int i = w.first; i < w.last; ++i) {
-          const int c = ws.group_chunks[i];
+          const int c = ws.group_chunks[i], n = p.shared_len[c];
           const size_t off = p.shared_slot[c] * slot_elems + h * head_elems;
-          attend_chunk<T>(sc.q.data(), R, K + off, V + off, p.shared_len[c], C, d, sc.o.data(),
-                          sc.m.data(), sc.l.data(), sc.s.data(), sc.alpha.data());
+          if (!masked) {
+            attend_chunk<T, false>(sc.q.data(), R, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                                   sc.l.data(), sc.s.data(), sc.alpha.data());
+            continue;
+          }
+          if (windowed)
+            for (int r = 0; r < R; ++r) sc.lo[r] = window_lo(ws, b0 + r / G, ws.shared_pos[c], n);
+          attend_chunk<T, true>(sc.q.data(), R, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                                sc.l.data(), sc.s.data(), sc.alpha.data(),
+                                windowed ? ChunkMask{sc.lo.data(), p.softcap} : no_lo);
         }
         store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
       }
@@ -763,6 +891,7 @@ void run(const DecodeProblem& p, Isa isa) {
         if (w.seg == 0 && p.chunk_first) {
           for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
             const int c = p.seq_shared_idx[i];
+            if (b < eff_begin[c] || b >= eff_end[c]) continue;  // outside the row's window: no partial
             for (int g = 0; g < G; ++g) {
               const size_t pr =
                   static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
@@ -775,8 +904,15 @@ void run(const DecodeProblem& p, Isa isa) {
           const int n = ws.chunk_len[i];
           if (n <= 0) continue;
           const size_t off = ws.chunk_slot[i] * slot_elems + h * head_elems;
-          attend_chunk<T>(sc.q.data(), G, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
-                          sc.l.data(), sc.s.data(), sc.alpha.data());
+          if (!masked) {
+            attend_chunk<T, false>(sc.q.data(), G, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                                   sc.l.data(), sc.s.data(), sc.alpha.data());
+            continue;
+          }
+          if (windowed) std::fill_n(sc.lo.data(), G, ws.chunk_lo[i]);
+          attend_chunk<T, true>(sc.q.data(), G, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                                sc.l.data(), sc.s.data(), sc.alpha.data(),
+                                windowed ? ChunkMask{sc.lo.data(), p.softcap} : no_lo);
         }
         for (int g = 0; g < G; ++g) {
           const size_t row = static_cast<size_t>(b) * Hq + h * G + g;

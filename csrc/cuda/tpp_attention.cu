@@ -11,6 +11,12 @@
 // private chunks), each keeping a running (o, m, l) for the whole GQA group; a final reduction
 // across warps merges them and normalises.
 //
+// Sliding windows and soft-capping (Masked kernels; full attention instantiates without them): a
+// row's position is the sum of its path's chunk lengths, read from the index arrays on the device.
+// A block or warp whose rows' windows all start past a chunk does not read it; partly covered
+// chunks mask per row, and the sequence-first phase leaves out the partials of chunks before the
+// row's window (a chunk-first block that skipped its chunk wrote none).
+//
 // Partials are laid out per (chunk, KV head) with the chunk's rows contiguous:
 //   row(c, h, r) = part_off[c] * q_heads + h * rows_c + r,  rows_c = (end_c - begin_c) * G,
 //   r = (sequence - begin_c) * G + g.
@@ -79,6 +85,35 @@ __device__ __forceinline__ size_t head_offset(int slot, int h, int kv_heads, int
   return (static_cast<size_t>(slot) * kv_heads + h) * d * C;
 }
 
+// Tokens on row b's path before its private chunks, and in all: its current token is at position
+// all - 1 and, with a window W, its window starts at max(0, all - W).
+struct RowExtent {
+  int shared, all;
+};
+__device__ __forceinline__ RowExtent row_extent(const DecodeProblem& p, int b) {
+  RowExtent e{0, 0};
+  for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) e.shared += p.shared_len[p.seq_shared_idx[i]];
+  const int np = p.priv_count[b];
+  e.all = e.shared + (np > 0 ? (np - 1) * p.chunk + p.priv_last_len[b] : 0);
+  return e;
+}
+__device__ __forceinline__ int window_start(const DecodeProblem& p, int b) {
+  const int start = row_extent(p, b).all - p.window;
+  return p.window > 0 && start > 0 ? start : 0;
+}
+// First position of shared chunk c (the same on every row that reads it: one node of the tree);
+// 0 for an unused entry (no rows).
+__device__ __forceinline__ int shared_position(const DecodeProblem& p, int c) {
+  const int b = p.shared_begin[c];
+  int pos = 0;
+  if (b >= p.shared_end[c]) return 0;
+  for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1] && p.seq_shared_idx[i] != c; ++i)
+    pos += p.shared_len[p.seq_shared_idx[i]];
+  return pos;
+}
+// cap * tanh(s / cap), Gemma 2's logit soft-capping.
+__device__ __forceinline__ float soft_cap(float s, float cap) { return cap * tanhf(s / cap); }
+
 __device__ __forceinline__ size_t part_row(const DecodeProblem& p, const int32_t* part_off, int c,
                                            int h, int seq, int g) {
   const int G = p.q_heads / p.kv_heads, n_seqs = p.shared_end[c] - p.shared_begin[c];
@@ -141,8 +176,10 @@ struct WarpState {
 };
 
 // Fold the first n tokens of one chunk (K [d, C] transposed, V [C, d]) into the warp's state.
-template <typename T>
-__device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G, int d, int C) {
+// Masked: tokens below lo (before the row's window; lo < n) are left out, scores soft-capped.
+template <typename T, bool Masked = false>
+__device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G, int d, int C, int lo = 0,
+                            float cap = 0.f) {
   const int lane = threadIdx.x & 31;
   // Scores: a lane owns tokens j = lane, lane + 32, ...; reads of a K row are coalesced.
   for (int j = lane; j < n; j += 32) {
@@ -155,8 +192,13 @@ __device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G,
           if (g0 + u < G) acc[u] += s.q[(g0 + u) * d + t] * k;
       }
 #pragma unroll
-      for (int u = 0; u < kHeadBlock; ++u)
+      for (int u = 0; u < kHeadBlock; ++u) {
+        if constexpr (Masked) {
+          if (cap > 0.f) acc[u] = soft_cap(acc[u], cap);
+          if (j < lo) acc[u] = -INFINITY;  // __expf(-inf - m) is 0 for the finite m that lo < n gives
+        }
         if (g0 + u < G) s.p[(g0 + u) * C + j] = acc[u];
+      }
     }
   }
   __syncwarp();
@@ -229,7 +271,7 @@ template <typename T>
 struct MmaTiles {
   static constexpr int kPadT = 16 / sizeof(T), kPadF = 16 / sizeof(float);
   int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;                 // leading dimensions, in elements
-  size_t ks, vs, qs, ss, ps, os, stats, bytes;                  // byte offsets, each 128-aligned
+  size_t ks, vs, qs, ss, ps, os, stats, lo, bytes;              // byte offsets, each 128-aligned
   __host__ __device__ MmaTiles(int d, int C)
       : ks_ld(C + kPadT), vs_ld(d + kPadT), qs_ld(d + kPadT), ss_ld(C + kPadF), ps_ld(C + kPadT), os_ld(d + kPadF) {
     size_t at = 0;
@@ -240,6 +282,7 @@ struct MmaTiles {
     ps = take(at, sizeof(T) * kTile * ps_ld);     // P [16, C]
     os = take(at, sizeof(float) * kTile * os_ld); // O [16, d]
     stats = take(at, sizeof(float) * 2 * kTile);  // row max, row sum
+    lo = take(at, sizeof(int) * kTile + sizeof(float) * kWarps);  // rows' window starts, warps' flags
     bytes = at;
   }
   __host__ __device__ static size_t take(size_t& at, size_t n) {
@@ -250,8 +293,25 @@ struct MmaTiles {
 };
 
 
+// Whether any row of the block's tiles (tile, tile + splits, ...) reaches the chunk ending at
+// position end_pos (all threads get the answer).
+__device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G, int split, int splits,
+                              int end_pos, float* flags) {
+  float any = 0.f;
+  const int tiles = (rows + kTile - 1) / kTile;
+  for (int tile = split; tile < tiles; tile += splits)
+    for (int r = threadIdx.x; r < kTile && tile * kTile + r < rows; r += kThreads)
+      if (window_start(p, begin + (tile * kTile + r) / G) < end_pos) any = 1.f;
+  any = warp_max(any);
+  if ((threadIdx.x & 31) == 0) flags[threadIdx.x / 32] = any;
+  __syncthreads();
+  bool reached = false;
+  for (int w = 0; w < kWarps; ++w) reached = reached || flags[w] > 0.f;
+  return reached;
+}
+
 // Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * splits blocks.
-template <typename T>
+template <typename T, bool Masked>
 __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits,
                                        float* part_o, float* part_m, float* part_l) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
@@ -272,6 +332,13 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
   float* os = reinterpret_cast<float*>(base + L.os);
   float* ms = reinterpret_cast<float*>(base + L.stats);
   float* ls = ms + kTile;
+  int* los = reinterpret_cast<int*>(base + L.lo);  // first token of the chunk in each row's window
+  int pos = 0;
+  if constexpr (Masked) {
+    pos = p.window > 0 ? shared_position(p, c) : 0;
+    if (p.window > 0 && !block_reaches(p, begin, rows, G, split, splits, pos + n, reinterpret_cast<float*>(los + kTile)))
+      return;  // no row of this block sees the chunk: not read (the merge skips these rows' partials)
+  }
 
   // The chunk's K and V, 16 bytes per thread and step, into padded rows. V rows past the chunk's
   // length are zeroed: their probabilities are 0, but the pool bytes there may be NaN.
@@ -301,6 +368,12 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       }
       qs[r * L.qs_ld + t] = from_float<T>(x);
     }
+    if constexpr (Masked) {
+      for (int r = threadIdx.x; r < kTile; r += kThreads) {
+        const int lo = r < tile_rows && p.window > 0 ? window_start(p, begin + (r0 + r) / G) - pos : 0;
+        los[r] = lo < 0 ? 0 : lo < n ? lo : n;
+      }
+    }
     __syncthreads();
 
     // S[16, C] = Q[16, d] K[d, C]: warps take 16-column tiles of S.
@@ -320,12 +393,20 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
 
     // Softmax of each row over the chunk's n tokens; P rounded to T for the second product.
     for (int r = warp; r < kTile; r += kWarps) {
+      int lo = 0;
+      if constexpr (Masked) {
+        lo = los[r];
+        if (p.softcap > 0.f)
+          for (int j = lane; j < n; j += 32) ss[r * L.ss_ld + j] = soft_cap(ss[r * L.ss_ld + j], p.softcap);
+        __syncwarp();
+      }
       float mx = -INFINITY;
-      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, ss[r * L.ss_ld + j]);
+      for (int j = lo + lane; j < n; j += 32) mx = fmaxf(mx, ss[r * L.ss_ld + j]);
       mx = warp_max(mx);
       float sum = 0.f;
       for (int j = lane; j < C; j += 32) {
-        const float e = j < n ? __expf(ss[r * L.ss_ld + j] - mx) : 0.f;
+        // A row whose window starts past the chunk (lo = n) has no valid token: all weights 0.
+        const float e = j >= lo && j < n ? __expf(ss[r * L.ss_ld + j] - mx) : 0.f;
         ps[r * L.ps_ld + j] = from_float<T>(e);
         sum += e;
       }
@@ -364,7 +445,7 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
 }
 
 // SIMT chunk-first for fp32 K/V: each warp takes whole sequences of the chunk's range.
-template <typename T>
+template <typename T, bool Masked>
 __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off, int splits,
                                         float* part_o, float* part_m, float* part_l) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
@@ -375,11 +456,19 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
   float* mine = reinterpret_cast<float*>(shared_bytes()) + warp * (G * d + WarpState::floats(G, d, C));
   WarpState s = WarpState::at(mine + G * d, mine, G, d, C);
   const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
+  const int n = p.shared_len[c];
+  const int pos = Masked && p.window > 0 ? shared_position(p, c) : 0;
   for (int seq = begin + split * kWarps + warp; seq < end; seq += splits * kWarps) {
+    int lo = 0;
+    if constexpr (Masked) {
+      lo = window_start(p, seq) - pos;
+      if (lo >= n) continue;  // the row's window starts past the chunk: not read, no partial
+      lo = lo < 0 ? 0 : lo;
+    }
     load_queries<T>(mine, p, (static_cast<size_t>(seq) * p.q_heads + h * G) * d, G * d, lane, 32);
     s.reset(G, d);
-    warp_attend<T>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off,
-                   p.shared_len[c], G, d, C);
+    warp_attend<T, Masked>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off, n, G, d, C, lo,
+                           p.softcap);
     const size_t row = part_row(p, part_off, c, h, seq, 0);
     for (int i = lane; i < G * d; i += 32) part_o[row * d + i] = s.o[i];
     for (int g = lane; g < G; g += 32) {
@@ -392,7 +481,7 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
 
 // ---- phase 2 --------------------------------------------------------------------------------
 
-template <typename T>
+template <typename T, bool Masked>
 __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, const float* part_o,
                                       const float* part_m, const float* part_l) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
@@ -411,22 +500,45 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   const T* V = static_cast<const T*>(p.v);
   const int first = p.seq_shared_ptr[b], n_shared = p.seq_shared_ptr[b + 1] - first;
   const int n_priv = p.priv_count[b];
+  // With a window: the row's window start, and each item's first position (the warp walks its
+  // items in order, so one running sum over the shared chunks serves them all).
+  RowExtent extent{0, 0};
+  int row_lo = 0, walked = 0, pos = 0;
+  if constexpr (Masked) {
+    if (p.window > 0) {
+      extent = row_extent(p, b);
+      row_lo = extent.all - p.window > 0 ? extent.all - p.window : 0;
+    }
+  }
   for (int item = warp; item < n_shared + n_priv; item += kWarps) {
-    if (item < n_shared) {
-      const int c = p.seq_shared_idx[first + item];
+    const bool shared = item < n_shared;
+    const int c = shared ? p.seq_shared_idx[first + item] : -1;
+    const int i = item - n_shared;
+    const int n = shared ? p.shared_len[c] : i + 1 == n_priv ? p.priv_last_len[b] : C;
+    int lo = 0;
+    if constexpr (Masked) {
+      if (p.window > 0) {
+        if (shared) {
+          for (; walked < item; ++walked) pos += p.shared_len[p.seq_shared_idx[first + walked]];
+        } else {
+          pos = extent.shared + i * C;
+        }
+        if (pos + n <= row_lo) continue;  // wholly before the row's window: not read
+        lo = row_lo > pos ? row_lo - pos : 0;
+      }
+    }
+    if (shared) {
       if (p.chunk_first) {
         const size_t row = part_row(p, part_off, c, h, b, 0);
         warp_merge(s, part_o + row * d, part_m + row, part_l + row, G, d);
       } else {
         const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
-        warp_attend<T>(s, K + off, V + off, p.shared_len[c], G, d, C);
+        warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap);
       }
     } else {
-      const int i = item - n_shared;
-      const int n = i + 1 == n_priv ? p.priv_last_len[b] : C;
       if (n <= 0) continue;
       const size_t off = head_offset(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i], h, Hk, d, C);
-      warp_attend<T>(s, K + off, V + off, n, G, d, C);
+      warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap);
     }
   }
   __syncthreads();
@@ -484,7 +596,7 @@ void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const ch
           "cudaFuncSetAttribute");
 }
 
-template <typename T, bool kTensorCores>
+template <typename T, bool kTensorCores, bool Masked>
 void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m,
             float* part_l, cudaStream_t stream) {
   const DeviceLimits lim = device_limits();
@@ -501,18 +613,21 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
     const int splits = std::max(1, std::min(most, (2 * lim.sms + items - 1) / items));
     if constexpr (kTensorCores) {
       const size_t smem = MmaTiles<T>(p.head_dim, p.chunk).bytes;
-      reserve_smem(chunk_first_mma_kernel<T>, smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(chunk_first_mma_kernel<T>, items * splits, kThreads, smem, stream, p, part_off, splits,
+      const auto kernel = chunk_first_mma_kernel<T, Masked>;  // one name: the launch macro splits on commas
+      reserve_smem(kernel, smem, lim, "chunk-first kernel");
+      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, smem, stream, p, part_off, splits,
                       part_o, part_m, part_l);
     } else {
-      reserve_smem(chunk_first_simt_kernel<T>, simt_smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(chunk_first_simt_kernel<T>, items * splits, kThreads, simt_smem, stream, p, part_off,
+      const auto kernel = chunk_first_simt_kernel<T, Masked>;
+      reserve_smem(kernel, simt_smem, lim, "chunk-first kernel");
+      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, simt_smem, stream, p, part_off,
                       splits, part_o, part_m, part_l);
     }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
-  reserve_smem(sequence_first_kernel<T>, seq_smem, lim, "sequence-first kernel");
-  CHUNKGEN_LAUNCH(sequence_first_kernel<T>, p.batch * p.kv_heads, kThreads, seq_smem, stream, p, part_off,
+  const auto seq_kernel = sequence_first_kernel<T, Masked>;
+  reserve_smem(seq_kernel, seq_smem, lim, "sequence-first kernel");
+  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, seq_smem, stream, p, part_off,
                   part_o, part_m, part_l);
   check(cudaGetLastError(), "sequence-first kernel launch");
 }
@@ -525,10 +640,21 @@ void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, 
                                float* part_m, float* part_l, void* stream) {
   if (p.head_dim > kMaxHeadDim) throw std::invalid_argument("head_dim > 256 is not supported on CUDA");
   auto s = static_cast<cudaStream_t>(stream);
+  // Windows and soft-capping in their own kernels: the full-attention ones are compiled as before.
+  const bool masked = p.window > 0 || p.softcap > 0.f;
   switch (p.kv_type) {
-    case KVType::F32: launch<float, false>(p, part_off, max_rows, part_o, part_m, part_l, s); break;
-    case KVType::F16: launch<__half, true>(p, part_off, max_rows, part_o, part_m, part_l, s); break;
-    case KVType::BF16: launch<__nv_bfloat16, true>(p, part_off, max_rows, part_o, part_m, part_l, s); break;
+    case KVType::F32:
+      (masked ? launch<float, false, true> : launch<float, false, false>)(p, part_off, max_rows, part_o, part_m,
+                                                                           part_l, s);
+      break;
+    case KVType::F16:
+      (masked ? launch<__half, true, true> : launch<__half, true, false>)(p, part_off, max_rows, part_o, part_m,
+                                                                           part_l, s);
+      break;
+    case KVType::BF16:
+      (masked ? launch<__nv_bfloat16, true, true> : launch<__nv_bfloat16, true, false>)(p, part_off, max_rows, part_o,
+                                                                                         part_m, part_l, s);
+      break;
   }
 }
 
