@@ -120,7 +120,7 @@ def unfused_decode(model, step, k_cache, v_cache, workspace, chunk_first: bool) 
 
     x = F.embedding(step.tokens, model.embed)
     rows, d = x.shape[0], model.head_dim
-    cos, sin = model.rope_cos[step.positions], model.rope_sin[step.positions]
+    cos, sin = (t[step.positions] for t in model.rope_tables["default"])
     q_dtype = x.dtype if x.dtype == k_cache.dtype else torch.float32  # as the model's decode passes q
     out = torch.empty(rows, model.q_heads, d, dtype=q_dtype)
     for i, layer in enumerate(model.layers):

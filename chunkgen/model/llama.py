@@ -1,11 +1,18 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) running on the chunked KV cache.
+"""The decoder of the Llama family and its descendants (Llama 2/3, SmolLM2, Mistral, Qwen2/3,
+Phi-3/4, Gemma 2/3) running on the chunked KV cache.
 
 Weights, rotary tables and activation come from the transformers model; only attention and the
 cache are ours: prefill writes K/V into the pool and attends over the tree path, decode runs the
-two-phase kernel.
+two-phase kernel. The families differ by features, each handled in one place: q/k norms (Qwen3,
+Gemma 3), fused projections in the checkpoint (Phi-3), norms of the form `1 + weight` computed in
+fp32 with norms after attention and MLP as well as before (Gemma), embeddings scaled by
+sqrt(hidden) (Gemma), sliding-window layers (Mistral, Phi-3, Qwen2/3 with windows, Gemma),
+attention and final-logit soft-capping (Gemma 2), rotary tables per layer type (Gemma 3's local
+and global bases) and partial rotary (Phi-4).
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -20,7 +27,10 @@ from chunkgen.kernels import decode_step_attention
 from chunkgen.kernels.elementwise import add_rms_norm, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Families whose norms scale by (1 + weight) in fp32 and whose embeddings are scaled by sqrt(hidden).
+_GEMMA_TYPES = ("gemma2", "gemma3", "gemma3_text")
 
 
 # Rotary variants whose frequencies change with the sequence length: no fixed table.
@@ -103,6 +113,47 @@ class LayerWeights:
     ln_mlp: torch.Tensor
     gate_up: Linear
     down: Linear
+    window: int = 0  # sliding window of this layer (0: attends to the whole path)
+    rope: str = "default"  # which rotary table (Gemma 3: one per layer type)
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None  # norms of the attention and MLP outputs (Gemma)
+    post_mlp: torch.Tensor | None = None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dim with transformers' rounding: normalised in fp32, then weight times
+    it in x's dtype (Llama), or (1 + weight) times it in fp32 before rounding (Gemma)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)
+
+
+def layer_windows(cfg) -> list[int]:
+    """Each layer's sliding window as transformers applies it: per `layer_types` where the config
+    has them (Gemma, Qwen2/3), else `sliding_window` for every layer (Mistral, Phi-3); 0 = none."""
+    window = getattr(cfg, "sliding_window", None) or 0
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else 0 for t in types]
+    return [window] * cfg.num_hidden_layers
+
+
+def _projections(attn, mlp) -> tuple[Linear, Linear]:
+    """The fused q/k/v and gate/up products of a layer: concatenated from the separate ones, or
+    taken as they are where the checkpoint already fuses them (Phi-3)."""
+    if hasattr(attn, "qkv_proj"):
+        qkv = Linear(attn.qkv_proj.weight, attn.qkv_proj.bias)
+    else:
+        qkv = Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                     _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))
+    if hasattr(mlp, "gate_up_proj"):
+        gate_up = Linear(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+    else:
+        gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj))
+    return qkv, gate_up
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:
@@ -113,9 +164,9 @@ def _cat_bias(*linears) -> torch.Tensor | None:
 
 
 def context_length(cfg) -> int:
-    """Tokens a sequence may hold: the position limit, or the sliding window when it is smaller."""
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    return min(cfg.max_position_embeddings, window or cfg.max_position_embeddings)
+    """Tokens a sequence may hold: the position limit (a sliding window limits what a layer
+    attends to, not the sequence)."""
+    return cfg.max_position_embeddings
 
 
 class LlamaModel:
@@ -133,63 +184,127 @@ class LlamaModel:
         inner = hf_model.model
         self.num_layers, self.kv_heads, self.head_dim = kv_shape(cfg)
         self.q_heads = cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
+        gemma = cfg.model_type in _GEMMA_TYPES
+        self.offset_norms = gemma
+        scalar = getattr(cfg, "query_pre_attn_scalar", None)
+        self.scale = (scalar if scalar else self.head_dim) ** -0.5
+        self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
+        self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+        self.embed_scale = cfg.hidden_size ** 0.5 if gemma else None
         self.eps = cfg.rms_norm_eps
         self.max_context = context_length(cfg)
         self.vocab_size = cfg.vocab_size
         from transformers.activations import ACT2FN
 
-        self.act = ACT2FN[cfg.hidden_act]
+        activation = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
+        self.act = ACT2FN[activation]
         self.rotary = inner.rotary_emb
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
         self.lm_head = Linear(hf_model.lm_head.weight, None)
         self.layers: list[LayerWeights] = []
+        windows = layer_windows(cfg)
+        per_type_rope = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        types = getattr(cfg, "layer_types", None) or ["default"] * self.num_layers
         with torch.no_grad():
-            for layer in inner.layers:
+            for i, layer in enumerate(inner.layers):
                 a, m = layer.self_attn, layer.mlp
+                qkv, gate_up = _projections(a, m)
+                q_norm = getattr(a, "q_norm", None)
+                k_norm = getattr(a, "k_norm", None)
                 self.layers.append(LayerWeights(
                     ln_attn=layer.input_layernorm.weight.detach(),
-                    qkv=Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                               _cat_bias(a.q_proj, a.k_proj, a.v_proj)),
+                    qkv=qkv,
                     o=Linear(a.o_proj.weight, a.o_proj.bias),
-                    ln_mlp=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                                   _cat_bias(m.gate_proj, m.up_proj)),
+                    # Gemma names the norm before the MLP pre_feedforward_layernorm and uses
+                    # post_attention_layernorm on the attention output
+                    ln_mlp=(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm).weight.detach(),
+                    gate_up=gate_up,
                     down=Linear(m.down_proj.weight, m.down_proj.bias),
+                    window=windows[i],
+                    rope=types[i] if per_type_rope else "default",
+                    q_norm=None if q_norm is None else q_norm.weight.detach(),
+                    k_norm=None if k_norm is None else k_norm.weight.detach(),
+                    post_attn=layer.post_attention_layernorm.weight.detach() if gemma else None,
+                    post_mlp=layer.post_feedforward_layernorm.weight.detach() if gemma else None,
                 ))
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
         self._inter = cfg.intermediate_size
-        self._silu = cfg.hidden_act == "silu"  # silu_mul fuses SiLU(gate) * up; other activations run unfused
+        self._silu = activation == "silu"  # silu_mul fuses SiLU(gate) * up; other activations run unfused
+        self._rope_keys = sorted({layer.rope for layer in self.layers})
         with torch.no_grad():  # the whole table once: the rotary op indexes it by position, no rotary call per step
-            table = self._rope_table()
-        # [positions, 1, head_dim] in the model's dtype; None for rope types computed per call
-        self.rope_cos, self.rope_sin = table or (None, None)
+            tables = None if self._length_dependent_rope() else {key: self._rope(key, self.embed[:1],
+                torch.arange(self.max_context, device=self.embed.device)) for key in self._rope_keys}
+        # {rope key: (cos, sin) [positions, 1, rot_dim]} in the model's dtype; None for rope types
+        # computed per call
+        self.rope_tables = tables
+        self._rotary_dim = self._rope(self._rope_keys[0], self.embed[:1], torch.zeros(1, dtype=torch.long,
+                                      device=self.embed.device))[0].shape[-1]
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     # The forward's elementwise work runs as fused ops (kernels/elementwise.py) that round as the
     # torch compositions they replace did; the activation runs unfused when it is not SiLU.
-    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """cos, sin `[positions, 1, head_dim]` of every position, in the model's dtype (the rotary
-        module's own rounding); None for rope types whose frequencies depend on the length."""
-        if getattr(self.rotary, "rope_type", "default") in _LENGTH_DEPENDENT_ROPE:
-            return None
-        x = self.embed[:1]
-        cos, sin = self.rotary(x, torch.arange(self.max_context, device=x.device)[None])
-        return cos[0, :, None, :], sin[0, :, None, :]
+    def _length_dependent_rope(self) -> bool:
+        kinds = getattr(self.rotary, "rope_type", "default")
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
+        return any(k in _LENGTH_DEPENDENT_ROPE for k in kinds)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[tokens, 1, head_dim]` of these positions, for rope types whose frequencies
-        depend on the length (computed per call, no table)."""
-        cos, sin = self.rotary(x, positions.view(1, -1))
+    def _rope(self, key: str, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[tokens, 1, rot_dim]` of these positions from the model's own rotary module (its
+        scaling and rounding), for one layer type's table."""
+        extra = () if key == "default" else (key,)
+        cos, sin = self.rotary(x, positions.view(1, -1), *extra)
         return cos[0, :, None, :], sin[0, :, None, :]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the final-normed hidden states h, in the model's dtype: a greedy step takes
         their argmax as they are (the same index as in fp32, which holds them exactly); the
-        sampler converts them to fp32 for everything else."""
-        return self.lm_head(h)
+        sampler converts them to fp32 for everything else. Gemma 2 caps them as transformers does."""
+        logits = self.lm_head(h)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:  # Gemma: scaled by sqrt(hidden) rounded to the model's dtype
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor) -> None:
+        """x += delta (the residual stream, in place), out = norm(x)."""
+        if not self.offset_norms:
+            add_rms_norm(x, delta, weight, self.eps, out)
+            return
+        if delta is not None:
+            x.add_(delta)
+        out.copy_(_rms(x, weight, self.eps, offset=True))
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
+        """Per-head RMSNorm of the q and k heads of qkv, in place, before rotary."""
+        rows, d = qkv.shape[0], self.head_dim
+        q = qkv[:, : self._q_size].view(rows, self.q_heads, d)
+        k = qkv[:, self._q_size : self._q_size + self._kv_size].view(rows, self.kv_heads, d)
+        q.copy_(_rms(q, layer.q_norm, self.eps, self.offset_norms))
+        k.copy_(_rms(k, layer.k_norm, self.eps, self.offset_norms))
+
+    def _partial_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        q_out: torch.Tensor) -> None:
+        """Rotary on the first rot_dim dims of each head only (Phi-4's partial_rotary_factor), as
+        transformers does: k in place, q into q_out."""
+        rows, d, rot = qkv.shape[0], self.head_dim, cos.shape[-1]
+        c, s_ = cos[positions], sin[positions]  # [rows, 1, rot]
+
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            r = x[..., :rot]
+            half = torch.cat((-r[..., rot // 2:], r[..., : rot // 2]), dim=-1)
+            return torch.cat((r * c + half * s_, x[..., rot:]), dim=-1)
+
+        q = qkv[:, : self._q_size].view(rows, self.q_heads, d)
+        k = qkv[:, self._q_size : self._q_size + self._kv_size].view(rows, self.kv_heads, d)
+        q_out.copy_(turn(q))
+        k.copy_(turn(k))
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -198,25 +313,35 @@ class LlamaModel:
         rotated queries (its dtype is the one attention takes); attend(layer, q, k, v) returns the
         attention output `[rows, q_heads * d]` in the model's dtype.
 
-        Per layer: add_rms_norm, qkv, rotary, attention, o, add_rms_norm, gate_up, silu_mul, down.
-        Each residual add is fused into the norm after it; the buffers are allocated once here."""
+        Per layer: add_rms_norm, qkv, (q/k norm), rotary, attention, o, (post norm), add_rms_norm,
+        gate_up, activation * up, down, (post norm). Each residual add is fused into the norm after
+        it; the buffers are allocated once here."""
         rows = x.shape[0]
         h = torch.empty_like(x)
-        if self.rope_cos is not None and self.rope_cos.dtype == x.dtype:
-            cos, sin = self.rope_cos, self.rope_sin  # every position, indexed by the rotary op
+        if self.rope_tables is not None and self.rope_tables[self._rope_keys[0]][0].dtype == x.dtype:
+            tables = self.rope_tables  # every position, indexed by the rotary op
         else:  # length-dependent frequencies: this call's rows, in row order
-            cos, sin = self._rope(x, positions)
+            tables = {key: self._rope(key, x, positions) for key in self._rope_keys}
             positions = torch.arange(rows, device=x.device)
         act = torch.empty(rows, self._inter, dtype=x.dtype, device=x.device) if self._silu else None
         n_qk = self._q_size + self._kv_size
         delta = None
         for i, layer in enumerate(self.layers):
-            add_rms_norm(x, delta, layer.ln_attn, self.eps, h)
+            self._add_norm(x, delta, layer.ln_attn, h)
             qkv = layer.qkv(h)
-            rotary(qkv, positions, cos, sin, self.q_heads, self.kv_heads, q)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer)
+            cos, sin = tables[layer.rope]
+            if self._rotary_dim == self.head_dim:
+                rotary(qkv, positions, cos, sin, self.q_heads, self.kv_heads, q)
+            else:
+                self._partial_rotary(qkv, positions, cos, sin, q)
             k = qkv[:, self._q_size : n_qk].view(rows, self.kv_heads, self.head_dim)
             v = qkv[:, n_qk:].view(rows, self.kv_heads, self.head_dim)
-            add_rms_norm(x, layer.o(attend(i, q, k, v)), layer.ln_mlp, self.eps, h)
+            attn = layer.o(attend(i, q, k, v))
+            if layer.post_attn is not None:
+                attn = _rms(attn, layer.post_attn, self.eps, offset=True)
+            self._add_norm(x, attn, layer.ln_mlp, h)
             gate_up = layer.gate_up(h)
             if act is not None:
                 silu_mul(gate_up, act)
@@ -224,7 +349,9 @@ class LlamaModel:
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 delta = layer.down(self.act(gate) * up)
-        add_rms_norm(x, delta, self.norm, self.eps, h)
+            if layer.post_mlp is not None:
+                delta = _rms(delta, layer.post_mlp, self.eps, offset=True)
+        self._add_norm(x, delta, self.norm, h)
         return h
 
     # -- prefill ------------------------------------------------------------------------------
@@ -254,14 +381,15 @@ class LlamaModel:
         # Usually every new row is written: then K/V go to the pool without a gather first.
         w_rows_t = None if w_rows == list(range(row)) else torch.tensor(w_rows, dtype=torch.long, device=dev)
         groups = plan_groups(spans, C, self.dtype, dev)
-        x = F.embedding(torch.tensor(ids, device=dev), self.embed)
+        x = self._embed(torch.tensor(ids, device=dev))
         attn = torch.empty(len(ids), self.q_heads, self.head_dim, dtype=x.dtype, device=dev)
         q = torch.empty_like(attn)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if w_rows:
                 pool.write(i, w_slots_t, w_offs_t, *((k, v) if w_rows_t is None else (k[w_rows_t], v[w_rows_t])))
-            prefill_attention(groups, i, q, k, v, pool, self.scale, attn)
+            prefill_attention(groups, i, q, k, v, pool, self.scale, attn, window=self.layers[i].window,
+                              softcap=self.softcap)
             return attn.view(len(ids), -1)
 
         h = self._layers(x, torch.tensor(positions, device=dev), q, attend)
@@ -277,7 +405,7 @@ class LlamaModel:
         model's device); returns logits [rows, vocab] in the model's dtype. A plain forward: no
         host data is read and no tensor is built from Python values, so it compiles to one graph
         and replays as one."""
-        x = F.embedding(step.tokens, self.embed)
+        x = self._embed(step.tokens)
         rows = x.shape[0]
         # q and out in the model's dtype when the pool holds it (the kernel accumulates in fp32);
         # fp32 otherwise (an fp16 model's K/V are fp32 on the CPU).
@@ -287,7 +415,8 @@ class LlamaModel:
         flat = out.view(rows, -1)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            decode_step_attention(q, k, v, k_cache, v_cache, i, step, workspace, out, self.scale, chunk_first)
+            decode_step_attention(q, k, v, k_cache, v_cache, i, step, workspace, out, self.scale, chunk_first,
+                                  window=self.layers[i].window, softcap=self.softcap)
             return flat if flat.dtype == x.dtype else flat.to(x.dtype)
 
         return self._logits(self._layers(x, step.positions, q, attend))

@@ -1,0 +1,169 @@
+"""Every supported family against transformers' generate: seeded tiny random-weight models built
+offline from each family's config, prompts far longer than their sliding windows (windows smaller
+than a chunk, equal to one and spanning several), several rows sharing a system prompt."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkgen.engine import SamplingParams
+from chunkgen.llm import LLM
+from tests.conftest import _train_tokenizer
+from tests.test_engine import assert_parity, hf_greedy, template_prompts
+
+CHUNK = 16
+
+
+def _common(vocab: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _config(family: str, vocab: int):
+    import transformers as tf
+
+    c = _common(vocab)
+    if family == "qwen3":  # q/k norms, head_dim set apart from hidden / heads, tied embeddings
+        return tf.Qwen3Config(**c, head_dim=32, tie_word_embeddings=True)
+    if family == "qwen3-window":  # Qwen3 with sliding-window layers below max_window_layers
+        return tf.Qwen3Config(**c, head_dim=16, use_sliding_window=True, sliding_window=CHUNK, max_window_layers=2,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    if family == "phi3":  # fused qkv and gate_up, a window of several chunks, partial rotary (Phi-4)
+        return tf.Phi3Config(**c, sliding_window=40, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                             original_max_position_embeddings=4096)
+    if family == "mistral":  # every layer windowed, a window between chunk boundaries
+        return tf.MistralConfig(**c, sliding_window=20, tie_word_embeddings=False)
+    if family == "gemma2":  # soft-capped attention and logits, alternating windows smaller than a chunk
+        return tf.Gemma2Config(**c, head_dim=16, query_pre_attn_scalar=24, sliding_window=10,
+                               attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                               hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma3":  # q/k norms, two rope bases, local layers of a window below a chunk
+        return tf.Gemma3TextConfig(**c, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                   rope_local_base_freq=10_000.0, rope_theta=1_000_000.0)
+    if family == "llama3-rope":  # Llama 3.1/3.2 rope scaling, short original context so it matters
+        return tf.LlamaConfig(**c, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 10_000.0})
+    if family == "qwen2-yarn":  # YaRN with its attention scaling
+        return tf.Qwen2Config(**c, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10_000.0})
+    raise ValueError(family)
+
+
+def _build(out: Path, family: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family, len(tok)))
+    with torch.no_grad():  # norms away from their init, so that (1 + w) against w would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0 if "gemma" in family else 1.0, 0.2)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+FAMILIES = ["qwen3", "qwen3-window", "phi3", "mistral", "gemma2", "gemma3", "llama3-rope", "qwen2-yarn"]
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = _build(tmp_path_factory.mktemp(family), family, seed=len(built))
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_parity_fp32(family, family_models):
+    path = family_models(family)
+    llm = LLM(model=str(path), dtype="fp32", chunk_size=CHUNK, kv_memory="32MiB", max_batch=4)
+    prompts = template_prompts("arithmetic_cot", 4)
+    ids = [llm.encode(p) for p in prompts]
+    assert min(map(len, ids)) > 8 * CHUNK  # far past every window
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=12))
+    hf, ref = hf_greedy(path, ids, 12)
+    exact = 0
+    for p, r, t in zip(ids, results, ref):
+        assert_parity(hf, p, r.token_ids, t)
+        exact += r.token_ids == t
+    assert exact >= 3, f"{family}: only {exact}/4 sequences equal token for token"
+    assert sum(r.cached_tokens for r in results) > 3 * 4 * CHUNK  # the shared prompt was computed once
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_at_every_length(family, family_models):
+    """The last-position logits of prompts cut at many lengths (each a prefill over the tree, the
+    shorter ones' chunks reused) against transformers' logits at those positions."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_models(family)
+    llm = LLM(model=str(path), dtype="fp32", chunk_size=CHUNK, kv_memory="32MiB", max_batch=4)
+    ids = llm.encode(template_prompts("document_qa", 1)[0])[:160]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    cuts = [3, 9, 10, 11, 16, 17, 31, 40, 41, 64, 100, 159, 160]
+    engine = llm.new_engine()
+    from chunkgen.model.llama import PrefillItem
+
+    for n in cuts:
+        item = PrefillItem(tokens=ids[:n], start=0, write_from=0, path_slots=_slots(engine, n), want_logits=True)
+        got = engine.model.prefill([item], engine.pool)[0].float()
+        torch.testing.assert_close(got, ref[n - 1], rtol=1e-4, atol=1e-4, msg=f"{family}: position {n - 1}")
+
+
+def _slots(engine, n: int) -> list[int]:
+    """Chunk slots of the pool for a path of n tokens (a standalone prefill, outside the tree)."""
+    chunks = -(-n // CHUNK)
+    return [engine.pool.allocate() for _ in range(chunks)]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_greedy_parity_bf16(family, family_models):
+    """bf16 against transformers in bf16: equal or a near tie at the first divergence."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_models(family)
+    llm = LLM(model=str(path), dtype="bf16", chunk_size=CHUNK, kv_memory="32MiB", max_batch=4)
+    prompts = template_prompts("arithmetic_cot", 4)
+    ids = [llm.encode(p) for p in prompts]
+    results = llm.generate(prompts, SamplingParams(max_new_tokens=8))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    exact = 0
+    for p, r in zip(ids, results):
+        theirs = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+        assert_parity(hf, p, r.token_ids, theirs, top=5)
+        exact += r.token_ids == theirs
+    assert exact >= 2, f"{family} bf16: only {exact}/4 sequences equal token for token"
+
+
+def test_unsupported_architecture_is_one_line_naming_the_supported(tmp_path):
+    import json
+
+    from chunkgen.model import ModelNotFound
+    from chunkgen.model.loading import read_config
+
+    path = _build(tmp_path / "m", "qwen3")
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelNotFound) as err:
+        read_config(path)
+    message = str(err.value)
+    assert "\n" not in message and "Qwen3MoeForCausalLM is not supported" in message
+    assert "Gemma3ForCausalLM" in message and "Phi3ForCausalLM" in message
