@@ -1242,7 +1242,7 @@ def bench_e2e(
     dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
     device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
     kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
-    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "

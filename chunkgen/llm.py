@@ -103,8 +103,8 @@ class LLM:
     CPU. `device_choice`, `dtype_reason` and `kv_budget` say what was chosen and why. chat_template=False
     joins chat messages with blank lines as plain text instead of using the model's chat template.
 
-    dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b) or the path of a
-    Hugging Face config.json, instead of `model`: random weights drawn from `seed` (benchmarks)."""
+    dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b,
+    gemma-3-1b, phi-3-mini) or the path of a Hugging Face config.json, instead of `model`: random weights drawn from `seed` (benchmarks)."""
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SHIPPED = ("smollm2-135m", "llama-3.2-1b", "llama-2-7b")
+SHIPPED = ("smollm2-135m", "llama-3.2-1b", "llama-2-7b", "qwen3-0.6b", "qwen3-4b", "gemma-3-1b", "phi-3-mini")
 
 # Memory a model takes while chunkgen builds it, per byte of its weights: the transformers model
 # while LlamaModel fuses q/k/v and gate/up into new tensors (~1.7x), plus on the CPU the
