@@ -51,6 +51,13 @@ def _config(family: str, vocab: int):
     if family == "qwen2-yarn":  # YaRN with its attention scaling
         return tf.Qwen2Config(**c, tie_word_embeddings=False, rope_scaling={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10_000.0})
+    if family == "phi3-longrope":  # Phi-3.5 / Phi-4-mini: longrope, frequencies chosen by length
+        return tf.Phi3Config(**c, tie_word_embeddings=False, original_max_position_embeddings=64, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "rope_theta": 10_000.0})
+    if family == "llama-dynamic":  # dynamic NTK scaling past the original context
+        return tf.LlamaConfig(**c, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10_000.0})
     raise ValueError(family)
 
 
@@ -72,7 +79,8 @@ def _build(out: Path, family: str, seed: int = 0) -> Path:
     return out
 
 
-FAMILIES = ["qwen3", "qwen3-window", "phi3", "mistral", "gemma2", "gemma3", "llama3-rope", "qwen2-yarn"]
+FAMILIES = ["qwen3", "qwen3-window", "phi3", "mistral", "gemma2", "gemma3", "llama3-rope", "qwen2-yarn",
+            "phi3-longrope", "llama-dynamic"]
 
 
 @pytest.fixture(scope="module")
@@ -106,24 +114,25 @@ def test_greedy_parity_fp32(family, family_models):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_at_every_length(family, family_models):
-    """The last-position logits of prompts cut at many lengths (each a prefill over the tree, the
-    shorter ones' chunks reused) against transformers' logits at those positions."""
+    """The last-position logits of prompts cut at many lengths, each a prefill of its own, against
+    transformers' forward over the same tokens (where rope frequencies depend on the length, as
+    dynamic and longrope do, that is the call they must equal)."""
     from transformers import AutoModelForCausalLM
 
     path = family_models(family)
     llm = LLM(model=str(path), dtype="fp32", chunk_size=CHUNK, kv_memory="32MiB", max_batch=4)
-    ids = llm.encode(template_prompts("document_qa", 1)[0])[:160]
+    ids = llm.encode(template_prompts("document_qa", 1)[0])[:72]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    cuts = [3, 9, 10, 11, 16, 17, 31, 40, 41, 64, 100, 159, 160]
+    cuts = range(1, len(ids) + 1)  # every position: inside, at and past each window and chunk boundary
     engine = llm.new_engine()
     from chunkgen.model.llama import PrefillItem
 
     for n in cuts:
         item = PrefillItem(tokens=ids[:n], start=0, write_from=0, path_slots=_slots(engine, n), want_logits=True)
         got = engine.model.prefill([item], engine.pool)[0].float()
-        torch.testing.assert_close(got, ref[n - 1], rtol=1e-4, atol=1e-4, msg=f"{family}: position {n - 1}")
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids[:n]])).logits[0, -1]
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=f"{family}: position {n - 1}")
 
 
 def _slots(engine, n: int) -> list[int]:
