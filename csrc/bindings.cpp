@@ -435,6 +435,7 @@ TORCH_LIBRARY(chunkgen, m) {
   m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
         "Tensor(b!) q_out) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("gelu_tanh_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.
   m.def("argmax_rows(Tensor x) -> Tensor");
   // The decode step's bf16 linear layers on AMX or AVX512_BF16 (csrc/linear.h); CPU only.
@@ -447,6 +448,7 @@ TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
   m.impl("add_rms_norm", &chunkgen::add_rms_norm_op);
   m.impl("rotary", &chunkgen::rotary_op);
   m.impl("silu_mul", &chunkgen::silu_mul_op);
+  m.impl("gelu_tanh_mul", &chunkgen::gelu_tanh_mul_op);
   m.impl("argmax_rows", &chunkgen::argmax_rows_op);
   m.impl("pack_linear", &chunkgen::pack_linear_op);
   m.impl("packed_linear", &chunkgen::packed_linear_op);
@@ -458,6 +460,7 @@ TORCH_LIBRARY_IMPL(chunkgen, CUDA, m) {
   m.impl("add_rms_norm", &chunkgen::add_rms_norm_op);
   m.impl("rotary", &chunkgen::rotary_op);
   m.impl("silu_mul", &chunkgen::silu_mul_op);
+  m.impl("gelu_tanh_mul", &chunkgen::gelu_tanh_mul_op);
 }
 #endif
 

@@ -25,6 +25,9 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
 // out [rows, n] = round(round(silu(gate)) * up), gate_up [rows, 2n] = [gate | up].
 void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out);
 
+// out [rows, n] = round(round(gelu_tanh(gate)) * up): the GeGLU of Gemma's MLP.
+void gelu_tanh_mul_op(const torch::Tensor& gate_up, torch::Tensor& out);
+
 #ifdef CHUNKGEN_WITH_CUDA
 // Raw launchers (csrc/cuda/elementwise.cu). dtype: 0 float32, 1 bfloat16, 2 float16.
 void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, void* out, int64_t rows,
@@ -35,6 +38,8 @@ void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos6
                  int64_t d, void* q_out, int q_out_dtype, int dtype, void* stream);
 void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows,
                    int64_t n, int dtype, void* stream);
+void gelu_tanh_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows,
+                        int64_t n, int dtype, void* stream);
 #endif
 
 }  // namespace chunkgen

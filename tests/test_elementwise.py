@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkgen.kernels.elementwise import add_rms_norm, rotary, silu_mul
+from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -97,6 +97,25 @@ def test_silu_mul_is_bitwise_the_torch_composition(dtype):
     out = torch.empty(rows, n, dtype=dtype)
     silu_mul(gate_up, out)
     assert bits_equal(out, want), int((out != want).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_is_the_torch_composition(dtype):
+    """Gemma's GeGLU: within a rounding of the torch composition (tanh is libm's here, SLEEF's in
+    ATen; for very negative gates 1 + tanh cancels, so a last-bit difference of tanh shows as an
+    absolute one of a few 1e-6), the ends of the range and NaN included."""
+    g = torch.Generator().manual_seed(3)
+    rows, n = 33, 1536
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 60, -60, 0.0, -0.0, 3.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    out = torch.empty(rows, n, dtype=dtype)
+    gelu_tanh_mul(gate_up, out)
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out, want, rtol=ulp, atol=1e-5, equal_nan=True)
+    with pytest.raises(ValueError, match="gate_up"):
+        gelu_tanh_mul(gate_up, torch.empty(rows, n + 1, dtype=dtype))
 
 
 def test_ops_check_their_arguments():

@@ -102,14 +102,15 @@ class _AttentionDispatchOnly:
     def __init__(self) -> None:
         self._cached: tuple = (None, None)
 
-    def __call__(self, q, k, v, k_cache, v_cache, layer, arrays, workspace, out, scale, chunk_first) -> None:
+    def __call__(self, q, k, v, k_cache, v_cache, layer, arrays, workspace, out, scale, chunk_first,
+                 window: int = 0, softcap: float = 0.0) -> None:
         if self._cached[0] is not arrays:  # one step's layers share the arrays: slice them once
             none = arrays.write_slot[:0]
             self._cached = (arrays, arrays._replace(
                 write_slot=none, write_offset=none, seq_shared_ptr=arrays.seq_shared_ptr[:1],
                 priv_slot=arrays.priv_slot[:0], priv_count=none, priv_last_len=none))
         real_attention(q[:0], k[:0], v[:0], k_cache, v_cache, layer, self._cached[1], workspace, out[:0],
-                       scale, chunk_first)
+                       scale, chunk_first, window=window, softcap=softcap)
 
 
 def host_floor_ms(engine, batch: int, steps: int = 20, prompt: int = 8, attention: bool = False) -> float:

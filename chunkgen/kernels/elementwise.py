@@ -1,6 +1,6 @@
-"""The decode forward's elementwise work as three fused ops (torch.ops.chunkgen; native CPU and CUDA
+"""The decode forward's elementwise work as fused ops (torch.ops.chunkgen; native CPU and CUDA
 implementations, fake ones for tracing): residual add + RMSNorm, rotary embedding in place on the
-qkv product, SiLU(gate) * up. Each writes into buffers it is given and returns nothing, so a step
+qkv product, SiLU(gate) * up and tanh-GELU(gate) * up (Gemma's GeGLU). Each writes into buffers it is given and returns nothing, so a step
 allocates its buffers once and every layer reuses them.
 
 They round as the torch composition they replace does (fp32 math, each stored intermediate rounded
@@ -31,6 +31,10 @@ def _register_fake() -> None:
     def _(gate_up, out) -> None:
         return None
 
+    @torch.library.register_fake("chunkgen::gelu_tanh_mul")
+    def _(gate_up, out) -> None:
+        return None
+
 
 _register_fake()
 
@@ -54,3 +58,9 @@ def rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """out `[rows, n]` = SiLU(gate) * up for gate_up `[rows, 2n]` = [gate | up]."""
     torch.ops.chunkgen.silu_mul.default(gate_up, out)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out `[rows, n]` = GELU_tanh(gate) * up for gate_up `[rows, 2n]` = [gate | up] (transformers'
+    gelu_pytorch_tanh, each product rounded as the torch composition rounds it)."""
+    torch.ops.chunkgen.gelu_tanh_mul.default(gate_up, out)

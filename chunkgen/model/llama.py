@@ -24,7 +24,7 @@ from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.context import ContextArrays
 from chunkgen.cache.pool import ChunkPool, kv_shape
 from chunkgen.kernels import decode_step_attention
-from chunkgen.kernels.elementwise import add_rms_norm, rotary, silu_mul
+from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -231,7 +231,8 @@ class LlamaModel:
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
         self._inter = cfg.intermediate_size
-        self._silu = activation == "silu"  # silu_mul fuses SiLU(gate) * up; other activations run unfused
+        # the fused activation * up of SiLU (silu_mul) and tanh-GELU (gelu_tanh_mul, Gemma); others unfused
+        self._gated = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}.get(activation)
         self._rope_keys = sorted({layer.rope for layer in self.layers})
         with torch.no_grad():  # the whole table once: the rotary op indexes it by position, no rotary call per step
             tables = None if self._length_dependent_rope() else {key: self._rope(key, self.embed[:1],
@@ -323,7 +324,7 @@ class LlamaModel:
         else:  # length-dependent frequencies: this call's rows, in row order
             tables = {key: self._rope(key, x, positions) for key in self._rope_keys}
             positions = torch.arange(rows, device=x.device)
-        act = torch.empty(rows, self._inter, dtype=x.dtype, device=x.device) if self._silu else None
+        act = torch.empty(rows, self._inter, dtype=x.dtype, device=x.device) if self._gated else None
         n_qk = self._q_size + self._kv_size
         delta = None
         for i, layer in enumerate(self.layers):
@@ -344,7 +345,7 @@ class LlamaModel:
             self._add_norm(x, attn, layer.ln_mlp, h)
             gate_up = layer.gate_up(h)
             if act is not None:
-                silu_mul(gate_up, act)
+                self._gated(gate_up, act)
                 delta = layer.down(act)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)

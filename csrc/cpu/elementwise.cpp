@@ -205,6 +205,25 @@ void silu_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int
   }
 }
 
+// GELU with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP) as torch computes
+// it in fp32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), rounded to T, times up.
+template <typename T>
+void gelu_tanh_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+#pragma omp parallel for if (rows * n >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * is;
+    const T* u = g + n;
+    T* o = out + r * os;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = load(g[i]);
+      const float inner = kBeta * (x + kKappa * x * x * x);
+      o[i] = store<T>(rnd<T>(0.5f * x * (1.f + std::tanh(inner))) * load(u[i]));
+    }
+  }
+}
+
 // The storage dtypes the ops take (dtype_code rejects the others first).
 #define CHUNKGEN_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                      \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
@@ -338,7 +357,10 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
   (void)qt;
 }
 
-void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) {
+namespace {
+
+// SiLU or tanh-GELU of the gate times up: one checked entry point for both activations.
+void gated_mul(const torch::Tensor& gate_up, torch::Tensor& out, bool gelu) {
   check_rows(gate_up, "gate_up", gate_up);
   check_rows(out, "out", gate_up);
   const int dt = dtype_code(gate_up, "gate_up");
@@ -349,18 +371,24 @@ void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) {
   if (!gate_up.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
     const c10::cuda::CUDAGuard guard(gate_up.device());
-    silu_mul_cuda(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, n, dt,
-                  stream_of(gate_up));
+    (gelu ? gelu_tanh_mul_cuda : silu_mul_cuda)(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
+                                                 out.stride(0), rows, n, dt, stream_of(gate_up));
     return;
 #else
     TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; gate_up is on ", gate_up.device());
 #endif
   }
-  CHUNKGEN_DISPATCH_MODEL_TYPES(gate_up.scalar_type(), "silu_mul", [&] {
-    silu_mul_cpu<scalar_t>(gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(),
-                           out.stride(0), rows, n);
+  CHUNKGEN_DISPATCH_MODEL_TYPES(gate_up.scalar_type(), "gated_mul", [&] {
+    (gelu ? gelu_tanh_mul_cpu<scalar_t> : silu_mul_cpu<scalar_t>)(
+        gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(), out.stride(0), rows, n);
   });
   (void)dt;
 }
+
+}  // namespace
+
+void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) { gated_mul(gate_up, out, false); }
+
+void gelu_tanh_mul_op(const torch::Tensor& gate_up, torch::Tensor& out) { gated_mul(gate_up, out, true); }
 
 }  // namespace chunkgen

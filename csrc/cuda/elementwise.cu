@@ -95,6 +95,17 @@ __global__ void silu_mul_kernel(const T* gu, int64_t is, T* out, int64_t os, int
   out[r * os + i] = st<T>(__fmul_rn(silu, ld(gu[r * is + n + i])));
 }
 
+template <typename T>
+__global__ void gelu_tanh_mul_kernel(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= rows * n) return;
+  const int64_t r = idx / n, i = idx % n;
+  const float x = ld(gu[r * is + i]);
+  const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float gelu = rnd<T>(0.5f * x * (1.f + tanhf(inner)));
+  out[r * os + i] = st<T>(__fmul_rn(gelu, ld(gu[r * is + n + i])));
+}
+
 unsigned blocks_for(int64_t items) { return static_cast<unsigned>((items + kThreads - 1) / kThreads); }
 
 template <typename F>
@@ -146,6 +157,15 @@ void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t ou
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
+  });
+}
+
+void gelu_tanh_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows,
+                        int64_t n, int dtype, void* stream) {
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gelu_tanh_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
   });
 }
