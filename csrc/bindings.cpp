@@ -431,9 +431,10 @@ TORCH_LIBRARY(chunkgen, m) {
       "Tensor priv_count, Tensor priv_last_len, Tensor(c!) workspace, Tensor(d!) out, float scale, "
       "bool chunk_first, int window=0, float softcap=0.0) -> ()");
   // The decode forward's elementwise work, fused (csrc/elementwise.h says what each one rounds where).
-  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out, "
+        "bool offset=False) -> ()");
   m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
-        "Tensor(b!) q_out) -> ()");
+        "Tensor(b!) q_out, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool offset_norm=False) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("gelu_tanh_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.

@@ -143,3 +143,48 @@ def test_bench_e2e_dummy_weights_on_the_gpu(tmp_path):
     rows = {r["system"]: r for r in json.loads(out.read_text())}
     assert rows["chunkgen"]["dtype"] == "bf16"  # the config's own dtype: --dtype auto on a GPU
     assert all(r["gen_tokens_per_s"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_elementwise_ops_equal_the_cpu_ones(dtype):
+    """Every fused elementwise op on the GPU against the same op on the CPU (itself bitwise the torch
+    composition): within one rounding, since the GPU's sum of squares is a block reduction."""
+    from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
+
+    g = torch.Generator().manual_seed(7)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    rows, hidden, hq, hk, d, table = 9, 640, 8, 2, 128, 300
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    y = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (torch.randn(hidden, generator=g) * 0.2).to(dtype)
+    for offset in (False, True):
+        outs = []
+        for device in ("cpu", "cuda"):
+            res, out = x.clone().to(device), torch.empty_like(x, device=device)
+            add_rms_norm(res, y.to(device), w.to(device), 1e-6, out, offset)
+            outs.append((res.cpu(), out.cpu()))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(outs[1][1], outs[0][1], **tol)
+    qkv = (torch.randn(rows, (hq + 2 * hk) * d, generator=g) * 3).to(dtype)
+    angles = torch.rand(table, 1, d, generator=g) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, table, (rows,), generator=g)
+    norms = (torch.randn(d, generator=g) * 0.3 + 1).to(dtype), (torch.randn(d, generator=g) * 0.3).to(dtype)
+    for q_norm, k_norm, offset in ((None, None, False), (*norms, False), (*norms, True)):
+        outs = []
+        for device in ("cpu", "cuda"):
+            mine, q = qkv.clone().to(device), torch.empty(rows, hq, d, dtype=dtype, device=device)
+            on = (lambda t: None if t is None else t.to(device))
+            rotary(mine, positions.to(device), cos.to(device), sin.to(device), hq, hk, q, on(q_norm), on(k_norm),
+                   1e-6, offset)
+            outs.append((mine.cpu(), q.cpu()))
+        torch.testing.assert_close(outs[1][0], outs[0][0], **tol)
+        torch.testing.assert_close(outs[1][1], outs[0][1], **tol)
+    gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 4).to(dtype)
+    for op in (silu_mul, gelu_tanh_mul):
+        outs = []
+        for device in ("cpu", "cuda"):
+            out = torch.empty(rows, hidden, dtype=dtype, device=device)
+            op(gate_up.to(device), out)
+            outs.append(out.cpu())
+        torch.testing.assert_close(outs[1], outs[0], **tol)

@@ -48,6 +48,12 @@ def test_add_rms_norm_is_bitwise_the_torch_composition(dtype, rows, hidden):
     out2 = torch.empty_like(x)
     add_rms_norm(x, None, w, eps, out2)
     assert bits_equal(out2, rms_reference(x, w, eps))
+    # Gemma's norm: times (1 + weight), in fp32 until the one rounding.
+    from chunkgen.model.llama import _rms
+
+    res, out3 = x.clone(), torch.empty_like(x)
+    add_rms_norm(res, y, w - 1, eps, out3, offset=True)
+    assert bits_equal(out3, _rms(want_res, w - 1, eps, offset=True))
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,6 +81,40 @@ def test_rotary_is_bitwise_the_torch_composition(dtype, pos_dtype):
         assert bits_equal(got[:, hq * d : (hq + hk) * d], qk[:, hq:].reshape(rows, -1))
         assert bits_equal(got[:, :hq * d], qkv[:, :hq * d])  # q's heads in qkv are left alone
         assert bits_equal(got[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_qk_norm_rotary_is_the_composition_it_replaces(dtype, offset, d):
+    """Qwen3's (weight) and Gemma 3's (1 + weight) per-head norms of q and k, then rotary: bit for bit
+    the torch norm (the model's _rms, as transformers rounds it) followed by the rotary op."""
+    from chunkgen.model.llama import _rms
+
+    g = torch.Generator().manual_seed(d + offset)
+    rows, hq, hk, table, eps = 11, 6, 2, 200, 1e-6
+    qkv = (torch.randn(rows, (hq + 2 * hk) * d, generator=g) * 3).to(dtype)
+    angles = torch.rand(table, 1, d, generator=g) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, table, (rows,), generator=g)
+    qn = (torch.randn(d, generator=g) * 0.3 + (0 if offset else 1)).to(dtype)
+    kn = (torch.randn(d, generator=g) * 0.3 + (0 if offset else 1)).to(dtype)
+    want = qkv.clone()
+    q = want[:, : hq * d].view(rows, hq, d)
+    k = want[:, hq * d : (hq + hk) * d].view(rows, hk, d)
+    q.copy_(_rms(q, qn, eps, offset))
+    k.copy_(_rms(k, kn, eps, offset))
+    want_q = torch.empty(rows, hq, d, dtype=dtype)
+    rotary(want, positions, cos, sin, hq, hk, want_q)
+    got, got_q = qkv.clone(), torch.empty(rows, hq, d, dtype=dtype)
+    rotary(got, positions, cos, sin, hq, hk, got_q, qn, kn, eps, offset)
+    assert bits_equal(got_q, want_q), (got_q.float() - want_q.float()).abs().max()
+    assert bits_equal(got[:, hq * d :], want[:, hq * d :])  # k normed and rotated in place, v as it was
+    assert bits_equal(got[:, : hq * d], qkv[:, : hq * d])  # q's heads in qkv are left alone
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        rotary(got, positions, cos, sin, hq, hk, got_q, qn, None, eps)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        rotary(got, positions, cos, sin, hq, hk, got_q, qn[:-1], kn[:-1], eps)
 
 
 def test_rotary_rejects_a_position_outside_the_table():

@@ -44,6 +44,12 @@ def _config(family: str, vocab: int):
         return tf.Gemma3TextConfig(**c, head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                    rope_local_base_freq=10_000.0, rope_theta=1_000_000.0)
+    if family == "gemma3-multimodal":  # a Gemma 3 4B-style checkpoint: the text model nested in text_config
+        text = _config("gemma3", vocab).to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                               boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1)
     if family == "llama3-rope":  # Llama 3.1/3.2 rope scaling, short original context so it matters
         return tf.LlamaConfig(**c, tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -79,8 +85,8 @@ def _build(out: Path, family: str, seed: int = 0) -> Path:
     return out
 
 
-FAMILIES = ["qwen3", "qwen3-window", "phi3", "mistral", "gemma2", "gemma3", "llama3-rope", "qwen2-yarn",
-            "phi3-longrope", "llama-dynamic"]
+FAMILIES = ["qwen3", "qwen3-window", "phi3", "mistral", "gemma2", "gemma3", "gemma3-multimodal", "llama3-rope",
+            "qwen2-yarn", "phi3-longrope", "llama-dynamic"]
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,16 @@ class PoolExhausted(RuntimeError):
     """The memory budget has no free slot left; the caller decides (evict, wait, preempt)."""
 
 
+def language_config(config):
+    """The language model's part of a Hugging Face config: the config itself, or the `text_config`
+    a multimodal checkpoint (Gemma 3 4B and up) nests it in."""
+    return getattr(config, "text_config", None) or config
+
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, kv_heads, head_dim) of a Hugging Face decoder config: what one token's K (or V)
     spans, so every user of the cache sizes it the same way."""
+    config = language_config(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

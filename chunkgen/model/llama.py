@@ -22,13 +22,14 @@ import torch.nn.functional as F
 
 from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.context import ContextArrays
-from chunkgen.cache.pool import ChunkPool, kv_shape
+from chunkgen.cache.pool import ChunkPool, kv_shape, language_config
 from chunkgen.kernels import decode_step_attention
 from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "Gemma3ForConditionalGeneration")
 # Families whose norms scale by (1 + weight) in fp32 and whose embeddings are scaled by sqrt(hidden).
 _GEMMA_TYPES = ("gemma2", "gemma3", "gemma3_text")
 
@@ -177,11 +178,13 @@ class LlamaModel:
             raise UnsupportedModel(
                 f"architecture {arch} is not supported; chunkgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        # A multimodal checkpoint: its language model only (chunkgen takes text prompts)
+        cfg = language_config(cfg)
+        inner = getattr(hf_model.model, "language_model", None) or hf_model.model
         self.config = cfg
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.dtype = hf_model.dtype
         self.device = hf_model.device
-        inner = hf_model.model
         self.num_layers, self.kv_heads, self.head_dim = kv_shape(cfg)
         self.q_heads = cfg.num_attention_heads
         gemma = cfg.model_type in _GEMMA_TYPES
@@ -275,12 +278,7 @@ class LlamaModel:
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor) -> None:
         """x += delta (the residual stream, in place), out = norm(x)."""
-        if not self.offset_norms:
-            add_rms_norm(x, delta, weight, self.eps, out)
-            return
-        if delta is not None:
-            x.add_(delta)
-        out.copy_(_rms(x, weight, self.eps, offset=True))
+        add_rms_norm(x, delta, weight, self.eps, out, self.offset_norms)
 
     def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
         """Per-head RMSNorm of the q and k heads of qkv, in place, before rotary."""
@@ -325,23 +323,26 @@ class LlamaModel:
             tables = {key: self._rope(key, x, positions) for key in self._rope_keys}
             positions = torch.arange(rows, device=x.device)
         act = torch.empty(rows, self._inter, dtype=x.dtype, device=x.device) if self._gated else None
+        post = torch.empty_like(x) if self.layers[0].post_attn is not None else None  # Gemma's post-norms' output
         n_qk = self._q_size + self._kv_size
         delta = None
         for i, layer in enumerate(self.layers):
             self._add_norm(x, delta, layer.ln_attn, h)
             qkv = layer.qkv(h)
-            if layer.q_norm is not None:
-                self._qk_norm(qkv, layer)
             cos, sin = tables[layer.rope]
-            if self._rotary_dim == self.head_dim:
-                rotary(qkv, positions, cos, sin, self.q_heads, self.kv_heads, q)
+            if self._rotary_dim == self.head_dim:  # the q/k norms, where there are, fused into rotary
+                rotary(qkv, positions, cos, sin, self.q_heads, self.kv_heads, q, layer.q_norm, layer.k_norm,
+                       self.eps, self.offset_norms)
             else:
+                if layer.q_norm is not None:
+                    self._qk_norm(qkv, layer)
                 self._partial_rotary(qkv, positions, cos, sin, q)
             k = qkv[:, self._q_size : n_qk].view(rows, self.kv_heads, self.head_dim)
             v = qkv[:, n_qk:].view(rows, self.kv_heads, self.head_dim)
             attn = layer.o(attend(i, q, k, v))
             if layer.post_attn is not None:
-                attn = _rms(attn, layer.post_attn, self.eps, offset=True)
+                add_rms_norm(attn, None, layer.post_attn, self.eps, post, offset=True)
+                attn = post
             self._add_norm(x, attn, layer.ln_mlp, h)
             gate_up = layer.gate_up(h)
             if act is not None:
@@ -351,7 +352,8 @@ class LlamaModel:
                 gate, up = gate_up.chunk(2, dim=-1)
                 delta = layer.down(self.act(gate) * up)
             if layer.post_mlp is not None:
-                delta = _rms(delta, layer.post_mlp, self.eps, offset=True)
+                add_rms_norm(delta, None, layer.post_mlp, self.eps, post, offset=True)
+                delta = post
         self._add_norm(x, delta, self.norm, h)
         return h
 

@@ -266,5 +266,9 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.flo
                             "use .safetensors weights") from None
     except Exception as exc:  # e.g. a truncated or damaged file
         raise ModelNotFound(f"{path}: cannot load the weights ({type(exc).__name__}: {exc})") from None
+    inner = getattr(model, "model", None)
+    for part in ("vision_tower", "multi_modal_projector"):  # prompts are text: these would only hold memory
+        if getattr(inner, part, None) is not None:
+            setattr(inner, part, None)
     model.to(device).eval()
     return model, tokenizer, path

@@ -116,9 +116,24 @@ float aten_row_sum(const Load& sq, int64_t n) {
 // Rows are split over OpenMP threads only when there is enough work to pay for waking them.
 constexpr int64_t kParallelElems = 1 << 15;
 
+// The inverse RMS of n values (F.rms_norm: fp32 copy, pow(2) as x * x, mean = sum / n, + eps,
+// rsqrt = 1 / sqrt), the sum in ATen's order.
+template <typename T>
+inline float inv_rms(const T* x, int64_t n, float eps) {
+  const float total = aten_row_sum([x](int64_t i) { const float v = load(x[i]); return v * v; }, n);
+  return 1.f / std::sqrt(total / static_cast<float>(n) + eps);
+}
+
+// One normed value as transformers rounds it: Llama's RMSNorm rounds x * inv to the dtype before the
+// weight; Gemma's keeps fp32 through (1 + weight) and rounds once.
+template <typename T>
+inline float normed(T x, T w, float inv, bool offset) {
+  return offset ? rnd<T>(load(x) * inv * (1.f + load(w))) : rnd<T>(rnd<T>(load(x) * inv) * load(w));
+}
+
 template <typename T>
 void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, int64_t n, int64_t rs,
-                      int64_t ds, int64_t os, float eps) {
+                      int64_t ds, int64_t os, float eps, bool offset) {
 #pragma omp parallel for if (rows * n >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
     T* x = res + r * rs;
@@ -126,17 +141,16 @@ void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, 
       const T* y = delta + r * ds;
       for (int64_t i = 0; i < n; ++i) x[i] = store<T>(load(x[i]) + load(y[i]));
     }
-    // F.rms_norm: fp32 copy, pow(2) (x * x), mean = sum / n, + eps, rsqrt = 1 / sqrt.
-    const float total = aten_row_sum([x](int64_t i) { const float v = load(x[i]); return v * v; }, n);
-    const float inv = 1.f / std::sqrt(total / static_cast<float>(n) + eps);
+    const float inv = inv_rms(x, n, eps);
     T* o = out + r * os;
-    for (int64_t i = 0; i < n; ++i) o[i] = store<T>(rnd<T>(load(x[i]) * inv) * load(w[i]));
+    for (int64_t i = 0; i < n; ++i) o[i] = store<T>(normed(x[i], w[i], inv, offset));
   }
 }
 
 template <typename T, typename Q, typename P>
 void rotary_cpu(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts, int64_t rows,
-                int64_t hq, int64_t hk, int64_t d, Q* q_out) {
+                int64_t hq, int64_t hk, int64_t d, Q* q_out, const T* q_norm, const T* k_norm, float eps,
+                bool offset) {
   const int64_t half = d / 2;
 #pragma omp parallel for if (rows * (hq + hk) * d >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
@@ -144,9 +158,16 @@ void rotary_cpu(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin
     const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
     for (int64_t h = 0; h < hq + hk; ++h) {
       T* x = qkv + r * stride + h * d;
-      float y[1024];  // the rotated head, before any of x is overwritten (d <= 1024, checked)
+      float in[1024], y[1024];  // the (normed) head and its rotation (d <= 1024, checked)
+      const T* w = h < hq ? q_norm : k_norm;
+      if (w != nullptr) {
+        const float inv = inv_rms(x, d, eps);
+        for (int64_t i = 0; i < d; ++i) in[i] = normed(x[i], w[i], inv, offset);
+      } else {
+        for (int64_t i = 0; i < d; ++i) in[i] = load(x[i]);
+      }
       for (int64_t i = 0; i < half; ++i) {
-        const float a = load(x[i]), b = load(x[i + half]);
+        const float a = in[i], b = in[i + half];
         y[i] = rnd<T>(rnd<T>(a * load(c[i])) + rnd<T>(-b * load(s[i])));
         y[i + half] = rnd<T>(rnd<T>(b * load(c[i + half])) + rnd<T>(a * load(s[i + half])));
       }
@@ -256,7 +277,7 @@ void* stream_of(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream
 }  // namespace
 
 void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>& delta,
-                     const torch::Tensor& weight, double eps, torch::Tensor& out) {
+                     const torch::Tensor& weight, double eps, torch::Tensor& out, bool offset) {
   check_rows(residual, "residual", residual);
   check_rows(out, "out", residual);
   const int64_t rows = residual.size(0), n = residual.size(1);
@@ -279,7 +300,7 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
     const c10::cuda::CUDAGuard guard(residual.device());  // launch on the tensors' GPU, whichever is current
     add_rms_norm_cuda(residual.data_ptr(), delta.has_value() ? delta->data_ptr() : nullptr, weight.data_ptr(),
                       out.data_ptr(), rows, n, residual.stride(0), ds, out.stride(0), static_cast<float>(eps),
-                      dt, stream_of(residual));
+                      offset, dt, stream_of(residual));
     return;
 #else
     TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; residual is on ", residual.device());
@@ -289,12 +310,15 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
     add_rms_norm_cpu<scalar_t>(residual.data_ptr<scalar_t>(),
                                delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
                                weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n,
-                               residual.stride(0), ds, out.stride(0), static_cast<float>(eps));
+                               residual.stride(0), ds, out.stride(0), static_cast<float>(eps), offset);
   });
+  (void)dt;
 }
 
 void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-               const torch::Tensor& sin, int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out) {
+               const torch::Tensor& sin, int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out,
+               const std::optional<torch::Tensor>& q_norm, const std::optional<torch::Tensor>& k_norm,
+               double eps, bool offset_norm) {
   check_rows(qkv, "qkv", qkv);
   const int dt = dtype_code(qkv, "qkv");
   const int64_t rows = qkv.size(0);
@@ -322,6 +346,15 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
                     "q_out must be a contiguous [", rows, ", ", q_heads, ", ", d, "] tensor on qkv's device, got ",
                     q_out.sizes());
   const int qt = dtype_code(q_out, "q_out");
+  TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together: give both or neither");
+  for (const auto* w : {&q_norm, &k_norm}) {
+    if (!w->has_value()) continue;
+    TORCH_CHECK_VALUE((*w)->dim() == 1 && (*w)->size(0) == d && (*w)->is_contiguous() &&
+                          (*w)->device() == qkv.device(),
+                      "q_norm and k_norm must be contiguous [", d, "] tensors on qkv's device, got ", (*w)->sizes());
+    TORCH_CHECK_TYPE((*w)->scalar_type() == qkv.scalar_type(), "q_norm and k_norm must be in qkv's dtype (",
+                     qkv.scalar_type(), "), got ", (*w)->scalar_type());
+  }
   if (rows == 0) return;
   const int64_t ts = cos.size(0) > 1 ? cos.stride(0) : d;
   const bool pos64 = positions.scalar_type() == torch::kInt64;
@@ -329,7 +362,8 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
 #ifdef CHUNKGEN_WITH_CUDA
     const c10::cuda::CUDAGuard guard(qkv.device());
     rotary_cuda(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), pos64, cos.data_ptr(), sin.data_ptr(), ts,
-                rows, q_heads, kv_heads, d, q_out.data_ptr(), qt, dt, stream_of(qkv));
+                rows, q_heads, kv_heads, d, q_out.data_ptr(), qt, q_norm ? q_norm->data_ptr() : nullptr,
+                k_norm ? k_norm->data_ptr() : nullptr, static_cast<float>(eps), offset_norm, dt, stream_of(qkv));
     return;
 #else
     TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; qkv is on ", qkv.device());
@@ -345,12 +379,17 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
     using T = scalar_t;
     CHUNKGEN_DISPATCH_MODEL_TYPES(q_out.scalar_type(), "rotary_q", [&] {
       using Q = scalar_t;
+      const T* qn = q_norm ? q_norm->data_ptr<T>() : nullptr;
+      const T* kn = k_norm ? k_norm->data_ptr<T>() : nullptr;
+      const float e = static_cast<float>(eps);
       if (pos64)
         rotary_cpu<T, Q>(qkv.data_ptr<T>(), qkv.stride(0), positions.data_ptr<int64_t>(), cos.data_ptr<T>(),
-                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>());
+                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>(), qn, kn, e,
+                         offset_norm);
       else
         rotary_cpu<T, Q>(qkv.data_ptr<T>(), qkv.stride(0), positions.data_ptr<int32_t>(), cos.data_ptr<T>(),
-                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>());
+                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>(), qn, kn, e,
+                         offset_norm);
     });
   });
   (void)dt;

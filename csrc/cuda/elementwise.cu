@@ -30,9 +30,21 @@ __device__ __forceinline__ float rnd(float f) { return ld(st<T>(f)); }
 constexpr int kThreads = 256;
 
 // One block per row: the residual add, the sum of squares, then the normalised, weighted row.
+// One normed value as transformers rounds it (see the CPU kernel): Llama's norm rounds x * inv
+// before the weight; Gemma's (offset) multiplies by 1 + weight in fp32 and rounds once.
+template <typename T>
+__device__ __forceinline__ float normed(T x, T w, float inv, bool offset) {
+  const float v = __fmul_rn(ld(x), inv);
+  return offset ? rnd<T>(__fmul_rn(v, __fadd_rn(1.f, ld(w)))) : rnd<T>(__fmul_rn(rnd<T>(v), ld(w)));
+}
+
+__device__ __forceinline__ float inv_rms(float sum_sq, int64_t n, float eps) {
+  return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, static_cast<float>(n)), eps)));
+}
+
 template <typename T>
 __global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, int64_t n, int64_t rs,
-                                    int64_t ds, int64_t os, float eps) {
+                                    int64_t ds, int64_t os, float eps, bool offset) {
   const int64_t r = blockIdx.x;
   T* x = res + r * rs;
   float part = 0.f;
@@ -52,11 +64,10 @@ __global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, 
   if (threadIdx.x == 0) {
     float total = 0.f;
     for (int i = 0; i < kThreads / 32; ++i) total += sums[i];
-    inv = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(n)), eps)));
+    inv = inv_rms(total, n, eps);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    out[r * os + i] = st<T>(__fmul_rn(rnd<T>(__fmul_rn(ld(x[i]), inv)), ld(w[i])));
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[r * os + i] = st<T>(normed(x[i], w[i], inv, offset));
 }
 
 // One thread per (row, rotated head, pair i / i + d/2): both halves of the pair are read before
@@ -82,6 +93,41 @@ __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos
   } else {
     x[i] = st<T>(lo);
     x[i + half] = st<T>(hi);
+  }
+}
+
+// With q/k norms: one warp per (row, head). The warp sums the head's squares (every lane ends with
+// the total), then each lane norms and rotates its own pairs: a pair is read only by the lane that
+// writes it, and all reads of the sum come before the shuffle, so the head is safe in place.
+template <typename T, typename Q, typename P>
+__global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts,
+                                   int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out, const T* qn,
+                                   const T* kn, float eps, bool offset) {
+  const int64_t head = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (head >= rows * (hq + hk)) return;  // the whole warp leaves together
+  const int lane = threadIdx.x % 32;
+  const int64_t h = head % (hq + hk), r = head / (hq + hk), half = d / 2;
+  T* x = qkv + r * stride + h * d;
+  float part = 0.f;
+  for (int64_t i = lane; i < d; i += 32) part = __fadd_rn(part, __fmul_rn(ld(x[i]), ld(x[i])));
+  for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+  const float inv = inv_rms(part, d, eps);
+  const T* w = h < hq ? qn : kn;
+  const T* c = cos + static_cast<int64_t>(pos[r]) * ts;
+  const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
+  for (int64_t i = lane; i < half; i += 32) {
+    const float a = normed(x[i], w[i], inv, offset), b = normed(x[i + half], w[i + half], inv, offset);
+    const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, ld(c[i]))), rnd<T>(__fmul_rn(-b, ld(s[i])))));
+    const float hi = rnd<T>(
+        __fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
+    if (h < hq) {
+      Q* q = q_out + (r * hq + h) * d;
+      q[i] = st<Q>(lo);
+      q[i + half] = st<Q>(hi);
+    } else {
+      x[i] = st<T>(lo);
+      x[i + half] = st<T>(hi);
+    }
   }
 }
 
@@ -122,27 +168,36 @@ void by_dtype(int dtype, F&& f) {
 
 void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, void* out, int64_t rows,
                        int64_t n, int64_t res_stride, int64_t delta_stride, int64_t out_stride, float eps,
-                       int dtype, void* stream) {
+                       bool offset, int dtype, void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     add_rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<T*>(residual), static_cast<const T*>(delta), static_cast<const T*>(weight),
-        static_cast<T*>(out), n, res_stride, delta_stride, out_stride, eps);
+        static_cast<T*>(out), n, res_stride, delta_stride, out_stride, eps, offset);
   });
 }
 
 void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos64, const void* cos,
                  const void* sin, int64_t table_stride, int64_t rows, int64_t q_heads, int64_t kv_heads,
-                 int64_t d, void* q_out, int q_out_dtype, int dtype, void* stream) {
-  const unsigned grid = blocks_for(rows * (q_heads + kv_heads) * (d / 2));
+                 int64_t d, void* q_out, int q_out_dtype, const void* q_norm, const void* k_norm, float eps,
+                 bool offset_norm, int dtype, void* stream) {
+  const unsigned grid = q_norm != nullptr ? blocks_for(rows * (q_heads + kv_heads) * 32)
+                                          : blocks_for(rows * (q_heads + kv_heads) * (d / 2));
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     by_dtype(q_out_dtype, [&](auto qtag) {
       using Q = decltype(qtag);
       auto launch = [&](auto* pos) {
-        rotary_kernel<T, Q><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            static_cast<T*>(qkv), qkv_stride, pos, static_cast<const T*>(cos), static_cast<const T*>(sin),
-            table_stride, rows, q_heads, kv_heads, d, static_cast<Q*>(q_out));
+        const auto cuda_stream = static_cast<cudaStream_t>(stream);
+        if (q_norm != nullptr)
+          norm_rotary_kernel<T, Q><<<grid, kThreads, 0, cuda_stream>>>(
+              static_cast<T*>(qkv), qkv_stride, pos, static_cast<const T*>(cos), static_cast<const T*>(sin),
+              table_stride, rows, q_heads, kv_heads, d, static_cast<Q*>(q_out), static_cast<const T*>(q_norm),
+              static_cast<const T*>(k_norm), eps, offset_norm);
+        else
+          rotary_kernel<T, Q><<<grid, kThreads, 0, cuda_stream>>>(
+              static_cast<T*>(qkv), qkv_stride, pos, static_cast<const T*>(cos), static_cast<const T*>(sin),
+              table_stride, rows, q_heads, kv_heads, d, static_cast<Q*>(q_out));
       };
       if (pos64)
         launch(static_cast<const int64_t*>(positions));
