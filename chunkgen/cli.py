@@ -319,6 +319,23 @@ def _check_device(device: str):
         _fail(str(exc))
 
 
+def _max_batch_option(value: str) -> int:
+    """--max-batch as the engine takes it (auto resolved); a bad value is a usage error."""
+    from chunkgen.device import choose_max_batch
+
+    try:
+        return choose_max_batch(value).rows
+    except ValueError as exc:
+        _usage("--max-batch", str(exc))
+
+
+def _max_batch_values(value: str) -> str:
+    """Checks --max-batch (one value or several, comma-separated) while the options are parsed."""
+    for part in value.split(","):
+        _max_batch_option(part)
+    return value
+
+
 def _check_engine_options(dtype: str, device: str, chunk_size: int, kv_memory: str) -> int | None:
     """Validates dtype, chunk size and the KV budget's format on a chosen device (cpu, cuda:N);
     returns the budget in bytes, or None for auto on a GPU (decided once the weights are loaded)."""
@@ -820,7 +837,7 @@ def run(
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
     regex: Optional[str] = typer.Option(None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."),
     grammar: Optional[Path] = typer.Option(None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."),
-    max_batch: int = typer.Option(32, min=1, metavar="N", help="Sequences decoded together."),
+    max_batch: str = typer.Option("auto", metavar="N", callback=_max_batch_values, help="Sequences decoded together, or auto: as many as the KV budget holds, at most 256."),
     kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget, e.g. 2GiB, or auto: on a GPU 85% of the memory the weights leave free (reserved at once), on the CPU 4GiB (used as chunks fill)."),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
@@ -989,6 +1006,7 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
         summary.dtype = precision
         summary.device = f"{llm.device} ({llm.device_choice.reason})"
         summary.kv_memory = _kv_text(llm)
+        summary.max_batch = f"{llm.batch_choice.rows} ({llm.batch_choice.reason})"
         return summary
     finally:
         stop_progress()
@@ -1025,6 +1043,11 @@ def _report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None)
             table.add_row("device", summary.device)
         if summary.kv_memory:
             table.add_row("KV budget", summary.kv_memory)
+        if summary.peak_batch:
+            table.add_row("batch", f"peak {summary.peak_batch} sequences"
+                          + (f", at most {summary.max_batch}" if summary.max_batch else "")
+                          + (f"; rows waited for KV memory in {summary.held_back_steps} steps"
+                             if summary.held_back_steps else ""))
         table.add_row("peak KV memory", f"{_human(summary.kv_peak_bytes)} (the same sequences without sharing: "
                                         f"{_human(summary.kv_unshared_peak_bytes)})")
         err.print(table)
@@ -1074,7 +1097,7 @@ def inspect_tree(
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
     kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
-    max_batch: int = typer.Option(32, min=1, metavar="N", help="Sequences decoded together in the run to foresee."),
+    max_batch: str = typer.Option("auto", metavar="N", callback=_max_batch_values, help="Sequences decoded together in the run to foresee (a number, or auto as for run)."),
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
     hit rate a run with --kv-memory reaches in file order and in prefix order."""
@@ -1090,6 +1113,7 @@ def inspect_tree(
     kv_dtype = _dtype_option(dtype)
     _check_queries(queries)
     budget = _check_engine_options(dtype, "cpu", chunk_size, kv_memory)
+    max_batch = _max_batch_option(max_batch)
     queries = _csv_as_jsonl(queries)
     _, items, _, prefix_order = _read_items(queries, template, fmt, {}, id_field, prefix_order=True)
     path = _resolve(model)
@@ -1238,7 +1262,7 @@ def bench_e2e(
     n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
     n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
-    max_batch: int = typer.Option(32, metavar="N", help="Sequences decoded together by chunkgen's engine."),
+    max_batch: str = typer.Option("auto", metavar="N[,N...]", callback=_max_batch_values, help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each."),
     dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
     device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
     kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
@@ -1266,8 +1290,9 @@ def bench_e2e(
     if model is not None and dummy_weights is not None:
         _usage("--dummy-weights", "replaces --model; give one of them")
     _check_engine_options(dtype, chosen_device, 64, kv_memory)
+    batches = {b.strip(): _max_batch_option(b) for b in max_batch.split(",")}  # label: rows
     _check_dummy_fits(dummy_weights, dtype, chosen_device, copies=2 if "hf" in chosen else 1)
-    llm = _load_llm(model, dtype=dtype, device=device, max_batch=max_batch, kv_memory=kv_memory,
+    llm = _load_llm(model, dtype=dtype, device=device, max_batch=max(batches.values()), kv_memory=kv_memory,
                     dummy_weights=dummy_weights, seed=seed)
     dtype = _dtype_line(llm)
     current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
@@ -1285,7 +1310,9 @@ def bench_e2e(
 
     def on_row(r: dict) -> None:
         current.clear()
-        err.print(f"  {r['system']:>16} n_shared={r['n_shared']} round {r['round']}: "
+        err.print(f"  {r['system']:>16} n_shared={r['n_shared']}"
+                  + (f" batch {r['max_batch']}" if len(batches) > 1 and r.get("max_batch") else "")
+                  + f" round {r['round']}: "
                   f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
                   + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
                      if r.get("constraint_setup_s") else ""), highlight=False)
@@ -1293,16 +1320,17 @@ def bench_e2e(
     ticker = _Ticker(tick, min(1.0, PROGRESS_EVERY_S / 4))
     try:
         rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
-                       on_row=on_row, on_start=on_start)
+                       on_row=on_row, on_start=on_start, batches=batches)
     finally:
         ticker.stop()
     table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
                   + (f", median of {repeat} rounds" if repeat > 1 else ""))
-    for col in ("system", "n_shared", "wall s", "prefill s", "decode s", "mask s", "gen tok/s", "decode tok/s",
-                "KV peak", "RSS peak", "= hf"):
+    for col in ("system", "n_shared", "batch", "wall s", "prefill s", "decode s", "mask s", "gen tok/s",
+                "decode tok/s", "KV peak", "RSS peak", "= hf"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["system"], str(r["n_shared"]), f"{r['wall_s']:.1f}", f"{r['prefill_s']:.1f}",
+        batch = "-" if r.get("max_batch") is None else f"{r['max_batch']} (peak {r['peak_batch']})"
+        table.add_row(r["system"], str(r["n_shared"]), batch, f"{r['wall_s']:.1f}", f"{r['prefill_s']:.1f}",
                       f"{r['decode_s']:.1f}", f"{r['mask_s']:.2f}" if "mask_s" in r else "-",
                       f"{r['gen_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
                       _human(r["kv_peak_bytes"]), _human(r["rss_peak_bytes"]),

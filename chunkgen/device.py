@@ -1,5 +1,5 @@
-"""Which device a model runs on, how much K/V memory it gets there, and the guard that keeps a
-step's work on that device.
+"""Which device a model runs on, how much K/V memory it gets there, how many sequences decode
+together, and the guard that keeps a step's work on that device.
 
 The choices are pure functions of what is passed in (is there a GPU, are the CUDA kernels built,
 how much memory is free), so they are tested without a GPU; `detect()` and `free_bytes()` ask torch.
@@ -19,6 +19,10 @@ CPU_KV_MEMORY = 4 << 30
 # is left for activations (a prefill wave of max_prefill_tokens), CUDA graphs and the allocator's
 # slack, as vLLM leaves 1 - gpu_memory_utilization.
 GPU_KV_FRACTION = 0.85
+# The most sequences `max_batch auto` decodes together, vLLM's default max_num_seqs: a shared
+# prefix's K/V is read once a step for all of them, so throughput grows with the batch until the
+# linear layers are compute-bound; below this cap the KV budget decides.
+AUTO_MAX_BATCH = 256
 
 _DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")
 
@@ -88,6 +92,31 @@ def choose_kv_memory(spec: str | int, device: str, free: int | None = None) -> K
                             f"auto: {GPU_KV_FRACTION:.0%} of the {_gib(free)} GPU memory free after the weights")
         return KVBudget(CPU_KV_MEMORY, f"auto: {_gib(CPU_KV_MEMORY)} on the CPU, used as chunks fill")
     return KVBudget(parse_bytes(spec), "as asked")
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    rows: int  # the most sequences the scheduler runs together
+    reason: str
+
+
+def choose_max_batch(spec: str | int) -> BatchChoice:
+    """Sequences decoded together. `auto`: up to AUTO_MAX_BATCH, as many as the KV budget holds as
+    the run goes (the scheduler admits a sequence only while every running one keeps a free chunk
+    for its next token, and preempts the youngest when decoding outgrows the pool), so the budget and
+    the job's prompt lengths set the batch, not a fixed count. A number is a fixed cap."""
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == "auto":
+            return BatchChoice(AUTO_MAX_BATCH, "auto: as many as the KV budget holds")
+        if not text.lstrip("-").isdigit():
+            raise ValueError(f"must be a number of sequences or auto, not {spec!r}")
+        spec = int(text)
+    if isinstance(spec, bool) or not isinstance(spec, int):
+        raise ValueError(f"must be a number of sequences or auto, not {spec!r}")
+    if spec < 1:
+        raise ValueError(f"must be at least 1 (or auto), not {spec}")
+    return BatchChoice(spec, "as asked")
 
 
 def free_bytes(device: str | torch.device) -> int:

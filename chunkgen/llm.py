@@ -8,7 +8,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from chunkgen.cache import ChunkPool, KVReservation
-from chunkgen.device import choose_device, choose_kv_memory, detect, device_guard, free_bytes
+from chunkgen.device import choose_device, choose_kv_memory, choose_max_batch, detect, device_guard, free_bytes
 from chunkgen.engine import Engine, EngineConfig, Request, Result, SamplingParams
 from chunkgen.engine.engine import default_kv_dtype
 from chunkgen.model import LlamaModel, load_hf, parse_dtype
@@ -100,7 +100,8 @@ class LLM:
     device "auto" is the GPU when torch sees one and chunkgen's CUDA kernels are built, else the
     CPU; dtype "auto" is bf16 on a CPU with native bf16 arithmetic, fp32 on other CPUs, the model's
     own on a GPU; kv_memory "auto" is 85% of the GPU memory left free by the weights, or 4 GiB on the
-    CPU. `device_choice`, `dtype_reason` and `kv_budget` say what was chosen and why. chat_template=False
+    CPU; max_batch "auto" runs as many sequences together as the KV budget holds, at most 256.
+    `device_choice`, `dtype_reason`, `kv_budget` and `batch_choice` say what was chosen and why. chat_template=False
     joins chat messages with blank lines as plain text instead of using the model's chat template.
 
     dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b,
@@ -112,7 +113,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         chunk_size: int = 64,
         kv_memory: str | int = "auto",
-        max_batch: int = 32,
+        max_batch: int | str = "auto",
         share_prefix: bool = True,
         chunk_first: bool = True,
         kv_dtype: str | torch.dtype | None = None,
@@ -124,6 +125,7 @@ class LLM:
     ) -> None:
         if model is not None and dummy_weights is not None:
             raise ValueError("give either a model or dummy_weights, not both")
+        self.batch_choice = choose_max_batch(max_batch)  # first: a bad value fails before the weights load
         self.device_choice = choose_device(device, detect())
         dev = self.device_choice.device
         choice = choose_dtype(dtype, dev)
@@ -144,7 +146,7 @@ class LLM:
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
             self.kv_budget = choose_kv_memory(kv_memory, dev, free_bytes(dev) if dev.startswith("cuda") else None)
         self.config = EngineConfig(
-            chunk_size=chunk_size, kv_memory=self.kv_budget.bytes, max_batch=max_batch,
+            chunk_size=chunk_size, kv_memory=self.kv_budget.bytes, max_batch=self.batch_choice.rows,
             kv_dtype=parse_dtype(kv_dtype) if kv_dtype else None,
             share_prefix=share_prefix, chunk_first=chunk_first, enforce_eager=enforce_eager,
         )
@@ -173,6 +175,8 @@ class LLM:
         larger budget, another chunk size or K/V dtype gets a pool of its own."""
         if isinstance(overrides.get("kv_memory"), str):
             overrides["kv_memory"] = parse_bytes(overrides["kv_memory"])
+        if "max_batch" in overrides:
+            overrides["max_batch"] = choose_max_batch(overrides["max_batch"]).rows
         cfg = EngineConfig(**{**self.config.__dict__, **overrides})
         kv_dtype = cfg.kv_dtype or default_kv_dtype(self.model)
         if self._kv is None:

@@ -39,7 +39,7 @@ def test_every_option_has_help_and_a_plain_metavar(command):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["run", "-q", "x", "-o", "y", "--max-batch", "0"], "error: --max-batch: must be at least 1, not 0"),
+    (["run", "-q", "x", "-o", "y", "--max-batch", "0"], "error: --max-batch: must be at least 1 (or auto), not 0"),
     (["run", "-q", "x", "-o", "y", "--temperature", "warm"], "error: --temperature: must be a number, not 'warm'"),
     (["run", "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"), "-o", "y", "--chunk-size", "17"],
      "error: --chunk-size: must be a multiple of 16"),

@@ -307,3 +307,15 @@ def test_the_run_summary_names_the_device_and_the_kv_budget(tiny_model, tmp_path
     assert summary["device"] == f"{want.device} ({want.reason})"
     if want.device == "cpu":
         assert summary["kv_memory"].startswith("4.0 GiB (auto: 4.0 GiB on the CPU")
+
+
+def test_max_batch_auto_is_a_cap_the_kv_budget_fills_and_a_number_is_taken_as_asked():
+    from chunkgen.device import AUTO_MAX_BATCH, choose_max_batch
+
+    auto = choose_max_batch("auto")
+    assert auto.rows == AUTO_MAX_BATCH == 256 and "KV budget" in auto.reason
+    assert choose_max_batch(" AUTO ").rows == 256
+    assert choose_max_batch("48") == choose_max_batch(48) and choose_max_batch(48).rows == 48
+    for bad in ("0", 0, -3, "lots", "4.5", True, 2.0):
+        with pytest.raises(ValueError, match="must be"):
+            choose_max_batch(bad)

@@ -113,6 +113,8 @@ MISTAKES = [
     Mistake("logprobs above 20", ["--logprobs", "50"], USAGE, "--logprobs"),
     Mistake("chunk size not a multiple of 16", ["--chunk-size", "20"], USAGE, "--chunk-size"),
     Mistake("kv-memory unreadable", ["--kv-memory", "lots"], USAGE, "--kv-memory"),
+    Mistake("max-batch unreadable", ["--max-batch", "lots"], USAGE, "--max-batch"),
+    Mistake("max-batch zero", ["--max-batch", "0"], USAGE, "--max-batch"),
     Mistake("kv-memory above the machine's memory", ["--kv-memory", "64TiB"], USAGE, "memory"),
     Mistake("kv-memory below one chunk", ["--kv-memory", "1KiB"], USAGE, "--kv-memory"),
     Mistake("dtype unknown", ["--dtype", "fp8"], USAGE, "--dtype"),

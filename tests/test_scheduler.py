@@ -176,3 +176,25 @@ def test_add_between_steps_and_counts():
     while sched.has_work:
         run(tree, sched, sched.schedule())
     assert tree.pool.used == tree.cached_chunks  # everything left is cache
+
+
+def test_a_large_cap_lets_the_kv_budget_set_the_batch():
+    """max_batch auto is a cap of 256: with room for a few sequences only, the budget decides how
+    many run, the wave says sequences were held back, and the rest join as the first ones finish."""
+    from chunkgen.device import AUTO_MAX_BATCH
+
+    tree, sched = setup(slots=12, max_batch=AUTO_MAX_BATCH)
+    sched.add(seqs([[i] * (2 * C - 1) for i in range(20)], max_new_tokens=3))
+    first = sched.schedule()
+    assert len(first.prefill) == 4 and first.held_back  # the 12 chunks' worth, far below the cap
+    finished, peak, batch = len(run(tree, sched, first)), 4, None
+    while sched.has_work:
+        batch = sched.schedule()
+        peak = max(peak, sched.num_running)
+        finished += len(run(tree, sched, batch))
+        tree.check()
+    assert finished == 20 and peak <= 6  # two chunks a sequence: never more than the budget holds
+    unbounded_tree, unbounded = setup(slots=1000, max_batch=AUTO_MAX_BATCH)
+    unbounded.add(seqs([[i] * (2 * C - 1) for i in range(20)]))
+    wide = unbounded.schedule()
+    assert len(wide.prefill) == 20 and not wide.held_back  # room for all: every row at once

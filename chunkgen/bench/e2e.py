@@ -175,7 +175,8 @@ def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides
         wall = time.perf_counter() - t0
     s = engine.stats
     n_gen = sum(len(g) for g in gen)
-    row = dict(wall_s=wall, prefill_s=s.prefill_s, decode_s=s.decode_s, mask_s=s.mask_s, constraint_setup_s=setup,
+    row = dict(peak_batch=max(s.batch_sizes, default=0),
+               wall_s=wall, prefill_s=s.prefill_s, decode_s=s.decode_s, mask_s=s.mask_s, constraint_setup_s=setup,
                gen_tokens_per_s=n_gen / wall, decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
                kv_peak_bytes=engine.pool.peak_bytes, rss_peak_bytes=rss.peak)
     return row, gen
@@ -191,18 +192,22 @@ ENGINE_SETTINGS = {
 
 def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, systems: list[str],
             dtype_name: str, on_row: Callable[[dict], None] | None = None, repeat: int = 1,
-            on_start: Callable[[str, int, int], None] | None = None) -> list[dict]:
-    """One row per system and prompt length. With repeat > 1 the systems take turns, `repeat`
-    rounds, and each row is its system's median run by throughput: a neighbour's burst of load
-    then slows one round of every system, not every run of one. `on_start(system, n_shared, round)`
-    is called as each run begins, `on_row(row)` as it ends."""
+            on_start: Callable[[str, int, int], None] | None = None,
+            batches: dict[str, int] | None = None) -> list[dict]:
+    """One row per system and prompt length, and per batch for chunkgen's engines (`batches`:
+    label, e.g. "auto" or "32", to the most sequences decoded together; default: the LLM's). With
+    repeat > 1 the systems take turns, `repeat` rounds, and each row is its system's median run by
+    throughput: a neighbour's burst of load then slows one round of every system, not every run of
+    one. `on_start(system, n_shared, round)` is called as each run begins, `on_row(row)` as it ends."""
+    batches = batches or {str(llm.config.max_batch): llm.config.max_batch}
+    runs_of = [(s, None) if s == "hf" else (s, b) for s in systems for b in ([None] if s == "hf" else batches)]
     rows = []
     for ns in n_shared:
         work = build_workload(llm, ns, n_queries, max_new_tokens)
         reference = None
-        runs: dict[str, list[dict]] = {s: [] for s in systems}
+        runs: dict[tuple, list[dict]] = {key: [] for key in runs_of}
         for round_ in range(repeat):
-            for system in systems:
+            for system, batch in runs_of:
                 if on_start:
                     on_start(system, ns, round_ + 1)
                 if system == "hf":
@@ -210,18 +215,18 @@ def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, 
                     reference = reference or gen
                 else:
                     schema = tool_calls_schema() if system == "chunkgen_schema" else None
-                    row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system])
+                    row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system], max_batch=batches[batch])
                 comparable = reference is not None and system != "chunkgen_schema"  # constrained: other answers
                 row = {"system": system, "n_shared": ns, "n_queries": n_queries,
-                       "max_new_tokens": max_new_tokens, "dtype": dtype_name, **row,
+                       "max_new_tokens": max_new_tokens, "dtype": dtype_name, "max_batch": batch, **row,
                        "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference)) if comparable else None),
                        "round": round_ + 1}
-                runs[system].append(row)
+                runs[system, batch].append(row)
                 if on_row:
                     on_row(row)
-        for system in systems:
-            ranked = sorted(runs[system], key=lambda r: r["gen_tokens_per_s"])
+        for key in runs_of:
+            ranked = sorted(runs[key], key=lambda r: r["gen_tokens_per_s"])
             median = dict(ranked[(len(ranked) - 1) // 2])
-            median["gen_tokens_per_s_runs"] = [r["gen_tokens_per_s"] for r in runs[system]]
+            median["gen_tokens_per_s_runs"] = [r["gen_tokens_per_s"] for r in runs[key]]
             rows.append(median)
     return rows

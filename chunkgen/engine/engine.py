@@ -11,7 +11,7 @@ import torch
 
 from chunkgen.cache import ChunkPool, KVReservation, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
-from chunkgen.device import on_model_device
+from chunkgen.device import AUTO_MAX_BATCH, on_model_device
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
@@ -26,7 +26,7 @@ from chunkgen.model.llama import LlamaModel, PrefillItem
 class EngineConfig:
     chunk_size: int = 64
     kv_memory: int = 4 << 30  # bytes
-    max_batch: int = 32
+    max_batch: int = AUTO_MAX_BATCH  # at most; the KV budget may hold fewer (see choose_max_batch)
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
     share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
     chunk_first: bool = True  # off: the paged baseline kernel
@@ -44,6 +44,7 @@ class EngineStats:
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
     generated_tokens: int = 0
     preemptions: int = 0
+    held_back_steps: int = 0  # steps in which sequences waited below max_batch for KV memory
     finished: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     kv_peak_bytes: int = 0  # pool slots in use at the worst moment (live + cached chunks)
@@ -220,6 +221,7 @@ class Engine:
             return results
         batch = self.scheduler.schedule()
         self.stats.preemptions += batch.preempted
+        self.stats.held_back_steps += batch.held_back
         done: list[Sequence] = []
         for seq in batch.ended:  # out of memory for good: already out of the cache
             self._release(seq)

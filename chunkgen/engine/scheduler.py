@@ -26,6 +26,7 @@ class Batch:
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (slot, offset) of that position
     ended: list[Sequence] = field(default_factory=list)  # finished here: no memory will ever hold them
     preempted: int = 0
+    held_back: bool = False  # sequences waited below max_batch because the KV pool was full
 
 
 def kv_budget_error(n_tokens: int, pool: ChunkPool) -> str | None:
@@ -64,13 +65,13 @@ class Scheduler:
     def schedule(self) -> Batch:
         """Prefill first: a wave whenever a waiting sequence can be admitted, else a decode step."""
         batch = Batch()
-        batch.prefill = self._form_wave(batch.ended)
+        batch.prefill = self._form_wave(batch)
         if not batch.prefill and self.running:
             self._reserve_decode(batch)
         return batch
 
     # -- admission ----------------------------------------------------------------------------
-    def _form_wave(self, ended: list[Sequence]) -> list[Admission]:
+    def _form_wave(self, batch: Batch) -> list[Admission]:
         """Admit waiting sequences, in order, for one batched prefill.
 
         A prompt that would reuse chunks still being prefilled in this wave waits for the next
@@ -91,11 +92,12 @@ class Scheduler:
                 cached = tree.insert(seq.seq_id, kv_tokens, reserve=len(self.running) + 1 if self.running else 0)
             except PoolExhausted:
                 if self.running:
+                    batch.held_back = True
                     break  # wait for running sequences to finish and free chunks
                 # Alone, with every cached chunk evictable, and it still does not fit: it never will.
                 self.waiting.popleft()
                 self._end_unfittable(seq)
-                ended.append(seq)
+                batch.ended.append(seq)
                 continue
             self.waiting.popleft()
             self.running.append(seq)

@@ -83,6 +83,9 @@ class JobSummary:
     dtype: str = ""  # what the model ran in and why, e.g. "bf16 (auto: the CPU has native bf16 arithmetic (AMX))"
     device: str = ""  # where, and why, e.g. "cuda:0 (auto: a CUDA GPU and chunkgen's CUDA kernels)"
     kv_memory: str = ""  # the KV budget and why, e.g. "60.2 GiB (auto: 85% of the 70.8 GiB GPU memory free ...)"
+    max_batch: str = ""  # the cap on sequences decoded together and why, e.g. "256 (auto: ...)"
+    peak_batch: int = 0  # the most sequences one decode step ran (the largest of any worker's)
+    held_back_steps: int = 0  # steps in which sequences waited below the cap because the KV pool was full
     workers: int = 1  # engines that answered (Ray actors; 1 for a local run)
     model_loads: int = 1  # a Ray worker that died and was replaced loads the model again
     kv_peak_bytes_per_worker: list[int] = field(default_factory=list)  # kv_peak_bytes is their largest
@@ -119,6 +122,8 @@ def summarize(counts: JobCounts, engines: list[EngineStats], changed: int, wall_
         kv_unshared_peak_bytes=max((s.kv_unshared_peak_bytes for s in engines), default=0),
         constrained=counts.constrained, matched=counts.matched, interrupted=interrupted, workers=workers,
         model_loads=len(engines), prefilled_tokens=total.prefilled_tokens, kv_peak_bytes_per_worker=peaks,
+        peak_batch=max((max(s.batch_sizes, default=0) for s in engines), default=0),
+        held_back_steps=sum(s.held_back_steps for s in engines),
     )
 
 

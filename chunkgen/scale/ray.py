@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from chunkgen.device import choose_max_batch
 from chunkgen.engine.engine import EngineStats
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
@@ -144,7 +145,8 @@ class EngineWorker:
             out, self.outbox = self.outbox, []
             if self.crash_after:
                 self.handed += [i for i, _, _ in out]
-            stats = dataclasses.replace(self.llm.engine.stats, batch_sizes=[])
+            engine_stats = self.llm.engine.stats  # every step's batch size would be a long list: its peak only
+            stats = dataclasses.replace(engine_stats, batch_sizes=[max(engine_stats.batch_sizes, default=0)])
         return out, stats
 
     def _crash(self) -> None:
@@ -358,7 +360,8 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
     node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
     shape = plan_workers(device, workers, ray.cluster_resources(), node_cpus)
     counts = JobCounts()
-    capacity = 2 * max(64, 4 * llm_kwargs.get("max_batch", 32))  # twice what a worker's engine takes in at once
+    # twice what a worker's engine takes in at once
+    capacity = 2 * max(64, 4 * choose_max_batch(llm_kwargs.get("max_batch", "auto")).rows)
     pool: _Pool | None = None  # started at the first row to answer: a finished job loads no model
     try:
         for n, row in enumerate(triage(items, writer, counts)):
