@@ -997,7 +997,7 @@ def _run_local(items, writer, llm_kwargs: dict, total: int | None, stop_flag: _S
 
     precision = f"{DTYPE_NAMES.get(llm.model.dtype, str(llm.model.dtype))} ({llm.dtype_reason})"
     if prefix_order is not None and not (quiet or json_log):
-        err.print("--order prefix: every row is read and tokenized once before the first is answered, so rows "
+        err.print("--order prefix: every row is read and keyed by its prompt's text before the first is answered, so rows "
                   "sharing a prefix run together (--order input skips this pass)", highlight=False)
     on_progress, stop_progress = _progress_printer(quiet, json_log, total)
     try:
@@ -1120,16 +1120,12 @@ def inspect_tree(
     _check_budget(path, chunk_size, dtype, "cpu", budget)
     tok = AutoTokenizer.from_pretrained(path)
     bad = 0
-    names: list[str] = []  # per prompt, in file order: its template (or, for OpenAI rows, none)
-    file_prompts: list[list[int]] = []
+    names: list[str] = []  # per prompt, in prefix order: its template (or, for OpenAI rows, none)
+    tokens_of: dict[int, list[int]] = {}  # row index -> its prompt's tokens
+    template_of: dict[int, str] = {}
+    prefix_prompts: list[list[int]] = []  # the prompts in prefix order, a run's default
     in_file_order = CacheReplay(_planning_pool(path, chunk_size, kv_dtype, budget), max_batch)
     in_prefix_order = CacheReplay(_planning_pool(path, chunk_size, kv_dtype, budget), max_batch)
-    last: list = [None, None]  # the messages tokenized last and their tokens: the keying pass asks again
-
-    def encode(messages, data):
-        if last[0] is not messages:
-            last[:] = messages, encode_prompt(tok, messages, data)
-        return last[1]
 
     def in_file_order_rows():
         nonlocal bad
@@ -1137,21 +1133,22 @@ def inspect_tree(
             if isinstance(item, ErrorRecord):
                 bad += 1
                 continue
-            tokens = encode(item.messages, item.data)
-            names.append(item.template or "OpenAI rows")
-            file_prompts.append(tokens)
+            tokens = tokens_of[index] = encode_prompt(tok, item.messages, item.data)
+            template_of[index] = item.template or "OpenAI rows"
             in_file_order.add(tokens)
             yield index, item
 
     try:
-        for _, job in prefix_order.apply(in_file_order_rows(), encode, chunk_size):
-            in_prefix_order.add(encode(job.messages, job.data))
+        for index, _ in prefix_order.apply(in_file_order_rows(), chunk_size):
+            prefix_prompts.append(tokens_of[index])
+            names.append(template_of[index])
+            in_prefix_order.add(tokens_of[index])
     finally:
         prefix_order.rows.close()
 
     from chunkgen.engine.engine import EngineConfig
 
-    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), file_prompts, EngineConfig.max_prefill_tokens)
+    tree = plan_tree(_planning_pool(path, chunk_size, kv_dtype), prefix_prompts, EngineConfig.max_prefill_tokens)
     st = tree_stats(tree)
     replays = {"input": in_file_order, "prefix": in_prefix_order}
     figures = {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
@@ -1419,25 +1416,20 @@ def bench_order(
 
 @bench_app.command("order-pass")
 def bench_order_pass(
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Whose tokenizer keys the rows."),
     rows: int = typer.Option(1_000_000, min=1, metavar="N", help="Short rows in the file."),
     prefixes: int = typer.Option(1000, min=1, metavar="N", help="Distinct personas (shared prefixes), interleaved at random."),
-    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per chunk of the prefix keys."),
     work_dir: Optional[Path] = typer.Option(None, metavar="DIR", help="Where the file is written [default: a temporary folder]."),
     run_rows: int = typer.Option(1 << 18, min=1, metavar="N", help="Keys held in memory before a sorted run is spilled to disk."),
 ) -> None:
     """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row
-    (the tokenizer only, no model: the peak RSS is the pass's own)."""
+    (no model: the peak RSS is the pass's own)."""
     import tempfile
-
-    from transformers import AutoTokenizer
 
     from chunkgen.bench.order import ordering_pass, write_persona_rows
 
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(model))
     with tempfile.TemporaryDirectory(prefix="chunkgen-order-pass-") as tmp:
         template, queries = write_persona_rows(work_dir or Path(tmp), rows, prefixes)
-        r = ordering_pass(tokenizer, template, queries, chunk_size, run_rows)
+        r = ordering_pass(template, queries, run_rows=run_rows)
     stdout.print(f"{r['rows']} rows over {prefixes} prefixes: ordering pass {r['wall_s']:.1f} s "
                  f"(keying {r['keying_s']:.1f} s, re-reading {r['reread_s']:.1f} s; {r['rows'] / r['wall_s']:.0f} rows/s), "
                  f"{r['spilled_runs']} sorted runs spilled, rows come out in {r['prefix_runs']} runs of one prefix, "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
 
 from chunkgen.engine import SamplingParams
 from chunkgen.engine.sampler import ParamError
@@ -251,6 +252,23 @@ def test_schema_leaves_a_valid_greedy_answer_unchanged(default_model_dir):
         assert b.text == f.text
         same += 1
     assert same >= 2  # not vacuous
+
+
+def test_matchers_of_one_spec_are_copies_that_walk_apart(tiny_llm):
+    """A spec's matcher is built once per engine and copied for each sequence: a copy starts where
+    a new one would, and what one sequence consumes does not move another."""
+    c = tiny_llm.new_engine().constraints
+    params = SamplingParams(regex="[0-9]+")
+    first, second = c.matcher(params), c.matcher(params)
+    assert first is not second and len(c._fresh) == 1
+    start = c.fill([second]).bits.clone()
+    digit = next(t for t in range(c.vocab_size) if tiny_llm.tokenizer.decode([t]).strip().isdigit()
+                 and tiny_llm.tokenizer.decode([t]).strip() == tiny_llm.tokenizer.decode([t]))
+    assert first.consume_token(digit)
+    assert torch.equal(c.fill([second]).bits, start)  # the other copy has not moved
+    assert not torch.equal(c.fill([first]).bits, start)  # after a digit, end of text is allowed too
+    c.matcher(SamplingParams(regex="[a-z]+"))
+    assert len(c._fresh) == 2
 
 
 def test_masks_fill_two_host_buffers_in_turn(tiny_llm):

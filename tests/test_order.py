@@ -9,45 +9,47 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, prefix_key
+from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, key_cuts, prompt_key
 from chunkgen.jobs.requests import read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.conftest import PROMPTS
 
 
-def _common(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=2, max_size=30))
-def test_sorted_keys_keep_every_shared_chunk_prefix_contiguous(prompts):
-    """Sorting by key is a depth-first walk of the chunk prefix tree: the rows sharing their first
-    k whole chunks form one contiguous run, for every k the key covers."""
-    chunk = 4
-    order = sorted(range(len(prompts)), key=lambda i: (prefix_key(prompts[i], chunk, depth=8), i))
-    for k in range(1, 8):
-        groups = [tuple(prompts[i][:k * chunk]) if len(prompts[i]) >= k * chunk else None for i in order]
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["", "You route.", "You answer."]), st.text("ab\x1e", max_size=70)),
+                min_size=2, max_size=30))
+def test_prompt_keys_walk_the_prefix_tree_depth_first(rows):
+    """Sorting by key puts the rows sharing their system prompt and the first k pieces of their
+    last message in one contiguous run, for every cut the key makes (fine, then doubling)."""
+    piece, depth = 4, 8
+    prompts = [([{"role": "system", "content": s}] if s else []) + [{"role": "user", "content": u}] for s, u in rows]
+    order = sorted(range(len(rows)), key=lambda i: (prompt_key(prompts[i], piece, depth), i))
+    # Each row's cuts: a system prompt takes the key's first entry, the last message the rest.
+    cuts = {s: [0] + key_cuts(piece, depth - 1) if s else key_cuts(piece, depth) for s, _ in rows}
+    for level in range(depth):
+        groups = []
+        for i in order:
+            system, text = rows[i]
+            cut = cuts[system][level]
+            groups.append((system, text[:cut]) if len(text) >= cut and (cut or system) else None)
         seen, last = set(), None
         for g in groups:
             if g is not None and g != last:
-                assert g not in seen, f"rows sharing their first {k} chunks are split"
+                assert g not in seen, f"rows sharing {g} are split"
                 seen.add(g)
             last = g
 
 
-def test_key_agrees_on_exactly_the_shared_chunks():
-    a, b = list(range(100)), list(range(70)) + [999] * 30
-    ka, kb = prefix_key(a, 16), prefix_key(b, 16)
-    shared_chunks = _common(a, b) // 16  # 4 whole chunks agree
-    assert _common(ka, kb) >= 8 * shared_chunks
-    assert ka[:8 * (shared_chunks + 1)] != kb[:8 * (shared_chunks + 1)]
-    assert prefix_key(a, 16, depth=2) == ka[:16]
+def test_prompt_key_agrees_on_exactly_the_shared_pieces():
+    assert key_cuts(8, 6) == [8, 16, 24, 48, 96, 192]
+    system = {"role": "system", "content": "You route requests."}
+    a = prompt_key([system, {"role": "user", "content": "rain in Oslo? " * 4}], 8)
+    b = prompt_key([system, {"role": "user", "content": "rain in Bergen? " * 4}], 8)
+    c = prompt_key([{"role": "user", "content": "You route requests."}, {"role": "user", "content": "rain in Oslo? " * 4}], 8)
+    assert a[:16] == b[:16] and a[16:24] != b[16:24]  # the system prompt and "rain in ", then Oslo against Bergen
+    assert a[:8] != c[:8]  # the same text in another role is another prompt
+    assert prompt_key([system], 8, depth=4) == prompt_key([system], 8)  # 19 characters: cut alike at both depths
+    assert prompt_key([], 8) == b""
 
 
 @pytest.mark.parametrize("run_rows", [3, 1000])
@@ -80,11 +82,8 @@ def _order_of(tmp_path, lines: list[str], source: str = "file", run_rows: int = 
     order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()), to_jobs, run_rows=run_rows)
     jobs = ((i, item) for i, item in enumerate(items) if not hasattr(item, "message"))
 
-    def encode(messages, data):  # characters as tokens: prefixes of text are prefixes of tokens
-        return [ord(c) for c in messages[-1]["content"]]
-
     try:
-        return [(i, job.id, job.line) for i, job in order.apply(jobs, encode, chunk_size=4)], order
+        return [(i, job.id, job.line) for i, job in order.apply(jobs, chunk_size=1)], order
     finally:
         row_file.close()
         sys.stdin = sys.__stdin__
@@ -121,7 +120,7 @@ def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
         path.write_text('{"id": "a", "question": "uno"}\n{"id": "b", "question": "two"}\n')
 
     with pytest.raises(QueryFileChanged, match="line 1 changed"):
-        list(order.apply(jobs(), lambda m, d: [1, 2, 3], chunk_size=4))
+        list(order.apply(jobs(), chunk_size=4))
     row_file.close()
 
 
@@ -237,7 +236,7 @@ def test_bench_order_and_order_pass_reproduce_the_figures(tiny_model, tmp_path):
     assert f["rows"] == 18 and by["input"]["rows"] == by["prefix"]["rows"] == 18
     assert by["prefix"]["answers_equal_to_first"] == 18  # the same answers as in file order
     assert by["prefix"]["prefilled_tokens"] <= 1.15 * f["minimum_prefill_tokens"] < by["input"]["prefilled_tokens"]
-    res = CliRunner().invoke(app, ["bench", "order-pass", "--model", str(tiny_model), "--rows", "300",
+    res = CliRunner().invoke(app, ["bench", "order-pass", "--rows", "300",
                                    "--prefixes", "10", "--run-rows", "50"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert "300 rows over 10 prefixes" in res.output and "6 sorted runs spilled" in res.output

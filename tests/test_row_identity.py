@@ -175,3 +175,26 @@ def test_a_full_temporary_folder_while_spooling_standard_input_is_one_error(monk
     rows._spool = Full()
     with pytest.raises(TempSpaceError, match="spooling standard input.*TMPDIR|TMPDIR.*spooling standard input"):
         list(rows.lines())
+
+
+def test_request_hash_is_the_sha256_of_the_sorted_json_of_the_request():
+    """Assembled from cached pieces for speed, the hash stays the one earlier outputs recorded."""
+    import hashlib
+    import json
+
+    from chunkgen.engine.sampler import SamplingParams
+    from chunkgen.jobs.requests import Job
+
+    long = "Ünïcode \"quoted\" system prompt\n" * 40
+    cases = [
+        ([{"role": "system", "content": long}, {"role": "user", "content": "hi ☃"}], SamplingParams(), "t"),
+        ([{"role": "system", "content": long}, {"role": "user", "content": "x" * 600}],
+         SamplingParams(max_new_tokens=7, stop=["\n"], json_schema={"type": "object"}), None),
+        ([{"content": long, "role": "user", "name": "n"}], SamplingParams(regex="[ab]+"), "t2"),
+        ([{"role": "user", "content": [{"type": "text", "text": "parts"}]}], SamplingParams(seed=3), None),
+    ]
+    for messages, params, template in cases:
+        job = Job("a", 1, messages, params, template)
+        canon = json.dumps({"messages": messages, "params": params.as_dict(), "template": template},
+                           sort_keys=True, ensure_ascii=False)
+        assert job.request_hash == hashlib.sha256(canon.encode()).hexdigest()[:16]

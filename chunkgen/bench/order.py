@@ -247,29 +247,24 @@ def write_persona_rows(out_dir: Path, rows: int, prefixes: int, seed: int = 0) -
     return template, queries
 
 
-def ordering_pass(tokenizer, template: Path, queries: Path, chunk_size: int, run_rows: int | None = None) -> dict:
-    """The prefix-order pass alone, as a run makes it (rows read and validated, every prompt
-    tokenized and keyed, keys sorted with spills, rows read again by offset and validated again),
-    with no model run: its wall time and the process's peak RSS."""
+def ordering_pass(template: Path, queries: Path, chunk_size: int = 64, run_rows: int | None = None) -> dict:
+    """The prefix-order pass alone, as a run makes it (rows read and validated, every prompt keyed,
+    keys sorted with spills, rows read again by offset and validated again), with no model run:
+    its wall time and the process's peak RSS."""
     from chunkgen.jobs.order import RUN_ROWS, PrefixOrder, RowFile
     from chunkgen.jobs.requests import read_rows, template_jobs
     from chunkgen.jobs.templates import load_templates
-    from chunkgen.llm import encode_prompt
-
     templates = load_templates(template)
 
     def to_jobs(rows):
         return template_jobs(rows, templates, {})
-
-    def encode(messages, data):
-        return encode_prompt(tokenizer, messages, data)
 
     row_file = RowFile(str(queries))
     order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()), to_jobs, run_rows=run_rows or RUN_ROWS)
     n, groups, last = 0, 0, None
     with PeakRSS() as rss:
         t0 = time.perf_counter()
-        for _, job in order.apply(enumerate(items), encode, chunk_size):
+        for _, job in order.apply(enumerate(items), chunk_size):
             n += 1
             persona = job.data[0]
             groups += persona != last

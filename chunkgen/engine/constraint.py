@@ -54,12 +54,34 @@ def compile_spec(kind: str, spec: str) -> str:
 def normalize_schema(value: Any) -> str:
     """A JSON schema as the compact JSON string SamplingParams keeps (hashable). Keys keep their
     order, never sorted: llguidance writes an object's properties in the order the schema lists
-    them, so sorting would make {"function", "arguments"} come out as {"arguments", "function"}."""
+    them, so sorting would make {"function", "arguments"} come out as {"arguments", "function"}.
+
+    Every row of a template carries the template's schema: the last schema object seen and its
+    text are kept, so a file of rows pays for one serialisation, not one per row."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ParamError("json_schema", f"is not valid JSON: {exc.msg} (column {exc.colno})") from None
+        return _normalize_schema_text(value)
+    last = _last_schema
+    if last and last[0] is value:
+        return last[1]
+    text = _schema_text(value)
+    if isinstance(value, dict):
+        _last_schema[:] = [value, text]  # the object is held, so its identity cannot be reused
+    return text
+
+
+_last_schema: list = []
+
+
+@lru_cache(maxsize=64)
+def _normalize_schema_text(value: str) -> str:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ParamError("json_schema", f"is not valid JSON: {exc.msg} (column {exc.colno})") from None
+    return _schema_text(parsed)
+
+
+def _schema_text(value: Any) -> str:
     if not isinstance(value, (dict, bool)):  # true / false are schemas too
         raise ParamError("json_schema", f"must be a JSON object (a schema), got {type(value).__name__}")
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
@@ -82,6 +104,9 @@ class Bitmask:
     bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
 
 
+FRESH_MATCHERS = 64  # specs whose starting matcher an engine keeps to copy
+
+
 class Constraints:
     """One engine's constrained-decoding state: its llguidance tokenizer, the worker thread that
     fills masks and the lookup tables that apply them."""
@@ -93,6 +118,9 @@ class Constraints:
         self.eos_ids = sorted(eos_ids)
         self._tokenizer = None
         self._executor = None
+        # A matcher at the start of each spec seen lately: building one costs milliseconds (the
+        # grammar's lexer against this vocabulary), a copy of it about a microsecond.
+        self._fresh: dict[tuple[str, str], Any] = {}
         self._worker: ThreadPoolExecutor | None = None
         self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # Two host buffers taken in turn: the next step's masks fill one while the device still
@@ -117,10 +145,15 @@ class Constraints:
         spec = spec_of(params)
         if spec is None:
             return None
-        m = _llg().LLMatcher(self._ll_tokenizer(), compile_spec(*spec), log_level=0)
-        if m.is_error():  # compiled without a tokenizer, yet refused with this one
-            raise ParamError(spec[0], f"does not compile: {m.get_error()}")
-        return m
+        fresh = self._fresh.get(spec)
+        if fresh is None:
+            fresh = _llg().LLMatcher(self._ll_tokenizer(), compile_spec(*spec), log_level=0)
+            if fresh.is_error():  # compiled without a tokenizer, yet refused with this one
+                raise ParamError(spec[0], f"does not compile: {fresh.get_error()}")
+            if len(self._fresh) >= FRESH_MATCHERS:
+                self._fresh.pop(next(iter(self._fresh)))  # the oldest spec
+            self._fresh[spec] = fresh
+        return fresh.deep_copy()
 
     def fill_async(self, matchers: list) -> Future:
         """`fill` on a worker thread: llguidance computes masks without the GIL, so the engine

@@ -5,13 +5,19 @@ questions each, shuffled), loses its cache hits in file order: by the time a row
 its prefix has been evicted. Ordering the whole file by prompt prefix makes each shared prefix
 prefilled once, while it is hot.
 
-The ordering is an external sort that never holds rows: a first pass tokenizes each row as it
-streams and keeps only a small key (chained hashes of the prompt's first chunks) with the row's
+The ordering is an external sort that never holds rows: a first pass keys each row as it streams
+and keeps only a small key (chained hashes of the first pieces of its prompt's text) with the row's
 byte offset; sorted runs go to disk beyond a bound; a merge then re-reads the rows by offset in key
 order. Standard input, which cannot be re-read, is spooled to a temporary file as it is read.
+
+The key is taken from the messages' text, not their tokens: the chat template renders the same
+leading messages to the same leading text, whose tokens are the same (up to the last few at the
+point where two prompts part), so text prefixes group rows as token prefixes do, and keying costs a
+hash of a few KB per row instead of rendering and tokenizing a prompt of thousands of tokens.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import struct
@@ -19,35 +25,68 @@ import sys
 import tempfile
 import time
 import zlib
-from array import array
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
 
-KEY_CHUNKS = 16  # chunks of the prompt the key tells apart: rows agreeing on more stay in file order
+KEY_CHUNKS = 16  # pieces of the prompt the key tells apart: rows agreeing on more stay in file order
 HASH_BYTES = 8
 RUN_ROWS = 1 << 18  # keys held in memory before a sorted run is written to disk (~60 MB)
 
-Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
 Rebuild = Callable[[int, bytes], "Job | ErrorRecord | None"]  # (line number, raw line) -> the row again
 ToJobs = Callable[[Iterable[tuple[int, Any]]], Iterator["Job | ErrorRecord"]]  # template_jobs, openai_jobs
 
 
-def prefix_key(tokens: Sequence[int], chunk_size: int, depth: int = KEY_CHUNKS) -> bytes:
-    """A sort key for a prompt: the chained hashes of its first `depth` chunks of `chunk_size`
-    tokens (a partial last chunk too). Two prompts' keys agree on their first k * HASH_BYTES bytes
-    exactly when the prompts agree on their first k chunks (up to hash collisions), so sorting by
-    key puts rows with the longest common prefix next to each other, in a depth-first walk of the
-    prefix tree: the order an LRU cache of chunks serves best. `key[:HASH_BYTES * k]` is a group
-    key for the first k chunks (e.g. to split a file into shards that share no prefix chunk)."""
+def key_cuts(piece: int, depth: int) -> list[int]:
+    """Where the pieces of a key end, in characters: `piece` apart for the first half of the key,
+    then doubling, so the key tells prompts apart finely where they part early (a document, then
+    questions on it) and coarsely over a long reach (about piece * 2^(depth/2) characters)."""
+    fine = depth // 2
+    return [piece * (k + 1) for k in range(fine)] + [piece * fine * 2 ** (k + 1) for k in range(depth - fine)]
+
+
+def prompt_key(messages: list[dict[str, str]], piece: int, depth: int = KEY_CHUNKS) -> bytes:
+    """The sort key of a chat prompt, from its text (no chat template, no tokenizer): chained hashes,
+    HASH_BYTES each, of its leading messages (a system prompt, earlier turns), one piece each, then
+    of the last message's text cut at key_cuts. Two keys agree on their first k entries exactly
+    when the prompts agree on their first k pieces (up to hash collisions), so sorting by key walks
+    the prefix tree depth first: rows sharing a system prompt together, and within them those whose
+    last message starts alike; the order an LRU cache of chunks serves best.
+
+    The chat template renders equal leading messages to an equal leading text, whose tokens are
+    equal up to where two prompts part, so this groups rows as a key of their tokens would, at the
+    cost of a hash of each row's text instead of rendering and tokenizing a prompt of thousands of
+    tokens. Roles and contents are set apart by control characters text does not hold; the key only
+    orders rows, so a text that held them could change where a row runs, never its answer."""
+    if not messages:
+        return b""
+    *head, last = messages
+    head = head[:depth]
+    out, h = _head_key(tuple(f"\x1e{m.get('role', '')}\x1f{m.get('content', '')}" for m in head))
+    out = bytearray(out)
+    text = str(last.get("content", ""))
+    start = 0
+    for cut in key_cuts(piece, depth - len(head)):
+        part = text[start:cut] if start else f"\x1e{last.get('role', '')}\x1f{text[:cut]}"
+        h = hashlib.blake2b(h + part.encode("utf-8", "surrogatepass"), digest_size=HASH_BYTES).digest()
+        out += h
+        start = cut
+        if cut >= len(text):
+            break
+    return bytes(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _head_key(pieces: tuple[str, ...]) -> tuple[bytes, bytes]:
+    """(key entries, last hash) of a prompt's leading messages: the same system prompt on every row
+    of a template is hashed once."""
     out = bytearray()
     h = b""
-    for start in range(0, min(len(tokens), depth * chunk_size), chunk_size):
-        chunk = array("I", tokens[start:start + chunk_size]).tobytes()
-        h = hashlib.blake2b(h + chunk, digest_size=HASH_BYTES).digest()
+    for part in pieces:
+        h = hashlib.blake2b(h + part.encode("utf-8", "surrogatepass"), digest_size=HASH_BYTES).digest()
         out += h
-    return bytes(out)
+    return bytes(out), h
 
 
 class QueryFileChanged(RuntimeError):
@@ -226,7 +265,7 @@ class _BufferedReader:
 class OrderStats:
     rows: int = 0
     spilled_runs: int = 0
-    seconds: float = 0.0  # the first pass: tokenizing every row, keeping and sorting the keys
+    seconds: float = 0.0  # the first pass: keying every row, keeping and sorting the keys
 
 
 @dataclass
@@ -249,11 +288,15 @@ class PrefixOrder:
             return next(to_jobs((line, obj) for _, obj in read_rows([raw])), None)
         return cls(row_file, rebuild, **kwargs), row_file.follow(to_jobs(rows))
 
-    def apply(self, jobs: Iterable[tuple[int, Job]], encode: Encode, chunk_size: int,
+    def apply(self, jobs: Iterable[tuple[int, Job]], chunk_size: int,
               should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, Job]]:
-        """`jobs` (numbered in file order, as triage yields them) in prefix order. Every row is
-        keyed before the first is handed on; a stop request ends the keying pass early and yields
-        nothing (the rows stay unanswered, for --resume)."""
+        """`jobs` (numbered in file order, as triage yields them) in prefix order, for a cache of
+        chunks of `chunk_size` tokens. Every row is keyed (by its prompt's text: prompt_key) before
+        the first is handed on; a stop request ends the keying pass early and yields nothing (the
+        rows stay unanswered, for --resume). A key piece is chunk_size characters: a chunk's
+        worth of text or less (a token is one character or more), so rows sharing a chunk share a
+        piece."""
+        piece = chunk_size
         t0 = time.perf_counter()
         sorter = ExternalSort(self.run_rows, self.spill_dir)
         try:
@@ -261,12 +304,8 @@ class PrefixOrder:
                 if should_stop():
                     return
                 offset, crc = self.rows.claim(job.line)
-                try:
-                    tokens = encode(job.messages, job.data)
-                except Exception:  # the answer loop tokenizes it again and writes the error record
-                    tokens = []
                 occurrence = -1 if job.occurrence is None else job.occurrence
-                sorter.add(prefix_key(tokens, chunk_size), index, job.line, offset, crc, occurrence)
+                sorter.add(prompt_key(job.messages, piece), index, job.line, offset, crc, occurrence)
             merged = iter(sorter)
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
             for _, index, line, offset, crc, occurrence in merged:
@@ -283,8 +322,3 @@ class PrefixOrder:
         finally:
             sorter.close()
 
-
-def group_key(tokens: Sequence[int], chunk_size: int, chunks: int = 1) -> bytes:
-    """The prefix group of a prompt: rows with the same first `chunks` chunks share it (what a
-    split into shards or cluster workers should keep together)."""
-    return prefix_key(tokens, chunk_size, chunks)

@@ -40,10 +40,17 @@ class Job:
 
     @functools.cached_property
     def request_hash(self) -> str:
-        """What the answer depends on; resume compares it to tell a changed request from an answered one."""
-        canon = json.dumps({"messages": self.messages, "params": self.params.as_dict(),
-                            "template": self.template}, sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+        """What the answer depends on; resume compares it to tell a changed request from an answered
+        one: the sha256 of `json.dumps({"messages", "params", "template"}, sort_keys=True,
+        ensure_ascii=False)`, assembled from the JSON of its parts, since every row of a template
+        repeats the same long system prompt and parameters (see _long_message_json)."""
+        parts = [_message_json(m) for m in self.messages]
+        # The digest of the text up to the first message's end, kept while the next rows repeat it.
+        head = _hash_of_head(parts[0]).copy() if parts else hashlib.sha256(b'{"messages": [')
+        rest = "".join(", " + p for p in parts[1:])
+        head.update((f'{rest}], "params": {_params_json(self.params)}, '
+                     f'"template": {json.dumps(self.template, ensure_ascii=False)}}}').encode())
+        return head.hexdigest()[:16]
 
     @property
     def key(self) -> str:
@@ -52,6 +59,29 @@ class Job:
         if self.occurrence is None:
             return self.id
         return row_key(self.request_hash, self.occurrence)
+
+
+def _message_json(message: dict[str, Any]) -> str:
+    if len(message) == 2 and isinstance(message.get("content"), str) and isinstance(message.get("role"), str) \
+            and len(message["content"]) >= 512:
+        return _long_message_json(message["role"], message["content"])
+    return json.dumps(message, sort_keys=True, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _long_message_json(role: str, content: str) -> str:
+    """A long message's JSON (a system prompt shared by many rows), serialised once."""
+    return json.dumps({"content": content, "role": role}, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_of_head(first_message_json: str) -> "hashlib._Hash":
+    return hashlib.sha256(('{"messages": [' + first_message_json).encode())
+
+
+@functools.lru_cache(maxsize=64)
+def _params_json(params: SamplingParams) -> str:
+    return json.dumps(params.as_dict(), sort_keys=True, ensure_ascii=False)
 
 
 def row_key(request_hash: str, occurrence: int) -> str:
@@ -266,6 +296,7 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
     seen: set[str] = set()  # explicit ids only: a generated `line-N` never collides with a row's own id
     occurrences: dict[str, int] = {}  # request hash -> id-less rows with it so far
     only = next(iter(templates.values())) if len(templates) == 1 else None
+    plain: dict[str, tuple[SamplingParams, str | None]] = {}  # template -> params of a row that sets none
     for number, obj in rows:
         if isinstance(obj, RowError):
             yield ErrorRecord(readable_id(obj.row, id_field), number, obj.field, obj.message)
@@ -296,13 +327,21 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
                 if name not in obj:
                     raise RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
                 values[name] = _text(obj[name], name)
-            params = _params(layer(template.sampling, template.output, defaults), obj, TEMPLATE_OVERRIDES)
-            row_kind = next((k for k in KINDS if obj.get(k) is not None), "")
-            source = _constraint_source(params, [("template", template.output), ("", defaults),
-                                                 (row_kind, {k: obj.get(k) for k in KINDS})])
+            if template.name in plain and not any(obj.get(k) is not None for k in TEMPLATE_OVERRIDES):
+                params, source = plain[template.name]  # most rows set no sampling field: checked once
+            else:
+                params = _params(layer(template.sampling, template.output, defaults), obj, TEMPLATE_OVERRIDES)
+                row_kind = next((k for k in KINDS if obj.get(k) is not None), "")
+                source = _constraint_source(params, [("template", template.output), ("", defaults),
+                                                     (row_kind, {k: obj.get(k) for k in KINDS})])
+                if not any(obj.get(k) is not None for k in TEMPLATE_OVERRIDES):
+                    plain[template.name] = params, source
             job = Job(rid, number, template.messages(values), params, template.name,
                       data=tuple(values.values()), constraint_field=source)
-            job.request_hash  # computed here, so a row it fails on fails alone
+            # A row without an id is matched on resume by its request's hash (and occurrence), so it
+            # is hashed here; a row with one is hashed when its record is written (it cannot fail
+            # there: every value is text, numbers or lists, and the text has a UTF-8 form, checked
+            # at parse), which spares the prefix order's keying pass a hash of every prompt.
             if raw_id is None:
                 job.occurrence = occurrences.get(job.request_hash, 0)
                 occurrences[job.request_hash] = job.occurrence + 1

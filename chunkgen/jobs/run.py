@@ -220,7 +220,7 @@ def run_job(
 
     jobs = triage(items, writer, counts)
     if order is not None:
-        jobs = order.apply(jobs, encode, engine.config.chunk_size, should_stop)
+        jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
     for a in answer(engine, encode, writer, jobs, window, should_stop, report):
         writer.write(a.record, a.index)
         if is_error(a.record):
