@@ -264,6 +264,21 @@ def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_conf
     assert rows["chunkgen"]["kv_peak_bytes"] > 0
 
 
+def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, tmp_path):
+    out = tmp_path / "rows.json"
+    res = runner.invoke(app, ["bench", "e2e", "--dummy-weights", str(tiny_config), "--dtype", "fp32",
+                              "--n-shared", "40", "--n-queries", "3", "--max-new-tokens", "3", "--repeat", "2",
+                              "--systems", "chunkgen", "--max-batch", "auto,2", "--json", str(out)],
+                        catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rows = {r["max_batch"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"auto", "2"} and rows["auto"]["peak_batch"] == 3 and rows["2"]["peak_batch"] == 2
+    assert all(len(r["gen_tokens_per_s_runs"]) == 2 for r in rows.values())
+    assert "round 1 gen tok/s" in res.output and "auto (peak 3)" in res.output
+    bad = runner.invoke(app, ["bench", "e2e", "--dummy-weights", str(tiny_config), "--max-batch", "auto,zero"])
+    assert bad.exit_code == 2 and "--max-batch" in bad.output
+
+
 @pytest.mark.real_model
 def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_dir, tmp_path):
     from chunkgen.bench.e2e import PeakRSS
