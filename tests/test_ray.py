@@ -105,6 +105,24 @@ def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(ti
     assert sorted(map(key, records(dist))) == sorted(want)
 
 
+def test_a_worker_that_cannot_load_the_model_ends_the_job_in_one_line(tiny_model, tmp_path, local_cluster):
+    """Only a failure of the worker's own start-up ends the job; a worker lost another way is replaced
+    (the test above, and the two-node test below where one dies before handing back a record)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])  # the driver does not load weights: the workers do
+    out = tmp_path / "out.jsonl"
+    args = base_args(model, out)
+    res = run_cli(*args, "--ray", "--workers", "1")
+    assert res.exit_code == 1, res.output
+    message = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(message) == 1 and "a Ray worker failed to start" in message[0], res.output
+    assert "cannot load the weights" in message[0] and "Traceback" not in res.output, res.output
+
+
 def test_a_long_run_loads_the_model_once_per_worker(tiny_model, tmp_path, local_cluster):
     """More rows than the old 16,384-row windows: two workers, two model loads, a local run's answers."""
     templates = tmp_path / "templates"
@@ -205,11 +223,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_two_node_cluster_losing_a_node_mid_job_resumes_to_a_local_runs_answers(tiny_model, tmp_path):
+def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_local_runs_answers(tiny_model, tmp_path):
     """A real cluster on this machine: `ray start --head` and a second `ray start --address` node,
-    each its own process tree. The second node is killed (SIGKILL) while the job runs; the run is
-    stopped, and `--resume` on what is left of the cluster gives every id one record, the answers a
-    local run gives."""
+    each its own process tree. The second node is killed (SIGKILL) while the job runs; the job ends
+    on the node left, every id with one record, the answers a local run gives; `--resume` finds
+    nothing left to do."""
     import os
     import signal
     import subprocess
@@ -287,18 +305,16 @@ def test_a_two_node_cluster_losing_a_node_mid_job_resumes_to_a_local_runs_answer
         written = len(out.read_text().splitlines())
         assert 4 <= written < len(rows), "the job ended before a node could be killed mid-job"
         kill_tree(second)  # a node lost mid-job: its raylet, its worker, its agents
-        time.sleep(5)
-        # The lost worker's replacement cannot be placed (the node left has no CPUs free): SIGTERM
-        # still stops the run, what is written stays, and the rest is for --resume.
-        driver.send_signal(signal.SIGTERM)
+        # Its worker's replacement has no room on the node left (no CPUs free): once Ray has marked
+        # the node dead, the driver gives that worker up and the worker left answers its rows.
         try:
-            _, stderr = driver.communicate(timeout=60)
+            _, stderr = driver.communicate(timeout=240)
         except subprocess.TimeoutExpired:
             driver.kill()
-            raise AssertionError("SIGTERM did not stop a --ray driver waiting for a worker")
-        assert driver.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+            raise AssertionError("the job waited for a worker the cluster has no room for")
+        assert driver.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
         resumed = subprocess.run([*command, "--resume"], env=env, capture_output=True, text=True, timeout=300)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.returncode == 0 and "0 answered" in resumed.stderr + resumed.stdout, resumed.stderr[-3000:]
     finally:
         for node in reversed(nodes):
             kill_tree(node)

@@ -7,7 +7,8 @@ least-loaded worker. No worker holds more than `capacity` rows unanswered, and t
 answers before reading on, so memory stays bounded at any file size. Inside an actor a thread runs
 the same `answer` loop as a local run over an inbox the driver keeps filling: the next group's rows
 enter the engine while the previous group decodes. The driver writes every record; a worker that
-dies is replaced and the rows it had not answered are sent again, so nothing is lost or doubled.
+dies is replaced and the rows it had not answered are sent again, so nothing is lost or doubled;
+one the cluster no longer has room for (a lost node) is given up and its rows go to the others.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ COLLECT_WAIT_S = 1.0  # a worker answers a collect call at the latest this long 
 SEND_ROWS = 32  # rows sent to a worker in one call
 STOP_CHECK_S = 1.0  # the driver waits for answers this long at a time, then looks at the stop flag again
 MAX_REPLACEMENTS = 3  # workers replaced in one job before it stops (the records written are kept)
+PLACE_WAIT_S = 10.0  # a worker not placed this long, with no room for it in the cluster, gives its rows away
 GROUPS_REMEMBERED = 65536  # prefix groups whose workers the driver remembers (least recently used dropped)
 DEFAULT_CPU_WORKERS = 2
 
@@ -121,17 +123,29 @@ class EngineWorker:
         self.handed: list[int] = []
         self.crash_after = _crash_fault()
         self.resume = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
+        self.taken = 0  # rows the engine thread has taken from the inbox
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
 
     def submit(self, rows: list[Row]) -> None:
         for row in rows:
             self.inbox.put(row)
+        self._keep_running()
+
+    def _keep_running(self) -> None:
+        # A lost worker's rows can come after this one's last row was answered: its thread had
+        # ended, another one answers them.
+        with self.done:
+            if not self.thread.is_alive() and self.failure is None:
+                self.thread = threading.Thread(target=self._run, daemon=True)
+                self.thread.start()
 
     def finish(self, rows_sent: int) -> None:
         """No more rows after these: the engine thread ends once it has answered `rows_sent` rows.
         (Calls to a threaded actor may run out of order: a submit can still be on its way.)"""
         self.rows_sent = rows_sent
         self.inbox.put(None)  # wakes the engine thread if it waits for rows
+        self._keep_running()
 
     def collect(self, wait_s: float = COLLECT_WAIT_S) -> tuple[list[Answered], EngineStats]:
         """The records finished since the last call (waiting up to wait_s for one), and the engine's stats."""
@@ -164,8 +178,8 @@ class EngineWorker:
     def _rows(self):
         """The inbox as `answer`'s source. While it is empty: None (nothing ready yet) when the engine
         has work or rows were just taken, so those get answered; else wait for the driver."""
-        engine, taken, fresh = self.llm.engine, 0, False
-        while self.rows_sent is None or taken < self.rows_sent:
+        engine, fresh = self.llm.engine, False
+        while self.rows_sent is None or self.taken < self.rows_sent:
             try:
                 row = self.inbox.get_nowait() if engine.has_work or fresh else self.inbox.get()
             except queue.Empty:
@@ -173,7 +187,7 @@ class EngineWorker:
                 yield None
                 continue
             if row is not None:  # None: finish() woke us; the loop's condition decides
-                taken, fresh = taken + 1, True
+                self.taken, fresh = self.taken + 1, True
                 yield row
 
     def _run(self) -> None:
@@ -210,6 +224,8 @@ class _Slot:
     collecting: Any = None  # the pending collect call
     stats: EngineStats | None = None  # None until it has loaded the model and answered a call
     finished: bool = False
+    started: float = 0.0  # when its actor was asked for
+    gone: bool = False  # retired: the cluster has no room for it, its rows went to the others
 
     @property
     def load(self) -> int:
@@ -234,20 +250,21 @@ class _Pool:
         for slot in self.slots:
             self._start(slot)
         self.retired: list[EngineStats] = []  # the last stats of workers that died
+        self.need = ("GPU", shape.num_gpus) if shape.num_gpus else ("CPU", shape.num_cpus)
         self.replacements = 0
         self.holders: OrderedDict[bytes, list[int]] = OrderedDict()
 
     def _start(self, slot: _Slot) -> None:
         slot.actor = self.actor_class.remote(*self.args)  # loads the model; calls wait for it
         slot.collecting = slot.actor.collect.remote()
-        slot.stats, slot.sent = None, 0
+        slot.stats, slot.sent, slot.started = None, 0, time.monotonic()
 
     # -- routing ------------------------------------------------------------------------------
     def route(self, row: Row) -> int | None:
         """The worker for this row (now sent, or queued to be), or None while its workers are full."""
         key = group_digest(row[1])
         held = self.holders.get(key, [])
-        w = choose_worker(held, [s.load for s in self.slots], self.capacity)
+        w = choose_worker(held, [self.capacity if s.gone else s.load for s in self.slots], self.capacity)
         if w is None:
             return None
         if w not in held:
@@ -268,8 +285,12 @@ class _Pool:
             slot.sent += len(slot.outgoing)
             slot.outgoing = []
 
+    @property
+    def live(self) -> list[_Slot]:
+        return [s for s in self.slots if not s.gone]
+
     def finish(self) -> None:
-        for slot in self.slots:
+        for slot in self.live:
             self._send(slot)
             slot.actor.finish.remote(slot.sent)
             slot.finished = True
@@ -277,13 +298,14 @@ class _Pool:
     # -- answers ------------------------------------------------------------------------------
     @property
     def unanswered(self) -> int:
-        return sum(s.load for s in self.slots)
+        return sum(s.load for s in self.live)
 
     def collect(self, timeout: float | None) -> None:
         """Writes the records of every worker that has some (waiting up to `timeout` for one)."""
-        for slot in self.slots:
+        self._retire_unplaced()
+        for slot in self.live:
             self._send(slot)
-        calls = {s.collecting: s for s in self.slots}
+        calls = {s.collecting: s for s in self.live}
         ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=timeout)
         if ready:  # take whatever else is ready too
             ready, _ = self.ray.wait(list(calls), num_returns=len(calls), timeout=0)
@@ -306,18 +328,48 @@ class _Pool:
 
     def _replace(self, slot: _Slot, exc: Exception) -> None:
         """A dead worker: a new actor in its place, sent every row the old one had not answered."""
-        if slot.stats is None:  # it never loaded the model: another try would fail the same way
+        if getattr(exc, "actor_init_failed", False):  # loading the model raised: another try would too
             raise RuntimeError(f"a Ray worker failed to start: {exc}") from None
+        self.ray.kill(slot.actor, no_restart=True)  # an unavailable one may come back: it must not answer
         self.replacements += 1
         if self.replacements > MAX_REPLACEMENTS:
             raise RuntimeError(f"{self.replacements} Ray workers died in this job (last: {exc}); the records "
                                "written so far are kept, and a rerun with --resume continues from them") from None
-        self.retired.append(slot.stats)
+        if slot.stats is not None:
+            self.retired.append(slot.stats)
         self._start(slot)
         slot.outgoing = list(slot.unanswered.items())  # what was sent, and what was about to be
         self._send(slot)
         if slot.finished:
             slot.actor.finish.remote(slot.sent)
+
+    def _retire_unplaced(self) -> None:
+        """A worker that has not started for PLACE_WAIT_S while the cluster's live nodes no longer fit
+        every worker (a node was lost: its replacement, or a worker planned before the loss was
+        noticed) is given up: the others answer its rows, where waiting for it would wait for ever."""
+        now = time.monotonic()
+        waiting = [s for s in self.live if s.stats is None and now - s.started > PLACE_WAIT_S]
+        if not waiting or len(self.live) < 2:
+            return
+        resource, amount = self.need
+        fits = sum(int(n["Resources"].get(resource, 0.0) / amount + 1e-9)
+                   for n in self.ray.nodes() if n.get("Alive"))
+        if fits >= len(self.live):
+            return  # the cluster has room for it: it is being placed or loading the model
+        for slot in waiting[: min(len(self.live) - fits, len(self.live) - 1)]:
+            self.ray.kill(slot.actor, no_restart=True)
+            slot.gone = True
+            rows, slot.unanswered, slot.outgoing = list(slot.unanswered.items()), {}, []
+            self.holders = OrderedDict((k, [w for w in held if not self.slots[w].gone])
+                                       for k, held in self.holders.items())
+            for row in rows:  # over capacity if need be: these rows were already taken in
+                heir = min(self.live, key=lambda s: s.load)
+                heir.unanswered[row[0]] = row[1]
+                heir.outgoing.append(row)
+            for heir in self.live:
+                self._send(heir)
+                if heir.finished:
+                    heir.actor.finish.remote(heir.sent)
 
     def close(self) -> None:
         for slot in self.slots:
