@@ -1140,9 +1140,9 @@ def inspect_tree(
 
     try:
         for index, _ in prefix_order.apply(in_file_order_rows(), chunk_size):
-            prefix_prompts.append(tokens_of[index])
-            names.append(template_of[index])
-            in_prefix_order.add(tokens_of[index])
+            prefix_prompts.append(tokens_of.pop(index))
+            names.append(template_of.pop(index))
+            in_prefix_order.add(prefix_prompts[-1])
     finally:
         prefix_order.rows.close()
 

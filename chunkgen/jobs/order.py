@@ -296,7 +296,6 @@ class PrefixOrder:
         rows stay unanswered, for --resume). A key piece is chunk_size characters: a chunk's
         worth of text or less (a token is one character or more), so rows sharing a chunk share a
         piece."""
-        piece = chunk_size
         t0 = time.perf_counter()
         sorter = ExternalSort(self.run_rows, self.spill_dir)
         try:
@@ -305,7 +304,7 @@ class PrefixOrder:
                     return
                 offset, crc = self.rows.claim(job.line)
                 occurrence = -1 if job.occurrence is None else job.occurrence
-                sorter.add(prompt_key(job.messages, piece), index, job.line, offset, crc, occurrence)
+                sorter.add(prompt_key(job.messages, chunk_size), index, job.line, offset, crc, occurrence)
             merged = iter(sorter)
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
             for _, index, line, offset, crc, occurrence in merged:

@@ -356,20 +356,23 @@ class _Pool:
                    for n in self.ray.nodes() if n.get("Alive"))
         if fits >= len(self.live):
             return  # the cluster has room for it: it is being placed or loading the model
-        for slot in waiting[: min(len(self.live) - fits, len(self.live) - 1)]:
+        given_up = waiting[: min(len(self.live) - fits, len(self.live) - 1)]
+        rows: list[Row] = []
+        for slot in given_up:
             self.ray.kill(slot.actor, no_restart=True)
             slot.gone = True
-            rows, slot.unanswered, slot.outgoing = list(slot.unanswered.items()), {}, []
-            self.holders = OrderedDict((k, [w for w in held if not self.slots[w].gone])
-                                       for k, held in self.holders.items())
-            for row in rows:  # over capacity if need be: these rows were already taken in
-                heir = min(self.live, key=lambda s: s.load)
-                heir.unanswered[row[0]] = row[1]
-                heir.outgoing.append(row)
-            for heir in self.live:
-                self._send(heir)
-                if heir.finished:
-                    heir.actor.finish.remote(heir.sent)
+            rows += slot.unanswered.items()
+            slot.unanswered, slot.outgoing = {}, []
+        self.holders = OrderedDict((k, [w for w in held if not self.slots[w].gone]) for k, held in self.holders.items())
+        live = self.live
+        for row in rows:  # over capacity if need be: these rows were already taken in
+            heir = min(live, key=lambda s: s.load)
+            heir.unanswered[row[0]] = row[1]
+            heir.outgoing.append(row)
+        for heir in live:
+            self._send(heir)
+            if heir.finished:
+                heir.actor.finish.remote(heir.sent)
 
     def close(self) -> None:
         for slot in self.slots:
