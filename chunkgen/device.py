@@ -72,6 +72,20 @@ def choose_device(name: str, found: Accelerator) -> DeviceChoice:
     return DeviceChoice(name if ":" in name else f"cuda:{found.current}", "as asked")
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'4GiB', '512MB', '1e9' or an int, in bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 4GiB, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 @dataclass(frozen=True)
 class KVBudget:
     bytes: int
@@ -82,8 +96,6 @@ def choose_kv_memory(spec: str | int, device: str, free: int | None = None) -> K
     """The KV pool's budget. `auto`: on a GPU, GPU_KV_FRACTION of the memory free once the weights
     are loaded (`free`), since the pool is reserved there at once; on the CPU CPU_KV_MEMORY, a cap
     rather than a reservation (pages are backed only as chunks fill). Any other value is a size."""
-    from chunkgen.llm import parse_bytes
-
     if isinstance(spec, str) and spec.strip().lower() == "auto":
         if device.startswith("cuda"):
             if free is None:
@@ -133,6 +145,15 @@ def free_bytes(device: str | torch.device) -> int:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def human_bytes(n: float) -> str:
+    """A size the way every line chunkgen prints says it: 512 B, 3.2 MiB, 4.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
 
 
 def device_guard(device: str | torch.device) -> ContextManager[Any]:

@@ -13,7 +13,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted (SIGINT) while starting; nothing was done\n")
         sys.exit(130)
-    cli._PROCESS_EXITS_AFTER = True
+    cli.boundary._PROCESS_EXITS_AFTER = True
     try:
         cli.app(prog_name="chunkgen")
     finally:

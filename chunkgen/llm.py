@@ -8,27 +8,12 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from chunkgen.cache import ChunkPool, KVReservation
-from chunkgen.device import choose_device, choose_kv_memory, choose_max_batch, detect, device_guard, free_bytes
-from chunkgen.engine import Engine, EngineConfig, Request, Result, SamplingParams
-from chunkgen.engine.engine import default_kv_dtype
-from chunkgen.model import LlamaModel, load_hf, parse_dtype
-from chunkgen.model.precision import choose_dtype
+from chunkgen.config import Config
+from chunkgen.device import device_guard, free_bytes
+from chunkgen.engine import Engine, Request, Result, SamplingParams
+from chunkgen.model import LlamaModel, load_hf
 
 Prompt = str | list[dict[str, str]] | list[int]
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'4GiB', '512MB', '1e9' or an int, in bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size (examples: 4GiB, 512MiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def _control_strings(tokenizer) -> tuple[str, ...]:
     """Texts the tokenizer turns into control tokens (<|im_start|>, </s>, ...)."""
@@ -97,59 +82,39 @@ def check_chat_template(tokenizer, where: str) -> None:
 class LLM:
     """A model on the prefix-tree engine. Sharing between prompts is found automatically.
 
-    device "auto" is the GPU when torch sees one and chunkgen's CUDA kernels are built, else the
-    CPU; dtype "auto" is bf16 on a CPU with native bf16 arithmetic, fp32 on other CPUs, the model's
-    own on a GPU; kv_memory "auto" is 85% of the GPU memory left free by the weights, or 4 GiB on the
-    CPU; max_batch "auto" runs as many sequences together as the KV budget holds, at most 256.
-    `device_choice`, `dtype_reason`, `kv_budget` and `batch_choice` say what was chosen and why. chat_template=False
-    joins chat messages with blank lines as plain text instead of using the model's chat template.
+    Options are those of `Config.resolve` (or a resolved `config`): device "auto" is the GPU when
+    torch sees one and chunkgen's CUDA kernels are built, else the CPU; dtype "auto" is bf16 on a CPU
+    with native bf16 arithmetic, fp32 on other CPUs, the model's own on a GPU; kv_memory "auto" is 85%
+    of the GPU memory left free by the weights, or 4 GiB on the CPU; max_batch "auto" runs as many
+    sequences together as the KV budget holds, at most 256. `config` holds what was chosen and
+    `config.why` why. chat_template=False joins chat messages with blank lines as plain text instead
+    of using the model's chat template.
 
     dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b,
-    gemma-3-1b, phi-3-mini) or the path of a Hugging Face config.json, instead of `model`: random weights drawn from `seed` (benchmarks)."""
+    gemma-3-1b, phi-3-mini) or the path of a Hugging Face config.json, instead of `model`: random weights
+    drawn from `seed` (benchmarks)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        chunk_size: int = 64,
-        kv_memory: str | int = "auto",
-        max_batch: int | str = "auto",
-        share_prefix: bool = True,
-        chunk_first: bool = True,
-        kv_dtype: str | torch.dtype | None = None,
-        device: str = "auto",
-        enforce_eager: bool | None = None,
-        dummy_weights: str | os.PathLike | None = None,
-        seed: int = 0,
-        chat_template: bool = True,
-    ) -> None:
-        if model is not None and dummy_weights is not None:
-            raise ValueError("give either a model or dummy_weights, not both")
-        self.batch_choice = choose_max_batch(max_batch)  # first: a bad value fails before the weights load
-        self.device_choice = choose_device(device, detect())
-        dev = self.device_choice.device
-        choice = choose_dtype(dtype, dev)
-        self.dtype_reason = choice.reason  # why the model runs in self.model.dtype
-        self.seed = seed
+    def __init__(self, model: str | None = None, *, config: Config | None = None, **options: Any) -> None:
+        if config is None:
+            config = Config.resolve(model, **options)  # every bad value fails here, before the weights load
+        elif model is not None or options:
+            raise TypeError("give a resolved config or options, not both")
+        dev = config.device
         with device_guard(dev):
-            if dummy_weights is None:
-                hf_model, self.tokenizer, self.model_path = load_hf(model, choice.dtype or "auto", dev)
-                if not chat_template:  # messages as plain text, joined by blank lines (encode_prompt)
+            if config.dummy_weights is None:
+                hf_model, self.tokenizer, self.model_path = load_hf(config.model, config.dtype or "auto", dev)
+                if not config.chat_template:  # messages as plain text, joined by blank lines (encode_prompt)
                     self.tokenizer.chat_template = None
                 check_chat_template(self.tokenizer, str(self.model_path))
+                own_dtype = "auto: the model's own dtype on a GPU"
             else:
-                hf_model, self.tokenizer = self._random_weights(dummy_weights, choice.dtype, dev, seed)
+                hf_model, self.tokenizer = self._random_weights(config.dummy_weights, config.dtype, dev, config.seed)
                 self.model_path = None
-                if choice.dtype is None:
-                    self.dtype_reason = "auto: the config's dtype on a GPU"
+                own_dtype = "auto: the config's dtype on a GPU"
             self.model = LlamaModel(hf_model)
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
-            self.kv_budget = choose_kv_memory(kv_memory, dev, free_bytes(dev) if dev.startswith("cuda") else None)
-        self.config = EngineConfig(
-            chunk_size=chunk_size, kv_memory=self.kv_budget.bytes, max_batch=self.batch_choice.rows,
-            kv_dtype=parse_dtype(kv_dtype) if kv_dtype else None,
-            share_prefix=share_prefix, chunk_first=chunk_first, enforce_eager=enforce_eager,
-        )
+            free = free_bytes(dev) if dev.startswith("cuda") else None
+            self.config = config.loaded(self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None)
         self._kv: KVReservation | None = None
         self.engine = self.new_engine()
 
@@ -164,28 +129,24 @@ class LLM:
 
     @property
     def device(self) -> str:
-        return self.device_choice.device
+        return self.config.device
 
-    def new_engine(self, **overrides: Any) -> Engine:
-        """A fresh engine (empty cache) on the same weights; overrides change EngineConfig fields.
+    def new_engine(self, **options: Any) -> Engine:
+        """A fresh engine (empty cache) on the same weights; options asked anew as in
+        `Config.replace` (max_batch="auto", kv_memory="2GiB", ...).
 
         The engines of one LLM take turns on one KV reservation (its budget is reserved once):
         an engine given requests takes the memory over from the one that used it last, which
         must have finished its requests and loses its cached prefixes. An engine asking for a
         larger budget, another chunk size or K/V dtype gets a pool of its own."""
-        if isinstance(overrides.get("kv_memory"), str):
-            overrides["kv_memory"] = parse_bytes(overrides["kv_memory"])
-        if "max_batch" in overrides:
-            overrides["max_batch"] = choose_max_batch(overrides["max_batch"]).rows
-        cfg = EngineConfig(**{**self.config.__dict__, **overrides})
-        kv_dtype = cfg.kv_dtype or default_kv_dtype(self.model)
+        cfg = self.config.replace(**options)
         if self._kv is None:
+            base = self.config
             with device_guard(self.device):
                 self._kv = KVReservation(ChunkPool(
-                    self.model.num_layers, self.model.kv_heads, self.model.head_dim, self.config.chunk_size,
-                    self.config.kv_dtype or default_kv_dtype(self.model), self.config.kv_memory,
-                    device=self.model.device))
-        shared = self._kv if self._kv.fits(cfg.chunk_size, kv_dtype, cfg.kv_memory) else None
+                    self.model.num_layers, self.model.kv_heads, self.model.head_dim, base.chunk_size,
+                    base.kv_dtype, base.kv_memory, device=self.model.device))
+        shared = self._kv if self._kv.fits(cfg.chunk_size, cfg.kv_dtype, cfg.kv_memory) else None
         return Engine(self.model, self.tokenizer, cfg, kv=shared)
 
     def encode(self, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:

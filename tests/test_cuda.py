@@ -96,13 +96,13 @@ def test_device_auto_picks_the_gpu_and_its_kv_budget_from_free_memory(tiny_model
     from chunkgen.llm import LLM
 
     llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16)  # device and kv_memory: auto
-    assert llm.device == f"cuda:{torch.cuda.current_device()}" and "CUDA GPU" in llm.device_choice.reason
+    assert llm.device == f"cuda:{torch.cuda.current_device()}" and "CUDA GPU" in llm.config.why["device"]
     assert llm.model.device.type == "cuda" and llm.engine.pool.k.device.type == "cuda"
     total = torch.cuda.get_device_properties(llm.model.device).total_memory
-    assert llm.kv_budget.reason.startswith("auto: ") and 0.5 * total < llm.kv_budget.bytes <= GPU_KV_FRACTION * total
+    assert llm.config.why["kv_memory"].startswith("auto: ") and 0.5 * total < llm.config.kv_memory <= GPU_KV_FRACTION * total
     reserved = torch.cuda.memory_allocated()
     engines = [llm.new_engine() for _ in range(3)]  # one reservation: no engine reserves the budget again
-    assert torch.cuda.memory_allocated() - reserved < 0.01 * llm.kv_budget.bytes
+    assert torch.cuda.memory_allocated() - reserved < 0.01 * llm.config.kv_memory
     assert len({e.pool.k.data_ptr() for e in engines + [llm.engine]}) == 1
     del llm, engines
     import gc
@@ -119,7 +119,7 @@ def test_cuda_0_named_explicitly_gives_the_cpu_engines_answers(tiny_model, tiny_
     from tests.test_engine import template_prompts
 
     llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda:0", chunk_size=16, kv_memory="64MiB", max_batch=16)
-    assert llm.device == "cuda:0" and llm.device_choice.reason == "as asked"
+    assert llm.device == "cuda:0" and llm.config.why["device"] == "as asked"
     prompts = template_prompts("document_qa", 8)
     params = SamplingParams(max_new_tokens=12)
     gpu = [r.token_ids for r in llm.generate(prompts, params)]

@@ -49,10 +49,10 @@ def test_named_devices_are_taken_as_given_and_checked():
 def test_the_llm_resolves_auto_with_what_the_machine_has(tiny_model, monkeypatch):
     from chunkgen.llm import LLM
 
-    monkeypatch.setattr("chunkgen.llm.detect", lambda: GPU_NO_KERNELS)
+    monkeypatch.setattr("chunkgen.config.detect", lambda: GPU_NO_KERNELS)
     llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="16MiB")  # device: auto
-    assert llm.device == "cpu" and "without its CUDA kernels" in llm.device_choice.reason
-    monkeypatch.setattr("chunkgen.llm.detect", lambda: NO_GPU)
+    assert llm.device == "cpu" and "without its CUDA kernels" in llm.config.why["device"]
+    monkeypatch.setattr("chunkgen.config.detect", lambda: NO_GPU)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         LLM(model=str(tiny_model), device="cuda:0", kv_memory="16MiB")
 

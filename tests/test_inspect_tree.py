@@ -47,7 +47,7 @@ def test_the_planned_tree_holds_one_chunk_per_distinct_chunk_aligned_prefix(tiny
 
     from chunkgen.cache import ChunkPool
     from chunkgen.cache.stats import plan_tree, tree_stats
-    from chunkgen.engine.engine import EngineConfig
+    from chunkgen.config import DEFAULT_MAX_PREFILL_TOKENS
 
     rng = random.Random(0)
     system = [rng.randrange(400) for _ in range(1300)]
@@ -60,4 +60,4 @@ def test_the_planned_tree_holds_one_chunk_per_distinct_chunk_aligned_prefix(tiny
         minimum = len({tuple(p[:k + chunk]) for p in prompts for k in range(0, len(p), chunk)})
         pool = ChunkPool.for_config(AutoConfig.from_pretrained(tiny_model), chunk, torch.float32,
                                     budget_bytes=1 << 40, storage=False)
-        assert tree_stats(plan_tree(pool, prompts, EngineConfig.max_prefill_tokens)).chunks_shared == minimum
+        assert tree_stats(plan_tree(pool, prompts, DEFAULT_MAX_PREFILL_TOKENS)).chunks_shared == minimum

@@ -41,4 +41,4 @@ def test_the_llm_says_what_it_chose(tiny_model):
 
     llm = LLM(model=str(tiny_model), dtype="auto", chunk_size=16, kv_memory="16MiB")
     assert llm.model.dtype == choose_dtype("auto", "cpu").dtype
-    assert llm.dtype_reason.startswith("auto: ")
+    assert llm.config.why["dtype"].startswith("auto: ")

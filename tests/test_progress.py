@@ -9,6 +9,8 @@ import time
 from typer.testing import CliRunner
 
 import chunkgen.cli as cli
+import chunkgen.cli.bench_e2e as bench_e2e
+import chunkgen.cli.progress as progress
 from chunkgen.engine.engine import Engine
 from tests.conftest import PROMPTS
 
@@ -38,8 +40,8 @@ def _run(tiny_model, tmp_path, *extra: str):
 
 
 def test_lines_while_loading_and_during_a_long_step(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_TTY", False)
-    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.4)
+    monkeypatch.setattr(progress, "TTY", False)
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.4)
     _slow_first_step(monkeypatch, 2.0)
     out = _run(tiny_model, tmp_path)
     lines = out.splitlines()
@@ -51,7 +53,7 @@ def test_lines_while_loading_and_during_a_long_step(tiny_model, tmp_path, monkey
 
 
 def test_json_log_has_load_events_and_beats_during_a_long_step(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "JSON_PROGRESS_EVERY_S", 0.4)
+    monkeypatch.setattr(progress, "JSON_PROGRESS_EVERY_S", 0.4)
     _slow_first_step(monkeypatch, 2.0)
     out = _run(tiny_model, tmp_path, "--json-log")
     events = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
@@ -62,13 +64,13 @@ def test_json_log_has_load_events_and_beats_during_a_long_step(tiny_model, tmp_p
 
 
 def test_quiet_prints_no_load_or_progress_lines(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_TTY", False)
+    monkeypatch.setattr(progress, "TTY", False)
     out = _run(tiny_model, tmp_path, "--quiet")
     assert "loading" not in out and "progress:" not in out
 
 
 def test_bench_e2e_says_which_round_runs_and_that_it_still_does(tiny_model, monkeypatch):
-    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.4)
+    monkeypatch.setattr(bench_e2e, "PROGRESS_EVERY_S", 0.4)
     _slow_first_step(monkeypatch, 1.5)
     res = runner.invoke(cli.app, ["bench", "e2e", "--model", str(tiny_model), "--quick", "--n-queries", "2",
                                   "--max-new-tokens", "2", "--systems", "chunkgen"], catch_exceptions=False)

@@ -157,10 +157,11 @@ def test_an_engine_worker_answers_rows_sent_after_its_finish_call(tiny_model):
     second group join the engine while the first decodes (in-process, no cluster)."""
     from chunkgen.engine import SamplingParams
     from chunkgen.jobs.requests import Job
+    from chunkgen.config import Config
     from chunkgen.scale.ray import EngineWorker
 
-    worker = EngineWorker(dict(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=4), "template",
-                          "tiny", threads=1)
+    config = Config.resolve(str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=4)
+    worker = EngineWorker(config, "template", "tiny", threads=1)
 
     def job(i: int, system: str, new: int) -> tuple[int, Job]:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from chunkgen.engine import SamplingParams
 from chunkgen.jobs.requests import ErrorRecord, Job
-from chunkgen.scale.groups import prefix_group_key
-from chunkgen.scale.shard import WHOLE_GROUP_ROWS, plan_groups, plan_items
+from chunkgen.jobs.groups import prefix_group_key
+from chunkgen.jobs.shard import WHOLE_GROUP_ROWS, plan_groups, plan_items
 from tests.test_cli import PROMPTS, base_args, records, run_cli
 
 group_sizes = st.lists(st.integers(1, 400), min_size=0, max_size=40)
@@ -112,7 +112,8 @@ def test_openai_rows_shard_by_system_message(tiny_model, tmp_path):
 
 
 def test_a_shard_with_no_rows_writes_an_empty_file_without_loading_the_model(tiny_model, tmp_path, monkeypatch):
-    import chunkgen.cli as cli
+    import chunkgen.cli.options as options
+    import chunkgen.cli.run as cli_run
 
     queries = tmp_path / "two.jsonl"
     queries.write_text("\n".join(json.dumps(r) for r in _template_rows({"arithmetic_cot": 3, "document_qa": 2})) + "\n")
@@ -120,8 +121,9 @@ def test_a_shard_with_no_rows_writes_an_empty_file_without_loading_the_model(tin
     def no_model(*args, **kwargs):
         raise AssertionError("an empty shard loaded the model")
 
-    monkeypatch.setattr(cli, "_load_llm", no_model)
-    monkeypatch.setattr(cli, "_resolve", no_model)
+    monkeypatch.setattr(cli_run, "load_llm", no_model)
+    monkeypatch.setattr(cli_run, "resolve_model", no_model)
+    monkeypatch.setattr(options, "resolve_model", no_model)
     out = tmp_path / "shard3.jsonl"
     res = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--shard", "3/4", "--json-log")
     assert res.exit_code == 0, res.output

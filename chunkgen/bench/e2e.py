@@ -40,7 +40,7 @@ def build_workload(llm: LLM, n_shared: int, n_queries: int, max_new_tokens: int)
     import tomllib
 
     if getattr(llm.tokenizer, "ids_only", False):
-        return _random_ids_workload(llm.model.vocab_size, n_shared, n_queries, max_new_tokens, llm.seed)
+        return _random_ids_workload(llm.model.vocab_size, n_shared, n_queries, max_new_tokens, llm.config.seed)
     text = "\n\n".join(tomllib.loads(p.read_text())["system"] for p in sorted(PROMPTS_DIR.glob("*.toml")))
     base = llm.encode(text)
     shared = (base * (n_shared // len(base) + 1))[:n_shared]
@@ -107,7 +107,7 @@ def transformers_model(llm: LLM):
     if llm.model_path is None:
         from chunkgen.model.dummy import random_model
 
-        hf = random_model(llm.model.config, llm.model.dtype, llm.device, llm.seed, attn_implementation="sdpa")
+        hf = random_model(llm.model.config, llm.model.dtype, llm.device, llm.config.seed, attn_implementation="sdpa")
     else:
         hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa")
     return hf.to(llm.device).eval()

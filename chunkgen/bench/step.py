@@ -82,7 +82,8 @@ def host_floor_engine(tokenizer, layers: int = 30, hidden: int = 64, vocab: int 
     step time is the host's work per step (Python, dispatch, bookkeeping), which a GPU cannot hide."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from chunkgen.engine.engine import Engine, EngineConfig
+    from chunkgen.config import Config
+    from chunkgen.engine.engine import Engine
     from chunkgen.model.llama import LlamaModel
 
     torch.manual_seed(0)
@@ -90,7 +91,7 @@ def host_floor_engine(tokenizer, layers: int = 30, hidden: int = 64, vocab: int 
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=4096)
     model = LlamaModel(LlamaForCausalLM(cfg).eval())
-    return Engine(model, tokenizer, EngineConfig(chunk_size=64, kv_memory=1 << 30, max_batch=max_batch))
+    return Engine(model, tokenizer, Config(chunk_size=64, kv_memory=1 << 30, max_batch=max_batch))
 
 
 class _AttentionDispatchOnly:

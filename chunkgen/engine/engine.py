@@ -11,7 +11,8 @@ import torch
 
 from chunkgen.cache import ChunkPool, KVReservation, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
-from chunkgen.device import AUTO_MAX_BATCH, on_model_device
+from chunkgen.config import Config, kv_dtype_for
+from chunkgen.device import on_model_device
 from chunkgen.engine.constraint import Constraints, spec_of
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
@@ -20,18 +21,6 @@ from chunkgen.engine.runner import ModelRunner
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel, PrefillItem
-
-
-@dataclass
-class EngineConfig:
-    chunk_size: int = 64
-    kv_memory: int = 4 << 30  # bytes
-    max_batch: int = AUTO_MAX_BATCH  # at most; the KV budget may hold fewer (see choose_max_batch)
-    kv_dtype: torch.dtype | None = None  # default: the model's dtype
-    share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
-    chunk_first: bool = True  # off: the paged baseline kernel
-    max_prefill_tokens: int = 8192  # new tokens computed in one batched prefill
-    enforce_eager: bool | None = None  # None: CUDA graphs on the GPU, plain eager steps on the CPU
 
 
 @dataclass
@@ -51,21 +40,14 @@ class EngineStats:
     kv_unshared_peak_bytes: int = 0  # what the live sequences would have needed without sharing
 
 
-def default_kv_dtype(model: LlamaModel) -> torch.dtype:
-    # The CPU kernel reads fp32 or bf16 K/V; fp16 is a GPU format.
-    if model.device.type == "cpu" and model.dtype == torch.float16:
-        return torch.float32
-    return model.dtype
-
-
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, config: EngineConfig | None = None,
+    def __init__(self, model: LlamaModel, tokenizer, config: Config | None = None,
                  kv: KVReservation | None = None) -> None:
         """kv: K/V memory shared with other engines of the same model, which take turns on it (the
         LLM's); without it the engine reserves its own pool."""
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config or EngineConfig()
+        self.config = config or Config()
         self.kv = kv
         self._fresh_cache()
         self.stats = EngineStats()
@@ -87,7 +69,7 @@ class Engine:
             self.pool = self.kv.lease(self, cfg.kv_memory)
         else:
             self.pool = ChunkPool(model.num_layers, model.kv_heads, model.head_dim, cfg.chunk_size,
-                                  cfg.kv_dtype or default_kv_dtype(model), cfg.kv_memory, device=model.device)
+                                  cfg.kv_dtype or kv_dtype_for(model.device, model.dtype), cfg.kv_memory, device=model.device)
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
         self.runner = ModelRunner(model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first,
                                   enforce_eager=cfg.enforce_eager)

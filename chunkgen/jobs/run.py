@@ -206,7 +206,7 @@ def run_job(
     before are dealt with first, in file order)."""
     t0 = time.perf_counter()
     counts = JobCounts()
-    window = window or max(64, 4 * engine.config.max_batch)
+    window = window or engine.config.window
 
     def report() -> None:
         if on_progress:

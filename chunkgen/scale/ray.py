@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from chunkgen.device import choose_max_batch
+from chunkgen.config import Config
 from chunkgen.engine.engine import EngineStats
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
 from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, summarize, triage
-from chunkgen.scale.groups import group_digest
+from chunkgen.jobs.groups import group_digest
 
 # Fault injection for tests: "N:PATH" makes one worker die once (PATH records it) on the call after
 # it handed back N records, with the rest of its rows unanswered. Forwarded from the driver's environment.
@@ -105,15 +105,15 @@ def _share(cpus: float) -> float:
 class EngineWorker:
     """A Ray actor: one model and engine for the whole job, answering the rows it is sent."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], fmt: str, model_name: str, threads: int) -> None:
+    def __init__(self, config: Config, fmt: str, model_name: str, threads: int) -> None:
         import torch
 
         from chunkgen.llm import LLM
 
         torch.set_num_threads(threads)
-        self.llm = LLM(**llm_kwargs)
+        self.llm = LLM(config=config)
         self.format = RecordFormat(fmt, model_name)
-        self.window = max(64, 4 * self.llm.engine.config.max_batch)
+        self.window = self.llm.config.window
         self.inbox: queue.Queue[Row | None] = queue.Queue()
         self.rows_sent: int | None = None  # set when the driver has sent its last row
         self.outbox: list[Answered] = []
@@ -235,7 +235,7 @@ class _Slot:
 class _Pool:
     """The driver's side: the actors, routing, collecting answers and replacing dead workers."""
 
-    def __init__(self, shape: WorkerShape, llm_kwargs: dict[str, Any], writer: ResultWriter, counts: JobCounts,
+    def __init__(self, shape: WorkerShape, config: Config, writer: ResultWriter, counts: JobCounts,
                  capacity: int) -> None:
         import ray
 
@@ -243,8 +243,8 @@ class _Pool:
         env = {k: v for k, v in os.environ.items() if k.startswith("CHUNKGEN_FAULT_")}
         self.actor_class = ray.remote(EngineWorker).options(**actor_options(shape, env))
         if shape.num_gpus:
-            llm_kwargs = {**llm_kwargs, "device": "cuda"}  # each actor sees its own GPU as the first
-        self.args = (llm_kwargs, writer.fmt, writer.model_name, shape.threads)
+            config = dataclasses.replace(config, device="cuda:0")  # each actor sees its own GPU as the first
+        self.args = (config, writer.fmt, writer.model_name, shape.threads)
         self.writer, self.counts, self.capacity = writer, counts, capacity
         self.slots = [_Slot(None) for _ in range(shape.count)]
         for slot in self.slots:
@@ -393,9 +393,8 @@ def _keep_reaper() -> None:
         _REAPER.append(start_reaper())
 
 
-def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwargs: dict[str, Any],
-               workers: int | None = None, address: str | None = None, device: str = "cpu",
-               should_stop: Callable[[], bool] = never,
+def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, config: Config,
+               workers: int | None = None, address: str | None = None, should_stop: Callable[[], bool] = never,
                on_start: Callable[[WorkerShape], None] | None = None) -> JobSummary:
     """Run the job on Ray. Bad rows and resume are handled on the driver (`triage`), answers on the
     workers (`answer`), every record written by the driver's writer."""
@@ -413,17 +412,17 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, llm_kwa
             if h is not None:
                 signal.signal(s, h)
     node_cpus = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
-    shape = plan_workers(device, workers, ray.cluster_resources(), node_cpus)
+    shape = plan_workers(config.device, workers, ray.cluster_resources(), node_cpus)
     counts = JobCounts()
     # twice what a worker's engine takes in at once
-    capacity = 2 * max(64, 4 * choose_max_batch(llm_kwargs.get("max_batch", "auto")).rows)
+    capacity = 2 * config.window
     pool: _Pool | None = None  # started at the first row to answer: a finished job loads no model
     try:
         for n, row in enumerate(triage(items, writer, counts)):
             if should_stop():
                 break
             if pool is None:
-                pool = _Pool(shape, llm_kwargs, writer, counts, capacity)
+                pool = _Pool(shape, config, writer, counts, capacity)
                 if on_start:
                     on_start(shape)
             while pool.route(row) is None and not should_stop():

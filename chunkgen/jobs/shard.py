@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, TypeVar
 
 from chunkgen.jobs.requests import ErrorRecord, Job
-from chunkgen.scale.groups import group_digest
+from chunkgen.jobs.groups import group_digest
 
 WHOLE_GROUP_ROWS = 64  # a small file's groups stay whole up to this many rows where the bound allows
 K = TypeVar("K", bound=Hashable)

@@ -1,0 +1,131 @@
+"""`chunkgen inspect-tree`: a job's prompts in one prefix tree, without running the model: the
+forest, the KV memory with and without sharing, and the cache hit rate a run reaches in each order
+(the figures are cache/forecast.py's)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+from rich.tree import Tree
+
+from chunkgen.cli.boundary import app, stdout
+from chunkgen.cli.options import check_kv_fits, max_batch_values, resolve_config, resolve_model, said_as_mistakes
+from chunkgen.device import human_bytes
+from chunkgen.jobs.source import JobSource, check_format, check_queries_path
+from chunkgen.model.precision import DTYPE_NAMES
+
+
+@app.command("inspect-tree")
+def inspect_tree(
+    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
+    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
+    fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
+    id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
+    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
+    max_batch: str = typer.Option("auto", metavar="N", callback=max_batch_values, help="Sequences decoded together in the run to foresee (a number, or auto as for run)."),
+) -> None:
+    """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
+    hit rate a run with --kv-memory reaches in file order and in prefix order."""
+    from transformers import AutoTokenizer
+
+    from chunkgen.cache.forecast import TreeForecast
+
+    with said_as_mistakes():
+        check_format(fmt)
+        config = resolve_config(device="cpu", dtype=dtype, kv_dtype=dtype, chunk_size=chunk_size,
+                                kv_memory=kv_memory, max_batch=max_batch)
+        check_queries_path(queries)
+        source = JobSource.open(queries, template, fmt, {}, id_field, prefix_order=True)
+    with source:
+        path = resolve_model(model)
+        check_kv_fits(path, config)
+        forecast = TreeForecast(path, config.chunk_size, config.kv_dtype, config.kv_memory, config.max_batch,
+                                config.max_prefill_tokens)
+        _feed(forecast, source, AutoTokenizer.from_pretrained(path), config.chunk_size)
+    tree, st, templates_under = forecast.forest()
+    view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {config.chunk_size} tokens)")
+    _draw(tree.root, view, templates_under)
+    stdout.print(view)
+    _print_figures(forecast, st, config)
+    if json_out:
+        json_out.write_text(json.dumps(forecast.figures(st), indent=2) + "\n")
+
+
+def _feed(forecast, source: JobSource, tokenizer, chunk_size: int) -> None:
+    """Every prompt tokenized once and given to the forecast in file order, then in prefix order."""
+    from chunkgen.jobs.requests import ErrorRecord
+    from chunkgen.llm import encode_prompt
+
+    tokens_of: dict[int, list[int]] = {}  # row index -> its prompt's tokens, until prefix order takes it
+    template_of: dict[int, str] = {}
+
+    def in_file_order():
+        for index, item in enumerate(source.items):
+            if isinstance(item, ErrorRecord):
+                forecast.bad_rows += 1
+                continue
+            tokens = tokens_of[index] = encode_prompt(tokenizer, item.messages, item.data)
+            template_of[index] = item.template or "OpenAI rows"
+            forecast.add_in_file_order(tokens)
+            yield index, item
+
+    for index, _ in source.prefix_order.apply(in_file_order(), chunk_size):
+        forecast.add_in_prefix_order(tokens_of.pop(index), template_of.pop(index))
+
+
+def _print_figures(forecast, st, config) -> None:
+    budget = config.kv_memory
+    table = Table(title=f"KV memory to hold all {st.sequences} prompts at once ({DTYPE_NAMES[config.kv_dtype]})", show_header=True)
+    table.add_column("")
+    table.add_column("chunks", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_row("with sharing", str(st.chunks_shared), human_bytes(st.bytes_shared))
+    table.add_row("without sharing (each prompt its own chunks)", str(st.chunks_unshared), human_bytes(st.bytes_unshared))
+    stdout.print(table)
+    stdout.print(
+        f"sharing ratio {100 * st.sharing_ratio:.1f}%: the share of chunks that sharing saves\n"
+        f"prefill tokens saved {st.cache_hit_tokens} of {st.inserted_tokens}: prompt tokens already in the tree "
+        "when each prompt is inserted, in file order and in prefill waves as a run forms them (the run's "
+        "'from cache' count; a run with more prompts than --max-batch may differ by a few tokens), while its "
+        "peak KV memory counts only the sequences running at once, with their answers\n"
+        f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
+        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
+        "a smaller --chunk-size lowers it", highlight=False)
+    hits = Table(title=f"cache hit rate of a run with --kv-memory {human_bytes(budget)}, --max-batch {config.max_batch}")
+    for col in ("--order", "prompt tokens", "from the cache", "computed", "hit rate"):
+        hits.add_column(col, justify="right")
+    for name, r in forecast.replays.items():
+        hits.add_row(name, str(r.prompt_tokens), str(r.cached_tokens), str(r.prompt_tokens - r.cached_tokens),
+                     f"{100 * r.hit_rate:.1f}%")
+    stdout.print(hits)
+    if forecast.too_long:
+        stdout.print(f"{forecast.too_long} prompt(s) do not fit in --kv-memory {human_bytes(budget)} at all: "
+                     "a run refuses them")
+
+
+def _draw(node, view: Tree, templates_under: dict[int, set[str]], top: bool = True) -> None:
+    """Shared runs are collapsed into one line; a fan-out of private tails is summarised. The
+    outermost branches name the templates whose prompts they hold."""
+    for child in node.children:
+        run, cur = 1, child
+        while len(cur.children) == 1 and cur.children[0].ref == cur.ref:
+            cur, run = cur.children[0], run + 1
+        if cur.ref <= 1 and not cur.children:
+            continue
+        label = f"{run} chunk(s) shared by {cur.ref} prompts"
+        if top:
+            names = sorted(templates_under.get(id(child), ()))
+            label += f" · {'template' if len(names) == 1 else 'templates'} {', '.join(names)}"
+        branch = view.add(escape(label))
+        private = sum(1 for c in cur.children if c.ref <= 1)
+        if private:
+            branch.add(f"[dim]{private} private tail(s)[/]")
+        _draw(cur, branch, templates_under, top=False)

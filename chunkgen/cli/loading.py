@@ -1,0 +1,63 @@
+"""Loading the model for a command: a line when loading starts (a spinner on a terminal) and one
+when it ends, and the line that says the dtype, device and KV budget chosen, with why."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from chunkgen.cli.boundary import TTY, err, fail
+from chunkgen.cli.progress import json_event
+from chunkgen.config import Config
+from chunkgen.device import human_bytes
+
+
+def load_llm(config: Config, announce: str = "line"):
+    """The LLM for `config` (`announce`: "line", "json" for --json-log, "none" for --quiet)."""
+    from chunkgen.llm import LLM
+    from chunkgen.model import ModelNotFound, UnsupportedModel, display_name
+
+    if config.dummy_weights:
+        what = f"random weights of {config.dummy_weights}"
+    else:
+        what = display_name(Path(config.model)) if config.model else "the default model"
+    asked = "auto" if config.why.get("dtype", "").startswith("auto") else config.dtype_name
+    detail = f"{asked}, {config.device}"
+    t0 = time.perf_counter()
+    try:
+        if announce == "json":
+            json_event({"event": "model_loading", "model": what})
+        elif announce == "line" and not TTY:
+            err.print(f"loading {what} ({detail})…", highlight=False)
+        if announce == "line" and TTY:
+            with err.status(f"loading {what} ({detail})…"):
+                llm = LLM(config=config)
+        else:
+            llm = LLM(config=config)
+    except (ModelNotFound, UnsupportedModel, ValueError) as exc:
+        fail(str(exc))
+    seconds = time.perf_counter() - t0
+    if announce == "json":
+        json_event({"event": "model_loaded", "model": what, "seconds": round(seconds, 2)})
+    elif announce == "line":
+        err.print(f"loaded {what} in {seconds:.1f} s", highlight=False)
+    return llm
+
+
+def device_text(config: Config) -> str:
+    return f"{config.device} ({config.why['device']})"
+
+
+def dtype_text(config: Config) -> str:
+    return f"{config.dtype_name} ({config.why['dtype']})"
+
+
+def kv_text(config: Config) -> str:
+    return f"{human_bytes(config.kv_memory)} ({config.why['kv_memory']})"
+
+
+def dtype_line(config: Config) -> str:
+    """The dtype and device a loaded model runs on and its KV budget, said once on stderr with why;
+    returns the dtype's short name."""
+    err.print(f"dtype {dtype_text(config)}; device {device_text(config)}; KV budget {kv_text(config)}",
+              highlight=False)
+    return config.dtype_name

@@ -1,0 +1,200 @@
+"""Everything a user can get wrong on the command line, checked before the model loads: the
+options resolved into one `Config`, the output file, sampling defaults and constraints, the model
+folder and its tokenizer. A mistake is one line naming the option (exit 2) or the problem (exit 1)."""
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, NoReturn, Optional
+
+from chunkgen.cli.boundary import err, fail, usage
+from chunkgen.config import Config, OptionError
+from chunkgen.device import human_bytes
+
+
+def refuse(exc: OptionError) -> NoReturn:
+    """An OptionError said the way the command line says mistakes."""
+    if exc.usage:
+        usage(exc.option, exc.message)
+    fail(exc.message)
+
+
+@contextmanager
+def said_as_mistakes() -> Iterator[None]:
+    """OptionErrors raised by the block (config, job source) end the command in one line."""
+    try:
+        yield
+    except OptionError as exc:
+        refuse(exc)
+
+
+def resolve_config(**options: Any) -> Config:
+    """`Config.resolve`, with a slow choice said once as a warning."""
+    with said_as_mistakes():
+        config = Config.resolve(**options)
+    for note in config.notes:
+        err.print(f"[yellow]warning:[/] {note}", highlight=False)
+    return config
+
+
+def max_batch_values(value: str) -> str:
+    """Checks --max-batch (one value or several, comma-separated) while the options are parsed."""
+    from chunkgen.device import choose_max_batch
+
+    for part in value.split(","):
+        try:
+            choose_max_batch(part)
+        except ValueError as exc:
+            usage("--max-batch", str(exc))
+    return value
+
+
+def check_kv_fits(model_dir: Path, config: Config) -> None:
+    """The KV budget holds at least one chunk of this model (before its weights load)."""
+    import torch
+
+    from chunkgen.cache.forecast import planning_pool
+
+    if config.kv_memory is None:
+        return  # auto on a GPU: decided from the memory the weights leave
+    # The model's own dtype on a GPU is not known before loading: fp32, the largest, is the bound.
+    per_chunk = planning_pool(model_dir, config.chunk_size, config.kv_dtype or torch.float32).bytes_per_slot
+    if config.kv_memory < per_chunk:
+        usage("--kv-memory", f"{human_bytes(config.kv_memory)} holds no KV chunk of this model: one chunk of "
+                             f"{config.chunk_size} tokens needs {human_bytes(per_chunk)}")
+
+
+def check_out(out: Path, queries: str) -> None:
+    """The output is a regular file this run can append to (or create): a FIFO, a device or a
+    folder it cannot write is refused now, not after the model has loaded and answered."""
+    import stat as stat_
+
+    if out.is_dir():
+        usage("--out", f"{out} is a directory; give a file path, e.g. {out / 'results.jsonl'}")
+    try:
+        mode = out.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        usage("--out", f"cannot use {out}: {exc.strerror or exc}")
+    if mode is not None and not stat_.S_ISREG(mode):
+        kind = "a FIFO" if stat_.S_ISFIFO(mode) else "a device" if stat_.S_ISCHR(mode) or stat_.S_ISBLK(mode) \
+            else "a socket" if stat_.S_ISSOCK(mode) else "not a regular file"
+        usage("--out", f"{out} is {kind}; results need a regular file they can be appended to and "
+                        "rewritten in (resume, the final compaction)")
+    if mode is not None and not os.access(out, os.W_OK):
+        usage("--out", f"{out} is not writable")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        usage("--out", f"the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        usage("--out", f"the folder {parent} is not writable (the output is rewritten there at the end of a run)")
+    if queries != "-" and out.exists():
+        try:
+            same = os.path.samefile(out, queries)
+        except OSError:
+            same = False
+        if same:
+            usage("--out", f"{out} is the queries file; results go to a file of their own")
+
+
+SAMPLING_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs",
+                    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                    "json_schema": "--json-schema",
+                    "regex": "--regex", "grammar": "--grammar"}
+
+
+def constraint_options(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]) -> dict[str, Any]:
+    """--json-schema / --regex / --grammar as sampling defaults (files read, not yet compiled)."""
+    given = [o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        usage(given[1], f"cannot be combined with {given[0]} (give at most one constraint)")
+    if regex is not None:
+        return {"regex": regex}
+    option, path = ("--json-schema", json_schema) if json_schema is not None else ("--grammar", grammar)
+    if path is None:
+        return {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        usage(option, f"cannot read {path} ({getattr(exc, 'strerror', None) or exc})")
+    if option == "--grammar":
+        return {"grammar": text}
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as exc:
+        usage(option, f"{path} is not valid JSON: {exc}")
+
+
+def check_defaults(defaults: dict[str, Any]) -> None:
+    from chunkgen.engine.sampler import ParamError
+    from chunkgen.jobs.requests import check_defaults
+
+    try:
+        check_defaults(defaults)
+    except ParamError as exc:
+        usage(SAMPLING_OPTIONS.get(exc.field, exc.field), exc.message)
+
+
+def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool = True) -> None:
+    """Before the weights load: the model's tokenizer loads, it has a usable chat template (unless
+    --no-chat-template), and no template's own text (system prompt and user message, before any
+    row's values) is longer than the model's context, which would fail every row."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chunkgen.llm import check_chat_template, encode_prompt
+    from chunkgen.model.llama import context_length
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises ValueError, OSError, or a tokenizer library's own
+        fail(f"{model_dir}: cannot load the model's tokenizer ({type(exc).__name__}: "
+              f"{' '.join(str(exc).split())[:300]}); a model folder needs its tokenizer files "
+              "(tokenizer.json or tokenizer.model, tokenizer_config.json)")
+    if not chat_template:
+        tokenizer.chat_template = None
+    elif not getattr(tokenizer, "chat_template", None):
+        fail(f"{model_dir}: the model has no chat template, so chat messages cannot be formatted for it; "
+              "pass --no-chat-template to send each prompt's messages as plain text joined by blank lines "
+              "(for a base model), or use an instruction-tuned model")
+    try:
+        check_chat_template(tokenizer, str(model_dir))
+    except ValueError as exc:
+        fail(str(exc))
+    if not templates:
+        return
+    context = context_length(AutoConfig.from_pretrained(model_dir))
+    for t in templates.values():
+        n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
+        if n >= context:
+            fail(f"{t.path}: template {t.name!r} is {n} tokens before any row's values, and the model's "
+                  f"context holds {context} (with room for one generated token); shorten its system prompt "
+                  "or use a model with a longer context")
+
+
+def resolve_model(model: Optional[str]) -> Path:
+    """The model's directory, checked (architecture, weights) without loading any weights."""
+    from chunkgen.model import ModelNotFound, check_model_dir, resolve_model, stale_copies
+    from chunkgen.model.loading import copy_size
+
+    def notice(gguf: Path, target: Path, size: int | None) -> None:
+        if size is None:
+            err.print(f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
+                      "(later runs load that copy)", highlight=False)
+            return
+        err.print(f"converted: {human_bytes(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
+                  highlight=False)
+        for old in stale_copies(target):
+            err.print(f"an older copy of this model (from an earlier version of the file or of chunkgen) "
+                      f"takes {human_bytes(copy_size(old))}: {old} (remove it with: rm -r '{old}')", highlight=False)
+
+    try:
+        path = resolve_model(model, on_convert=notice)
+        check_model_dir(path)
+    except ModelNotFound as exc:
+        fail(str(exc))
+    return path
+
