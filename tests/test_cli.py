@@ -166,10 +166,13 @@ def test_template_directory_forms_a_forest_and_ordered_output(tiny_model, tmp_pa
         rows.append({"id": f"doc-{i}", "template": "document_qa", "question": f"Question {i}?"})
     queries.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out.jsonl"
-    res = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--ordered")
+    res = run_cli(*base_args(tiny_model, out, queries=queries, template=PROMPTS), "--output-order", "input")
     assert res.exit_code == 0, res.output
     recs = records(out)
     assert [r["id"] for r in recs] == [r["id"] for r in rows]  # input order despite completion order
+    alias = tmp_path / "alias.jsonl"  # --ordered, the option's earlier name, still works (hidden from --help)
+    assert run_cli(*base_args(tiny_model, alias, queries=queries, template=PROMPTS), "--ordered").exit_code == 0
+    assert [r["id"] for r in records(alias)] == [r["id"] for r in rows]
     assert all(r["template"] == r["id"].replace("math", "arithmetic_cot").replace("doc", "document_qa").rsplit("-", 1)[0]
                for r in recs)
     # two system prompts: the later queries of each template hit their own tree's cache

@@ -129,6 +129,16 @@ def constraint_options(json_schema: Optional[Path], regex: Optional[str], gramma
         usage(option, f"{path} is not valid JSON: {exc}")
 
 
+def sampling_defaults(given: dict[str, Any], json_schema: Optional[Path], regex: Optional[str],
+                      grammar: Optional[Path]) -> dict[str, Any]:
+    """The sampling options and constraint given on the command line, checked: the defaults every
+    row's own values are laid over."""
+    defaults = {k: v for k, v in given.items() if v is not None}
+    defaults.update(constraint_options(json_schema, regex, grammar))
+    check_defaults(defaults)
+    return defaults
+
+
 def check_defaults(defaults: dict[str, Any]) -> None:
     from chunkgen.engine.sampler import ParamError
     from chunkgen.jobs.requests import check_defaults

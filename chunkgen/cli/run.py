@@ -17,8 +17,8 @@ import typer
 
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
-from chunkgen.cli.options import (check_defaults, check_kv_fits, check_out, check_tokenizer, constraint_options,
-                                  max_batch_values, resolve_config, resolve_model, said_as_mistakes)
+from chunkgen.cli.options import (check_kv_fits, check_out, check_tokenizer, max_batch_values, resolve_config,
+                                  resolve_model, said_as_mistakes, sampling_defaults)
 from chunkgen.cli.progress import progress_printer
 from chunkgen.cli.summary import report
 from chunkgen.config import ORDERS, Config
@@ -74,29 +74,18 @@ def run(
     each one separately, a row's own value wins, then the command line's, then the template's, then
     the default shown here. A constraint counts as one setting whatever its kind: a row's regex
     replaces a template's JSON schema."""
-    from chunkgen.jobs.lock import OutputLocked
     with said_as_mistakes():  # everything a user can get wrong is checked here, before the model loads
-        check_format(fmt)
-        if order not in ORDERS:
-            usage("--order", f"must be prefix or input, not {order!r}")
-        if output_order not in OUTPUT_ORDERS:
-            usage("--output-order", f"must be completion or input, not {output_order!r}")
-        if max_new_tokens is not None and max_new_tokens < 1:
-            usage("--max-new-tokens", f"must be at least 1, not {max_new_tokens}")
-        if rerun_changed and not resume:
-            usage("--rerun-changed", "goes with --resume")
+        _check_choices(fmt, order, output_order, max_new_tokens, rerun_changed and not resume)
         check_queries_path(queries)
         check_out(out, queries)
         config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                                 max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
                                 enforce_eager=True if enforce_eager else None,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
-        defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                        stop=stop or None, logprobs=logprobs, presence_penalty=presence_penalty,
-                        frequency_penalty=frequency_penalty)
-        defaults = {k: v for k, v in defaults.items() if v is not None}
-        defaults.update(constraint_options(json_schema, regex, grammar))
-        check_defaults(defaults)
+        defaults = sampling_defaults(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                          top_k=top_k, seed=seed, stop=stop or None, logprobs=logprobs,
+                                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
+                                     json_schema, regex, grammar)
         part = _shard(shard, queries)
         if use_ray:
             _check_ray()
@@ -117,6 +106,19 @@ def run(
             summary.requests + summary.skipped + summary.errors == 0:  # a file was checked before the model loaded
         fail("standard input held no rows; nothing was run")
     report(summary, out, quiet, json_log, signum)
+
+
+def _check_choices(fmt: str, order: str, output_order: str, max_new_tokens: Optional[int],
+                   rerun_without_resume: bool) -> None:
+    check_format(fmt)
+    if order not in ORDERS:
+        usage("--order", f"must be prefix or input, not {order!r}")
+    if output_order not in OUTPUT_ORDERS:
+        usage("--output-order", f"must be completion or input, not {output_order!r}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        usage("--max-new-tokens", f"must be at least 1, not {max_new_tokens}")
+    if rerun_without_resume:
+        usage("--rerun-changed", "goes with --resume")
 
 
 def _shard(shard: Optional[str], queries: str):

@@ -35,7 +35,7 @@ def report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) 
             table.add_row("order", f"prefix (every row keyed first: {summary.order_s:.1f} s)")
         if summary.workers > 1 or summary.model_loads != 1:
             table.add_row("workers (model loads)", f"{summary.workers} ({summary.model_loads})")
-            table.add_row("peak KV memory per worker", ", ".join(map(_human, summary.kv_peak_bytes_per_worker)))
+            table.add_row("peak KV memory per worker", ", ".join(map(human_bytes, summary.kv_peak_bytes_per_worker)))
         if summary.constrained:
             table.add_row("answers matching their constraint",
                           f"{summary.matched} of {summary.constrained}"
