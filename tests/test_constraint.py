@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chunkgen.engine import SamplingParams
-from chunkgen.engine.sampler import ParamError
+from chunkgen.engine.params import ParamError
 from chunkgen.engine.sequence import Request
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import TemplateError, load_template

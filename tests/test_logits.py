@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkgen.engine import SamplingParams
-from chunkgen.engine.sampler import ParamError
+from chunkgen.engine.params import ParamError
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.conftest import PROMPTS

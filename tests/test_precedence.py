@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chunkgen.cli import SAMPLING_OPTIONS, app
-from chunkgen.engine.sampler import SamplingParams
+from chunkgen.engine.params import SamplingParams
 
 runner = CliRunner()
 

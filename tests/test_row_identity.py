@@ -182,7 +182,7 @@ def test_request_hash_is_the_sha256_of_the_sorted_json_of_the_request():
     import hashlib
     import json
 
-    from chunkgen.engine.sampler import SamplingParams
+    from chunkgen.engine.params import SamplingParams
     from chunkgen.jobs.requests import Job
 
     long = "Ünïcode \"quoted\" system prompt\n" * 40

@@ -10,8 +10,8 @@ import torch
 
 from chunkgen.engine import sampler
 from chunkgen.engine.logits import Penalties, StepLogprobs
-from chunkgen.engine.sampler import (FALLBACKS, MAX_SEED, ParamError, SamplingBatch, SamplingParams, StepReader, _cut,
-                                     draw, make_generator, sample, sample_seed)
+from chunkgen.engine.params import MAX_SEED, ParamError, SamplingParams
+from chunkgen.engine.sampler import FALLBACKS, SamplingBatch, StepReader, _cut, draw, make_generator, sample, sample_seed
 from tests.dispatch_log import OpLog
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from chunkgen.cache import ChunkPool, PrefixTree
-from chunkgen.engine.sampler import SamplingParams
+from chunkgen.engine.params import SamplingParams
 from chunkgen.engine.scheduler import Batch, Scheduler
 from chunkgen.engine.sequence import Request, Sequence
 

@@ -140,7 +140,7 @@ def sampling_defaults(given: dict[str, Any], json_schema: Optional[Path], regex:
 
 
 def check_defaults(defaults: dict[str, Any]) -> None:
-    from chunkgen.engine.sampler import ParamError
+    from chunkgen.engine.params import ParamError
     from chunkgen.jobs.requests import check_defaults
 
     try:

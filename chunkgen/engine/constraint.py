@@ -6,95 +6,14 @@ Grammars are compiled once per distinct spec (the spec string is the cache key);
 second to build, so an engine builds it only when its first constrained request arrives."""
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from chunkgen.engine.sampler import ParamError, host_buffer
-
-KINDS = ("json_schema", "regex", "grammar")  # SamplingParams fields, at most one set
-# JSON as people and chat models write it, `{"a": 1, "b": [2, 3]}`: with llguidance's default
-# (flexible whitespace) a weak model can pad an answer with blanks until it runs out of tokens.
-# A schema's own "x-guidance" options still win over these.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _llg():
-    import llguidance  # imported on first use: unconstrained runs never load it
-
-    return llguidance
-
-
-@lru_cache(maxsize=256)
-def compile_spec(kind: str, spec: str) -> str:
-    """The llguidance grammar of a spec; raises ParamError(kind, llguidance's message) when it
-    does not compile. Checked without a tokenizer, so before any model is loaded."""
-    M = _llg().LLMatcher
-    try:
-        if kind == "json_schema":
-            grammar = M.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
-        elif kind == "regex":
-            grammar = M.grammar_from_regex(spec)
-        elif kind == "grammar":
-            grammar = M.grammar_from_lark(spec)
-        else:
-            raise ValueError(f"unknown constraint kind {kind!r}")
-    except ValueError as exc:
-        raise ParamError(kind, f"does not compile: {exc}") from None
-    error = M.validate_grammar(grammar)
-    if error:
-        raise ParamError(kind, f"does not compile: {error.strip()}")
-    return grammar
-
-
-def normalize_schema(value: Any) -> str:
-    """A JSON schema as the compact JSON string SamplingParams keeps (hashable). Keys keep their
-    order, never sorted: llguidance writes an object's properties in the order the schema lists
-    them, so sorting would make {"function", "arguments"} come out as {"arguments", "function"}.
-
-    Every row of a template carries the template's schema: the last schema object seen and its
-    text are kept, so a file of rows pays for one serialisation, not one per row."""
-    if isinstance(value, str):
-        return _normalize_schema_text(value)
-    last = _last_schema
-    if last and last[0] is value:
-        return last[1]
-    text = _schema_text(value)
-    if isinstance(value, dict):
-        _last_schema[:] = [value, text]  # the object is held, so its identity cannot be reused
-    return text
-
-
-_last_schema: list = []
-
-
-@lru_cache(maxsize=64)
-def _normalize_schema_text(value: str) -> str:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ParamError("json_schema", f"is not valid JSON: {exc.msg} (column {exc.colno})") from None
-    return _schema_text(parsed)
-
-
-def _schema_text(value: Any) -> str:
-    if not isinstance(value, (dict, bool)):  # true / false are schemas too
-        raise ParamError("json_schema", f"must be a JSON object (a schema), got {type(value).__name__}")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def spec_of(params) -> tuple[str, str] | None:
-    """(kind, spec) of a SamplingParams' constraint, or None."""
-    for kind in KINDS:
-        spec = getattr(params, kind)
-        if spec is not None:
-            return kind, spec
-    return None
-
+from chunkgen.engine.params import ParamError, llguidance_module, compile_spec, spec_of
+from chunkgen.engine.sampler import host_buffer
 
 @dataclass
 class Bitmask:
@@ -131,7 +50,7 @@ class Constraints:
 
     def _ll_tokenizer(self):
         if self._tokenizer is None:
-            llg = _llg()
+            llg = llguidance_module()
             from llguidance.hf import from_tokenizer
 
             # every EOS the engine stops on is the grammar's end-of-text token too
@@ -147,7 +66,7 @@ class Constraints:
             return None
         fresh = self._fresh.get(spec)
         if fresh is None:
-            fresh = _llg().LLMatcher(self._ll_tokenizer(), compile_spec(*spec), log_level=0)
+            fresh = llguidance_module().LLMatcher(self._ll_tokenizer(), compile_spec(*spec), log_level=0)
             if fresh.is_error():  # compiled without a tokenizer, yet refused with this one
                 raise ParamError(spec[0], f"does not compile: {fresh.get_error()}")
             if len(self._fresh) >= FRESH_MATCHERS:

@@ -13,10 +13,11 @@ from chunkgen.cache import ChunkPool, KVReservation, PrefixTree
 from chunkgen.cache.stats import unshared_chunks
 from chunkgen.config import Config, kv_dtype_for
 from chunkgen.device import on_model_device
-from chunkgen.engine.constraint import Constraints, spec_of
+from chunkgen.engine.constraint import Constraints
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
-from chunkgen.engine.sampler import ParamError, SamplingBatch, StepReader, draw, make_generator, redo_short_rows
+from chunkgen.engine.params import ParamError, spec_of
+from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.runner import ModelRunner
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence

@@ -8,7 +8,7 @@ import torch
 
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import TokenLogprob
-from chunkgen.engine.sampler import SamplingParams
+from chunkgen.engine.params import SamplingParams
 
 
 @dataclass

@@ -288,6 +288,10 @@ class PrefixOrder:
             return next(to_jobs((line, obj) for _, obj in read_rows([raw])), None)
         return cls(row_file, rebuild, **kwargs), row_file.follow(to_jobs(rows))
 
+    def close(self) -> None:
+        """The file the rows are re-read from (a spooled standard input is removed)."""
+        self.rows.close()
+
     def apply(self, jobs: Iterable[tuple[int, Job]], chunk_size: int,
               should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, Job]]:
         """`jobs` (numbered in file order, as triage yields them) in prefix order, for a cache of

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from chunkgen.engine.constraint import KINDS
-from chunkgen.engine.sampler import ParamError, SamplingParams
+from chunkgen.engine.params import KINDS
+from chunkgen.engine.params import ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
 
 OPENAI_URL = "/v1/chat/completions"

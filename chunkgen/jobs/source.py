@@ -116,7 +116,7 @@ class JobSource:
 
     def close(self) -> None:
         if self.prefix_order is not None:
-            self.prefix_order.rows.close()
+            self.prefix_order.close()
         if self._keep is not None:
             self._keep.cleanup()
             self._keep = None

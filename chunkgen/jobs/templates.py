@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chunkgen.engine.constraint import KINDS
-from chunkgen.engine.sampler import ParamError, SamplingParams
+from chunkgen.engine.params import KINDS
+from chunkgen.engine.params import ParamError, SamplingParams
 
 
 class TemplateError(ValueError):

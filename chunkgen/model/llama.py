@@ -53,9 +53,9 @@ class PrefillItem:
     want_logits: bool = True
 
 
-# Below this many weight elements oneDNN's fixed cost per call (about 15 us on Xeon, against 4 us
-# for F.linear) outweighs its faster kernel: measured at batch 32 and 256, one thread, weights of
-# 64x64 to 64x2048 (even at 64x2048 the two paths tie).
+# Below this many weight elements oneDNN's fixed cost per call (several times F.linear's) outweighs
+# its faster kernel: at batch 32 and 256, one thread, weights of 64x64 to 64x2048 the two paths at
+# best tie.
 _ONEDNN_MIN_WEIGHT = 1 << 17
 # Rows chunkgen's decode product takes (csrc/linear.h); more go to oneDNN.
 _DECODE_PACKED_ROWS = 32
@@ -70,11 +70,11 @@ def decode_product_available() -> bool:
 class Linear:
     """y = x W^T + b. On the CPU the weight is packed once into oneDNN's blocked layout when the
     build supports it for this dtype and the weight is not tiny: 1.4-2.1x faster than F.linear at
-    decode batch sizes here (measured at batch 32 on the default model's shapes).
+    decode batch sizes (measured at batch 32 on the default model's shapes).
     CHUNKGEN_ONEDNN=0 turns it off. A bf16 weight without bias on a CPU with AMX or AVX512_BF16 is
     also packed for chunkgen's decode product (csrc/cpu/linear.cpp), which takes calls of up to 32
-    rows: it streams the weights from memory faster than oneDNN does (on the Xeon's AMX a decode
-    step's linear layers 14.5-16.2 ms against 17.2-19.4, with the same results).
+    rows: a decode step's product is bound by reading the weights, and its packing streams them from
+    memory faster than oneDNN's does, with the same results.
     CHUNKGEN_DECODE_LINEAR=0 turns it off."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

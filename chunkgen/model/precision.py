@@ -16,7 +16,7 @@ class DtypeChoice:
 
 def cpu_bf16_native() -> str | None:
     """The CPU's native bf16 arithmetic ("AMX", "AVX512_BF16"), or None. Without it, bf16 is
-    emulated in fp32 and runs several times slower than fp32 (measured ~5x on an AVX2 Zen 3)."""
+    emulated in fp32 and runs several times slower than fp32 (about 5x, measured on an AVX2 CPU)."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     if caps.get("amx_bf16"):
         return "AMX"
