@@ -23,7 +23,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 from chunkgen.jobs import results  # noqa: E402
 from chunkgen.jobs.requests import read_rows, template_jobs  # noqa: E402
-from chunkgen.jobs.results import ResultWriter  # noqa: E402
+from chunkgen.jobs.writer import ResultWriter  # noqa: E402
 from chunkgen.jobs.run import run_job  # noqa: E402
 from chunkgen.jobs.templates import load_templates  # noqa: E402
 from chunkgen.llm import LLM  # noqa: E402

@@ -17,7 +17,9 @@ from chunkgen.engine import Completion, Result, SamplingParams
 from chunkgen.jobs.lock import OutputLock, OutputLocked
 from chunkgen.jobs.requests import (TEMPLATE_OVERRIDES, ErrorRecord, Job, detect_format, openai_jobs, read_rows,
                                     template_jobs)
-from chunkgen.jobs.results import OutputError, OutputExists, RecordFormat, ResultWriter, encode_record
+from chunkgen.jobs.formats import RecordFormat, encode_record
+from chunkgen.jobs.ledger import OutputError
+from chunkgen.jobs.writer import OutputExists, ResultWriter
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
 from tests.conftest import PROMPTS
 
@@ -179,12 +181,12 @@ def result(i: int) -> Result:
 def test_an_error_record_never_stands_for_an_answer(tmp_path):
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out, "template", "m")
-    w.write(w.error_record(ErrorRecord("a", 3, "id", "duplicate id 'a'")))  # the run is cut here
+    w.write(w.format.error_record(ErrorRecord("a", 3, "id", "duplicate id 'a'")))  # the run is cut here
     w.close()
     w = ResultWriter(out, "template", "m", resume=True)
     assert not w.answered(job(1, "a")) and not w.answered(job(3, "a"))
-    w.write(w.result_record(job(1, "a"), result(1)))
-    w.write(w.error_record(ErrorRecord("a", 3, "id", "duplicate id 'a'")))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
+    w.write(w.format.error_record(ErrorRecord("a", 3, "id", "duplicate id 'a'")))
     w.close()
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(r["line"], r["id"], "error" in r) for r in recs] == [(1, "a", False), (3, "a", True)]  # compacted
@@ -196,7 +198,7 @@ def test_an_error_record_never_stands_for_an_answer(tmp_path):
 def test_changed_requests_are_reported_and_rerun_only_when_asked(tmp_path):
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out, "template", "m")
-    w.write(w.result_record(job(1, "a", "old text"), result(1)))
+    w.write(w.format.result_record(job(1, "a", "old text"), result(1)))
     w.close()
     w = ResultWriter(out, "template", "m", resume=True)
     assert w.answered(job(1, "a", "old text")) and w.changed == []
@@ -204,7 +206,7 @@ def test_changed_requests_are_reported_and_rerun_only_when_asked(tmp_path):
     w.close()
     w = ResultWriter(out, "template", "m", resume=True, rerun_changed=True)
     assert not w.answered(job(1, "a", "new text"))
-    w.write(w.result_record(job(1, "a", "new text"), result(2)))
+    w.write(w.format.result_record(job(1, "a", "new text"), result(2)))
     w.close()
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert len(recs) == 1 and recs[0]["text"] == "answer 2"
@@ -230,7 +232,7 @@ def test_foreign_files_are_refused_before_any_repair(tmp_path):
 def test_a_write_that_fails_says_what_is_safe_and_close_stays_quiet(tmp_path, monkeypatch):
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out, "template", "m")
-    w.write(w.result_record(job(1, "a"), result(1)))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
     real_write = os.write
 
     def full(fd, data):
@@ -240,7 +242,7 @@ def test_a_write_that_fails_says_what_is_safe_and_close_stays_quiet(tmp_path, mo
 
     monkeypatch.setattr(os, "write", full)
     with pytest.raises(OutputError, match="No space left on device.*--resume"):
-        w.write(w.result_record(job(2, "b"), result(2)))
+        w.write(w.format.result_record(job(2, "b"), result(2)))
     w.close()  # after the failure: no second error, no traceback from clean-up, the lock released
     monkeypatch.undo()
     assert w.lock.fd is None and len(out.read_text().splitlines()) == 1
@@ -250,7 +252,7 @@ def test_a_write_that_fails_says_what_is_safe_and_close_stays_quiet(tmp_path, mo
 def test_truncated_last_line_is_cut_and_its_row_answered_again(tmp_path):
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out, "openai", "m")
-    w.write(w.result_record(job(1, "a"), result(1)))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
     w.close()
     with out.open("a") as f:
         f.write('{"id": "batch_req_x", "custom_id": "b", "resp')
@@ -281,7 +283,7 @@ def write_records(out: Path, *pairs: tuple[Job, Result | ErrorRecord], resume: b
                   complete: bool = False) -> ResultWriter:
     w = ResultWriter(out, "template", "m", resume=resume)
     for j, r in pairs:
-        w.write(w.error_record(r, j.request_hash) if isinstance(r, ErrorRecord) else w.result_record(j, r))
+        w.write(w.format.error_record(r, j.request_hash) if isinstance(r, ErrorRecord) else w.format.result_record(j, r))
     w.close(complete=complete)
     return w
 
@@ -342,7 +344,7 @@ def test_a_rewrite_left_undone_is_finished_by_the_next_resume(tmp_path):
     before = out.read_text()
     # What a run killed inside its final rewrite leaves: a record written twice, and the copy.
     again = ResultWriter(out, "template", "m", resume=True)
-    again.write(again.result_record(job(2, "r2"), result(2)))
+    again.write(again.format.result_record(job(2, "r2"), result(2)))
     os.fsync(again.lock.fd)
     again.lock.release()
     leftover = tmp_path / f".out.jsonl.compact-{os.getpid() + 1}"
@@ -394,7 +396,7 @@ def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):
     out.write_bytes(out.read_bytes()[:-1])
     w = ResultWriter(out, "template", "m", resume=True)
     assert w.answered(job(1, "a")) and w.answered(job(2, "b")) and "newline" in w.notes[0]
-    w.write(w.result_record(job(3, "c"), result(3)))
+    w.write(w.format.result_record(job(3, "c"), result(3)))
     w.close()
     assert [r["id"] for r in lines_of(out)] == ["a", "b", "c"]
 
@@ -402,7 +404,7 @@ def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):
 def test_the_lock_is_the_files_whatever_its_name(tmp_path):
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out, "template", "m")
-    w.write(w.result_record(job(1, "a"), result(1)))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
     (tmp_path / "sub").mkdir()
     (tmp_path / "link.jsonl").symlink_to(out)
     os.link(out, tmp_path / "hard.jsonl")
@@ -417,14 +419,14 @@ def test_the_lock_passes_to_the_rewritten_file_without_a_gap(tmp_path):
     out = tmp_path / "out.jsonl"
     write_records(out, (job(1, "a"), ErrorRecord("a", 1, "prompt", "too long")))
     w = ResultWriter(out, "template", "m", resume=True)
-    w.write(w.result_record(job(1, "a"), result(1)))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
     inode = out.stat().st_ino
     w._rewrite(None)  # what close() does at the end of a run, here with the run still going
     w._scan()
     assert out.stat().st_ino != inode and w.lock.still_named()
     with pytest.raises(OutputLocked):
         ResultWriter(out, "template", "m", resume=True)
-    w.write(w.result_record(job(2, "b"), result(2)))
+    w.write(w.format.result_record(job(2, "b"), result(2)))
     w.close()
     assert [r["id"] for r in lines_of(out)] == ["a", "b"]
 
@@ -435,13 +437,13 @@ def test_an_output_removed_mid_run_stops_the_run_with_one_message(tmp_path, remo
 
     out = tmp_path / "d" / "out.jsonl"
     w = ResultWriter(out, "template", "m")
-    w.write(w.result_record(job(1, "a"), result(1)))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
     if remove == "file":
         out.unlink()
     else:
         shutil.rmtree(out.parent)
     with pytest.raises(OutputError, match="deleted, moved or replaced"):
-        w.write(w.result_record(job(2, "b"), result(2)))
+        w.write(w.format.result_record(job(2, "b"), result(2)))
     w.close()  # quiet: nothing more to say
     assert w.lock.fd is None
 
@@ -449,7 +451,7 @@ def test_an_output_removed_mid_run_stops_the_run_with_one_message(tmp_path, remo
 def test_a_vanished_output_is_noticed_at_the_end_too(tmp_path):
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out, "template", "m")
-    w.write(w.result_record(job(1, "a"), result(1)))
+    w.write(w.format.result_record(job(1, "a"), result(1)))
     out.rename(tmp_path / "moved.jsonl")
     with pytest.raises(OutputError, match="deleted, moved or replaced"):
         w.close()

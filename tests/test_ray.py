@@ -62,7 +62,7 @@ def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(ti
                                                                               monkeypatch):
     import chunkgen.scale.ray as scale_ray
     from chunkgen.jobs.lock import OutputLocked
-    from chunkgen.jobs.results import ResultWriter
+    from chunkgen.jobs.writer import ResultWriter
 
     queries = tmp_path / "mixed.jsonl"
     rows = [{"id": f"m{i}", "template": "arithmetic_cot", "question": f"What is {i} + 1?"} for i in range(10)]

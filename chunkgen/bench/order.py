@@ -126,7 +126,7 @@ def run_order(llm: LLM, template: Path, queries: Path, order: str, kv_memory: in
     """One `chunkgen run` of the file in `order`, on a fresh engine (empty cache) of the given budget."""
     from chunkgen.jobs.order import PrefixOrder, RowFile
     from chunkgen.jobs.requests import open_queries, read_rows, template_jobs
-    from chunkgen.jobs.results import ResultWriter
+    from chunkgen.jobs.writer import ResultWriter
     from chunkgen.jobs.run import run_job
     from chunkgen.jobs.templates import load_templates
 

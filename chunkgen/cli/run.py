@@ -148,7 +148,8 @@ def _answer(source: JobSource, config: Config, out: Path, writing: dict[str, Any
     From here on a signal is never a traceback: the writer may be repairing the file."""
     from chunkgen.jobs.lock import OutputLocked
     from chunkgen.jobs.order import QueryFileChanged, TempSpaceError
-    from chunkgen.jobs.results import OutputError, OutputExists, ResultWriter
+    from chunkgen.jobs.ledger import OutputError
+    from chunkgen.jobs.writer import OutputExists, ResultWriter
     from chunkgen.model import display_name
 
     stop_flag = StopFlag(out)

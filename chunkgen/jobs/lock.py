@@ -37,6 +37,12 @@ def same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def lock_copy(fd: int) -> None:
+    """Lock a new file (a rewrite's copy, created by this process) before it replaces the locked
+    one, so the lock never lapses: another run opening the new name finds it taken."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 class OutputLock:
     """An open descriptor of the output file (read-write, appending) with an exclusive flock on it."""
 

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from chunkgen.engine import Engine, Request, Result
 from chunkgen.engine.engine import EngineStats
 from chunkgen.jobs.requests import ErrorRecord, Job
-from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
+from chunkgen.jobs.formats import RecordFormat
+from chunkgen.jobs.ledger import is_error
+from chunkgen.jobs.writer import ResultWriter
 
 if TYPE_CHECKING:
     from chunkgen.jobs.order import PrefixOrder
@@ -131,7 +133,7 @@ def triage(items: Iterable[Job | ErrorRecord], writer: ResultWriter, counts: Job
     """The rows still to answer, numbered in input order; bad rows become error records here."""
     for index, item in enumerate(items):
         if isinstance(item, ErrorRecord):
-            writer.write(writer.error_record(item), index)
+            writer.write(writer.format.error_record(item), index)
             counts.failed += 1
         elif writer.answered(item):
             writer.skip(index)
@@ -221,7 +223,7 @@ def run_job(
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
-    for a in answer(engine, encode, writer, jobs, window, should_stop, report):
+    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report):
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1

@@ -27,7 +27,9 @@ from typing import Any, Callable, Iterable
 from chunkgen.config import Config
 from chunkgen.engine.engine import EngineStats
 from chunkgen.jobs.requests import ErrorRecord, Job
-from chunkgen.jobs.results import RecordFormat, ResultWriter, is_error
+from chunkgen.jobs.formats import RecordFormat
+from chunkgen.jobs.ledger import is_error
+from chunkgen.jobs.writer import ResultWriter
 from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, summarize, triage
 from chunkgen.jobs.groups import group_digest
 
@@ -244,7 +246,7 @@ class _Pool:
         self.actor_class = ray.remote(EngineWorker).options(**actor_options(shape, env))
         if shape.num_gpus:
             config = dataclasses.replace(config, device="cuda:0")  # each actor sees its own GPU as the first
-        self.args = (config, writer.fmt, writer.model_name, shape.threads)
+        self.args = (config, writer.format.fmt, writer.format.model_name, shape.threads)
         self.writer, self.counts, self.capacity = writer, counts, capacity
         self.slots = [_Slot(None) for _ in range(shape.count)]
         for slot in self.slots:
