@@ -264,10 +264,10 @@ def test_chunks_being_prefilled_are_not_matched_until_ready():
     pool = make_pool(16)
     tree = PrefixTree(pool)
     tree.insert("a", list(range(40)))
-    assert tree.pending_gain(list(range(40)) + [5]) == 40
+    assert tree.waits_for_pending(list(range(40)) + [5]) and tree.match_len(list(range(40)) + [5]) == 0
     assert tree.insert("b", list(range(40)) + [5]) == 0  # a's K/V do not exist yet
     tree.mark_ready("a")
-    assert tree.pending_gain(list(range(40)) + [6]) == 0
+    assert not tree.waits_for_pending(list(range(40)) + [6]) and tree.match_len(list(range(40)) + [6]) == 40
     assert tree.insert("c", list(range(40)) + [6]) == 40
     tree.check()
 

@@ -179,10 +179,6 @@ class ChunkPool:
     def peak_bytes(self) -> int:
         return self.peak * self.bytes_per_slot
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.capacity * self.bytes_per_slot
-
     def check(self) -> None:
         """Invariants for tests: every handed-out slot is free xor used, and the counts add up."""
         assert len(set(self._free)) == len(self._free), "a slot is on the free list twice"

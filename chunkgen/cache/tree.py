@@ -199,14 +199,6 @@ class PrefixTree:
         _, _, copy_len, i = self._match(list(tokens), include_pending=False)
         return i + copy_len
 
-    def pending_gain(self, tokens: Sequence[int]) -> int:
-        """How many more prompt tokens would be cached once the chunks still being prefilled are
-        ready: a large gain means the prompt should wait for them instead of recomputing."""
-        tokens = list(tokens)
-        _, _, with_len, with_i = self._match(tokens, include_pending=True)
-        _, _, now_len, now_i = self._match(tokens, include_pending=False)
-        return (with_i + with_len) - (now_i + now_len)
-
     def waits_for_pending(self, tokens: Sequence[int]) -> bool:
         """Whether the prompt would share a whole chunk that is still being prefilled: inserted now,
         it would compute a second copy of that chunk (however few tokens that is), so it should

@@ -13,15 +13,12 @@ one the cluster no longer has room for (a lost node) is given up and its rows go
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import queue
 import signal
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from chunkgen.config import Config
@@ -33,9 +30,6 @@ from chunkgen.jobs.writer import ResultWriter
 from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, summarize, triage
 from chunkgen.jobs.groups import group_digest
 
-# Fault injection for tests: "N:PATH" makes one worker die once (PATH records it) on the call after
-# it handed back N records, with the rest of its rows unanswered. Forwarded from the driver's environment.
-CRASH_AFTER_ENV = "CHUNKGEN_FAULT_CRASH_AFTER"
 COLLECT_WAIT_S = 1.0  # a worker answers a collect call at the latest this long after it was made
 SEND_ROWS = 32  # rows sent to a worker in one call
 STOP_CHECK_S = 1.0  # the driver waits for answers this long at a time, then looks at the stop flag again
@@ -91,13 +85,10 @@ def choose_worker(held: list[int], loads: list[int], capacity: int) -> int | Non
     return w if loads[w] < (capacity // 2 if held else capacity) else None
 
 
-def actor_options(shape: WorkerShape, env: dict[str, str]) -> dict[str, Any]:
+def actor_options(shape: WorkerShape) -> dict[str, Any]:
     """What each engine actor asks Ray for. Calls may run side by side: the driver's submit while a
     collect waits for answers."""
-    options: dict[str, Any] = {"num_cpus": shape.num_cpus, "num_gpus": shape.num_gpus, "max_concurrency": 4}
-    if env:
-        options["runtime_env"] = {"env_vars": env}
-    return options
+    return {"num_cpus": shape.num_cpus, "num_gpus": shape.num_gpus, "max_concurrency": 4}
 
 
 def _share(cpus: float) -> float:
@@ -122,9 +113,6 @@ class EngineWorker:
         self.done = threading.Condition()
         self.failure: str | None = None
         self.produced = 0
-        self.handed: list[int] = []
-        self.crash_after = _crash_fault()
-        self.resume = threading.Event()
         self.taken = 0  # rows the engine thread has taken from the inbox
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -156,26 +144,17 @@ class EngineWorker:
                 self.done.wait(wait_s)
             if self.failure is not None:
                 raise RuntimeError(f"the engine failed: {self.failure}")
-            if self.crash_after and self.produced >= self.crash_after[0] and not self.outbox:
-                self._crash()
             out, self.outbox = self.outbox, []
-            if self.crash_after:
-                self.handed += [i for i, _, _ in out]
+            self._handing(out)
             engine_stats = self.llm.engine.stats  # every step's batch size would be a long list: its peak only
             stats = dataclasses.replace(engine_stats, batch_sizes=[max(engine_stats.batch_sizes, default=0)])
         return out, stats
 
-    def _crash(self) -> None:
-        """Die like a killed machine, once per job: after the driver has this worker's first records."""
-        path = self.crash_after[1]
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:  # another worker took the fault: this one carries on
-            self.crash_after = None
-            self.resume.set()
-            return
-        path.write_text(json.dumps(self.handed))
-        os._exit(1)
+    def _handing(self, out: list[Answered]) -> None:
+        """Called (holding `done`) as a collect hands `out` to the driver; a subclass may watch."""
+
+    def _answered(self) -> None:
+        """Called on the engine thread after each answer reaches the outbox; a subclass may watch."""
 
     def _rows(self):
         """The inbox as `answer`'s source. While it is empty: None (nothing ready yet) when the engine
@@ -200,20 +179,11 @@ class EngineWorker:
                     self.outbox.append((a.index, a.record, tuple(getattr(ok, f) if ok else 0 for f in USAGE)))
                     self.produced += 1
                     self.done.notify_all()
-                if self.crash_after and self.produced >= self.crash_after[0]:
-                    self.resume.wait()  # the fault: answer nothing more; the next collect dies
+                self._answered()
         except BaseException as exc:  # reported to the driver by the next collect
             with self.done:
                 self.failure = f"{type(exc).__name__}: {exc}"
                 self.done.notify_all()
-
-
-def _crash_fault() -> tuple[int, Path] | None:
-    spec = os.environ.get(CRASH_AFTER_ENV)
-    if not spec:
-        return None
-    n, path = spec.split(":", 1)
-    return None if Path(path).exists() else (int(n), Path(path))
 
 
 @dataclass
@@ -242,8 +212,7 @@ class _Pool:
         import ray
 
         self.ray = ray
-        env = {k: v for k, v in os.environ.items() if k.startswith("CHUNKGEN_FAULT_")}
-        self.actor_class = ray.remote(EngineWorker).options(**actor_options(shape, env))
+        self.actor_class = ray.remote(EngineWorker).options(**actor_options(shape))
         if shape.num_gpus:
             config = dataclasses.replace(config, device="cuda:0")  # each actor sees its own GPU as the first
         self.args = (config, writer.format.fmt, writer.format.model_name, shape.threads)
