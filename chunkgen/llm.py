@@ -1,7 +1,6 @@
 """The Python API (the CLI uses it too): LLM(...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Iterable, Iterator, Sequence
 

@@ -18,10 +18,10 @@ from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
 from chunkgen.engine.params import ParamError, spec_of
 from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
-from chunkgen.engine.runner import ModelRunner
+from chunkgen.engine.runner import ModelRunner, PrefillItem
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
-from chunkgen.model.llama import LlamaModel, PrefillItem
+from chunkgen.model.llama import LlamaModel
 
 
 @dataclass
@@ -248,7 +248,7 @@ class Engine:
                 owners.append(seq)
         wanted = [seq.matcher for seq, item in zip(owners, items) if item.want_logits]
         early = self.constraints.fill_async(wanted) if self._num_constrained and wanted else None
-        logits = self.model.prefill(items, self.pool) if items else []
+        logits = self.runner.prefill(items) if items else []
         for seq, _, _ in wave:
             self.tree.mark_ready(seq.seq_id)
         sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]  # the wanted ones

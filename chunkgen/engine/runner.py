@@ -1,5 +1,9 @@
-"""ModelRunner: turns the scheduler's decode batch into step buffers on the model's device and runs
-the model over them.
+"""ModelRunner: turns what the scheduler decided (a prefill wave or a decode batch) into the step's
+inputs on the model's device and runs the model over them; the engine samples from the logits.
+
+A prefill wave is prepared into a `PrefillStep`: each sequence's uncached tokens as rows of one
+batch, their positions, the pool slots their K/V are stored in, and the attention plan that groups
+sequences reading the same cached chunks (kernels/prefill.py), made once per wave, not per layer.
 
 Everything a decode step reads lives in fixed-capacity buffers owned by the kernel context
 (cache/context.py): the step's tokens, positions and K/V write rows, and the tree's index arrays.
@@ -11,6 +15,7 @@ so the buffer refresh a replay depends on is exercised everywhere.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,7 +23,19 @@ import torch
 from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import workspace_for
+from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, plan_groups
 from chunkgen.model.llama import LlamaModel
+
+
+@dataclass
+class PrefillItem:
+    """One sequence's share of a prefill wave: K/V of [0, start) are already in the pool along
+    path_slots; positions [start, len(tokens)) are computed and those >= write_from are stored."""
+    tokens: list[int]
+    start: int
+    write_from: int
+    path_slots: list[int]
+    want_logits: bool = True
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -112,3 +129,35 @@ class ModelRunner:
         [batch, vocab] on the model's device."""
         self.prepare(tokens, positions, write_rows)
         return self.forward()[: len(tokens)]
+
+    # -- prefill ------------------------------------------------------------------------------
+    def prefill(self, items: list[PrefillItem]) -> list[torch.Tensor | None]:
+        """Run a wave: last-position logits [vocab] for the items that want them, None for the others."""
+        step = self.prepare_prefill(items)
+        logits = self.model.prefill(step, self.pool)
+        picked = iter(logits if logits is not None else ())
+        return [next(picked) if it.want_logits else None for it in items]
+
+    def prepare_prefill(self, items: list[PrefillItem]) -> PrefillStep:
+        C = self.pool.chunk_size
+        ids, positions, w_slots, w_offs, w_rows, spans = [], [], [], [], [], []
+        row = 0
+        for it in items:
+            n = len(it.tokens)
+            ids.extend(it.tokens[it.start :])
+            positions.extend(range(it.start, n))
+            for p in range(max(it.write_from, it.start), n):
+                w_slots.append(it.path_slots[p // C])
+                w_offs.append(p % C)
+                w_rows.append(row + p - it.start)
+            spans.append(PrefillSpan(it.start, it.path_slots, row, n - it.start))
+            row += n - it.start
+        dev = self.device
+        # Usually every new row is written: then K/V go to the pool without a gather first.
+        every_row = w_rows == list(range(row))
+        return PrefillStep(
+            tokens=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+            write_slots=torch.tensor(w_slots, dtype=torch.long), write_offsets=torch.tensor(w_offs, dtype=torch.long),
+            write_rows=None if every_row else torch.tensor(w_rows, dtype=torch.long, device=dev),
+            writes=bool(w_rows), groups=plan_groups(spans, C, self.model.dtype, dev),
+            logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits])

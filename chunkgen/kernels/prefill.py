@@ -54,6 +54,21 @@ class Group:
     positions: torch.Tensor | None = None  # [R] each row's position in its sequence (for windows)
 
 
+@dataclass
+class PrefillStep:
+    """A prefill wave's inputs on the model's device, prepared by the runner: the new tokens and
+    their positions, where their K/V go in the pool, the attention plan, and the rows whose logits
+    are wanted (each sequence's last)."""
+    tokens: torch.Tensor  # [rows]
+    positions: torch.Tensor  # [rows]
+    write_slots: torch.Tensor  # pool slot and offset of every stored row (a row before write_from is not)
+    write_offsets: torch.Tensor
+    write_rows: torch.Tensor | None  # the stored rows, None when every row is stored (no gather)
+    writes: bool
+    groups: list[Group]
+    logit_rows: list[int]
+
+
 def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype,
                 device: torch.device) -> list[Group]:
     """Everything about a wave's attention that is the same in every layer."""

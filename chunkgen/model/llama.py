@@ -25,7 +25,7 @@ from chunkgen.cache.context import ContextArrays
 from chunkgen.cache.pool import ChunkPool, kv_shape, language_config
 from chunkgen.kernels import decode_step_attention
 from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
-from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
+from chunkgen.kernels.prefill import PrefillStep, prefill_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -40,17 +40,6 @@ _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 class UnsupportedModel(ValueError):
     pass
-
-
-@dataclass
-class PrefillItem:
-    """One sequence's share of a prefill batch: K/V of [0, start) are already in the pool along
-    path_slots; positions [start, len(tokens)) are computed and those >= write_from are stored."""
-    tokens: list[int]
-    start: int
-    write_from: int
-    path_slots: list[int]
-    want_logits: bool = True
 
 
 # Below this many weight elements oneDNN's fixed cost per call (several times F.linear's) outweighs
@@ -359,46 +348,27 @@ class LlamaModel:
 
     # -- prefill ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, items: list[PrefillItem], pool: ChunkPool) -> list[torch.Tensor | None]:
-        """Run several sequences' uncached positions as one batch of tokens.
-
-        Linear layers see all new tokens at once; attention (kernels/prefill.py) reads each
-        sequence's cached path from the pool and its new tokens causally. Returns last-position
-        logits for the items that want them."""
-        C = pool.chunk_size
-        ids, positions, w_slots, w_offs, w_rows, spans = [], [], [], [], [], []
-        row = 0
-        for it in items:
-            n = len(it.tokens)
-            ids.extend(it.tokens[it.start :])
-            positions.extend(range(it.start, n))
-            for p in range(max(it.write_from, it.start), n):
-                w_slots.append(it.path_slots[p // C])
-                w_offs.append(p % C)
-                w_rows.append(row + p - it.start)
-            spans.append(PrefillSpan(it.start, it.path_slots, row, n - it.start))
-            row += n - it.start
-        dev = self.device
-        w_slots_t = torch.tensor(w_slots, dtype=torch.long)
-        w_offs_t = torch.tensor(w_offs, dtype=torch.long)
-        # Usually every new row is written: then K/V go to the pool without a gather first.
-        w_rows_t = None if w_rows == list(range(row)) else torch.tensor(w_rows, dtype=torch.long, device=dev)
-        groups = plan_groups(spans, C, self.dtype, dev)
-        x = self._embed(torch.tensor(ids, device=dev))
-        attn = torch.empty(len(ids), self.q_heads, self.head_dim, dtype=x.dtype, device=dev)
+    def prefill(self, step: PrefillStep, pool: ChunkPool) -> torch.Tensor | None:
+        """A prefill wave (the runner's `PrefillStep`: several sequences' uncached positions as one
+        batch of tokens). Linear layers see all new tokens at once; attention (kernels/prefill.py)
+        reads each sequence's cached path from the pool and its new tokens causally. Returns the
+        logits of `step.logit_rows`, or None when no row wants them."""
+        rows = step.tokens.numel()
+        x = self._embed(step.tokens)
+        attn = torch.empty(rows, self.q_heads, self.head_dim, dtype=x.dtype, device=x.device)
         q = torch.empty_like(attn)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if w_rows:
-                pool.write(i, w_slots_t, w_offs_t, *((k, v) if w_rows_t is None else (k[w_rows_t], v[w_rows_t])))
-            prefill_attention(groups, i, q, k, v, pool, self.scale, attn, window=self.layers[i].window,
+            if step.writes:
+                if step.write_rows is not None:
+                    k, v = k[step.write_rows], v[step.write_rows]
+                pool.write(i, step.write_slots, step.write_offsets, k, v)
+            prefill_attention(step.groups, i, q, k, v, pool, self.scale, attn, window=self.layers[i].window,
                               softcap=self.softcap)
-            return attn.view(len(ids), -1)
+            return attn.view(rows, -1)
 
-        h = self._layers(x, torch.tensor(positions, device=dev), q, attend)
-        last = [sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits]
-        logits = iter(self._logits(h[last]) if last else ())
-        return [next(logits) if it.want_logits else None for it in items]
+        h = self._layers(x, step.positions, q, attend)
+        return self._logits(h[step.logit_rows]) if step.logit_rows else None
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -15,7 +15,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 
