@@ -12,26 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from chunkgen.cli import EXIT_BAD_INPUT_LINES, app
 from tests.conftest import PROMPTS, ROOT
-
-runner = CliRunner()
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-
-
-def run_cli(*args: str):
-    return runner.invoke(app, list(args), catch_exceptions=False)
-
-
-def base_args(tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"):
-    return ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
-            "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet",
-            "--max-new-tokens", "12", "--dtype", "fp32"]  # fp32: answers that compare across runs
+from tests.helpers import base_args, records, run_cli, runner
 
 
 def test_run_writes_one_record_per_query_and_refuses_overwrite(tiny_model, tmp_path):

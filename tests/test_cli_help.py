@@ -44,6 +44,8 @@ def test_every_option_has_help_and_a_plain_metavar(command):
     (["run", "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"), "-o", "y", "--chunk-size", "17"],
      "error: --chunk-size: must be a multiple of 16"),
     (["run", "-q", "absent.jsonl", "-o", "y"], "error: --queries: absent.jsonl: queries file not found"),
+    (["run", "-q", "x", "-o", "y", "--output-order", "sorted"],
+     "error: --output-order: must be completion or input, not 'sorted'"),
     (["run", "-o", "y"], "error: missing option '--queries'"),
     (["run", "-q", "x", "-o", "y", "--bogus"], "error: no such option: --bogus"),
     (["bench", "e2e", "--n-queries", "many"], "error: --n-queries: must be an integer, not 'many'"),

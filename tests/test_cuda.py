@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from chunkgen import native_cuda_available
-from tests.test_cuda_emulated import TOLERANCE
+from tests.helpers import TOLERANCE
 
 pytestmark = [
     pytest.mark.cuda,
@@ -28,7 +28,7 @@ def test_cuda_kernel_matches_reference(seed, n_seqs, shared_len, chunk, heads, h
     from chunkgen.cache import KernelContext
     from chunkgen.kernels import decode_attention
     from chunkgen.kernels.reference import reference_decode_attention
-    from tests.test_kernels import build_tree
+    from tests.helpers import build_tree
 
     q_heads, kv_heads = heads
     pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, decode_steps=2)
@@ -49,8 +49,8 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
     from chunkgen.engine import SamplingParams
     from chunkgen.jobs.templates import load_template
     from chunkgen.llm import LLM
-    from tests.test_engine import assert_parity
-    from tests.test_real_model import PROMPTS, QUESTIONS
+    from tests.helpers import assert_parity
+    from tests.helpers import PROMPTS, QUESTIONS
 
     llm = LLM(model=str(default_model_dir), dtype=dtype, device="cuda", kv_memory="1GiB")
     t = load_template(PROMPTS / "document_qa.toml")
@@ -72,8 +72,8 @@ def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_mo
     """CUDA graphs (one per bucket, replayed every step) against eager steps on the same workload
     as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving."""
     from chunkgen.llm import LLM
-    from tests.test_runner import CHUNK, run
-    from tests.test_engine import template_prompts
+    from tests.helpers import CHUNK, run
+    from tests.helpers import template_prompts
     from chunkgen.engine import Request, SamplingParams
 
     llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda", chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
@@ -116,7 +116,7 @@ def test_cuda_0_named_explicitly_gives_the_cpu_engines_answers(tiny_model, tiny_
     answers equal the CPU engine's, but for a near tie."""
     from chunkgen.engine import SamplingParams
     from chunkgen.llm import LLM
-    from tests.test_engine import template_prompts
+    from tests.helpers import template_prompts
 
     llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda:0", chunk_size=16, kv_memory="64MiB", max_batch=16)
     assert llm.device == "cuda:0" and llm.config.why["device"] == "as asked"

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels.reference import reference_decode_attention
-from tests.test_kernels import build_tree, nan_outside_windows
+from tests.helpers import build_tree, nan_outside_windows
+from tests.helpers import TOLERANCE
 
 HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # q and P round to T
 
 
 @pytest.fixture(scope="session")

@@ -155,7 +155,7 @@ def _answers(engine, prompts: list[list[int]], new: int = 8) -> list[list[int]]:
 
 def test_engines_of_one_llm_take_turns_on_one_reservation(tiny_model, monkeypatch):
     from chunkgen.llm import LLM
-    from tests.test_engine import template_prompts
+    from tests.helpers import template_prompts
 
     made = _count_reservations(monkeypatch)
     llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=8)

@@ -5,41 +5,10 @@ import pytest
 import torch
 
 from chunkgen.engine import Request, SamplingParams
-from chunkgen.jobs.templates import load_template
 from chunkgen.llm import LLM
-from tests.conftest import PROMPTS
+from tests.helpers import assert_parity, hf_greedy, template_prompts
 
 QUESTIONS = [f"question {i}: what is {i} plus {2 * i}?" for i in range(16)]
-
-
-def template_prompts(name: str = "arithmetic_cot", n: int = 16):
-    t = load_template(PROMPTS / f"{name}.toml")
-    return [t.messages({t.fields[0]: q}) for q in QUESTIONS[:n]]
-
-
-def hf_greedy(model_dir, prompts_ids, max_new_tokens):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outs = []
-    for ids in prompts_ids:
-        gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-        outs.append(gen[0, len(ids):].tolist())
-    return hf, outs
-
-
-def assert_parity(hf, prompt_ids, ours, theirs, top=3):
-    """Equal token sequences, or at the first divergence both tokens are a near tie (each within the
-    other side's top few), as vLLM's tests accept; never a gross mismatch."""
-    if ours == theirs:
-        return
-    i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b) if any(
-        a != b for a, b in zip(ours, theirs)) else min(len(ours), len(theirs))
-    assert i < min(len(ours), len(theirs)), f"lengths differ without a divergence: {ours} vs {theirs}"
-    device = next(hf.parameters()).device
-    logits = hf(torch.tensor([prompt_ids + theirs[:i]], device=device)).logits[0, -1]
-    topk = logits.topk(top).indices.tolist()
-    assert ours[i] in topk and theirs[i] in topk, f"gross mismatch at {i}: {ours[i]} vs {theirs[i]}"
 
 
 def test_greedy_parity_with_transformers_on_shared_prompt(tiny_llm, tiny_model):
@@ -213,8 +182,8 @@ def test_decode_steps_sample_without_host_work_and_read_once(tiny_llm):
     """Engine decode steps of a fixed batch (seeded top-k / top-p / temperature rows, penalties,
     logprobs, greedy rows) sample with no scalar read, nonzero, boolean-mask index or tensor from
     Python data, and read the device once: tokens and logprobs together."""
-    from tests.dispatch_log import OpLog
-    from tests.test_sampler import copies_into, host_work
+    from tests.helpers import OpLog
+    from tests.helpers import copies_into, host_work
 
     engine = tiny_llm.new_engine()
     kinds = [dict(), dict(temperature=0.8, top_k=20, seed=1), dict(temperature=1.0, top_p=0.9, seed=2),

@@ -11,7 +11,7 @@ import torch
 from chunkgen.engine import SamplingParams
 from chunkgen.llm import LLM
 from tests.conftest import _train_tokenizer
-from tests.test_engine import assert_parity, hf_greedy, template_prompts
+from tests.helpers import assert_parity, hf_greedy, template_prompts
 
 CHUNK = 16
 

@@ -22,11 +22,7 @@ from chunkgen.jobs.ledger import OutputError
 from chunkgen.jobs.writer import OutputExists, ResultWriter
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
 from tests.conftest import PROMPTS
-
-
-def rows_of(*lines: str | bytes) -> list:
-    data = b"".join((l if isinstance(l, bytes) else l.encode()) + b"\n" for l in lines)
-    return list(read_rows(io.BytesIO(data)))
+from tests.helpers import openai_row, rows_of
 
 
 def templates():
@@ -80,10 +76,6 @@ def test_bom_blank_lines_and_format_detection_from_any_row():
     assert fmt == "openai" and [n for n, _ in rest] == [1, 2, 3]  # nothing read to decide is lost
     fmt, _ = detect_format(iter(rows_of("[1]", '{"id": "a", "question": "q"}')))
     assert fmt == "template"
-
-
-def openai_row(body: dict, cid: str = "r") -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 
 def test_openai_body_fields_supported_ignored_and_refused():

@@ -2,8 +2,6 @@
 path this machine has (AMX, AVX512_BF16, the fp32 path), q and out in fp32 or the model's bf16."""
 from __future__ import annotations
 
-import contextlib
-import os
 import random
 
 import pytest
@@ -14,42 +12,7 @@ from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import decode_attention, decode_step_attention, workspace_for
 from chunkgen.kernels.reference import reference_decode_attention
-
-
-def build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_private=100, decode_steps=0):
-    """A random tree: most prompts extend one system prompt, some stop inside it, some repeat an
-    earlier prompt exactly (so a partly filled chunk is shared). K/V are random where tokens are and
-    NaN everywhere else, like uninitialised pool memory: a kernel that reads past a chunk's length
-    fails loudly."""
-    rnd = random.Random(seed)
-    pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 27)
-    tree = PrefixTree(pool)
-    system = [rnd.randrange(50) for _ in range(shared_len)]
-    prompts = []
-    for s in range(n_seqs):
-        if prompts and rnd.random() < 0.2:
-            toks = list(rnd.choice(prompts))
-        else:
-            cut = rnd.randrange(0, shared_len + 1) if rnd.random() < 0.3 else shared_len
-            toks = system[:cut] + [rnd.randrange(50) for _ in range(rnd.randrange(0 if cut else 1, max_private + 1))]
-        prompts.append(toks)
-        tree.insert(s, toks)
-        tree.mark_ready(s)
-    for _ in range(decode_steps):
-        for s in range(n_seqs):
-            tree.append(s, rnd.randrange(50))
-    gen = torch.Generator().manual_seed(seed)
-    n = pool.capacity
-    written = torch.zeros(n, chunk, dtype=torch.bool)
-    for s in range(n_seqs):
-        slots, offsets = tree.positions(s, 0, tree.lengths[s])
-        written[torch.tensor(slots), torch.tensor(offsets)] = True
-    k = torch.randn(pool.k[0, :n].shape, generator=gen)  # [slots, kv_heads, head_dim, chunk]
-    v = torch.randn(pool.v[0, :n].shape, generator=gen)  # [slots, kv_heads, chunk, head_dim]
-    k.masked_fill_(~written[:, None, None, :], float("nan"))
-    v.masked_fill_(~written[:, None, :, None], float("nan"))
-    pool.k[0, :n], pool.v[0, :n] = k.to(dtype), v.to(dtype)
-    return pool, tree
+from tests.helpers import PATHS, build_tree, forced, nan_outside_windows
 
 
 @settings(max_examples=40, deadline=None)
@@ -125,38 +88,6 @@ def test_bad_arguments_raise_python_errors():
 
 
 # ---- the CPU kernel's paths ---------------------------------------------------------------------
-
-def cpu_paths() -> list[str]:
-    """The paths a bf16 call can take here, best first: forcing each one through CHUNKGEN_CPU_ISA."""
-    old = os.environ.pop("CHUNKGEN_CPU_ISA", None)
-    try:
-        best = native().cpu_kernel_isa()
-        os.environ["CHUNKGEN_CPU_ISA"] = "fp32"
-        fp32 = native().cpu_kernel_isa()
-    finally:
-        os.environ.pop("CHUNKGEN_CPU_ISA", None)
-        if old is not None:
-            os.environ["CHUNKGEN_CPU_ISA"] = old
-    order = ["amx", "avx512_bf16"]
-    return [p for p in order[order.index(best):]] + [fp32] if best in order else [fp32]
-
-
-PATHS = cpu_paths()
-
-
-@contextlib.contextmanager
-def forced(path: str):
-    """Run the kernel on `path` (CHUNKGEN_CPU_ISA is read on every call)."""
-    old = os.environ.get("CHUNKGEN_CPU_ISA")
-    os.environ["CHUNKGEN_CPU_ISA"] = path
-    try:
-        assert native().cpu_kernel_isa() == path
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CHUNKGEN_CPU_ISA")
-        else:
-            os.environ["CHUNKGEN_CPU_ISA"] = old
 
 
 def tolerance(path: str, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> dict:
@@ -311,21 +242,6 @@ def test_bad_dtypes_raise_python_errors():
 
 
 # ---- sliding windows and soft-capping -----------------------------------------------------------
-
-def nan_outside_windows(pool: ChunkPool, tree: PrefixTree, order: list, window: int) -> None:
-    """NaN into every chunk no row's window reaches: a kernel that reads one (instead of skipping
-    it) turns its output NaN."""
-    needed = set()
-    for seq in order:
-        if seq is None:
-            continue
-        n = tree.lengths[seq]
-        slots, _ = tree.positions(seq, max(0, n - window), n)
-        needed.update(slots)
-    unused = [s for s in range(pool.capacity) if s not in needed]
-    if unused:
-        pool.k[0, torch.tensor(unused)] = float("nan")
-        pool.v[0, torch.tensor(unused)] = float("nan")
 
 
 def window_for(chunk: int, kind: str, rnd: random.Random) -> int:

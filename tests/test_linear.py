@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from chunkgen.model import llama
-from tests.test_kernels import PATHS, forced
+from tests.helpers import PATHS, forced
 
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
 needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")

@@ -12,8 +12,8 @@ from chunkgen.engine.params import ParamError
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.conftest import PROMPTS
-from tests.test_cli import base_args, records, run_cli
-from tests.test_jobs import openai_row, rows_of
+from tests.helpers import base_args, records, run_cli
+from tests.helpers import openai_row, rows_of
 
 PROMPTS_TEXT = ["Will it rain in Oslo?", "Book a flight to Rome.", "What is 2 + 2?", "Play some jazz."]
 

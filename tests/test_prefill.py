@@ -2,46 +2,13 @@
 attention per sequence, on randomized waves."""
 from __future__ import annotations
 
-import random
 
 import torch
 from hypothesis import given, settings, strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
-
-
-def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
-    """A pool holding a shared system prompt's chunks and each sequence's own cached chunks
-    (random K/V, NaN where no token is), and a wave of new tokens per sequence. Most sequences
-    have cached exactly the system's full chunks plus part of one own chunk (they group), some a
-    random length (they stand alone or start from nothing)."""
-    rnd = random.Random(seed)
-    pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 26)
-    system = [pool.allocate() for _ in range(rnd.randrange(0, 5))]
-    spans, row = [], 0
-    for _ in range(n_seqs):
-        if system and rnd.random() < 0.7:
-            start = len(system) * chunk + rnd.randrange(0, chunk)
-        else:
-            start = rnd.randrange(0, (len(system) + 2) * chunk)
-        count = rnd.randrange(1, 40)
-        n_chunks = -(-(start + count) // chunk)
-        path = system[: min(len(system), start // chunk)]
-        path += [pool.allocate() for _ in range(n_chunks - len(path))]
-        spans.append(PrefillSpan(start, path, row, count))
-        row += count
-    gen = torch.Generator().manual_seed(seed)
-    written = torch.zeros(pool.capacity, chunk, dtype=torch.bool)
-    for sp in spans:
-        for p in range(sp.start):
-            written[sp.path_slots[p // chunk], p % chunk] = True
-    k = torch.randn(pool.k[0, : pool.capacity].shape, generator=gen)
-    v = torch.randn(pool.v[0, : pool.capacity].shape, generator=gen)
-    k.masked_fill_(~written[:, None, None, :], float("nan"))
-    v.masked_fill_(~written[:, None, :, None], float("nan"))
-    pool.k[0, : pool.capacity], pool.v[0, : pool.capacity] = k.to(dtype), v.to(dtype)
-    return pool, spans, row
+from tests.helpers import random_wave
 
 
 def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:

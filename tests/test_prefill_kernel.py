@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from chunkgen._native import native
 from chunkgen.kernels import prefill
-from tests.test_kernels import PATHS, forced
-from tests.test_prefill import random_wave
+from tests.helpers import PATHS, forced
+from tests.helpers import random_wave
 
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
 needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")

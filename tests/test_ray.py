@@ -13,7 +13,7 @@ import torch
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from chunkgen.scale.ray import WorkerShape, actor_options, choose_worker, plan_workers  # noqa: E402
-from tests.test_cli import PROMPTS, base_args, records, run_cli  # noqa: E402
+from tests.helpers import PROMPTS, base_args, records, run_cli  # noqa: E402
 
 
 def test_workers_are_sized_from_the_cluster():

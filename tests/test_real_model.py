@@ -8,18 +8,10 @@ from chunkgen.engine import SamplingParams
 from chunkgen.jobs.templates import load_template
 from chunkgen.llm import LLM
 from tests.conftest import PROMPTS
-from tests.test_engine import assert_parity
+from tests.helpers import assert_parity
+from tests.helpers import QUESTIONS
 
 pytestmark = pytest.mark.real_model
-
-QUESTIONS = [
-    "How many people does the authority supply?", "What is the design capacity of the works?",
-    "How often are reservoirs inspected?", "What was leakage in 2023?", "Who closes the incident log?",
-    "How long are records kept?", "What is the chlorine target?", "How many pumping stations are there?",
-    "When do the large pumps run?", "How big is the solar farm?", "What is the pressure range?",
-    "How many sampling taps are there?", "What triggers an incident?", "Where do the boreholes lie?",
-    "What is the largest reservoir?", "How much notice is given before an interruption?",
-]
 
 
 # Answers equal to transformers' token for token, of 16, in the model's dtype. bf16 itself moves

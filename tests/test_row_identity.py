@@ -12,7 +12,7 @@ from chunkgen.cli import EXIT_BAD_INPUT_LINES, app
 from chunkgen.jobs.requests import ErrorRecord, read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.conftest import PROMPTS
-from tests.test_cli import base_args, records
+from tests.helpers import base_args, records
 
 runner = CliRunner()
 

@@ -11,9 +11,8 @@ import torch
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.engine.runner import ModelRunner, batch_buckets
 from chunkgen.llm import LLM
-from tests.dispatch_log import OpLog
-
-CHUNK = 16
+from tests.helpers import OpLog
+from tests.helpers import CHUNK, run
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +28,6 @@ def workload(n: int = 16) -> list[Request]:
         prefix = [3 + i % 2] * (CHUNK + 5) + [7, 9] * (i % 3)
         reqs.append(Request(i, prefix + [20 + i], SamplingParams(max_new_tokens=20 + 8 * (i % 5), ignore_eos=True)))
     return reqs
-
-
-def run(engine, requests) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
-    """Token ids per request, and (padded rows, context layout) of every decode step."""
-    out: dict[int, list[int]] = {}
-    rows: list[int] = []
-    engine.add(requests)
-    while engine.has_work:
-        steps = engine.stats.decode_steps
-        for r in engine.step():
-            out[r.id] = r.completions[0].token_ids
-        if engine.stats.decode_steps > steps:
-            rows.append((engine.runner.ctx.rows, engine.runner.ctx.layouts))
-    return out, rows
 
 
 def with_runner(llm, **runner_args):
@@ -79,7 +64,7 @@ def test_graph_replay_over_mirrored_buffers_equals_eager_with_preemption(llm):
     """Replayed per bucket over the buffers bound at capture, reading a device copy refreshed by
     one upload a step: joins, leaves, preemption (a KV budget too small for the batch) and
     rebuilds all go through the buffer refresh, not through new tensors."""
-    from tests.test_engine import template_prompts
+    from tests.helpers import template_prompts
 
     prompts = [llm.encode(p) for p in template_prompts("tool_dispatcher", 12)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)

@@ -12,7 +12,8 @@ from chunkgen.engine import sampler
 from chunkgen.engine.logits import Penalties, StepLogprobs
 from chunkgen.engine.params import MAX_SEED, ParamError, SamplingParams
 from chunkgen.engine.sampler import FALLBACKS, SamplingBatch, StepReader, _cut, draw, make_generator, sample, sample_seed
-from tests.dispatch_log import OpLog
+from tests.helpers import OpLog
+from tests.helpers import copies_into, host_work
 
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -223,34 +224,6 @@ def test_param_messages_read_well_and_good_values_are_normalised():
     assert p.as_dict()["stop"] == ["###"] and p.as_dict()["seed"] == 0
     with pytest.raises(AttributeError):
         p.n = 2  # type: ignore[misc]
-
-
-def _tensors(args) -> list[torch.Tensor]:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out += _tensors(a)
-    return out
-
-
-def host_work(calls: list[tuple]) -> dict[str, list[str]]:
-    """The ops of a logged step that would wait for the device or give shapes that depend on the
-    data: scalar reads, nonzero, boolean-mask indexing, tensors built from Python data."""
-    names = [str(f) for f, _, _ in calls]
-    return {
-        "syncs": [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")],
-        "nonzero": [n for n in names if "nonzero" in n or "masked_select" in n or "unique" in n],
-        "bool_index": [str(f) for f, a, k in calls if str(f).startswith(("aten.index.", "aten.index_put"))
-                       and any(t.dtype == torch.bool for t in _tensors(a[1:2]))],
-        "from_python": [n for n in names if "lift_fresh" in n or "scalar_tensor" in n],
-    }
-
-
-def copies_into(calls: list[tuple], buf: torch.Tensor) -> int:
-    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
-    return sum(1 for f, a, _ in calls if str(f).startswith("aten.copy_") and lo <= a[0].data_ptr() < hi)
 
 
 def mixed_batch(rows: int = 32, vocab: int = 3000) -> tuple[torch.Tensor, list[SamplingParams]]:

@@ -12,7 +12,7 @@ from chunkgen.engine import SamplingParams
 from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.groups import prefix_group_key
 from chunkgen.jobs.shard import WHOLE_GROUP_ROWS, plan_groups, plan_items
-from tests.test_cli import PROMPTS, base_args, records, run_cli
+from tests.helpers import PROMPTS, base_args, records, run_cli
 
 group_sizes = st.lists(st.integers(1, 400), min_size=0, max_size=40)
 

@@ -1,4 +1,4 @@
-// A thread-level CUDA emulator, just large enough to run csrc/cuda/tpp_attention.cu on the CPU so
+// A thread-level CUDA emulator, just large enough to run csrc/cuda/decode_attention.cu on the CPU so
 // the kernels' indexing, masking, splitting and synchronisation are tested on machines without a GPU.
 //
 // Every CUDA thread is an OS thread; a block's threads run together and meet at real barriers

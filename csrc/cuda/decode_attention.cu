@@ -310,6 +310,24 @@ __device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G
   return reached;
 }
 
+// Shared chunk c's K and V of KV head h, 16 bytes per thread and step, into padded rows of shared
+// memory. V rows past the chunk's n tokens are zeroed: their probabilities are 0, but the pool
+// bytes there may be NaN.
+template <typename T>
+__device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, int n, const MmaTiles<T>& L, T* ks, T* vs) {
+  const int d = p.head_dim, C = p.chunk;
+  const size_t off = head_offset(p.shared_slot[c], h, p.kv_heads, d, C);
+  const uint4* kg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.k) + off);
+  const uint4* vg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v) + off);
+  constexpr int per_vec = 16 / sizeof(T);
+  for (int i = threadIdx.x; i < d * C / per_vec; i += kThreads) {
+    const int e = i * per_vec;
+    *reinterpret_cast<uint4*>(ks + (e / C) * L.ks_ld + e % C) = kg[i];
+    const int token = e / d;
+    *reinterpret_cast<uint4*>(vs + token * L.vs_ld + e % d) = token < n ? vg[i] : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * splits blocks.
 template <typename T, bool Masked>
 __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits,
@@ -340,20 +358,7 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       return;  // no row of this block sees the chunk: not read (the merge skips these rows' partials)
   }
 
-  // The chunk's K and V, 16 bytes per thread and step, into padded rows. V rows past the chunk's
-  // length are zeroed: their probabilities are 0, but the pool bytes there may be NaN.
-  {
-    const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
-    const uint4* kg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.k) + off);
-    const uint4* vg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v) + off);
-    constexpr int per_vec = 16 / sizeof(T);
-    for (int i = threadIdx.x; i < d * C / per_vec; i += kThreads) {
-      const int e = i * per_vec;
-      *reinterpret_cast<uint4*>(ks + (e / C) * L.ks_ld + e % C) = kg[i];
-      const int token = e / d;
-      *reinterpret_cast<uint4*>(vs + token * L.vs_ld + e % d) = token < n ? vg[i] : make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_chunk_tiles<T>(p, c, h, n, L, ks, vs);
   const size_t part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
 
   for (int tile = split; tile < tiles; tile += splits) {

@@ -1,0 +1,242 @@
+// Two-phase partition decode attention on the CPU (the decode_attention op's CPU side).
+//
+// Phase 1 (chunk-first): for each shared chunk and KV head, the queries of every covered sequence
+// (times the GQA group) form one matrix multiplied against the chunk once; partial (o, m, l) rows go
+// to a workspace. Phase 2 (sequence-first): for each sequence and KV head, merge the shared partials
+// and continue over the private chunks with online softmax. Long private tails are split into
+// segments (merged in phase 3) so that every thread has work whatever the tree looks like.
+//
+// The pieces: vec.h (SIMD primitives for the build's vector width), online_softmax.h (the fp32
+// scores / softmax / values path and the merge), decode_plan.h (work items and workspace),
+// decode_chunk_first_bf16.h (phase 1 with bf16 K/V on AMX or AVX512_BF16, chosen at run time).
+// q and out are fp32 or bf16 (the model's dtype); softmax statistics and sums are fp32 throughout.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../attention.h"
+#include "bf16_gemm.h"
+#include "decode_chunk_first_bf16.h"
+#include "decode_plan.h"
+#include "isa.h"
+#include "online_softmax.h"
+#include "vec.h"
+
+namespace chunkgen {
+namespace decode {
+
+// The pool's layout: a slot holds every KV head's [d, C] keys (transposed) and [C, d] values.
+struct PoolView {
+  size_t head_elems, slot_elems;
+  explicit PoolView(const DecodeProblem& p)
+      : head_elems(static_cast<size_t>(p.head_dim) * p.chunk), slot_elems(head_elems * p.kv_heads) {}
+  size_t at(int64_t slot, int head) const { return slot * slot_elems + head * head_elems; }
+};
+
+// One chunk into the running state of R query rows; with a window or soft-capping, each row's
+// first token inside its window (lo) and the cap go with it.
+template <typename T>
+inline void attend(const DecodeProblem& p, Scratch& sc, int R, const T* k, const T* v, int n, const int* lo) {
+  const int C = p.chunk, d = p.head_dim;
+  if (p.window <= 0 && p.softcap <= 0.f) {
+    attend_chunk<T, false>(sc.q.data(), R, k, v, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(), sc.s.data(),
+                           sc.alpha.data());
+    return;
+  }
+  attend_chunk<T, true>(sc.q.data(), R, k, v, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(), sc.s.data(),
+                        sc.alpha.data(), ChunkMask{p.window > 0 ? lo : nullptr, p.softcap});
+}
+
+// Query rows of sequences [b0, b1), head h's GQA group, scaled, as fp32 rows of sc.q.
+template <typename Q>
+inline void load_queries(const DecodeProblem& p, Scratch& sc, int b0, int b1, int h) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
+  const Q* q = static_cast<const Q*>(p.q);
+  for (int b = b0; b < b1; ++b) {
+    const Q* src = q + (static_cast<size_t>(b) * Hq + h * G) * d;
+    float* dst = sc.q.data() + static_cast<size_t>(b - b0) * G * d;
+    for (int i = 0; i < G * d; ++i) dst[i] = to_f32(src[i]) * p.scale;
+  }
+}
+
+// Phase 1, fp32 path: item w's chunks for blocks of its rows kept hot together.
+template <typename T, typename Q>
+void shared_item_fp32(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Scratch& sc) {
+  const int G = p.q_heads / p.kv_heads, h = w.head;
+  const PoolView pool(p);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const int seq_block = std::max(1, kRowBlock / G);
+  for (int b0 = w.begin; b0 < w.end; b0 += seq_block) {
+    const int b1 = std::min(w.end, b0 + seq_block);
+    const int R = (b1 - b0) * G;
+    sc.reserve(R, p.head_dim, p.chunk);
+    load_queries<Q>(p, sc, b0, b1, h);
+    sc.reset_state(R, p.head_dim);
+    for (int i = w.first; i < w.last; ++i) {
+      const int c = ws.group_chunks[i], n = p.shared_len[c];
+      const size_t off = pool.at(p.shared_slot[c], h);
+      if (p.window > 0)
+        for (int r = 0; r < R; ++r) sc.lo[r] = window_lo(ws, b0 + r / G, ws.shared_pos[c], n);
+      attend<T>(p, sc, R, K + off, V + off, n, sc.lo.data());
+    }
+    store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
+  }
+}
+
+// Row b's partials of the shared chunks it reads (phase 1's results) into its running state.
+inline void merge_shared_partials(const DecodeProblem& p, const Workspace& ws, Scratch& sc, int b, int h) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
+  for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
+    const int c = p.seq_shared_idx[i];
+    if (b < ws.eff_begin[c] || b >= ws.eff_end[c]) continue;  // outside the row's window: no partial
+    for (int g = 0; g < G; ++g) {
+      const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+      merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d, ws.part_m[pr], ws.part_l[pr],
+                    d);
+    }
+  }
+}
+
+// Phase 2: each row of item w over its segment of its own chunks, then written out (or kept as the
+// segment's partial for phase 3).
+template <typename T, typename Q>
+void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Scratch& sc) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
+  const PoolView pool(p);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  Q* out = static_cast<Q*>(p.out);
+  sc.reserve(G, d, p.chunk);
+  for (int b = w.begin; b < w.end; ++b) {
+    const int nseg = ws.seq_nseg[b];
+    const int c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
+    const int lo = c0 + static_cast<int>(static_cast<int64_t>(nc) * w.seg / nseg);
+    const int hi = c0 + static_cast<int>(static_cast<int64_t>(nc) * (w.seg + 1) / nseg);
+    if (ws.item_writes[b] && w.seg == nseg - 1) store_new_kv<T>(p, b, h);  // its segment has the last chunk
+    load_queries<Q>(p, sc, b, b + 1, h);
+    sc.reset_state(G, d);
+    if (w.seg == 0 && p.chunk_first) merge_shared_partials(p, ws, sc, b, h);
+    for (int i = lo; i < hi; ++i) {
+      const int n = ws.chunk_len[i];
+      if (n <= 0) continue;
+      const size_t off = pool.at(ws.chunk_slot[i], h);
+      if (p.window > 0) std::fill_n(sc.lo.data(), G, ws.chunk_lo[i]);
+      attend<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
+    }
+    for (int g = 0; g < G; ++g) {
+      const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
+      if (nseg == 1) {
+        write_normalized(out + row * d, sc.o.data() + g * d, sc.l[g], d);
+        continue;
+      }
+      const size_t sr = static_cast<size_t>(ws.seg_row[b] + w.seg) * Hq + h * G + g;
+      std::memcpy(ws.seg_o.data() + sr * d, sc.o.data() + g * d, sizeof(float) * d);
+      ws.seg_m[sr] = sc.m[g];
+      ws.seg_l[sr] = sc.l[g];
+    }
+  }
+}
+
+// Phase 3: output row `row` (sequence x query head) from the partials of its tail's segments.
+template <typename Q>
+inline void merge_segments(const DecodeProblem& p, const Workspace& ws, Scratch& sc, int row) {
+  const int Hq = p.q_heads, d = p.head_dim, b = row / Hq, qh = row % Hq, nseg = ws.seq_nseg[b];
+  if (nseg == 1) return;
+  sc.reserve(1, d, p.chunk);
+  sc.reset_state(1, d);
+  for (int sgi = 0; sgi < nseg; ++sgi) {
+    const size_t sr = static_cast<size_t>(ws.seg_row[b] + sgi) * Hq + qh;
+    merge_partial(sc.o.data(), sc.m[0], sc.l[0], ws.seg_o.data() + sr * d, ws.seg_m[sr], ws.seg_l[sr], d);
+  }
+  write_normalized(static_cast<Q*>(p.out) + static_cast<size_t>(row) * d, sc.o.data(), sc.l[0], d);
+}
+
+// Phase 1 on this thread's share of the items: bf16 products where the ISA has them, else fp32.
+template <typename T, typename Q>
+inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Scratch& sc) {
+  const int n_items = static_cast<int>(ws.shared_items.size());
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  if (isa != Isa::Fp32) {
+    thread_local Bf16Scratch bsc;
+#if defined(CHUNKGEN_HAVE_AMX)
+    static const bf16::TileConfig tile_config;
+    if (isa == Isa::Amx) _tile_loadconfig(&tile_config);  // tile configuration is per thread
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n_items; ++it) shared_item_bf16<Q>(p, ws, ws.shared_items[it], isa, bsc);
+#if defined(CHUNKGEN_HAVE_AMX)
+    if (isa == Isa::Amx) _tile_release();
+#endif
+    return;
+  }
+#else
+  (void)isa;
+#endif
+#pragma omp for schedule(dynamic, 1)
+  for (int it = 0; it < n_items; ++it) shared_item_fp32<T, Q>(p, ws, ws.shared_items[it], sc);
+}
+
+template <typename T, typename Q>
+void run(const DecodeProblem& p, Isa isa) {
+  const int nthreads = omp_get_max_threads();
+  Workspace& ws = workspace();
+  int block = 1;  // chunks the bf16 path multiplies at once
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  if (isa != Isa::Fp32 && sizeof(T) == 2) block = std::max(1, kBlockTokens / p.chunk);
+#endif
+  plan_windows(p, ws);
+  plan_shared_items(p, ws, nthreads, block);
+  plan_own_chunks(p, ws);
+  plan_seq_items(p, ws, 4 * nthreads);
+  // The step's K/V: a live row writes into its last private chunk, which only it reads, so its
+  // sequence-first item stores them (on the lines it is about to read); any other row (padding rows
+  // write to the scratch slot) is stored now, before anything reads the pool.
+  grow(ws.item_writes, p.batch);
+  std::fill_n(ws.item_writes.begin(), p.batch, uint8_t{0});
+  if (p.new_k != nullptr)
+    for (int b = 0; b < p.batch; ++b) {
+      const int np = p.priv_count[b];
+      ws.item_writes[b] = np > 0 && p.write_slot[b] == p.priv_slot[static_cast<size_t>(b) * p.priv_stride + np - 1];
+      if (!ws.item_writes[b])
+        for (int h = 0; h < p.kv_heads; ++h) store_new_kv<T>(p, b, h);
+    }
+  const int n_seq_items = static_cast<int>(ws.seq_items.size());
+  const bool segments = ws.seg_row[p.batch] > 0;
+  const int out_rows = p.batch * p.q_heads;
+#pragma omp parallel
+  {
+    thread_local Scratch sc;
+    chunk_first_phase<T, Q>(p, ws, isa, sc);
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n_seq_items; ++it) seq_item<T, Q>(p, ws, ws.seq_items[it], sc);
+    // No segments: no loop, one barrier less, which matters when the cores are shared and a
+    // waiting thread may lose its time slice.
+    if (segments)
+#pragma omp for schedule(static)
+      for (int row = 0; row < out_rows; ++row) merge_segments<Q>(p, ws, sc, row);
+  }
+}
+
+}  // namespace decode
+
+int simd_width() { return decode::W; }
+
+const char* cpu_kernel_isa() { return isa_name(current_isa()); }
+
+void decode_attention_cpu(const DecodeProblem& p) {
+  const bool q32 = p.q_type == KVType::F32;
+  if (p.kv_type == KVType::F32) {
+    decode::run<float, float>(p, Isa::Fp32);
+    return;
+  }
+  const Isa isa = current_isa();
+  if (q32)
+    decode::run<uint16_t, float>(p, isa);
+  else
+    decode::run<uint16_t, uint16_t>(p, isa);
+}
+
+}  // namespace chunkgen

@@ -1,0 +1,276 @@
+// The decode kernel's chunk-first phase with bf16 K/V on AMX tiles or AVX512_BF16 dot products:
+// an item's shared chunks are packed once, in blocks of up to kBlockTokens tokens, and multiplied
+// against the queries of every row that reads them (bf16 products, fp32 accumulation); one fp32
+// online softmax runs across the item's chunks and leaves one partial (o, m, l) per row.
+#pragma once
+
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../attention.h"
+#include "bf16_gemm.h"
+#include "decode_plan.h"
+#include "isa.h"
+
+namespace chunkgen {
+namespace decode {
+
+// Per-thread buffers of the bf16 chunk-first phase: one block's K and V repacked, then queries,
+// scores, probabilities, the product P.V and the running (o, m, l) of the item's rows.
+struct Bf16Scratch {
+  std::vector<uint16_t> kp, vp, q, p;
+  std::vector<float> s, o, m, l, lv;
+};
+
+constexpr int kBf16Rows = 32;      // query rows per product: two 16-row tiles
+constexpr int kBlockTokens = 256;  // chunk tokens per product (a multiple of 16)
+// A row's later blocks take their probabilities against the max it has so far, up to 2^8 times
+// above it (exact in fp32, and bf16's rounding is relative): no pass for the block's max first.
+constexpr float kLazyHeadroom = 8.f;  // log2 units
+constexpr float kLog2e = 1.44269504088896341f;
+
+using Gemm = void (*)(const uint16_t*, int, const uint16_t*, int, int, float*, int, int, bool);
+
+// One block of an item's chunks, packed: its chunks' valid tokens, first positions (with a window)
+// and a row's first token inside its window; N tokens in all, Kn rounded up for the products.
+struct Bf16Block {
+  int nc, N, Kn;
+  bool first;  // the item's first block: the running sums start here
+  int len[kBlockTokens / 16];
+  int pos[kBlockTokens / 16];
+  int lo[kBlockTokens / 16] = {};
+};
+
+// The item's queries as bf16 rows of dp (zero padded; rows past R are padding); every row's max
+// starts at -inf and its 16 lane sums of l at 0 (reduced once at the end: no horizontal add per chunk).
+template <typename Q>
+inline void pack_queries(const DecodeProblem& p, const SharedItem& w, int R, int Rp, int dp, Bf16Scratch& sc) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
+  const Q* q = static_cast<const Q*>(p.q);
+  for (int r = 0; r < Rp; ++r) {
+    uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
+    sc.m[r] = kNegInf;
+    if (r >= R) {
+      std::fill_n(dst, dp, uint16_t{0});
+      continue;
+    }
+    const Q* src = q + (static_cast<size_t>(w.begin + r / G) * Hq + h * G + r % G) * d;
+    if constexpr (sizeof(Q) == 2)
+      std::memcpy(dst, src, sizeof(uint16_t) * d);
+    else
+      for (int i = 0; i < d; ++i) dst[i] = bf16::from_float(src[i]);
+    std::fill(dst + d, dst + dp, uint16_t{0});
+  }
+  std::fill_n(sc.lv.data(), static_cast<size_t>(Rp) * 16, 0.f);
+}
+
+// K^T [d, C] of the block's chunks side by side (pairs along d); V [C, d] stacked (pairs along
+// tokens), zero rows up to Kn.
+inline void pack_block(const DecodeProblem& p, const Workspace& ws, const SharedItem& w, int i0, int dp,
+                       Bf16Block& blk, Bf16Scratch& sc) {
+  const int d = p.head_dim, C = p.chunk;
+  const size_t head_elems = static_cast<size_t>(d) * C, slot_elems = head_elems * p.kv_heads;
+  const uint16_t* K = static_cast<const uint16_t*>(p.k);
+  const uint16_t* V = static_cast<const uint16_t*>(p.v);
+  for (int j = 0; j < blk.nc; ++j) {
+    const int c = ws.group_chunks[i0 + j];
+    blk.len[j] = p.shared_len[c];
+    if (p.window > 0) blk.pos[j] = ws.shared_pos[c];
+    const size_t off = p.shared_slot[c] * slot_elems + w.head * head_elems;
+    bf16::pack_pairs(K + off, C, d, dp, C, blk.len[j], sc.kp.data() + 2 * j * C, blk.N);
+    bf16::pack_pairs(V + off, d, blk.len[j], C, d, d, sc.vp.data() + static_cast<size_t>(j) * C * d);
+  }
+  std::fill(sc.vp.data() + static_cast<size_t>(blk.N) * d, sc.vp.data() + static_cast<size_t>(blk.Kn) * d,
+            uint16_t{0});
+}
+
+// The next block's K and V regions, to be fetched into L2 a few lines per softmax row of this one,
+// so that its repacking does not wait on memory (measured 4-5% of the kernel).
+struct NextBlock {
+  const char* region[2 * kBlockTokens / 16];
+  int regions = 0, region_lines = 1, lines = 0;
+
+  NextBlock(const DecodeProblem& p, const Workspace& ws, const SharedItem& w, int from, int per_block) {
+    const size_t head_elems = static_cast<size_t>(p.head_dim) * p.chunk, slot_elems = head_elems * p.kv_heads;
+    const uint16_t* K = static_cast<const uint16_t*>(p.k);
+    const uint16_t* V = static_cast<const uint16_t*>(p.v);
+    region_lines = static_cast<int>(head_elems * sizeof(uint16_t) / 64);
+    for (int j = 0; j < per_block && from + j < w.last; ++j) {
+      const size_t off = p.shared_slot[ws.group_chunks[from + j]] * slot_elems + w.head * head_elems;
+      region[regions++] = reinterpret_cast<const char*>(K + off);
+      region[regions++] = reinterpret_cast<const char*>(V + off);
+    }
+    lines = regions * region_lines;
+  }
+
+  // Row r of Rp's share of the lines.
+  void prefetch(int r, int Rp) const {
+    const int l_end = static_cast<int>(static_cast<int64_t>(r + 1) * lines / Rp);
+    for (int l = static_cast<int>(static_cast<int64_t>(r) * lines / Rp); l < l_end; ++l)
+      _mm_prefetch(region[l / region_lines] + 64 * (l % region_lines), _MM_HINT_T1);
+  }
+};
+
+// Row r's probabilities of chunk jc of the block (bf16, stored for the P.V product), summed into
+// `sum` as rounded; with TrackMax the largest exponent goes to `xmax`. A full chunk (most of them)
+// needs no mask of valid lanes.
+template <bool Full, bool TrackMax>
+inline void chunk_probabilities(const float* sr, uint16_t* pr, const Bf16Block& blk, int jc, int C, __m512 scale2,
+                                __m512 neg_m2, __m512& sum, __m512& xmax) {
+  for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
+    const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
+    const __mmask16 valid =
+        Full ? __mmask16(0xffff) : bf16::valid_lanes(j - jc * C, blk.len[jc]) & ~bf16::valid_lanes(j - jc * C, blk.lo[jc]);
+    if constexpr (TrackMax) xmax = Full ? _mm512_max_ps(xmax, x) : _mm512_mask_max_ps(xmax, valid, xmax, x);
+    const __m512 e = Full ? bf16::exp2_bf16(x) : _mm512_maskz_mov_ps(valid, bf16::exp2_bf16(x));
+    // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
+    const __m256bh eb = _mm512_cvtneps_pbh(e);
+    sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)eb);
+  }
+}
+
+// Moves row r's max to the largest lane of mx when that is above it, rescaling its running l (and
+// o, past the first block) by exp(old - new).
+inline void raise_max(Bf16Scratch& sc, const Bf16Block& blk, int r, int d, __m512 mx, float& m) {
+  if (!_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_GT_OQ)) return;
+  const float mnew = _mm512_reduce_max_ps(mx);
+  const float alpha = std::exp(m - mnew);  // 0 on the first block (m was -inf)
+  m = mnew;
+  sc.m[r] = m;
+  float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+  _mm512_storeu_ps(lv, _mm512_mul_ps(_mm512_loadu_ps(lv), _mm512_set1_ps(alpha)));
+  if (blk.first) return;
+  float* o = sc.o.data() + static_cast<size_t>(r) * d;
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int k = 0; k < d; k += 16) _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_loadu_ps(o + k), av));
+}
+
+// Online softmax of one row's scores of the block (sr: N scores; pr: its Kn probabilities). A
+// row's first block finds its max first; a later block uses the max so far and moves it only when a
+// probability would exceed 2^kLazyHeadroom (rare after the first blocks): then the row is rescaled
+// and its block done again.
+inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf16Block& blk, int r, float* sr,
+                              uint16_t* pr) {
+  const int C = p.chunk, d = p.head_dim;
+  const __m512 scale = _mm512_set1_ps(p.scale), scale2 = _mm512_set1_ps(p.scale * kLog2e);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  if (p.softcap > 0.f) {  // capped as scale * s would be, so the scale still applies below
+    const float inv = 1.f / p.scale;
+    for (int j = 0; j < blk.N; j += 16) store(sr + j, soft_cap(load(sr + j) * p.scale, p.softcap) * inv);
+  }
+  float m = sc.m[r];
+  bool lazy = m != kNegInf;
+  __m512 mx = neg_inf;
+  if (!lazy)
+    for (int jc = 0; jc < blk.nc; ++jc)
+      for (int j = 0; j < C; j += 16)
+        mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf,
+                                                  bf16::valid_lanes(j, blk.len[jc]) & ~bf16::valid_lanes(j, blk.lo[jc]),
+                                                  _mm512_loadu_ps(sr + jc * C + j), scale));
+  for (;;) {
+    raise_max(sc, blk, r, d, mx, m);
+    if (m == kNegInf) {  // the row's window starts past this block (and every earlier one)
+      std::fill_n(pr, blk.Kn, uint16_t{0});
+      return;
+    }
+    // exp(s * scale - m) = 2^(s * scale log2(e) - m log2(e)): one FMA before the power of two.
+    const __m512 neg_m2 = _mm512_set1_ps(-m * kLog2e);
+    __m512 sum = _mm512_setzero_ps(), xmax = neg_inf;
+    for (int jc = 0; jc < blk.nc; ++jc) {
+      const bool full = blk.len[jc] == C && blk.lo[jc] == 0;
+      if (lazy)
+        full ? chunk_probabilities<true, true>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax)
+             : chunk_probabilities<false, true>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax);
+      else
+        full ? chunk_probabilities<true, false>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax)
+             : chunk_probabilities<false, false>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax);
+    }
+    if (lazy) {
+      const float over = _mm512_reduce_max_ps(xmax);  // log2 of the largest probability
+      if (over > kLazyHeadroom) {                      // too far above the max so far: again, from a new max
+        mx = _mm512_set1_ps(m + over / kLog2e);
+        lazy = false;
+        continue;
+      }
+    }
+    std::fill(pr + blk.N, pr + blk.Kn, uint16_t{0});
+    float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+    _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
+    return;
+  }
+}
+
+// Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
+// online softmax across its chunks; stores each row's partial (o, m, l) like the fp32 path.
+template <typename Q>
+void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa, Bf16Scratch& sc) {
+  const int G = p.q_heads / p.kv_heads, d = p.head_dim, C = p.chunk;
+  const int dp = bf16::round_up(d, 32);
+  const Gemm gemm = isa == Isa::Amx ?
+#if defined(CHUNKGEN_HAVE_AMX)
+                                    bf16::gemm_amx
+#else
+                                    bf16::gemm_dpbf16
+#endif
+                                    : bf16::gemm_dpbf16;
+  // Chunks go through in blocks of up to kBlockTokens tokens: one product per block, not per
+  // chunk, since each hand-over between the AMX tiles and the vector units goes through memory and
+  // waits for it; a longer product also keeps more tile operations in flight.
+  const int per_block = std::max(1, kBlockTokens / C);
+  const int Nb = per_block * C, Kb = bf16::round_up(Nb, 32);  // columns of S, rows of packed V
+  const int R = (w.end - w.begin) * G, Rp = bf16::round_up(R, 16);
+  grow(sc.kp, static_cast<size_t>(dp) * Nb);
+  grow(sc.vp, static_cast<size_t>(Kb) * d);
+  grow(sc.q, static_cast<size_t>(Rp) * dp);
+  grow(sc.o, static_cast<size_t>(Rp) * d);
+  grow(sc.m, Rp);
+  grow(sc.l, Rp);
+  grow(sc.s, static_cast<size_t>(kBf16Rows) * Nb);
+  grow(sc.p, static_cast<size_t>(kBf16Rows) * Kb);
+  grow(sc.lv, static_cast<size_t>(Rp) * 16);
+  pack_queries<Q>(p, w, R, Rp, dp, sc);
+  Bf16Block blk;
+  for (int i0 = w.first; i0 < w.last; i0 += per_block) {
+    blk.nc = std::min(per_block, w.last - i0);
+    blk.N = blk.nc * C;
+    blk.Kn = bf16::round_up(blk.N, 32);
+    blk.first = i0 == w.first;
+    const NextBlock next(p, ws, w, i0 + per_block, per_block);
+    pack_block(p, ws, w, i0, dp, blk, sc);
+    for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
+      const int rows = std::min(kBf16Rows, Rp - r0);
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, blk.N, sc.s.data(), blk.N, rows, false);
+      for (int rr = 0; rr < rows; ++rr) {
+        const int r = r0 + rr;
+        uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * blk.Kn;
+        next.prefetch(r, Rp);
+        if (r >= R) {  // padding rows carry no weight
+          std::fill_n(pr, blk.Kn, uint16_t{0});
+          continue;
+        }
+        if (p.window > 0)
+          for (int jc = 0; jc < blk.nc; ++jc) blk.lo[jc] = window_lo(ws, w.begin + r / G, blk.pos[jc], blk.len[jc]);
+        row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * blk.N, pr);
+      }
+      // o (+)= P V straight into the running sums (AMX loads them into the accumulator tiles).
+      gemm(sc.p.data(), blk.Kn, sc.vp.data(), blk.Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows,
+           !blk.first);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    sc.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(r) * 16));
+  store_partials(p, ws, w, w.begin, w.end, sc.o.data(), sc.m.data(), sc.l.data());
+}
+
+}  // namespace decode
+}  // namespace chunkgen
+
+#endif  // CHUNKGEN_HAVE_AVX512_BF16

@@ -1,0 +1,265 @@
+"""What more than one test module uses: running the command line in-process, reading records, the
+random trees and kernel paths of the attention tests, parity with transformers, and the op log of a
+decode step."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import torch
+from typer.testing import CliRunner
+from chunkgen.cli import app
+import io
+from chunkgen.jobs.requests import (read_rows)
+from chunkgen.jobs.templates import load_template
+import contextlib
+import random
+from chunkgen._native import native
+from chunkgen.cache import ChunkPool, PrefixTree
+from chunkgen.kernels.prefill import PrefillSpan
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.conftest import PROMPTS
+
+
+def tensors_of(args) -> list[torch.Tensor]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += tensors_of(a)
+    return out
+
+
+def cpu_paths() -> list[str]:
+    """The paths a bf16 call can take here, best first: forcing each one through CHUNKGEN_CPU_ISA."""
+    old = os.environ.pop("CHUNKGEN_CPU_ISA", None)
+    try:
+        best = native().cpu_kernel_isa()
+        os.environ["CHUNKGEN_CPU_ISA"] = "fp32"
+        fp32 = native().cpu_kernel_isa()
+    finally:
+        os.environ.pop("CHUNKGEN_CPU_ISA", None)
+        if old is not None:
+            os.environ["CHUNKGEN_CPU_ISA"] = old
+    order = ["amx", "avx512_bf16"]
+    return [p for p in order[order.index(best):]] + [fp32] if best in order else [fp32]
+
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+runner = CliRunner()
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def run_cli(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def base_args(tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"):
+    return ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
+            "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet",
+            "--max-new-tokens", "12", "--dtype", "fp32"]  # fp32: answers that compare across runs
+
+
+def rows_of(*lines: str | bytes) -> list:
+    data = b"".join((l if isinstance(l, bytes) else l.encode()) + b"\n" for l in lines)
+    return list(read_rows(io.BytesIO(data)))
+
+
+def openai_row(body: dict, cid: str = "r") -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_private=100, decode_steps=0):
+    """A random tree: most prompts extend one system prompt, some stop inside it, some repeat an
+    earlier prompt exactly (so a partly filled chunk is shared). K/V are random where tokens are and
+    NaN everywhere else, like uninitialised pool memory: a kernel that reads past a chunk's length
+    fails loudly."""
+    rnd = random.Random(seed)
+    pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 27)
+    tree = PrefixTree(pool)
+    system = [rnd.randrange(50) for _ in range(shared_len)]
+    prompts = []
+    for s in range(n_seqs):
+        if prompts and rnd.random() < 0.2:
+            toks = list(rnd.choice(prompts))
+        else:
+            cut = rnd.randrange(0, shared_len + 1) if rnd.random() < 0.3 else shared_len
+            toks = system[:cut] + [rnd.randrange(50) for _ in range(rnd.randrange(0 if cut else 1, max_private + 1))]
+        prompts.append(toks)
+        tree.insert(s, toks)
+        tree.mark_ready(s)
+    for _ in range(decode_steps):
+        for s in range(n_seqs):
+            tree.append(s, rnd.randrange(50))
+    gen = torch.Generator().manual_seed(seed)
+    n = pool.capacity
+    written = torch.zeros(n, chunk, dtype=torch.bool)
+    for s in range(n_seqs):
+        slots, offsets = tree.positions(s, 0, tree.lengths[s])
+        written[torch.tensor(slots), torch.tensor(offsets)] = True
+    k = torch.randn(pool.k[0, :n].shape, generator=gen)  # [slots, kv_heads, head_dim, chunk]
+    v = torch.randn(pool.v[0, :n].shape, generator=gen)  # [slots, kv_heads, chunk, head_dim]
+    k.masked_fill_(~written[:, None, None, :], float("nan"))
+    v.masked_fill_(~written[:, None, :, None], float("nan"))
+    pool.k[0, :n], pool.v[0, :n] = k.to(dtype), v.to(dtype)
+    return pool, tree
+
+
+PATHS = cpu_paths()
+
+
+@contextlib.contextmanager
+def forced(path: str):
+    """Run the kernel on `path` (CHUNKGEN_CPU_ISA is read on every call)."""
+    old = os.environ.get("CHUNKGEN_CPU_ISA")
+    os.environ["CHUNKGEN_CPU_ISA"] = path
+    try:
+        assert native().cpu_kernel_isa() == path
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CHUNKGEN_CPU_ISA")
+        else:
+            os.environ["CHUNKGEN_CPU_ISA"] = old
+
+
+def nan_outside_windows(pool: ChunkPool, tree: PrefixTree, order: list, window: int) -> None:
+    """NaN into every chunk no row's window reaches: a kernel that reads one (instead of skipping
+    it) turns its output NaN."""
+    needed = set()
+    for seq in order:
+        if seq is None:
+            continue
+        n = tree.lengths[seq]
+        slots, _ = tree.positions(seq, max(0, n - window), n)
+        needed.update(slots)
+    unused = [s for s in range(pool.capacity) if s not in needed]
+    if unused:
+        pool.k[0, torch.tensor(unused)] = float("nan")
+        pool.v[0, torch.tensor(unused)] = float("nan")
+
+
+def template_prompts(name: str = "arithmetic_cot", n: int = 16):
+    t = load_template(PROMPTS / f"{name}.toml")
+    return [t.messages({t.fields[0]: q}) for q in QUESTIONS[:n]]
+
+
+def hf_greedy(model_dir, prompts_ids, max_new_tokens):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outs = []
+    for ids in prompts_ids:
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(gen[0, len(ids):].tolist())
+    return hf, outs
+
+
+def assert_parity(hf, prompt_ids, ours, theirs, top=3):
+    """Equal token sequences, or at the first divergence both tokens are a near tie (each within the
+    other side's top few), as vLLM's tests accept; never a gross mismatch."""
+    if ours == theirs:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b) if any(
+        a != b for a, b in zip(ours, theirs)) else min(len(ours), len(theirs))
+    assert i < min(len(ours), len(theirs)), f"lengths differ without a divergence: {ours} vs {theirs}"
+    device = next(hf.parameters()).device
+    logits = hf(torch.tensor([prompt_ids + theirs[:i]], device=device)).logits[0, -1]
+    topk = logits.topk(top).indices.tolist()
+    assert ours[i] in topk and theirs[i] in topk, f"gross mismatch at {i}: {ours[i]} vs {theirs[i]}"
+
+
+def host_work(calls: list[tuple]) -> dict[str, list[str]]:
+    """The ops of a logged step that would wait for the device or give shapes that depend on the
+    data: scalar reads, nonzero, boolean-mask indexing, tensors built from Python data."""
+    names = [str(f) for f, _, _ in calls]
+    return {
+        "syncs": [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")],
+        "nonzero": [n for n in names if "nonzero" in n or "masked_select" in n or "unique" in n],
+        "bool_index": [str(f) for f, a, k in calls if str(f).startswith(("aten.index.", "aten.index_put"))
+                       and any(t.dtype == torch.bool for t in tensors_of(a[1:2]))],
+        "from_python": [n for n in names if "lift_fresh" in n or "scalar_tensor" in n],
+    }
+
+
+def copies_into(calls: list[tuple], buf: torch.Tensor) -> int:
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    return sum(1 for f, a, _ in calls if str(f).startswith("aten.copy_") and lo <= a[0].data_ptr() < hi)
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # q and P round to T
+
+
+QUESTIONS = [
+    "How many people does the authority supply?", "What is the design capacity of the works?",
+    "How often are reservoirs inspected?", "What was leakage in 2023?", "Who closes the incident log?",
+    "How long are records kept?", "What is the chlorine target?", "How many pumping stations are there?",
+    "When do the large pumps run?", "How big is the solar farm?", "What is the pressure range?",
+    "How many sampling taps are there?", "What triggers an incident?", "Where do the boreholes lie?",
+    "What is the largest reservoir?", "How much notice is given before an interruption?",
+]
+
+
+CHUNK = 16
+
+
+def run(engine, requests) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Token ids per request, and (padded rows, context layout) of every decode step."""
+    out: dict[int, list[int]] = {}
+    rows: list[int] = []
+    engine.add(requests)
+    while engine.has_work:
+        steps = engine.stats.decode_steps
+        for r in engine.step():
+            out[r.id] = r.completions[0].token_ids
+        if engine.stats.decode_steps > steps:
+            rows.append((engine.runner.ctx.rows, engine.runner.ctx.layouts))
+    return out, rows
+
+
+def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """A pool holding a shared system prompt's chunks and each sequence's own cached chunks
+    (random K/V, NaN where no token is), and a wave of new tokens per sequence. Most sequences
+    have cached exactly the system's full chunks plus part of one own chunk (they group), some a
+    random length (they stand alone or start from nothing)."""
+    rnd = random.Random(seed)
+    pool = ChunkPool(1, kv_heads, head_dim, chunk, dtype, budget_bytes=1 << 26)
+    system = [pool.allocate() for _ in range(rnd.randrange(0, 5))]
+    spans, row = [], 0
+    for _ in range(n_seqs):
+        if system and rnd.random() < 0.7:
+            start = len(system) * chunk + rnd.randrange(0, chunk)
+        else:
+            start = rnd.randrange(0, (len(system) + 2) * chunk)
+        count = rnd.randrange(1, 40)
+        n_chunks = -(-(start + count) // chunk)
+        path = system[: min(len(system), start // chunk)]
+        path += [pool.allocate() for _ in range(n_chunks - len(path))]
+        spans.append(PrefillSpan(start, path, row, count))
+        row += count
+    gen = torch.Generator().manual_seed(seed)
+    written = torch.zeros(pool.capacity, chunk, dtype=torch.bool)
+    for sp in spans:
+        for p in range(sp.start):
+            written[sp.path_slots[p // chunk], p % chunk] = True
+    k = torch.randn(pool.k[0, : pool.capacity].shape, generator=gen)
+    v = torch.randn(pool.v[0, : pool.capacity].shape, generator=gen)
+    k.masked_fill_(~written[:, None, None, :], float("nan"))
+    v.masked_fill_(~written[:, None, :, None], float("nan"))
+    pool.k[0, : pool.capacity], pool.v[0, : pool.capacity] = k.to(dtype), v.to(dtype)
+    return pool, spans, row
