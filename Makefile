@@ -58,7 +58,7 @@ test: install-test
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cuda_emu/*.h' 'tests/cuda_emu/*.cpp')
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/kernels/cuda_emu/*.h' 'tests/kernels/cuda_emu/*.cpp')
 
 bench-kernel: install
 	$(PY) -m chunkgen bench kernel --json results/bench_kernel.json

@@ -5,7 +5,7 @@ tanh-GELU(gate) * up (Gemma's GeGLU). Each writes into buffers it is given and r
 step allocates its buffers once and every layer reuses them.
 
 They round as the torch composition they replace does (fp32 math, each stored intermediate rounded
-to the model's dtype), so a bf16 model gives the same tokens; tests/test_elementwise.py checks it bit
+to the model's dtype), so a bf16 model gives the same tokens; tests/kernels/test_elementwise.py checks it bit
 for bit against those compositions."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Kills `--resume` runs with SIGKILL at random moments, the way a crash or an OOM killer would, then
-resumes to the end; run by tests/test_crash.py in a process of its own.
+resumes to the end; run by tests/cli/test_crash.py in a process of its own.
 
 The model loads once; every run is a forked child that continues the same output file and dies by
 SIGKILL: after a random delay, before or after a random record, or at a chosen point of the end-of-run rewrite (after k records of the

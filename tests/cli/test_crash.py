@@ -26,7 +26,7 @@ def test_kill_9_at_random_moments_then_resume_loses_and_duplicates_nothing(tiny_
     out, reference = tmp_path / "out" / "out.jsonl", tmp_path / "ref" / "ref.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.crash_driver", "--model", str(tiny_model), "--queries", str(queries),
+        [sys.executable, "-m", "tests.cli.crash_driver", "--model", str(tiny_model), "--queries", str(queries),
          "--template", str(PROMPTS / "arithmetic_cot.toml"), "--out", str(out), "--reference", str(reference),
          "--kills", "22", "--seed", "29"],
         env=env, capture_output=True, text=True, timeout=600)

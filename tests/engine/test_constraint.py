@@ -32,7 +32,7 @@ SCHEMA = {
 }
 PROMPTS_TEXT = ["Will it rain in Oslo?", "Book a flight to Rome.", "What is 2 + 2?", "Play some jazz.",
                 "Mark task T-1 as done.", "Translate 'hello' into Italian.", "hello", "Restart billing."]
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
 

@@ -1,7 +1,7 @@
 """The CUDA kernels' own source, run on the CPU under a thread-level CUDA emulator
-(tests/cuda_emu) against the same naive reference as the CPU kernel, on randomized trees: every
+(tests/kernels/cuda_emu) against the same naive reference as the CPU kernel, on randomized trees: every
 machine checks the CUDA path's indexing, masking, row splits, warp reductions and barriers, GPU or
-not. Timing and real tensor cores still need a GPU (tests/test_cuda.py)."""
+not. Timing and real tensor cores still need a GPU (tests/kernels/test_cuda.py)."""
 from __future__ import annotations
 
 import ctypes

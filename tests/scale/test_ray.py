@@ -74,7 +74,7 @@ def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(ti
     want = {key(r): r.get("text") for r in records(tmp_path / "local.jsonl")}
 
     marker = tmp_path / "crashed"
-    from tests.ray_faults import CrashOnceWorker
+    from tests.scale.ray_faults import CrashOnceWorker
 
     # one worker dies once, after handing back 2 records
     monkeypatch.setattr(CrashOnceWorker, "crash_after", (2, marker))

@@ -3,7 +3,7 @@
 // partial buffers (filled with NaN, so a row the kernels forget to write cannot pass).
 #include "cuda_emu.h"
 
-#include "../../csrc/cuda/decode_attention.cu"
+#include "../../../csrc/cuda/decode_attention.cu"
 
 #include <algorithm>
 #include <limits>
