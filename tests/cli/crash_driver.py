@@ -21,7 +21,7 @@ import torch
 torch.set_num_threads(1)
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-from chunkgen.jobs import results  # noqa: E402
+from chunkgen.jobs import writer as results  # noqa: E402  (the module whose read_records the rewrite calls)
 from chunkgen.jobs.requests import read_rows, template_jobs  # noqa: E402
 from chunkgen.jobs.writer import ResultWriter  # noqa: E402
 from chunkgen.jobs.run import run_job  # noqa: E402
@@ -58,7 +58,7 @@ def arm(kind: str, rng: random.Random, max_delay: float) -> None:
         ResultWriter._emit = emit
     elif kind == "mid-copy":
         after = rng.randint(0, 40)
-        real_rewrite, real_records = ResultWriter._rewrite, results._records
+        real_rewrite, real_records = ResultWriter._rewrite, results.read_records
 
         def counting(path):
             for i, item in enumerate(real_records(path)):
@@ -67,7 +67,7 @@ def arm(kind: str, rng: random.Random, max_delay: float) -> None:
                 yield item
 
         def rewrite(self, first_new):
-            results._records = counting
+            results.read_records = counting
             real_rewrite(self, first_new)
         ResultWriter._rewrite = rewrite
     elif kind in ("before-rename", "after-rename"):

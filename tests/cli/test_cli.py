@@ -458,9 +458,9 @@ def test_a_second_signal_stops_at_once_with_a_message(tiny_model, tmp_path):
 def _signal_inside_the_rewrite(monkeypatch, signals: list[int]) -> list[bool]:
     """Sends `signals` to this process once the end-of-run rewrite has copied a record; the list
     returned says whether the copy existed on disk at that moment."""
-    from chunkgen.jobs import results
+    from chunkgen.jobs import writer as results  # the module whose read_records the rewrite calls
 
-    real_records, seen = results._records, []
+    real_records, seen = results.read_records, []
 
     def records_then_signal(path):
         for i, item in enumerate(real_records(path)):
@@ -473,11 +473,11 @@ def _signal_inside_the_rewrite(monkeypatch, signals: list[int]) -> list[bool]:
     real_rewrite = results.ResultWriter._rewrite
 
     def rewrite(self, first_new):
-        monkeypatch.setattr(results, "_records", records_then_signal)
+        monkeypatch.setattr(results, "read_records", records_then_signal)
         try:
             real_rewrite(self, first_new)
         finally:
-            monkeypatch.setattr(results, "_records", real_records)
+            monkeypatch.setattr(results, "read_records", real_records)
     monkeypatch.setattr(results.ResultWriter, "_rewrite", rewrite)
     return seen
 
