@@ -6,6 +6,7 @@ CHUNKGEN_MARCH overrides -march (default: native, i.e. the machine that builds i
 CHUNKGEN_NATIVE=0 installs the Python package alone: `make` compiles the kernels in place by a rule
 of its own, so that an install which only changes dependencies does not recompile them.
 """
+
 import glob
 import os
 
@@ -24,8 +25,13 @@ def want_cuda() -> bool:
 
 # 512-bit vectors where the machine has them: GCC's default for AVX-512 targets keeps loops it
 # vectorises itself (the elementwise ops) at 256 bits; 512 measured ~20% faster on the bf16 ones.
-cxx_flags = ["-O3", f"-march={os.environ.get('CHUNKGEN_MARCH', 'native')}", "-mprefer-vector-width=512",
-             "-fopenmp", "-std=c++17"]
+cxx_flags = [
+    "-O3",
+    f"-march={os.environ.get('CHUNKGEN_MARCH', 'native')}",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-std=c++17",
+]
 sources = ["csrc/bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
 

@@ -1,4 +1,5 @@
 """chunkgen: offline batched generation on a prefix-aware chunked KV cache."""
+
 from __future__ import annotations
 
 from typing import Any

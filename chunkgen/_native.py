@@ -1,4 +1,5 @@
 """The compiled kernels (chunkgen._C), imported once with a message that says how to fix a miss."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -6,7 +7,7 @@ from types import ModuleType
 import torch  # noqa: F401  (loads libc10/libtorch that the extension links against)
 
 try:
-    from chunkgen import _C as _compiled
+    import chunkgen._C as _compiled
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     _compiled = None
     _import_error: ImportError | None = exc

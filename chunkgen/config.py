@@ -10,6 +10,7 @@ and the free GPU memory for `kv_memory auto` on a GPU): `loaded(...)` fills them
 The rules themselves live with what they are about (device.py: device, KV budget, batch;
 model/precision.py: dtype); this module composes them and holds the defaults, each written once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,13 +76,26 @@ class Config:
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
 
     @classmethod
-    def resolve(cls, model: str | None = None, *, device: str = "auto", dtype: str | torch.dtype = "auto",
-                kv_memory: str | int = "auto", max_batch: str | int = "auto",
-                chunk_size: int = DEFAULT_CHUNK_SIZE, kv_dtype: str | torch.dtype | None = None,
-                share_prefix: bool = True, chunk_first: bool = True, enforce_eager: bool | None = None,
-                chat_template: bool = True, order: str = "prefix", dummy_weights: str | None = None,
-                seed: int = 0, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-                found: Accelerator | None = None) -> Config:
+    def resolve(
+        cls,
+        model: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        kv_memory: str | int = "auto",
+        max_batch: str | int = "auto",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        kv_dtype: str | torch.dtype | None = None,
+        share_prefix: bool = True,
+        chunk_first: bool = True,
+        enforce_eager: bool | None = None,
+        chat_template: bool = True,
+        order: str = "prefix",
+        dummy_weights: str | None = None,
+        seed: int = 0,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        found: Accelerator | None = None,
+    ) -> Config:
         """Every option checked and every `auto` decided; raises OptionError naming the option."""
         if model is not None and dummy_weights is not None:
             raise OptionError("--dummy-weights", "replaces --model; give one of them")
@@ -98,19 +112,40 @@ class Config:
             notes = ("--dtype fp16 on the CPU runs several times slower than fp32 or bf16; fp16 is for --device cuda",)
         explicit_kv = _option("--kv-dtype", choose_dtype, kv_dtype, dev.device).dtype if kv_dtype is not None else None
         resolved_kv = explicit_kv or (kv_dtype_for(dev.device, dtype_choice.dtype) if dtype_choice.dtype else None)
-        return cls(model=model, dummy_weights=dummy_weights, seed=seed, device=dev.device, dtype=dtype_choice.dtype,
-                   kv_dtype=resolved_kv, kv_memory=budget.bytes if budget else None, max_batch=batch.rows,
-                   chunk_size=chunk_size, share_prefix=share_prefix, chunk_first=chunk_first,
-                   max_prefill_tokens=max_prefill_tokens, enforce_eager=enforce_eager, chat_template=chat_template,
-                   order=order, notes=notes,
-                   why={"device": dev.reason, "dtype": dtype_choice.reason, "max_batch": batch.reason,
-                        **({"kv_memory": budget.reason} if budget else {})})
+        return cls(
+            model=model,
+            dummy_weights=dummy_weights,
+            seed=seed,
+            device=dev.device,
+            dtype=dtype_choice.dtype,
+            kv_dtype=resolved_kv,
+            kv_memory=budget.bytes if budget else None,
+            max_batch=batch.rows,
+            chunk_size=chunk_size,
+            share_prefix=share_prefix,
+            chunk_first=chunk_first,
+            max_prefill_tokens=max_prefill_tokens,
+            enforce_eager=enforce_eager,
+            chat_template=chat_template,
+            order=order,
+            notes=notes,
+            why={
+                "device": dev.reason,
+                "dtype": dtype_choice.reason,
+                "max_batch": batch.reason,
+                **({"kv_memory": budget.reason} if budget else {}),
+            },
+        )
 
-    def loaded(self, model_dtype: torch.dtype, free_bytes: int | None = None,
-               dtype_reason: str | None = None) -> Config:
+    def loaded(
+        self, model_dtype: torch.dtype, free_bytes: int | None = None, dtype_reason: str | None = None
+    ) -> Config:
         """The values only the loaded weights settle: the model's own dtype (auto on a GPU), its
         K/V dtype, and on a GPU `kv_memory auto` from the memory the weights left free."""
-        changes: dict[str, Any] = {"dtype": model_dtype, "kv_dtype": self.kv_dtype or kv_dtype_for(self.device, model_dtype)}
+        changes: dict[str, Any] = {
+            "dtype": model_dtype,
+            "kv_dtype": self.kv_dtype or kv_dtype_for(self.device, model_dtype),
+        }
         why = dict(self.why)
         if dtype_reason is not None:
             why["dtype"] = dtype_reason
@@ -133,7 +168,11 @@ class Config:
                 options.pop("kv_memory")
             else:
                 options["kv_memory"], why["kv_memory"] = budget.bytes, budget.reason
-        if "kv_dtype" in options and options["kv_dtype"] is not None and not isinstance(options["kv_dtype"], torch.dtype):
+        if (
+            "kv_dtype" in options
+            and options["kv_dtype"] is not None
+            and not isinstance(options["kv_dtype"], torch.dtype)
+        ):
             options["kv_dtype"] = _option("--kv-dtype", choose_dtype, options["kv_dtype"], self.device).dtype
         return dataclasses.replace(self, **options, why=why)
 
@@ -177,7 +216,10 @@ def _kv_budget(spec: str | int, device: str):
 
         total = psutil.virtual_memory().total
         if budget.bytes > total:
-            raise OptionError("--kv-memory", f"{human_bytes(budget.bytes)} is more than this machine's memory "
-                                             f"({human_bytes(total)}); on the CPU the budget is a cap used as "
-                                             "chunks fill, so give at most that")
+            raise OptionError(
+                "--kv-memory",
+                f"{human_bytes(budget.bytes)} is more than this machine's memory "
+                f"({human_bytes(total)}); on the CPU the budget is a cap used as "
+                "chunks fill, so give at most that",
+            )
     return budget

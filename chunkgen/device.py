@@ -4,6 +4,7 @@ together, and the guard that keeps a step's work on that device.
 The choices are pure functions of what is passed in (is there a GPU, are the CUDA kernels built,
 how much memory is free), so they are tested without a GPU; `detect()` and `free_bytes()` ask torch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +37,7 @@ class DeviceChoice:
 @dataclass(frozen=True)
 class Accelerator:
     """What the machine offers: a CUDA GPU torch can use, chunkgen's CUDA kernels, the current GPU."""
+
     cuda: bool
     cuda_kernels: bool
     current: int = 0
@@ -61,19 +63,35 @@ def choose_device(name: str, found: Accelerator) -> DeviceChoice:
         if found.cuda and found.cuda_kernels:
             return DeviceChoice(f"cuda:{found.current}", "auto: a CUDA GPU and chunkgen's CUDA kernels")
         if found.cuda:
-            return DeviceChoice("cpu", "auto: torch sees a GPU but chunkgen was built without its CUDA kernels "
-                                       "(CHUNKGEN_CUDA=1 at install)")
+            return DeviceChoice(
+                "cpu",
+                "auto: torch sees a GPU but chunkgen was built without its CUDA kernels (CHUNKGEN_CUDA=1 at install)",
+            )
         return DeviceChoice("cpu", "auto: no CUDA GPU")
     if name == "cpu":
         return DeviceChoice("cpu", "as asked")
     if not (found.cuda and found.cuda_kernels):
-        raise ValueError(f"--device {name} needs a CUDA GPU, a CUDA build of torch and chunkgen built with its "
-                         "CUDA kernels (CHUNKGEN_CUDA=1 at install)")
+        raise ValueError(
+            f"--device {name} needs a CUDA GPU, a CUDA build of torch and chunkgen built with its "
+            "CUDA kernels (CHUNKGEN_CUDA=1 at install)"
+        )
     return DeviceChoice(name if ":" in name else f"cuda:{found.current}", "as asked")
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str | int) -> int:
@@ -100,8 +118,10 @@ def choose_kv_memory(spec: str | int, device: str, free: int | None = None) -> K
         if device.startswith("cuda"):
             if free is None:
                 raise ValueError("kv_memory auto on a GPU needs the free GPU memory")
-            return KVBudget(int(free * GPU_KV_FRACTION),
-                            f"auto: {GPU_KV_FRACTION:.0%} of the {_gib(free)} GPU memory free after the weights")
+            return KVBudget(
+                int(free * GPU_KV_FRACTION),
+                f"auto: {GPU_KV_FRACTION:.0%} of the {_gib(free)} GPU memory free after the weights",
+            )
         return KVBudget(CPU_KV_MEMORY, f"auto: {_gib(CPU_KV_MEMORY)} on the CPU, used as chunks fill")
     return KVBudget(parse_bytes(spec), "as asked")
 
@@ -170,8 +190,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def on_model_device(method: F) -> F:
     """Runs a method of an object that has `.model.device` under that device's guard."""
+
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         with device_guard(self.model.device):
             return method(self, *args, **kwargs)
+
     return guarded  # type: ignore[return-value]

@@ -1,6 +1,7 @@
 """The `chunkgen` command's entry point: an interrupt while the command line's modules are still
 being imported (torch takes seconds) ends in one line, as it does once the command runs, and one
 that comes while the process exits changes nothing."""
+
 from __future__ import annotations
 
 import signal

@@ -1,4 +1,5 @@
 """The Python API (the CLI uses it too): LLM(...).generate(prompts, SamplingParams(...))."""
+
 from __future__ import annotations
 
 import re
@@ -13,6 +14,7 @@ from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf
 
 Prompt = str | list[dict[str, str]] | list[int]
+
 
 def _control_strings(tokenizer) -> tuple[str, ...]:
     """Texts the tokenizer turns into control tokens (<|im_start|>, </s>, ...)."""
@@ -113,7 +115,9 @@ class LLM:
             self.model = LlamaModel(hf_model)
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
             free = free_bytes(dev) if dev.startswith("cuda") else None
-            self.config = config.loaded(self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None)
+            self.config = config.loaded(
+                self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None
+            )
         self._kv: KVReservation | None = None
         self.engine = self.new_engine()
 
@@ -142,9 +146,17 @@ class LLM:
         if self._kv is None:
             base = self.config
             with device_guard(self.device):
-                self._kv = KVReservation(ChunkPool(
-                    self.model.num_layers, self.model.kv_heads, self.model.head_dim, base.chunk_size,
-                    base.kv_dtype, base.kv_memory, device=self.model.device))
+                self._kv = KVReservation(
+                    ChunkPool(
+                        self.model.num_layers,
+                        self.model.kv_heads,
+                        self.model.head_dim,
+                        base.chunk_size,
+                        base.kv_dtype,
+                        base.kv_memory,
+                        device=self.model.device,
+                    )
+                )
         shared = self._kv if self._kv.fits(cfg.chunk_size, cfg.kv_dtype, cfg.kv_memory) else None
         return Engine(self.model, self.tokenizer, cfg, kv=shared)
 
@@ -155,7 +167,9 @@ class LLM:
         """Results in completion order, as soon as each finishes."""
         return self.engine.stream(requests)
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Result]:
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Result]:
         """Results in input order."""
         params = params or SamplingParams()
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -25,12 +25,12 @@
 namespace chunkgen {
 
 double fma_peak_gflops(int64_t iters);
-void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const torch::Tensor& slots,
-               int64_t n, torch::Tensor k_out, torch::Tensor v_out);
+void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const torch::Tensor& slots, int64_t n,
+               torch::Tensor k_out, torch::Tensor v_out);
 
 #ifdef CHUNKGEN_WITH_CUDA
-void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows,
-                               float* part_o, float* part_m, float* part_l, void* stream);
+void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o,
+                               float* part_m, float* part_l, void* stream);
 #endif
 
 namespace {
@@ -45,10 +45,14 @@ void check_index_tensor(const torch::Tensor& t, const char* name, const torch::D
 
 KVType kv_type_of(const torch::Tensor& t) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return KVType::F32;
-    case torch::kBFloat16: return KVType::BF16;
-    case torch::kFloat16: return KVType::F16;
-    default: TORCH_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
+    case torch::kFloat32:
+      return KVType::F32;
+    case torch::kBFloat16:
+      return KVType::BF16;
+    case torch::kFloat16:
+      return KVType::F16;
+    default:
+      TORCH_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
 
@@ -60,9 +64,8 @@ struct ContextArgs {
 };
 
 // Builds the kernel problem for q and one layer of the pool (k, v: [slots, kv_heads, ...]).
-DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           const ContextArgs& c, const torch::Tensor& out, double scale,
-                           bool chunk_first) {
+DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const ContextArgs& c,
+                           const torch::Tensor& out, double scale, bool chunk_first) {
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be [batch, q_heads, head_dim], got ", q.sizes());
   // q and out are fp32, or the pool's dtype (the model's): the kernel reads and writes them as they
   // are, with fp32 softmax statistics and sums inside.
@@ -71,25 +74,23 @@ DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const
   TORCH_CHECK_VALUE(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK_VALUE(k.dim() == 4 && v.dim() == 4,
                     "k must be [slots, kv_heads, head_dim, chunk] and v [slots, kv_heads, chunk, "
-                    "head_dim]; got k ", k.sizes(), " v ", v.sizes());
+                    "head_dim]; got k ",
+                    k.sizes(), " v ", v.sizes());
   TORCH_CHECK_VALUE(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous");
   TORCH_CHECK_TYPE(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
-  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(),
-                    "q, k and v must be on one device");
+  TORCH_CHECK_VALUE(k.device() == q.device() && v.device() == q.device(), "q, k and v must be on one device");
   const int64_t B = q.size(0), Hq = q.size(1), d = q.size(2);
   const int64_t slots = k.size(0), Hk = k.size(1), C = k.size(3);
-  TORCH_CHECK_VALUE(k.size(2) == d && v.size(3) == d, "head_dim mismatch: q ", d, ", k ", k.size(2),
-                    ", v ", v.size(3));
-  TORCH_CHECK_VALUE(v.size(0) == slots && v.size(1) == Hk && v.size(2) == C,
-                    "k and v describe different pools: k ", k.sizes(), " v ", v.sizes());
-  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0, "q_heads (", Hq, ") must be a multiple of kv_heads (",
-                    Hk, ")");
+  TORCH_CHECK_VALUE(k.size(2) == d && v.size(3) == d, "head_dim mismatch: q ", d, ", k ", k.size(2), ", v ", v.size(3));
+  TORCH_CHECK_VALUE(v.size(0) == slots && v.size(1) == Hk && v.size(2) == C, "k and v describe different pools: k ",
+                    k.sizes(), " v ", v.sizes());
+  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0, "q_heads (", Hq, ") must be a multiple of kv_heads (", Hk, ")");
   TORCH_CHECK_VALUE(d % 16 == 0 && d > 0, "head_dim must be a positive multiple of 16, got ", d);
   TORCH_CHECK_VALUE(C % 16 == 0 && C > 0, "chunk size must be a positive multiple of 16, got ", C);
   TORCH_CHECK_VALUE(out.sizes() == q.sizes() && out.is_contiguous() && out.device() == q.device(),
                     "out must be a contiguous tensor shaped like q on q's device");
-  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "out must have q's dtype (", q.scalar_type(),
-                   "), got ", out.scalar_type());
+  TORCH_CHECK_TYPE(out.scalar_type() == q.scalar_type(), "out must have q's dtype (", q.scalar_type(), "), got ",
+                   out.scalar_type());
 
   const auto dev = q.device();
   check_index_tensor(c.shared_slot, "shared_slot", dev);
@@ -106,8 +107,8 @@ DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const
   TORCH_CHECK_VALUE(c.shared_len.numel() == S && c.shared_begin.numel() == S && c.shared_end.numel() == S,
                     "shared_* arrays must have one entry per shared chunk");
   TORCH_CHECK_VALUE(c.part_off.numel() == S + 1, "part_off must have one entry per shared chunk, plus one");
-  TORCH_CHECK_VALUE(c.seq_shared_ptr.numel() == B + 1, "seq_shared_ptr must have batch + 1 (", B + 1,
-                    ") entries, got ", c.seq_shared_ptr.numel());
+  TORCH_CHECK_VALUE(c.seq_shared_ptr.numel() == B + 1, "seq_shared_ptr must have batch + 1 (", B + 1, ") entries, got ",
+                    c.seq_shared_ptr.numel());
   TORCH_CHECK_VALUE(c.priv_slot.dim() == 2 && c.priv_slot.size(0) == B,
                     "priv_slot must be [batch, max_private_chunks], got ", c.priv_slot.sizes());
   TORCH_CHECK_VALUE(c.priv_count.numel() == B && c.priv_last_len.numel() == B,
@@ -146,8 +147,7 @@ DecodeProblem make_problem(const torch::Tensor& q, const torch::Tensor& k, const
 void check_range(const torch::Tensor& t, int64_t n, int64_t lo, int64_t hi, const char* name) {
   const int32_t* p = t.data_ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK_VALUE(p[i] >= lo && p[i] < hi, name, "[", i, "] = ", p[i], " is outside [", lo, ", ",
-                      hi, ")");
+    TORCH_CHECK_VALUE(p[i] >= lo && p[i] < hi, name, "[", i, "] = ", p[i], " is outside [", lo, ", ", hi, ")");
 }
 
 void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torch::Tensor shared_len,
@@ -155,8 +155,8 @@ void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torc
                    torch::Tensor seq_shared_ptr, torch::Tensor seq_shared_idx, torch::Tensor priv_slot,
                    torch::Tensor priv_count, torch::Tensor priv_last_len) {
   const torch::Device cpu(torch::kCPU);
-  for (auto* t : {&shared_slot, &shared_len, &shared_begin, &shared_end, &part_off, &seq_shared_ptr,
-                  &seq_shared_idx, &priv_slot, &priv_count, &priv_last_len})
+  for (auto* t : {&shared_slot, &shared_len, &shared_begin, &shared_end, &part_off, &seq_shared_ptr, &seq_shared_idx,
+                  &priv_slot, &priv_count, &priv_last_len})
     check_index_tensor(*t, "kernel context array", cpu);
   const int64_t S = shared_slot.numel(), B = priv_count.numel(), C = chunk;
   TORCH_CHECK_VALUE(seq_shared_ptr.numel() == B + 1 && priv_last_len.numel() == B && priv_slot.dim() == 2 &&
@@ -174,20 +174,17 @@ void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torc
   TORCH_CHECK_VALUE(po[0] == 0, "part_off must start at 0");
   for (int64_t c = 0; c < S; ++c) {
     TORCH_CHECK_VALUE(sb[c] <= se[c], "shared chunk ", c, " covers rows [", sb[c], ", ", se[c], ")");
-    TORCH_CHECK_VALUE(po[c + 1] == po[c] + se[c] - sb[c], "part_off[", c + 1,
-                      "] must add shared chunk ", c, "'s rows to part_off[", c, "]");
+    TORCH_CHECK_VALUE(po[c + 1] == po[c] + se[c] - sb[c], "part_off[", c + 1, "] must add shared chunk ", c,
+                      "'s rows to part_off[", c, "]");
     if (sb[c] == se[c]) continue;  // an unused entry: no row reads it
-    TORCH_CHECK_VALUE(ss[c] >= 0 && ss[c] < slots, "shared_slot[", c, "] = ", ss[c], " is outside [0, ",
-                      slots, ")");
+    TORCH_CHECK_VALUE(ss[c] >= 0 && ss[c] < slots, "shared_slot[", c, "] = ", ss[c], " is outside [0, ", slots, ")");
     // A shared chunk without tokens would be a softmax over no scores (NaN): the tree never shares one.
-    TORCH_CHECK_VALUE(sl[c] >= 1 && sl[c] <= C, "shared_len[", c, "] = ", sl[c], " is outside [1, ",
-                      C + 1, ")");
+    TORCH_CHECK_VALUE(sl[c] >= 1 && sl[c] <= C, "shared_len[", c, "] = ", sl[c], " is outside [1, ", C + 1, ")");
   }
   const int32_t* ptr = seq_shared_ptr.data_ptr<int32_t>();
   TORCH_CHECK_VALUE(ptr[0] == 0 && ptr[B] <= seq_shared_idx.numel(),
                     "seq_shared_ptr must run from 0 to at most len(seq_shared_idx)");
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK_VALUE(ptr[b] <= ptr[b + 1], "seq_shared_ptr must be non-decreasing");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK_VALUE(ptr[b] <= ptr[b + 1], "seq_shared_ptr must be non-decreasing");
   check_range(seq_shared_idx, ptr[B], 0, S, "seq_shared_idx");
   const int32_t* pc = priv_count.data_ptr<int32_t>();
   const int32_t* ps = priv_slot.data_ptr<int32_t>();
@@ -202,8 +199,8 @@ void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torc
   for (int64_t b = 0; b < B; ++b)
     for (int32_t i = ptr[b]; i < ptr[b + 1]; ++i) {
       const int32_t c = idx[i];
-      TORCH_CHECK_VALUE(sb[c] <= b && b < se[c], "row ", b, " lists shared chunk ", c,
-                        ", which covers rows [", sb[c], ", ", se[c], ")");
+      TORCH_CHECK_VALUE(sb[c] <= b && b < se[c], "row ", b, " lists shared chunk ", c, ", which covers rows [", sb[c],
+                        ", ", se[c], ")");
     }
 }
 
@@ -212,10 +209,10 @@ void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torc
 void check_write(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_layer,
                  const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
   const int64_t rows = k.size(0);
-  TORCH_CHECK_VALUE(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_layer.size(1) &&
-                        k.size(2) == k_layer.size(2),
-                    "k and v must be [rows, kv_heads, head_dim] of the pool's heads; got k ", k.sizes(),
-                    " v ", v.sizes(), ", pool ", k_layer.sizes());
+  TORCH_CHECK_VALUE(
+      k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_layer.size(1) && k.size(2) == k_layer.size(2),
+      "k and v must be [rows, kv_heads, head_dim] of the pool's heads; got k ", k.sizes(), " v ", v.sizes(), ", pool ",
+      k_layer.sizes());
   TORCH_CHECK_TYPE(k.scalar_type() == v.scalar_type(), "k and v must share a dtype");
   TORCH_CHECK_VALUE(k.device() == k_layer.device() && v.device() == k_layer.device(),
                     "k and v must be on the pool's device");
@@ -273,7 +270,8 @@ std::tuple<torch::Tensor, torch::Tensor> prefill_attention(torch::Tensor q, torc
                                                            c10::optional<torch::Tensor> mask) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                     "q must be [batch, q_heads, q_len, head_dim] and k, v [batch, kv_heads, kv_len, head_dim]; "
-                    "got q ", q.sizes(), " k ", k.sizes(), " v ", v.sizes());
+                    "got q ",
+                    q.sizes(), " k ", k.sizes(), " v ", v.sizes());
   for (const auto* t : {&q, &k, &v}) {
     TORCH_CHECK_TYPE(t->scalar_type() == torch::kBFloat16, "q, k and v must be bfloat16, got ", t->scalar_type());
     TORCH_CHECK_VALUE(t->device().is_cpu(), "q, k and v must be CPU tensors, got ", t->device());
@@ -293,9 +291,9 @@ std::tuple<torch::Tensor, torch::Tensor> prefill_attention(torch::Tensor q, torc
     torch::Tensor& m = *mask;
     TORCH_CHECK_TYPE(m.scalar_type() == torch::kBFloat16, "mask must be bfloat16 (q's dtype), got ", m.scalar_type());
     TORCH_CHECK_VALUE(m.device().is_cpu(), "mask must be a CPU tensor, got ", m.device());
-    TORCH_CHECK_VALUE(m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == T &&
-                          m.size(3) == S,
-                      "mask must be [", B, " or 1, 1, ", T, ", ", S, "], got ", m.sizes());
+    TORCH_CHECK_VALUE(
+        m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) && m.size(1) == 1 && m.size(2) == T && m.size(3) == S,
+        "mask must be [", B, " or 1, 1, ", T, ", ", S, "], got ", m.sizes());
     if (m.stride(3) != 1) m = m.contiguous();
     p.mask = reinterpret_cast<const uint16_t*>(m.data_ptr());
     p.mask_stride[0] = m.size(0) == 1 ? 0 : m.stride(0);
@@ -322,33 +320,33 @@ std::tuple<torch::Tensor, torch::Tensor> prefill_attention(torch::Tensor q, torc
   if (B * Hq * T > 0)
     TORCH_CHECK_VALUE(prefill_attention_cpu(p),
                       "the prefill attention kernel needs AMX or AVX512_BF16 (in this build and this CPU); "
-                      "cpu_kernel_isa() is ", cpu_kernel_isa());
+                      "cpu_kernel_isa() is ",
+                      cpu_kernel_isa());
   return {out.transpose(1, 2), lse.transpose(1, 2)};
 }
 
 // ---- the op ---------------------------------------------------------------------------------
 
-void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t layer,
-                         const torch::Tensor& write_slot, const torch::Tensor& write_offset,
-                         const torch::Tensor& shared_slot, const torch::Tensor& shared_len,
-                         const torch::Tensor& shared_begin, const torch::Tensor& shared_end,
-                         const torch::Tensor& part_off, const torch::Tensor& seq_shared_ptr,
-                         const torch::Tensor& seq_shared_idx, const torch::Tensor& priv_slot,
-                         const torch::Tensor& priv_count, const torch::Tensor& priv_last_len,
-                         torch::Tensor& workspace, torch::Tensor& out, double scale, bool chunk_first,
-                         int64_t window, double softcap) {
+void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                         torch::Tensor& v_cache, int64_t layer, const torch::Tensor& write_slot,
+                         const torch::Tensor& write_offset, const torch::Tensor& shared_slot,
+                         const torch::Tensor& shared_len, const torch::Tensor& shared_begin,
+                         const torch::Tensor& shared_end, const torch::Tensor& part_off,
+                         const torch::Tensor& seq_shared_ptr, const torch::Tensor& seq_shared_idx,
+                         const torch::Tensor& priv_slot, const torch::Tensor& priv_count,
+                         const torch::Tensor& priv_last_len, torch::Tensor& workspace, torch::Tensor& out, double scale,
+                         bool chunk_first, int64_t window, double softcap) {
   TORCH_CHECK_VALUE(window >= 0 && window <= std::numeric_limits<int>::max(),
                     "window must be 0 (full attention) or a positive number of positions, got ", window);
   TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be 0 (none) or positive, got ", softcap);
   TORCH_CHECK_VALUE(k_cache.dim() == 5 && v_cache.dim() == 5,
-                    "k_cache and v_cache must be the whole pool, [layers, slots, ...]; got ",
-                    k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK_VALUE(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " is outside the pool's ",
-                    k_cache.size(0), " layers");
+                    "k_cache and v_cache must be the whole pool, [layers, slots, ...]; got ", k_cache.sizes(), " and ",
+                    v_cache.sizes());
+  TORCH_CHECK_VALUE(layer >= 0 && layer < k_cache.size(0), "layer ", layer, " is outside the pool's ", k_cache.size(0),
+                    " layers");
   auto k_layer = k_cache.select(0, layer), v_layer = v_cache.select(0, layer);
-  const ContextArgs ctx{shared_slot, shared_len,     shared_begin, shared_end, part_off,
-                        seq_shared_ptr, seq_shared_idx, priv_slot, priv_count, priv_last_len};
+  const ContextArgs ctx{shared_slot,    shared_len,     shared_begin, shared_end, part_off,
+                        seq_shared_ptr, seq_shared_idx, priv_slot,    priv_count, priv_last_len};
   DecodeProblem p = make_problem(q, k_layer, v_layer, ctx, out, scale, chunk_first);
   p.window = static_cast<int>(window);
   p.softcap = static_cast<float>(softcap);
@@ -376,9 +374,9 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   // Grids are sized by capacity (every shared entry, every row of the batch); unused entries cover
   // no rows and padded rows read no chunk, so nothing here depends on the tree's live values.
   const int64_t rows_cap = workspace.numel() / (p.q_heads * (p.head_dim + 2));
-  TORCH_CHECK_VALUE(workspace.scalar_type() == torch::kFloat32 && workspace.is_contiguous() &&
-                        workspace.device() == q.device(),
-                    "workspace must be a contiguous float32 tensor on q's device");
+  TORCH_CHECK_VALUE(
+      workspace.scalar_type() == torch::kFloat32 && workspace.is_contiguous() && workspace.device() == q.device(),
+      "workspace must be a contiguous float32 tensor on q's device");
   float* part_o = workspace.data_ptr<float>();
   float* part_m = part_o + rows_cap * p.q_heads * p.head_dim;
   float* part_l = part_m + rows_cap * p.q_heads;
@@ -406,10 +404,12 @@ TORCH_LIBRARY(chunkgen, m) {
       "Tensor priv_count, Tensor priv_last_len, Tensor(c!) workspace, Tensor(d!) out, float scale, "
       "bool chunk_first, int window=0, float softcap=0.0) -> ()");
   // The decode forward's elementwise work, fused (csrc/elementwise.h says what each one rounds where).
-  m.def("add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out, "
-        "bool offset=False) -> ()");
-  m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
-        "Tensor(b!) q_out, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool offset_norm=False) -> ()");
+  m.def(
+      "add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out, "
+      "bool offset=False) -> ()");
+  m.def(
+      "rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
+      "Tensor(b!) q_out, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool offset_norm=False) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("gelu_tanh_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.
@@ -444,13 +444,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "chunkgen native kernels: two-phase partition decode attention (torch.ops.chunkgen)";
   m.def("check_context", &chunkgen::check_context,
         "Full check of a kernel context's index arrays (host tensors) against a pool's slots and chunk size",
-        py::arg("slots"), py::arg("chunk"), py::arg("shared_slot"), py::arg("shared_len"),
-        py::arg("shared_begin"), py::arg("shared_end"), py::arg("part_off"), py::arg("seq_shared_ptr"),
-        py::arg("seq_shared_idx"), py::arg("priv_slot"), py::arg("priv_count"), py::arg("priv_last_len"));
+        py::arg("slots"), py::arg("chunk"), py::arg("shared_slot"), py::arg("shared_len"), py::arg("shared_begin"),
+        py::arg("shared_end"), py::arg("part_off"), py::arg("seq_shared_ptr"), py::arg("seq_shared_idx"),
+        py::arg("priv_slot"), py::arg("priv_count"), py::arg("priv_last_len"));
   m.def("gather_kv", &chunkgen::gather_kv,
         "Dense K, V [kv_heads, n, head_dim] (into k_out, v_out) of the first n tokens along a path of slots of "
-        "one CPU pool layer", py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n"),
-        py::arg("k_out"), py::arg("v_out"));
+        "one CPU pool layer",
+        py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n"), py::arg("k_out"), py::arg("v_out"));
   m.def("write_kv", &chunkgen::write_kv_checked,
         "Store rows of k, v [rows, kv_heads, head_dim] at (write_slot, write_offset) (int32) of one pool layer",
         py::arg("k"), py::arg("v"), py::arg("k_layer"), py::arg("v_layer"), py::arg("write_slot"),

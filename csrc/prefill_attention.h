@@ -14,8 +14,8 @@ struct PrefillProblem {
   // Additive bf16 mask [B (or 1: stride 0), 1, T, S] (null: none); -inf hides a key.
   const uint16_t* mask = nullptr;
   int64_t mask_stride[2] = {0, 0};  // batch, query
-  uint16_t* out;  // [B, T, Hq, d] contiguous, bf16
-  float* lse;     // [B, T, Hq] contiguous: natural-log log-sum-exp of the scaled, masked scores
+  uint16_t* out;                    // [B, T, Hq, d] contiguous, bf16
+  float* lse;                       // [B, T, Hq] contiguous: natural-log log-sum-exp of the scaled, masked scores
   int batch, q_heads, kv_heads, q_len, kv_len, head_dim;
   float scale;
   // Query i sees keys 0..kv_len - q_len + i (the last query aligned with the last key).

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random-weight Llama with a sentencepiece tokenizer trained on the
 shipped prompts (built once per session), and the real default model for the few tests that need it."""
+
 from __future__ import annotations
 
 import json
@@ -31,14 +32,28 @@ def _train_tokenizer(out: Path) -> None:
     texts = [f.read_text().split("\n[output]")[0] for f in files]
     lines = [l for t in texts for l in t.splitlines() if l.strip()]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_prefix=str(out / "tokenizer"), vocab_size=400,
-        model_type="bpe", character_coverage=1.0, byte_fallback=True,
-        user_defined_symbols=["<|im_start|>", "<|im_end|>"], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        sentence_iterator=iter(lines),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
         minloglevel=2,
     )
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "chat_template": CHAT_TEMPLATE, "add_bos_token": True,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "chat_template": CHAT_TEMPLATE,
+                "add_bos_token": True,
+            }
+        )
+    )
 
 
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
@@ -47,15 +62,25 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(out)
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                  initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0))
     else:  # Qwen2: attention bias, tied embeddings, linear rope scaling
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True,
-                                             rope_scaling={"rope_type": "linear", "factor": 2.0}))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(**common, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0})
+        )
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

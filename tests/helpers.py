@@ -1,6 +1,7 @@
 """What more than one test module uses: running the command line in-process, reading records, the
 random trees and kernel paths of the attention tests, parity with transformers, and the op log of a
 decode step."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 from chunkgen.cli import app
 import io
-from chunkgen.jobs.requests import (read_rows)
+from chunkgen.jobs.requests import read_rows
 from chunkgen.jobs.templates import load_template
 import contextlib
 import random
@@ -44,8 +45,7 @@ def cpu_paths() -> list[str]:
         if old is not None:
             os.environ["CHUNKGEN_CPU_ISA"] = old
     order = ["amx", "avx512_bf16"]
-    return [p for p in order[order.index(best):]] + [fp32] if best in order else [fp32]
-
+    return [p for p in order[order.index(best) :]] + [fp32] if best in order else [fp32]
 
 
 class OpLog(TorchDispatchMode):
@@ -69,10 +69,29 @@ def run_cli(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
 
-def base_args(tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"):
-    return ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
-            "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet",
-            "--max-new-tokens", "12", "--dtype", "fp32"]  # fp32: answers that compare across runs
+def base_args(
+    tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"
+):
+    return [
+        "run",
+        "--template",
+        str(template),
+        "--queries",
+        str(queries),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--quiet",
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "fp32",
+    ]  # fp32: answers that compare across runs
 
 
 def rows_of(*lines: str | bytes) -> list:
@@ -166,7 +185,7 @@ def hf_greedy(model_dir, prompts_ids, max_new_tokens):
     outs = []
     for ids in prompts_ids:
         gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-        outs.append(gen[0, len(ids):].tolist())
+        outs.append(gen[0, len(ids) :].tolist())
     return hf, outs
 
 
@@ -175,8 +194,11 @@ def assert_parity(hf, prompt_ids, ours, theirs, top=3):
     other side's top few), as vLLM's tests accept; never a gross mismatch."""
     if ours == theirs:
         return
-    i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b) if any(
-        a != b for a, b in zip(ours, theirs)) else min(len(ours), len(theirs))
+    i = (
+        next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+        if any(a != b for a, b in zip(ours, theirs))
+        else min(len(ours), len(theirs))
+    )
     assert i < min(len(ours), len(theirs)), f"lengths differ without a divergence: {ours} vs {theirs}"
     device = next(hf.parameters()).device
     logits = hf(torch.tensor([prompt_ids + theirs[:i]], device=device)).logits[0, -1]
@@ -191,8 +213,12 @@ def host_work(calls: list[tuple]) -> dict[str, list[str]]:
     return {
         "syncs": [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")],
         "nonzero": [n for n in names if "nonzero" in n or "masked_select" in n or "unique" in n],
-        "bool_index": [str(f) for f, a, k in calls if str(f).startswith(("aten.index.", "aten.index_put"))
-                       and any(t.dtype == torch.bool for t in tensors_of(a[1:2]))],
+        "bool_index": [
+            str(f)
+            for f, a, k in calls
+            if str(f).startswith(("aten.index.", "aten.index_put"))
+            and any(t.dtype == torch.bool for t in tensors_of(a[1:2]))
+        ],
         "from_python": [n for n in names if "lift_fresh" in n or "scalar_tensor" in n],
     }
 
@@ -206,12 +232,22 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # 
 
 
 QUESTIONS = [
-    "How many people does the authority supply?", "What is the design capacity of the works?",
-    "How often are reservoirs inspected?", "What was leakage in 2023?", "Who closes the incident log?",
-    "How long are records kept?", "What is the chlorine target?", "How many pumping stations are there?",
-    "When do the large pumps run?", "How big is the solar farm?", "What is the pressure range?",
-    "How many sampling taps are there?", "What triggers an incident?", "Where do the boreholes lie?",
-    "What is the largest reservoir?", "How much notice is given before an interruption?",
+    "How many people does the authority supply?",
+    "What is the design capacity of the works?",
+    "How often are reservoirs inspected?",
+    "What was leakage in 2023?",
+    "Who closes the incident log?",
+    "How long are records kept?",
+    "What is the chlorine target?",
+    "How many pumping stations are there?",
+    "When do the large pumps run?",
+    "How big is the solar farm?",
+    "What is the pressure range?",
+    "How many sampling taps are there?",
+    "What triggers an incident?",
+    "Where do the boreholes lie?",
+    "What is the largest reservoir?",
+    "How much notice is given before an interruption?",
 ]
 
 

@@ -1,5 +1,6 @@
 """The device choices (auto, cuda:N, the KV budget), the device guard, one KV reservation per LLM
 and random-weight models from a config: everything that does not need a GPU to be checked."""
+
 from __future__ import annotations
 
 import contextlib
@@ -89,6 +90,7 @@ class _Recorder:
                 yield
             finally:
                 self.current = before
+
         return guard()
 
 
@@ -190,11 +192,22 @@ def test_an_engine_with_requests_keeps_the_reservation(tiny_llm):
 
 
 # -- random weights from a config ---------------------------------------------------------------
-TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "vocab_size": 500, "max_position_embeddings": 2048,
-               "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-               "torch_dtype": "bfloat16"}
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 500,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 
 
 @pytest.fixture
@@ -205,8 +218,10 @@ def tiny_config(tmp_path):
 
 
 def test_shipped_configs_have_the_models_shapes():
-    sizes = {name: sum(p.numel() for p in dummy._skeleton(dummy.load_config(name), torch.bfloat16).parameters())
-             for name in dummy.SHIPPED}
+    sizes = {
+        name: sum(p.numel() for p in dummy._skeleton(dummy.load_config(name), torch.bfloat16).parameters())
+        for name in dummy.SHIPPED
+    }
     assert round(sizes["smollm2-135m"] / 1e6) == 135
     assert round(sizes["llama-3.2-1b"] / 1e9, 2) == 1.24
     assert round(sizes["llama-2-7b"] / 1e9, 2) == 6.74
@@ -254,9 +269,28 @@ def test_a_vocabulary_no_tokenizer_fits_runs_on_token_ids(tiny_config):
 
 def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_config, tmp_path):
     out = tmp_path / "rows.json"
-    res = runner.invoke(app, ["bench", "e2e", "--dummy-weights", str(tiny_config), "--dtype", "fp32",
-                              "--n-shared", "80", "--n-queries", "3", "--max-new-tokens", "6",
-                              "--systems", "hf,chunkgen", "--json", str(out)], catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            str(tiny_config),
+            "--dtype",
+            "fp32",
+            "--n-shared",
+            "80",
+            "--n-queries",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--systems",
+            "hf,chunkgen",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert "device cpu (" in res.output and "KV budget 8.0 GiB (as asked)" in res.output
     rows = {r["system"]: r for r in json.loads(out.read_text())}
@@ -266,10 +300,32 @@ def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_conf
 
 def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, tmp_path):
     out = tmp_path / "rows.json"
-    res = runner.invoke(app, ["bench", "e2e", "--dummy-weights", str(tiny_config), "--dtype", "fp32",
-                              "--n-shared", "40", "--n-queries", "3", "--max-new-tokens", "3", "--repeat", "2",
-                              "--systems", "chunkgen", "--max-batch", "auto,2", "--json", str(out)],
-                        catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            str(tiny_config),
+            "--dtype",
+            "fp32",
+            "--n-shared",
+            "40",
+            "--n-queries",
+            "3",
+            "--max-new-tokens",
+            "3",
+            "--repeat",
+            "2",
+            "--systems",
+            "chunkgen",
+            "--max-batch",
+            "auto,2",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     rows = {r["max_batch"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"auto", "2"} and rows["auto"]["peak_batch"] == 3 and rows["2"]["peak_batch"] == 2
@@ -292,9 +348,30 @@ def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_
     assert rss.peak - start <= estimate  # the memory check does not under-estimate
     assert not getattr(llm.tokenizer, "ids_only", False) and llm.model.dtype == torch.bfloat16
     out = tmp_path / "rows.json"
-    res = runner.invoke(app, ["bench", "e2e", "--dummy-weights", "smollm2-135m", "--dtype", "bf16", "--device", "cpu",
-                              "--n-shared", "64", "--n-queries", "2", "--max-new-tokens", "3",
-                              "--systems", "chunkgen_paged,chunkgen", "--json", str(out)], catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            "smollm2-135m",
+            "--dtype",
+            "bf16",
+            "--device",
+            "cpu",
+            "--n-shared",
+            "64",
+            "--n-queries",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--systems",
+            "chunkgen_paged,chunkgen",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     rows = json.loads(out.read_text())
     assert [r["system"] for r in rows] == ["chunkgen_paged", "chunkgen"] and all(r["dtype"] == "bf16" for r in rows)
@@ -312,10 +389,28 @@ def test_bench_e2e_refuses_weights_that_do_not_fit(monkeypatch):
 # -- what the run says ---------------------------------------------------------------------------
 def test_the_run_summary_names_the_device_and_the_kv_budget(tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
-    res = runner.invoke(app, ["run", "-t", str(PROMPTS / "arithmetic_cot.toml"),
-                              "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"), "-o", str(out),
-                              "--model", str(tiny_model), "--chunk-size", "16", "--max-new-tokens", "2",
-                              "--dtype", "fp32", "--json-log"], catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "-t",
+            str(PROMPTS / "arithmetic_cot.toml"),
+            "-q",
+            str(PROMPTS / "arithmetic_cot.queries.jsonl"),
+            "-o",
+            str(out),
+            "--model",
+            str(tiny_model),
+            "--chunk-size",
+            "16",
+            "--max-new-tokens",
+            "2",
+            "--dtype",
+            "fp32",
+            "--json-log",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads([l for l in res.output.splitlines() if '"summary"' in l][-1])
     want = choose_device("auto", devmod.detect())

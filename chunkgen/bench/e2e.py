@@ -5,6 +5,7 @@ system, all systems measured in one process one after the other.
 `chunkgen_schema` is chunkgen with every answer constrained to a JSON array of the shipped
 tool-dispatcher's function calls, long enough that no answer can end before max_new_tokens: the
 same number of tokens as `chunkgen`, each step paying for a real schema's token masks."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,9 @@ def build_workload(llm: LLM, n_shared: int, n_queries: int, max_new_tokens: int)
     shared = (base * (n_shared // len(base) + 1))[:n_shared]
     prompts = []
     for i in range(n_queries):
-        q = llm.tokenizer(f"\nQuestion {i + 1}: what is {3 * i + 7} times {i + 2}, and why?\nAnswer:",
-                          add_special_tokens=False)["input_ids"]
+        q = llm.tokenizer(
+            f"\nQuestion {i + 1}: what is {3 * i + 7} times {i + 2}, and why?\nAnswer:", add_special_tokens=False
+        )["input_ids"]
         prompts.append(shared + q)
     return Workload(n_shared, prompts, max_new_tokens)
 
@@ -122,20 +124,39 @@ def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
     clock = _FirstTokenClock()
     with PeakRSS() as rss, torch.inference_mode():
         t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=work.max_new_tokens,
-                          min_new_tokens=work.max_new_tokens, do_sample=False, streamer=clock,
-                          pad_token_id=pad)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=work.max_new_tokens,
+            min_new_tokens=work.max_new_tokens,
+            do_sample=False,
+            streamer=clock,
+            pad_token_id=pad,
+        )
         wall = time.perf_counter() - t0
     gen = out[:, width:].tolist()
     n_gen = sum(len(g) for g in gen)
     layers, kv_heads, head_dim = kv_shape(hf.config)
     # The dense cache generate() grows: every row padded to the longest prompt, plus the new tokens.
-    kv_bytes = (2 * layers * len(work.prompts) * kv_heads * head_dim
-                * (width + work.max_new_tokens - 1) * torch.empty((), dtype=hf.dtype).element_size())
+    kv_bytes = (
+        2
+        * layers
+        * len(work.prompts)
+        * kv_heads
+        * head_dim
+        * (width + work.max_new_tokens - 1)
+        * torch.empty((), dtype=hf.dtype).element_size()
+    )
     prefill = (clock.first or t0) - t0
-    row = dict(wall_s=wall, prefill_s=prefill, decode_s=wall - prefill, gen_tokens_per_s=n_gen / wall,
-               decode_tokens_per_s=(n_gen - len(gen)) / max(wall - prefill, 1e-9), kv_peak_bytes=kv_bytes,
-               rss_peak_bytes=rss.peak)
+    row = dict(
+        wall_s=wall,
+        prefill_s=prefill,
+        decode_s=wall - prefill,
+        gen_tokens_per_s=n_gen / wall,
+        decode_tokens_per_s=(n_gen - len(gen)) / max(wall - prefill, 1e-9),
+        kv_peak_bytes=kv_bytes,
+        rss_peak_bytes=rss.peak,
+    )
     del hf
     return row, gen
 
@@ -175,10 +196,18 @@ def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides
         wall = time.perf_counter() - t0
     s = engine.stats
     n_gen = sum(len(g) for g in gen)
-    row = dict(peak_batch=max(s.batch_sizes, default=0),
-               wall_s=wall, prefill_s=s.prefill_s, decode_s=s.decode_s, mask_s=s.mask_s, constraint_setup_s=setup,
-               gen_tokens_per_s=n_gen / wall, decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
-               kv_peak_bytes=engine.pool.peak_bytes, rss_peak_bytes=rss.peak)
+    row = dict(
+        peak_batch=max(s.batch_sizes, default=0),
+        wall_s=wall,
+        prefill_s=s.prefill_s,
+        decode_s=s.decode_s,
+        mask_s=s.mask_s,
+        constraint_setup_s=setup,
+        gen_tokens_per_s=n_gen / wall,
+        decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
+        kv_peak_bytes=engine.pool.peak_bytes,
+        rss_peak_bytes=rss.peak,
+    )
     return row, gen
 
 
@@ -190,10 +219,18 @@ ENGINE_SETTINGS = {
 }
 
 
-def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, systems: list[str],
-            dtype_name: str, on_row: Callable[[dict], None] | None = None, repeat: int = 1,
-            on_start: Callable[[str, int, int], None] | None = None,
-            batches: dict[str, int] | None = None) -> list[dict]:
+def run_e2e(
+    llm: LLM,
+    n_shared: list[int],
+    n_queries: int,
+    max_new_tokens: int,
+    systems: list[str],
+    dtype_name: str,
+    on_row: Callable[[dict], None] | None = None,
+    repeat: int = 1,
+    on_start: Callable[[str, int, int], None] | None = None,
+    batches: dict[str, int] | None = None,
+) -> list[dict]:
     """One row per system and prompt length, and per batch for chunkgen's engines (`batches`:
     label, e.g. "auto" or "32", to the most sequences decoded together; default: the LLM's). With
     repeat > 1 the systems take turns, `repeat` rounds, and each row is its system's median run by
@@ -217,10 +254,17 @@ def run_e2e(llm: LLM, n_shared: list[int], n_queries: int, max_new_tokens: int, 
                     schema = tool_calls_schema() if system == "chunkgen_schema" else None
                     row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system], max_batch=batches[batch])
                 comparable = reference is not None and system != "chunkgen_schema"  # constrained: other answers
-                row = {"system": system, "n_shared": ns, "n_queries": n_queries,
-                       "max_new_tokens": max_new_tokens, "dtype": dtype_name, "max_batch": batch, **row,
-                       "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference)) if comparable else None),
-                       "round": round_ + 1}
+                row = {
+                    "system": system,
+                    "n_shared": ns,
+                    "n_queries": n_queries,
+                    "max_new_tokens": max_new_tokens,
+                    "dtype": dtype_name,
+                    "max_batch": batch,
+                    **row,
+                    "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference)) if comparable else None),
+                    "round": round_ + 1,
+                }
                 runs[system, batch].append(row)
                 if on_row:
                     on_row(row)

@@ -1,6 +1,7 @@
 """Decode attention microbenchmark after the paper's Table 3: every implementation of a row is
 timed in the same run on the same data shape, so ratios are meaningful on a noisy machine. On the
 CPU or a CUDA device; on CUDA, sdpa is torch's flash attention where the dtype allows it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -43,7 +44,8 @@ class Shape:
 def default_grid(quick: bool = False) -> list[Shape]:
     if quick:
         return [Shape(8, 32, 32, 128, 64, 1024, s) for s in (0, 1024)] + [
-            Shape(8, 9, 3, 64, 64, 1024, s) for s in (0, 1024)]
+            Shape(8, 9, 3, 64, 64, 1024, s) for s in (0, 1024)
+        ]
     grid = []
     for n_p in (1024, 2048, 4096):
         for n_s in (0, n_p // 2, 3 * n_p // 4, n_p):
@@ -92,15 +94,23 @@ def _sdpa_backend(device: torch.device, dtype: torch.dtype):
     return contextlib.nullcontext()
 
 
-def _tree(shape: Shape, dtype: torch.dtype, share: bool,
-          device: torch.device) -> tuple[ChunkPool, PrefixTree, KernelContext]:
+def _tree(
+    shape: Shape, dtype: torch.dtype, share: bool, device: torch.device
+) -> tuple[ChunkPool, PrefixTree, KernelContext]:
     c = shape.chunk
     per_seq = -(-shape.n_p // c)
     slots = (per_seq if share else per_seq * shape.batch) + per_seq * shape.batch
     itemsize = torch.empty((), dtype=dtype).element_size()
-    pool = ChunkPool(1, shape.kv_heads, shape.head_dim, c, dtype,
-                     budget_bytes=slots * 2 * shape.kv_heads * shape.head_dim * c * itemsize, slab_slots=1 << 20,
-                     device=device)
+    pool = ChunkPool(
+        1,
+        shape.kv_heads,
+        shape.head_dim,
+        c,
+        dtype,
+        budget_bytes=slots * 2 * shape.kv_heads * shape.head_dim * c * itemsize,
+        slab_slots=1 << 20,
+        device=device,
+    )
     tree = PrefixTree(pool, share=share)
     system = list(range(shape.n_s))
     for b in range(shape.batch):
@@ -112,25 +122,40 @@ def _tree(shape: Shape, dtype: torch.dtype, share: bool,
     return pool, tree, KernelContext(tree)
 
 
-def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS,
-              device: torch.device | str = "cpu") -> list[dict]:
+def run_shape(
+    shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS, device: torch.device | str = "cpu"
+) -> list[dict]:
     device = torch.device(device)
     B, Hq, Hk, d, n = shape.batch, shape.q_heads, shape.kv_heads, shape.head_dim, shape.n_p
     G = Hq // Hk
-    scale = d ** -0.5
+    scale = d**-0.5
     q = torch.randn(B, Hq, d, device=device)
     # The kernel takes q and out in the pool's dtype on the CPU (the model's decode step passes them
     # so), fp32 on CUDA; naive and sdpa always compute in the pool's dtype.
     kernel_q = q.to(dtype) if device.type == "cpu" and dtype == torch.bfloat16 else q
     rows = []
-    time_us = lambda fn: _median_us(fn, repeats, device)
+
+    def time_us(fn):
+        return _median_us(fn, repeats, device)
 
     def record(impl: str, us: float) -> None:
-        rows.append({"n_p": shape.n_p, "n_s": shape.n_s, "batch": B, "q_heads": Hq, "kv_heads": Hk,
-                     "head_dim": d, "chunk": shape.chunk, "dtype": str(dtype).replace("torch.", ""),
-                     "device": str(device), "impl": impl, "us": us,
-                     "q_dtype": str((kernel_q if impl in KERNEL_IMPLS else q.to(dtype)).dtype).replace("torch.", ""),
-                     "cpu_path": kernel_path(dtype) if device.type == "cpu" and impl in KERNEL_IMPLS else None})
+        rows.append(
+            {
+                "n_p": shape.n_p,
+                "n_s": shape.n_s,
+                "batch": B,
+                "q_heads": Hq,
+                "kv_heads": Hk,
+                "head_dim": d,
+                "chunk": shape.chunk,
+                "dtype": str(dtype).replace("torch.", ""),
+                "device": str(device),
+                "impl": impl,
+                "us": us,
+                "q_dtype": str((kernel_q if impl in KERNEL_IMPLS else q.to(dtype)).dtype).replace("torch.", ""),
+                "cpu_path": kernel_path(dtype) if device.type == "cpu" and impl in KERNEL_IMPLS else None,
+            }
+        )
 
     if "naive" in impls or "sdpa" in impls:
         k = torch.empty(B, Hk, n, d, dtype=dtype, device=device).uniform_(-1, 1)
@@ -154,8 +179,10 @@ def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS,
             del ke, ve
         del k, v
     out = torch.empty_like(kernel_q)
-    kernel = lambda pool, ctx, chunk_first: lambda: decode_attention(
-        kernel_q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out)
+
+    def kernel(pool, ctx, chunk_first):
+        return lambda: decode_attention(kernel_q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out)
+
     if "paged" in impls:
         pool, tree, ctx = _tree(shape, dtype, False, device)
         record("paged", time_us(kernel(pool, ctx, False)))
@@ -169,8 +196,14 @@ def run_shape(shape: Shape, dtype: torch.dtype, repeats: int, impls=IMPLS,
     return rows
 
 
-def run_grid(grid: list[Shape], dtype: torch.dtype, repeats: int = 10, impls=IMPLS,
-             on_row: Callable[[dict], None] | None = None, device: torch.device | str = "cpu") -> list[dict]:
+def run_grid(
+    grid: list[Shape],
+    dtype: torch.dtype,
+    repeats: int = 10,
+    impls=IMPLS,
+    on_row: Callable[[dict], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> list[dict]:
     rows = []
     for shape in grid:
         for row in run_shape(shape, dtype, repeats, impls, device):

@@ -1,4 +1,5 @@
 """The ceilings the kernel is compared with: the FMA peak of all cores and the streaming-read bandwidth."""
+
 from __future__ import annotations
 
 import time

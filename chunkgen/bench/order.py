@@ -3,6 +3,7 @@ Q questions on each, rows shuffled, a KV budget that holds a fraction of the doc
 query file is run through the same job loop a `chunkgen run` uses, once per order, on one model in
 one process; the figures are the prompt tokens prefilled, the minimum any order could reach (every
 distinct prefix computed once), wall time, generated tokens/s and whether the answers agree."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,22 +32,88 @@ user = """Document {doc}:
 Question: {question}"""
 '''
 
-_SUBJECTS = ("the northern depot", "the pump station", "the survey team", "the river authority", "the council",
-             "the night shift", "the east wing", "the supplier", "the inspection crew", "the archive office",
-             "the harbour master", "the main laboratory", "the rail yard", "the school board", "the clinic")
-_VERBS = ("reported", "recorded", "replaced", "inspected", "ordered", "measured", "delayed", "approved",
-          "repaired", "moved", "counted", "tested", "rejected", "stored", "shipped")
-_OBJECTS = ("valves", "filters", "meters", "cables", "pallets", "samples", "permits", "boilers", "sensors",
-            "tyres", "ledgers", "pipes", "crates", "lamps", "batteries")
-_PLACES = ("near the old mill", "on the west quay", "at the ferry terminal", "behind the depot",
-           "in the lower basin", "along the canal", "at the main gate", "in the north field")
-_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
-           "October", "November", "December")
+_SUBJECTS = (
+    "the northern depot",
+    "the pump station",
+    "the survey team",
+    "the river authority",
+    "the council",
+    "the night shift",
+    "the east wing",
+    "the supplier",
+    "the inspection crew",
+    "the archive office",
+    "the harbour master",
+    "the main laboratory",
+    "the rail yard",
+    "the school board",
+    "the clinic",
+)
+_VERBS = (
+    "reported",
+    "recorded",
+    "replaced",
+    "inspected",
+    "ordered",
+    "measured",
+    "delayed",
+    "approved",
+    "repaired",
+    "moved",
+    "counted",
+    "tested",
+    "rejected",
+    "stored",
+    "shipped",
+)
+_OBJECTS = (
+    "valves",
+    "filters",
+    "meters",
+    "cables",
+    "pallets",
+    "samples",
+    "permits",
+    "boilers",
+    "sensors",
+    "tyres",
+    "ledgers",
+    "pipes",
+    "crates",
+    "lamps",
+    "batteries",
+)
+_PLACES = (
+    "near the old mill",
+    "on the west quay",
+    "at the ferry terminal",
+    "behind the depot",
+    "in the lower basin",
+    "along the canal",
+    "at the main gate",
+    "in the north field",
+)
+_MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 
 
 def _sentence(rng: random.Random) -> str:
-    return (f"In {rng.choice(_MONTHS)} {rng.randint(1990, 2025)}, {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} "
-            f"{rng.randint(2, 900)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}.")
+    return (
+        f"In {rng.choice(_MONTHS)} {rng.randint(1990, 2025)}, {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} "
+        f"{rng.randint(2, 900)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}."
+    )
 
 
 def _document(rng: random.Random, tokenizer, n_tokens: int) -> str:
@@ -80,8 +147,9 @@ def parse_doc_tokens(text: str) -> tuple[int, int]:
     return low, high
 
 
-def docqa_rows(tokenizer, docs: int, questions: int, doc_tokens: tuple[int, int], shuffle: bool = True,
-               seed: int = 0) -> list[dict]:
+def docqa_rows(
+    tokenizer, docs: int, questions: int, doc_tokens: tuple[int, int], shuffle: bool = True, seed: int = 0
+) -> list[dict]:
     """Rows of the docqa template: `questions` distinct questions on each of `docs` documents, in
     document order or shuffled."""
     rng = random.Random(seed)
@@ -121,8 +189,9 @@ def minimum_prefill(prompts: list[list[int]]) -> int:
     return total
 
 
-def run_order(llm: LLM, template: Path, queries: Path, order: str, kv_memory: int, max_batch: int,
-              max_new_tokens: int, out: Path) -> dict:
+def run_order(
+    llm: LLM, template: Path, queries: Path, order: str, kv_memory: int, max_batch: int, max_new_tokens: int, out: Path
+) -> dict:
     """One `chunkgen run` of the file in `order`, on a fresh engine (empty cache) of the given budget."""
     from chunkgen.jobs.order import PrefixOrder, RowFile
     from chunkgen.jobs.requests import open_queries, read_rows, template_jobs
@@ -152,12 +221,24 @@ def run_order(llm: LLM, template: Path, queries: Path, order: str, kv_memory: in
         if row_file is not None:
             row_file.close()
     s = engine.stats
-    return dict(order=order, rows=summary.requests, errors=summary.errors, wall_s=summary.wall_s,
-                order_s=summary.order_s, prefill_s=s.prefill_s, decode_s=s.decode_s,
-                prompt_tokens=s.prompt_tokens, prefilled_tokens=s.prefilled_tokens,
-                cached_tokens=summary.cached_tokens, cache_hit_rate=summary.cache_hit_rate,
-                completion_tokens=summary.completion_tokens, gen_tokens_per_s=summary.tokens_per_s,
-                preemptions=s.preemptions, kv_peak_bytes=s.kv_peak_bytes, rss_peak_bytes=rss.peak)
+    return dict(
+        order=order,
+        rows=summary.requests,
+        errors=summary.errors,
+        wall_s=summary.wall_s,
+        order_s=summary.order_s,
+        prefill_s=s.prefill_s,
+        decode_s=s.decode_s,
+        prompt_tokens=s.prompt_tokens,
+        prefilled_tokens=s.prefilled_tokens,
+        cached_tokens=summary.cached_tokens,
+        cache_hit_rate=summary.cache_hit_rate,
+        completion_tokens=summary.completion_tokens,
+        gen_tokens_per_s=summary.tokens_per_s,
+        preemptions=s.preemptions,
+        kv_peak_bytes=s.kv_peak_bytes,
+        rss_peak_bytes=rss.peak,
+    )
 
 
 def answers(path: Path) -> dict[str, str | None]:
@@ -165,9 +246,16 @@ def answers(path: Path) -> dict[str, str | None]:
     return {r["id"]: r.get("text") for r in records}
 
 
-def run_order_bench(llm: LLM, rows: list[dict], orders: list[str], kv_memory: int | None, max_batch: int,
-                    max_new_tokens: int, work_dir: Path | None = None,
-                    on_row: Callable[[dict], None] | None = None) -> dict:
+def run_order_bench(
+    llm: LLM,
+    rows: list[dict],
+    orders: list[str],
+    kv_memory: int | None,
+    max_batch: int,
+    max_new_tokens: int,
+    work_dir: Path | None = None,
+    on_row: Callable[[dict], None] | None = None,
+) -> dict:
     """Each order in turn on the same file; the answers of every order compared with the first's.
     `kv_memory` None: the K/V of a tenth of the distinct prompt tokens (whole chunks), or of two
     of the longest prompts when that is more."""
@@ -192,8 +280,13 @@ def run_order_bench(llm: LLM, rows: list[dict], orders: list[str], kv_memory: in
             results.append(row)
             if on_row:
                 on_row(row)
-    return {"rows": len(rows), "prompt_tokens": sum(map(len, prompts)), "minimum_prefill_tokens": floor,
-            "kv_memory": kv_memory, "results": results}
+    return {
+        "rows": len(rows),
+        "prompt_tokens": sum(map(len, prompts)),
+        "minimum_prefill_tokens": floor,
+        "kv_memory": kv_memory,
+        "results": results,
+    }
 
 
 def _jobs(template: Path, queries: Path):
@@ -211,13 +304,22 @@ def dump_token_ids(llm: LLM, rows: list[dict], max_new_tokens: int, path: Path) 
         template, queries = write_workload(Path(tmp), rows)
         prompts = [llm.encode(j.messages, j.data) for j in _jobs(template, queries)]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(
-        n_shared=0, n_queries=len(prompts), max_new_tokens=max_new_tokens,
-        model_dir=str(Path(llm.model_path).resolve()), eos_token_id=llm.tokenizer.eos_token_id,
-        prompt_lens=[len(p) for p in prompts], minimum_prefill_tokens=minimum_prefill(prompts),
-        sha256=hashlib.sha256(json.dumps(prompts).encode()).hexdigest(), prompts=prompts,
-    )) + "\n")
-
+    path.write_text(
+        json.dumps(
+            dict(
+                n_shared=0,
+                n_queries=len(prompts),
+                max_new_tokens=max_new_tokens,
+                model_dir=str(Path(llm.model_path).resolve()),
+                eos_token_id=llm.tokenizer.eos_token_id,
+                prompt_lens=[len(p) for p in prompts],
+                minimum_prefill_tokens=minimum_prefill(prompts),
+                sha256=hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+                prompts=prompts,
+            )
+        )
+        + "\n"
+    )
 
 
 PERSONA_TEMPLATE = '''# Synthetic data: one persona per row, many rows per persona.
@@ -242,8 +344,16 @@ def write_persona_rows(out_dir: Path, rows: int, prefixes: int, seed: int = 0) -
     template.write_text(PERSONA_TEMPLATE)
     with queries.open("w") as f:
         for i in range(rows):
-            f.write(json.dumps({"id": i, "persona": personas[rng.randrange(prefixes)],
-                                "request": f"Say what you did in {rng.choice(_MONTHS)}, item {i}."}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": i,
+                        "persona": personas[rng.randrange(prefixes)],
+                        "request": f"Say what you did in {rng.choice(_MONTHS)}, item {i}.",
+                    }
+                )
+                + "\n"
+            )
     return template, queries
 
 
@@ -254,6 +364,7 @@ def ordering_pass(template: Path, queries: Path, chunk_size: int = 64, run_rows:
     from chunkgen.jobs.order import RUN_ROWS, PrefixOrder, RowFile
     from chunkgen.jobs.requests import read_rows, template_jobs
     from chunkgen.jobs.templates import load_templates
+
     templates = load_templates(template)
 
     def to_jobs(rows):
@@ -271,5 +382,12 @@ def ordering_pass(template: Path, queries: Path, chunk_size: int = 64, run_rows:
             last = persona
         wall = time.perf_counter() - t0
     row_file.close()
-    return dict(rows=n, wall_s=wall, keying_s=order.stats.seconds, reread_s=wall - order.stats.seconds,
-                spilled_runs=order.stats.spilled_runs, prefix_runs=groups, rss_peak_bytes=rss.peak)
+    return dict(
+        rows=n,
+        wall_s=wall,
+        keying_s=order.stats.seconds,
+        reread_s=wall - order.stats.seconds,
+        spilled_runs=order.stats.spilled_runs,
+        prefix_runs=groups,
+        rss_peak_bytes=rss.peak,
+    )

@@ -1,5 +1,6 @@
 """Where one decode step's time goes: attention kernel, linear layers, the model's other torch ops,
 and the engine around the model (tree, kernel context, sampling, Python)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -40,9 +41,11 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
     while engine.num_waiting:  # admission and prefill waves, before the decode steps timed below
         engine.step()
     totals = {"attention": 0.0, "linear": 0.0, "model": 0.0}
-    with _timed(llama, "decode_step_attention", totals, "attention"), \
-            _timed(llama.Linear, "__call__", totals, "linear"), \
-            _timed(llama.LlamaModel, "decode", totals, "model"):
+    with (
+        _timed(llama, "decode_step_attention", totals, "attention"),
+        _timed(llama.Linear, "__call__", totals, "linear"),
+        _timed(llama.LlamaModel, "decode", totals, "model"),
+    ):
         t0 = time.perf_counter()
         done = 0
         while engine.has_work and done < steps:
@@ -50,10 +53,15 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
             done += 1
         total = time.perf_counter() - t0
     ms = lambda s: 1e3 * s / done  # noqa: E731
-    return {"batch": len(prompts), "steps": done, "step_ms": ms(total),
-            "attention_ms": ms(totals["attention"]), "linear_ms": ms(totals["linear"]),
-            "other_model_ms": ms(totals["model"] - totals["attention"] - totals["linear"]),
-            "engine_ms": ms(total - totals["model"])}
+    return {
+        "batch": len(prompts),
+        "steps": done,
+        "step_ms": ms(total),
+        "attention_ms": ms(totals["attention"]),
+        "linear_ms": ms(totals["linear"]),
+        "other_model_ms": ms(totals["model"] - totals["attention"] - totals["linear"]),
+        "engine_ms": ms(total - totals["model"]),
+    }
 
 
 # -- the host's share of a decode step: what a GPU would wait for ------------------------------
@@ -87,9 +95,15 @@ def host_floor_engine(tokenizer, layers: int = 30, hidden: int = 64, vocab: int 
     from chunkgen.model.llama import LlamaModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4096)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     model = LlamaModel(LlamaForCausalLM(cfg).eval())
     return Engine(model, tokenizer, Config(chunk_size=64, kv_memory=1 << 30, max_batch=max_batch))
 
@@ -103,15 +117,50 @@ class _AttentionDispatchOnly:
     def __init__(self) -> None:
         self._cached: tuple = (None, None)
 
-    def __call__(self, q, k, v, k_cache, v_cache, layer, arrays, workspace, out, scale, chunk_first,
-                 window: int = 0, softcap: float = 0.0) -> None:
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        layer,
+        arrays,
+        workspace,
+        out,
+        scale,
+        chunk_first,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> None:
         if self._cached[0] is not arrays:  # one step's layers share the arrays: slice them once
             none = arrays.write_slot[:0]
-            self._cached = (arrays, arrays._replace(
-                write_slot=none, write_offset=none, seq_shared_ptr=arrays.seq_shared_ptr[:1],
-                priv_slot=arrays.priv_slot[:0], priv_count=none, priv_last_len=none))
-        real_attention(q[:0], k[:0], v[:0], k_cache, v_cache, layer, self._cached[1], workspace, out[:0],
-                       scale, chunk_first, window=window, softcap=softcap)
+            self._cached = (
+                arrays,
+                arrays._replace(
+                    write_slot=none,
+                    write_offset=none,
+                    seq_shared_ptr=arrays.seq_shared_ptr[:1],
+                    priv_slot=arrays.priv_slot[:0],
+                    priv_count=none,
+                    priv_last_len=none,
+                ),
+            )
+        real_attention(
+            q[:0],
+            k[:0],
+            v[:0],
+            k_cache,
+            v_cache,
+            layer,
+            self._cached[1],
+            workspace,
+            out[:0],
+            scale,
+            chunk_first,
+            window=window,
+            softcap=softcap,
+        )
 
 
 def host_floor_ms(engine, batch: int, steps: int = 20, prompt: int = 8, attention: bool = False) -> float:
@@ -157,6 +206,7 @@ def graph_breaks(llm: LLM, prompts: list[list[int]]) -> int:
     engine = llm.new_engine(max_batch=len(prompts))
     _decode_ready(engine, prompts, 2)
     r = engine.runner
-    explained = torch._dynamo.explain(llm.model.decode)(r.ctx.arrays(), r.pool.k, r.pool.v, r.workspace(),
-                                                        r.chunk_first)
+    explained = torch._dynamo.explain(llm.model.decode)(
+        r.ctx.arrays(), r.pool.k, r.pool.v, r.workspace(), r.chunk_first
+    )
     return explained.graph_break_count

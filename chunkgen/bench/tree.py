@@ -1,4 +1,5 @@
 """Cost of the prefix tree's per-step work (appends + kernel-context refresh) and of a rebuild."""
+
 from __future__ import annotations
 
 import statistics
@@ -31,7 +32,11 @@ def tree_overhead(n_seqs: int = 64, shared: int = 1700, steps: int = 300, chunk:
         t0 = time.perf_counter()
         ctx.rebuild()
         rebuild.append(time.perf_counter() - t0)
-    return {"sequences": n_seqs, "steps": steps, "step_us_median": statistics.median(per_step) * 1e6,
-            "step_us_p90": statistics.quantiles(per_step, n=10)[-1] * 1e6,
-            "rebuilds_during_steps": rebuilds_during_steps,
-            "rebuild_us_median": statistics.median(rebuild) * 1e6}
+    return {
+        "sequences": n_seqs,
+        "steps": steps,
+        "step_us_median": statistics.median(per_step) * 1e6,
+        "step_us_p90": statistics.quantiles(per_step, n=10)[-1] * 1e6,
+        "rebuilds_during_steps": rebuilds_during_steps,
+        "rebuild_us_median": statistics.median(rebuild) * 1e6,
+    }

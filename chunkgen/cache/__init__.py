@@ -1,4 +1,5 @@
 """The prefix-aware KV cache: slots (ChunkPool), the prefix tree, and its kernel-facing view."""
+
 from chunkgen.cache.context import KernelContext
 from chunkgen.cache.pool import ChunkPool, KVReservation, PoolExhausted, kv_shape
 from chunkgen.cache.tree import Append, Chunk, PrefixTree

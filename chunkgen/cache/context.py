@@ -11,6 +11,7 @@ buffer; a step that only appends tokens updates token counts and, every chunk_si
 private slot per sequence. The step's per-row inputs (token, position, where its K/V go) sit at the
 head of the same buffer, so `upload` moves a whole step to the device in one copy.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,6 +30,7 @@ def checks_enabled() -> bool:
 
 class ContextArrays(NamedTuple):
     """What the decode op reads, as tensors on the model's device (views of one buffer)."""
+
     tokens: torch.Tensor  # [rows] the step's input tokens
     positions: torch.Tensor  # [rows]
     write_slot: torch.Tensor  # [rows] where each row's new K/V go
@@ -54,9 +56,15 @@ def _pow2(n: int, floor: int) -> int:
 
 
 class KernelContext:
-    def __init__(self, tree: PrefixTree, chunk_first: bool = True, buckets: Sequence[int] | None = None,
-                 device: torch.device | str = "cpu", scratch_slot: int | None = None,
-                 mirror: bool | None = None) -> None:
+    def __init__(
+        self,
+        tree: PrefixTree,
+        chunk_first: bool = True,
+        buckets: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+        scratch_slot: int | None = None,
+        mirror: bool | None = None,
+    ) -> None:
         """buckets: padded batch sizes (None: rows = batch size exactly). device: where the op
         reads the arrays; mirror: keep a separate device buffer filled by `upload` (default: on any
         device but the CPU; tests turn it on for the CPU to count copies)."""
@@ -84,8 +92,16 @@ class KernelContext:
     # -- layout -------------------------------------------------------------------------------
     def _allocate(self, rows: int, width: int, shared: int, index: int) -> None:
         sizes = {name: rows for name in _HOT}
-        sizes.update(seq_shared_ptr=rows + 1, priv_slot=rows * width, shared_slot=shared, shared_len=shared,
-                     shared_begin=shared, shared_end=shared, part_off=shared + 1, seq_shared_idx=index)
+        sizes.update(
+            seq_shared_ptr=rows + 1,
+            priv_slot=rows * width,
+            shared_slot=shared,
+            shared_len=shared,
+            shared_begin=shared,
+            shared_end=shared,
+            part_off=shared + 1,
+            seq_shared_idx=index,
+        )
         total = sum(sizes.values())
         pin = self.mirror and self.device.type == "cuda"
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
@@ -124,8 +140,10 @@ class KernelContext:
         """The op's arguments on the device: the same tensors while rows and layout stay."""
         key = (self.rows, self.layouts)
         if self._device_views is None or self._device_views[0] != key:
-            self._device_views = (key, ContextArrays(*(self._view(self.dev, n, self.rows)
-                                                       for n in ContextArrays._fields)))
+            self._device_views = (
+                key,
+                ContextArrays(*(self._view(self.dev, n, self.rows) for n in ContextArrays._fields)),
+            )
         return self._device_views[1]
 
     def _rows_for(self, batch: int) -> int:
@@ -157,8 +175,7 @@ class KernelContext:
                 count[row] = n + 1
                 self._tails[row] = tail
                 self._cold_dirty = True
-        self._np_view("priv_last_len")[: len(self.order)] = [
-            len(t.tokens) if t.ref == 1 else 0 for t in self._tails]
+        self._np_view("priv_last_len")[: len(self.order)] = [len(t.tokens) if t.ref == 1 else 0 for t in self._tails]
 
     def rebuild(self) -> None:
         """Recompute every array from the tree (what a structure change needs), in place."""
@@ -195,9 +212,12 @@ class KernelContext:
         self.rows = self._rows_for(B)
         rows_cap, width_cap, shared_cap, index_cap = self._caps
         need_width = max((len(p) for p in private), default=0) + 4  # room to grow before a rebuild
-        caps = (max(rows_cap, self.rows if self.buckets is None else self.buckets[-1]),
-                max(width_cap, _pow2(need_width, 8)), max(shared_cap, _pow2(len(shared), 8)),
-                max(index_cap, _pow2(len(seq_idx), 16)))
+        caps = (
+            max(rows_cap, self.rows if self.buckets is None else self.buckets[-1]),
+            max(width_cap, _pow2(need_width, 8)),
+            max(shared_cap, _pow2(len(shared), 8)),
+            max(index_cap, _pow2(len(seq_idx), 16)),
+        )
         if caps != self._caps:
             self._allocate(*caps)
         else:
@@ -236,8 +256,7 @@ class KernelContext:
             self.validate()
 
     # -- the step -----------------------------------------------------------------------------
-    def set_step(self, tokens: Sequence[int], positions: Sequence[int],
-                 write_rows: Sequence[tuple[int, int]]) -> None:
+    def set_step(self, tokens: Sequence[int], positions: Sequence[int], write_rows: Sequence[tuple[int, int]]) -> None:
         """The step's per-row inputs, in `order`: token, position and (slot, offset) of its K/V
         (padded rows keep their scratch values). Whole columns at once: one numpy conversion per
         field, no Python loop over the rows."""
@@ -265,15 +284,28 @@ class KernelContext:
 
         pool = self.tree.pool
         slots = pool.max_slots + 1  # the scratch slot too
-        native().check_context(slots, pool.chunk_size, self.shared_slot, self.shared_len,
-                               self.shared_begin, self.shared_end, self.part_off, self.seq_shared_ptr,
-                               self.seq_shared_idx, self.priv_slot, self.priv_count, self.priv_last_len)
+        native().check_context(
+            slots,
+            pool.chunk_size,
+            self.shared_slot,
+            self.shared_len,
+            self.shared_begin,
+            self.shared_end,
+            self.part_off,
+            self.seq_shared_ptr,
+            self.seq_shared_idx,
+            self.priv_slot,
+            self.priv_count,
+            self.priv_last_len,
+        )
         ws, wo = self._np_view("write_slot")[: self.rows], self._np_view("write_offset")[: self.rows]
         bad = np.flatnonzero((ws < 0) | (ws >= slots) | (wo < 0) | (wo >= pool.chunk_size))
         if bad.size:
             r = int(bad[0])
-            raise ValueError(f"row {r} writes its K/V at slot {int(ws[r])}, offset {int(wo[r])}: outside "
-                             f"the pool ({slots} slots of {pool.chunk_size} tokens)")
+            raise ValueError(
+                f"row {r} writes its K/V at slot {int(ws[r])}, offset {int(wo[r])}: outside "
+                f"the pool ({slots} slots of {pool.chunk_size} tokens)"
+            )
 
     def check(self) -> None:
         """Every shared chunk covers exactly the rows whose path holds it, and they are contiguous."""

@@ -6,6 +6,7 @@ The caller feeds the prompts' token ids twice, in file order (`add_in_file_order
 order (`add_in_prefix_order`, with the name of each prompt's template); the figures come from the
 same bookkeeping-only pools and trees a run uses (cache/stats.py), so they agree with its summary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,8 +24,9 @@ def planning_pool(model_dir: Path | str, chunk_size: int, kv_dtype: torch.dtype,
     """A ChunkPool with bookkeeping only, shaped like the model's KV cache (for sizes and plans)."""
     from transformers import AutoConfig
 
-    return ChunkPool.for_config(AutoConfig.from_pretrained(model_dir), chunk_size, kv_dtype, budget_bytes=budget,
-                                storage=False)
+    return ChunkPool.for_config(
+        AutoConfig.from_pretrained(model_dir), chunk_size, kv_dtype, budget_bytes=budget, storage=False
+    )
 
 
 @dataclass
@@ -71,11 +73,25 @@ class TreeForecast:
 
     def figures(self, st: TreeStats) -> dict[str, Any]:
         """The figures `inspect-tree --json` writes."""
-        return {"sequences": st.sequences, "tokens": st.tokens, "chunks_shared": st.chunks_shared,
-                "chunks_unshared": st.chunks_unshared, "bytes_shared": st.bytes_shared,
-                "bytes_unshared": st.bytes_unshared, "sharing_ratio": st.sharing_ratio,
-                "prefill_tokens_saved": st.cache_hit_tokens, "bad_lines": self.bad_rows,
-                "kv_memory": self.kv_memory, "max_batch": self.max_batch,
-                **{f"{name}_order": {"prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                                     "prefilled_tokens": r.prompt_tokens - r.cached_tokens,
-                                     "cache_hit_rate": r.hit_rate} for name, r in self.replays.items()}}
+        return {
+            "sequences": st.sequences,
+            "tokens": st.tokens,
+            "chunks_shared": st.chunks_shared,
+            "chunks_unshared": st.chunks_unshared,
+            "bytes_shared": st.bytes_shared,
+            "bytes_unshared": st.bytes_unshared,
+            "sharing_ratio": st.sharing_ratio,
+            "prefill_tokens_saved": st.cache_hit_tokens,
+            "bad_lines": self.bad_rows,
+            "kv_memory": self.kv_memory,
+            "max_batch": self.max_batch,
+            **{
+                f"{name}_order": {
+                    "prompt_tokens": r.prompt_tokens,
+                    "cached_tokens": r.cached_tokens,
+                    "prefilled_tokens": r.prompt_tokens - r.cached_tokens,
+                    "cache_hit_rate": r.hit_rate,
+                }
+                for name, r in self.replays.items()
+            },
+        }

@@ -1,4 +1,5 @@
 """ChunkPool: K/V storage for every chunk of every layer, handed out in fixed-size slots."""
+
 from __future__ import annotations
 
 import weakref
@@ -76,11 +77,19 @@ class ChunkPool:
         else:
             self.k, self.v = tensors
             for name, t, shape in (("K", self.k, shape_k), ("V", self.v, shape_v)):
-                fits = (t.dim() == 5 and t.shape[0] == shape[0] and t.shape[1] >= stored
-                        and t.shape[2:] == shape[2:] and t.dtype == dtype and t.device == self.device)
+                fits = (
+                    t.dim() == 5
+                    and t.shape[0] == shape[0]
+                    and t.shape[1] >= stored
+                    and t.shape[2:] == shape[2:]
+                    and t.dtype == dtype
+                    and t.device == self.device
+                )
                 if not fits:
-                    raise ValueError(f"{name} storage {tuple(t.shape)} {t.dtype} on {t.device} cannot hold a pool "
-                                     f"of {tuple(shape)} {dtype} on {self.device}")
+                    raise ValueError(
+                        f"{name} storage {tuple(t.shape)} {t.dtype} on {t.device} cannot hold a pool "
+                        f"of {tuple(shape)} {dtype} on {self.device}"
+                    )
         self.capacity = 0  # slots handed to the free list so far
         self._free: list[int] = []
         self.used = 0
@@ -140,14 +149,19 @@ class ChunkPool:
             self.k[:, dst, :, :, :n] = self.k[:, src, :, :, :n]
             self.v[:, dst, :, :n] = self.v[:, src, :, :n]
 
-    def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer."""
         if self.device.type == "cpu":  # one native pass, converting to the pool's dtype as it goes
             from chunkgen._native import native
 
-            native().write_kv(k, v, self.k[layer], self.v[layer], slots.to(torch.int32).contiguous(),
-                              offsets.to(torch.int32).contiguous())
+            native().write_kv(
+                k,
+                v,
+                self.k[layer],
+                self.v[layer],
+                slots.to(torch.int32).contiguous(),
+                offsets.to(torch.int32).contiguous(),
+            )
             return
         slots, offsets = slots.to(self.device), offsets.to(self.device)
         self.k[layer, slots, :, :, offsets] = k.to(self.dtype)
@@ -200,8 +214,11 @@ class KVReservation:
 
     def fits(self, chunk_size: int, dtype: torch.dtype, budget_bytes: int) -> bool:
         base = self.base
-        return (chunk_size == base.chunk_size and dtype == base.dtype
-                and int(budget_bytes) // base.bytes_per_slot <= base.max_slots)
+        return (
+            chunk_size == base.chunk_size
+            and dtype == base.dtype
+            and int(budget_bytes) // base.bytes_per_slot <= base.max_slots
+        )
 
     @property
     def holder(self) -> object | None:
@@ -214,9 +231,19 @@ class KVReservation:
         if current is not None and current is not engine and current.scheduler.has_work:  # type: ignore[attr-defined]
             raise RuntimeError(
                 "another engine of this LLM still has requests and holds its KV memory: finish them "
-                "(or drop that engine) before giving requests to this one")
+                "(or drop that engine) before giving requests to this one"
+            )
         b = self.base
-        pool = ChunkPool(b.num_layers, b.kv_heads, b.head_dim, b.chunk_size, b.dtype, budget_bytes,
-                         device=b.device, slab_slots=b.slab_slots, tensors=(b.k, b.v))
+        pool = ChunkPool(
+            b.num_layers,
+            b.kv_heads,
+            b.head_dim,
+            b.chunk_size,
+            b.dtype,
+            budget_bytes,
+            device=b.device,
+            slab_slots=b.slab_slots,
+            tensors=(b.k, b.v),
+        )
         self._holder = weakref.ref(engine)
         return pool

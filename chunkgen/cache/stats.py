@@ -1,4 +1,5 @@
 """Memory figures of the cache: one source for inspect-tree, run summaries and bench."""
+
 from __future__ import annotations
 
 from collections import deque

@@ -12,6 +12,7 @@ Matching a prompt costs O(prompt length), whatever the number of cached prompts:
 indexed by their whole token tuple (a full-chunk match is a dict lookup) and by their first 1, 2,
 4, ... tokens (an in-chunk divergence is found from the longest indexed prefix it shares).
 """
+
 from __future__ import annotations
 
 import heapq

@@ -1,6 +1,7 @@
 """The command line: one module per command (run, inspect_tree, bench, bench_e2e) on one frame
 (boundary.py: the typer app, exit codes, every error in one line). Importing the package registers
 every command on `app`."""
+
 # Each module registers its commands on import, in the order `chunkgen --help` lists them.
 from chunkgen.cli import run  # noqa: F401  # isort: skip
 from chunkgen.cli import inspect_tree  # noqa: F401  # isort: skip

@@ -1,5 +1,6 @@
 """`chunkgen bench e2e`: whole runs side by side on one workload (transformers' generate, chunkgen
 without sharing, paged, full, constrained), with a line per round as it ends."""
+
 from __future__ import annotations
 
 import json
@@ -20,21 +21,48 @@ from chunkgen.device import choose_max_batch, human_bytes
 
 @bench_app.command("e2e")
 def bench_e2e(
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
-    n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
-    n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
+    model: Optional[str] = typer.Option(
+        None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."
+    ),
+    n_shared: str = typer.Option(
+        "1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."
+    ),
+    n_queries: int = typer.Option(
+        32, metavar="N", help="Queries per run, each the shared prompt plus its own question."
+    ),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
-    max_batch: str = typer.Option("auto", metavar="N[,N...]", callback=max_batch_values, help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each."),
+    max_batch: str = typer.Option(
+        "auto",
+        metavar="N[,N...]",
+        callback=max_batch_values,
+        help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each.",
+    ),
     dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
-    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
-    kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
-    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    device: str = typer.Option(
+        "auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."
+    ),
+    kv_memory: str = typer.Option(
+        "8GiB",
+        metavar="SIZE",
+        help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system).",
+    ),
+    dummy_weights: Optional[str] = typer.Option(
+        None,
+        "--dummy-weights",
+        metavar="CONFIG",
+        help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are.",
+    ),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
-    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
-                                help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
-                                     "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
+    systems: str = typer.Option(
+        ",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
+        metavar="NAME[,NAME...]",
+        help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
+        "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking).",
+    ),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
-    repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
+    repeat: int = typer.Option(
+        1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."
+    ),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
@@ -49,8 +77,15 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
-    config = resolve_config(model=model, dummy_weights=dummy_weights, seed=seed, dtype=dtype, device=device,
-                            kv_memory=kv_memory, max_batch=max(batches.values()))
+    config = resolve_config(
+        model=model,
+        dummy_weights=dummy_weights,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        kv_memory=kv_memory,
+        max_batch=max(batches.values()),
+    )
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
     llm = load_llm(config)
     dtype = dtype_line(llm.config)
@@ -69,17 +104,33 @@ def bench_e2e(
 
     def on_row(r: dict) -> None:
         current.clear()
-        err.print(f"  {r['system']:>16} n_shared={r['n_shared']}"
-                  + (f" batch {r['max_batch']}" if len(batches) > 1 and r.get("max_batch") else "")
-                  + f" round {r['round']}: "
-                  f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
-                  + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
-                     if r.get("constraint_setup_s") else ""), highlight=False)
+        err.print(
+            f"  {r['system']:>16} n_shared={r['n_shared']}"
+            + (f" batch {r['max_batch']}" if len(batches) > 1 and r.get("max_batch") else "")
+            + f" round {r['round']}: "
+            f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
+            + (
+                f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
+                if r.get("constraint_setup_s")
+                else ""
+            ),
+            highlight=False,
+        )
 
     ticker = Ticker(tick, min(1.0, PROGRESS_EVERY_S / 4))
     try:
-        rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
-                       on_row=on_row, on_start=on_start, batches=batches)
+        rows = run_e2e(
+            llm,
+            lengths,
+            n_queries,
+            max_new_tokens,
+            chosen,
+            dtype,
+            repeat=repeat,
+            on_row=on_row,
+            on_start=on_start,
+            batches=batches,
+        )
     finally:
         ticker.stop()
     _print_table(rows, n_queries, max_new_tokens, dtype, repeat)
@@ -88,21 +139,45 @@ def bench_e2e(
 
 
 def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: str, repeat: int) -> None:
-    table = Table(title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
-                  + (f", median of {repeat} rounds" if repeat > 1 else ""))
+    table = Table(
+        title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
+        + (f", median of {repeat} rounds" if repeat > 1 else "")
+    )
     # With rounds, the first one apart: a fresh process's first run is what every `chunkgen run` is.
     first = ("round 1 gen tok/s",) if repeat > 1 else ()
-    for col in ("system", "n_shared", "batch", "wall s", "prefill s", "decode s", "mask s", "gen tok/s", *first,
-                "decode tok/s", "KV peak", "RSS peak", "= hf"):
+    for col in (
+        "system",
+        "n_shared",
+        "batch",
+        "wall s",
+        "prefill s",
+        "decode s",
+        "mask s",
+        "gen tok/s",
+        *first,
+        "decode tok/s",
+        "KV peak",
+        "RSS peak",
+        "= hf",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         batch = "-" if r.get("max_batch") is None else f"{r['max_batch']} (peak {r['peak_batch']})"
-        table.add_row(r["system"], str(r["n_shared"]), batch, f"{r['wall_s']:.1f}", f"{r['prefill_s']:.1f}",
-                      f"{r['decode_s']:.1f}", f"{r['mask_s']:.2f}" if "mask_s" in r else "-",
-                      f"{r['gen_tokens_per_s']:.1f}",
-                      *([f"{r['gen_tokens_per_s_runs'][0]:.1f}"] if first else []), f"{r['decode_tokens_per_s']:.1f}",
-                      human_bytes(r["kv_peak_bytes"]), human_bytes(r["rss_peak_bytes"]),
-                      "-" if r["outputs_equal_to_hf"] is None else f"{r['outputs_equal_to_hf']}/{r['n_queries']}")
+        table.add_row(
+            r["system"],
+            str(r["n_shared"]),
+            batch,
+            f"{r['wall_s']:.1f}",
+            f"{r['prefill_s']:.1f}",
+            f"{r['decode_s']:.1f}",
+            f"{r['mask_s']:.2f}" if "mask_s" in r else "-",
+            f"{r['gen_tokens_per_s']:.1f}",
+            *([f"{r['gen_tokens_per_s_runs'][0]:.1f}"] if first else []),
+            f"{r['decode_tokens_per_s']:.1f}",
+            human_bytes(r["kv_peak_bytes"]),
+            human_bytes(r["rss_peak_bytes"]),
+            "-" if r["outputs_equal_to_hf"] is None else f"{r['outputs_equal_to_hf']}/{r['n_queries']}",
+        )
     stdout.print(table)
 
 
@@ -119,4 +194,7 @@ def _check_dummy_fits(config: Config, copies: int) -> None:
         chosen = config.dtype or dummy.config_dtype(shapes)
         dummy.check_fits(shapes, chosen, device, free_bytes(device), copies)
     except dummy.DummyWeightsError as exc:
-        fail(str(exc) + ("; leave hf out of --systems to build one copy" if copies > 1 and "more than" in str(exc) else ""))
+        fail(
+            str(exc)
+            + ("; leave hf out of --systems to build one copy" if copies > 1 and "more than" in str(exc) else "")
+        )

@@ -1,6 +1,7 @@
 """The command line's frame: the typer app, its one exception boundary (every error one line,
 never a traceback), exit codes and the two consoles. The commands live beside it (run.py,
 inspect_tree.py, bench.py), each a thin layer over jobs/, the LLM and bench/."""
+
 from __future__ import annotations
 
 import os
@@ -49,6 +50,7 @@ _PROCESS_EXITS_AFTER = False
 class _Interrupted(Exception):
     """SIGINT (KeyboardInterrupt) inside a command, carried past typer's and click's own handlers,
     which turn it into a silent exit code (typer) or an Abort (click), so that it is said in one line."""
+
 
 TTY = sys.stderr.isatty()
 # transformers' own warnings (a config field it finds odd) would come between chunkgen's lines; its
@@ -105,8 +107,12 @@ def _value_error_text(cause: BaseException | None) -> str | None:
     if kind == "float_parsing":
         return f"must be a number, not {value!r}"
     if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        words = {"greater_than_equal": "at least", "less_than_equal": "at most",
-                 "greater_than": "more than", "less_than": "less than"}[kind]
+        words = {
+            "greater_than_equal": "at least",
+            "less_than_equal": "at most",
+            "greater_than": "more than",
+            "less_than": "less than",
+        }[kind]
         bound = next(iter(limits.values()), "?")
         return f"must be {words} {bound}, not {value}"
     return None
@@ -175,18 +181,27 @@ def unexpected_text(e: BaseException) -> str:
 
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
         if e.filename is None or str(e.filename).startswith(tempfile.gettempdir()):
-            return (f"cannot write the temporary folder {tempfile.gettempdir()} (TMPDIR): {e.strerror}; free "
-                    "space there or set TMPDIR to a writable folder with room")
+            return (
+                f"cannot write the temporary folder {tempfile.gettempdir()} (TMPDIR): {e.strerror}; free "
+                "space there or set TMPDIR to a writable folder with room"
+            )
         return f"cannot write {e.filename}: {e.strerror}"
     text = " ".join(str(e).split()) or "(no message)"
-    return (f"unexpected {type(e).__name__}: {text[:400]} (run again with CHUNKGEN_TRACEBACK=1 for the "
-            "traceback, and report it)")
+    return (
+        f"unexpected {type(e).__name__}: {text[:400]} (run again with CHUNKGEN_TRACEBACK=1 for the "
+        "traceback, and report it)"
+    )
 
 
-app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  rich_markup_mode="rich" if TTY else None,  # plain, unwrapped messages in logs and CI
-                  help="Offline batched generation on a prefix-aware chunked KV cache.")
+app = typer.Typer(
+    cls=_Group,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode="rich" if TTY else None,  # plain, unwrapped messages in logs and CI
+    help="Offline batched generation on a prefix-aware chunked KV cache.",
+)
 bench_app = typer.Typer(cls=_Group, no_args_is_help=True, help="Benchmarks: the attention kernel, end to end.")
 app.add_typer(bench_app, name="bench")
 err = Console(stderr=True, soft_wrap=not TTY)
@@ -221,8 +236,9 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Offline batched generation on a prefix-aware chunked KV cache."""
-
-

@@ -1,6 +1,7 @@
 """`chunkgen inspect-tree`: a job's prompts in one prefix tree, without running the model: the
 forest, the KV memory with and without sharing, and the cache hit rate a run reaches in each order
 (the figures are cache/forecast.py's)."""
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,35 @@ from chunkgen.model.precision import DTYPE_NAMES
 
 @app.command("inspect-tree")
 def inspect_tree(
-    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
+    queries: str = typer.Option(
+        ..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."
+    ),
+    template: Optional[Path] = typer.Option(
+        None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."
+    ),
+    model: Optional[str] = typer.Option(
+        None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."
+    ),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option("auto", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
+    dtype: str = typer.Option(
+        "auto",
+        metavar="DTYPE",
+        help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use).",
+    ),
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
-    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
-    max_batch: str = typer.Option("auto", metavar="N", callback=max_batch_values, help="Sequences decoded together in the run to foresee (a number, or auto as for run)."),
+    kv_memory: str = typer.Option(
+        "4GiB",
+        metavar="SIZE",
+        help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order.",
+    ),
+    max_batch: str = typer.Option(
+        "auto",
+        metavar="N",
+        callback=max_batch_values,
+        help="Sequences decoded together in the run to foresee (a number, or auto as for run).",
+    ),
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
     hit rate a run with --kv-memory reaches in file order and in prefix order."""
@@ -40,15 +60,17 @@ def inspect_tree(
 
     with said_as_mistakes():
         check_format(fmt)
-        config = resolve_config(device="cpu", dtype=dtype, kv_dtype=dtype, chunk_size=chunk_size,
-                                kv_memory=kv_memory, max_batch=max_batch)
+        config = resolve_config(
+            device="cpu", dtype=dtype, kv_dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory, max_batch=max_batch
+        )
         check_queries_path(queries)
         source = JobSource.open(queries, template, fmt, {}, id_field, prefix_order=True)
     with source:
         path = resolve_model(model)
         check_kv_fits(path, config)
-        forecast = TreeForecast(path, config.chunk_size, config.kv_dtype, config.kv_memory, config.max_batch,
-                                config.max_prefill_tokens)
+        forecast = TreeForecast(
+            path, config.chunk_size, config.kv_dtype, config.kv_memory, config.max_batch, config.max_prefill_tokens
+        )
         _feed(forecast, source, AutoTokenizer.from_pretrained(path), config.chunk_size)
     tree, st, templates_under = forecast.forest()
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {config.chunk_size} tokens)")
@@ -83,12 +105,16 @@ def _feed(forecast, source: JobSource, tokenizer, chunk_size: int) -> None:
 
 def _print_figures(forecast, st, config) -> None:
     budget = config.kv_memory
-    table = Table(title=f"KV memory to hold all {st.sequences} prompts at once ({DTYPE_NAMES[config.kv_dtype]})", show_header=True)
+    table = Table(
+        title=f"KV memory to hold all {st.sequences} prompts at once ({DTYPE_NAMES[config.kv_dtype]})", show_header=True
+    )
     table.add_column("")
     table.add_column("chunks", justify="right")
     table.add_column("bytes", justify="right")
     table.add_row("with sharing", str(st.chunks_shared), human_bytes(st.bytes_shared))
-    table.add_row("without sharing (each prompt its own chunks)", str(st.chunks_unshared), human_bytes(st.bytes_unshared))
+    table.add_row(
+        "without sharing (each prompt its own chunks)", str(st.chunks_unshared), human_bytes(st.bytes_unshared)
+    )
     stdout.print(table)
     stdout.print(
         f"sharing ratio {100 * st.sharing_ratio:.1f}%: the share of chunks that sharing saves\n"
@@ -98,17 +124,27 @@ def _print_figures(forecast, st, config) -> None:
         "peak KV memory counts only the sequences running at once, with their answers\n"
         f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
         f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
-        "a smaller --chunk-size lowers it", highlight=False)
-    hits = Table(title=f"cache hit rate of a run with --kv-memory {human_bytes(budget)}, --max-batch {config.max_batch}")
+        "a smaller --chunk-size lowers it",
+        highlight=False,
+    )
+    hits = Table(
+        title=f"cache hit rate of a run with --kv-memory {human_bytes(budget)}, --max-batch {config.max_batch}"
+    )
     for col in ("--order", "prompt tokens", "from the cache", "computed", "hit rate"):
         hits.add_column(col, justify="right")
     for name, r in forecast.replays.items():
-        hits.add_row(name, str(r.prompt_tokens), str(r.cached_tokens), str(r.prompt_tokens - r.cached_tokens),
-                     f"{100 * r.hit_rate:.1f}%")
+        hits.add_row(
+            name,
+            str(r.prompt_tokens),
+            str(r.cached_tokens),
+            str(r.prompt_tokens - r.cached_tokens),
+            f"{100 * r.hit_rate:.1f}%",
+        )
     stdout.print(hits)
     if forecast.too_long:
-        stdout.print(f"{forecast.too_long} prompt(s) do not fit in --kv-memory {human_bytes(budget)} at all: "
-                     "a run refuses them")
+        stdout.print(
+            f"{forecast.too_long} prompt(s) do not fit in --kv-memory {human_bytes(budget)} at all: a run refuses them"
+        )
 
 
 def _draw(node, view: Tree, templates_under: dict[int, set[str]], top: bool = True) -> None:

@@ -1,5 +1,6 @@
 """Loading the model for a command: a line when loading starts (a spinner on a terminal) and one
 when it ends, and the line that says the dtype, device and KV budget chosen, with why."""
+
 from __future__ import annotations
 
 import time
@@ -58,6 +59,5 @@ def kv_text(config: Config) -> str:
 def dtype_line(config: Config) -> str:
     """The dtype and device a loaded model runs on and its KV budget, said once on stderr with why;
     returns the dtype's short name."""
-    err.print(f"dtype {dtype_text(config)}; device {device_text(config)}; KV budget {kv_text(config)}",
-              highlight=False)
+    err.print(f"dtype {dtype_text(config)}; device {device_text(config)}; KV budget {kv_text(config)}", highlight=False)
     return config.dtype_name

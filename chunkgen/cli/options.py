@@ -1,6 +1,7 @@
 """Everything a user can get wrong on the command line, checked before the model loads: the
 options resolved into one `Config`, the output file, sampling defaults and constraints, the model
 folder and its tokenizer. A mistake is one line naming the option (exit 2) or the problem (exit 1)."""
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,11 @@ def check_kv_fits(model_dir: Path, config: Config) -> None:
     # The model's own dtype on a GPU is not known before loading: fp32, the largest, is the bound.
     per_chunk = planning_pool(model_dir, config.chunk_size, config.kv_dtype or torch.float32).bytes_per_slot
     if config.kv_memory < per_chunk:
-        usage("--kv-memory", f"{human_bytes(config.kv_memory)} holds no KV chunk of this model: one chunk of "
-                             f"{config.chunk_size} tokens needs {human_bytes(per_chunk)}")
+        usage(
+            "--kv-memory",
+            f"{human_bytes(config.kv_memory)} holds no KV chunk of this model: one chunk of "
+            f"{config.chunk_size} tokens needs {human_bytes(per_chunk)}",
+        )
 
 
 def check_out(out: Path, queries: str) -> None:
@@ -80,10 +84,20 @@ def check_out(out: Path, queries: str) -> None:
     except OSError as exc:
         usage("--out", f"cannot use {out}: {exc.strerror or exc}")
     if mode is not None and not stat_.S_ISREG(mode):
-        kind = "a FIFO" if stat_.S_ISFIFO(mode) else "a device" if stat_.S_ISCHR(mode) or stat_.S_ISBLK(mode) \
-            else "a socket" if stat_.S_ISSOCK(mode) else "not a regular file"
-        usage("--out", f"{out} is {kind}; results need a regular file they can be appended to and "
-                        "rewritten in (resume, the final compaction)")
+        kind = (
+            "a FIFO"
+            if stat_.S_ISFIFO(mode)
+            else "a device"
+            if stat_.S_ISCHR(mode) or stat_.S_ISBLK(mode)
+            else "a socket"
+            if stat_.S_ISSOCK(mode)
+            else "not a regular file"
+        )
+        usage(
+            "--out",
+            f"{out} is {kind}; results need a regular file they can be appended to and "
+            "rewritten in (resume, the final compaction)",
+        )
     if mode is not None and not os.access(out, os.W_OK):
         usage("--out", f"{out} is not writable")
     parent = out.resolve().parent
@@ -100,16 +114,27 @@ def check_out(out: Path, queries: str) -> None:
             usage("--out", f"{out} is the queries file; results go to a file of their own")
 
 
-SAMPLING_OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                    "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "logprobs": "--logprobs",
-                    "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-                    "json_schema": "--json-schema",
-                    "regex": "--regex", "grammar": "--grammar"}
+SAMPLING_OPTIONS = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "stop": "--stop",
+    "logprobs": "--logprobs",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "json_schema": "--json-schema",
+    "regex": "--regex",
+    "grammar": "--grammar",
+}
 
 
 def constraint_options(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]) -> dict[str, Any]:
     """--json-schema / --regex / --grammar as sampling defaults (files read, not yet compiled)."""
-    given = [o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v is not None]
+    given = [
+        o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v is not None
+    ]
     if len(given) > 1:
         usage(given[1], f"cannot be combined with {given[0]} (give at most one constraint)")
     if regex is not None:
@@ -129,8 +154,9 @@ def constraint_options(json_schema: Optional[Path], regex: Optional[str], gramma
         usage(option, f"{path} is not valid JSON: {exc}")
 
 
-def sampling_defaults(given: dict[str, Any], json_schema: Optional[Path], regex: Optional[str],
-                      grammar: Optional[Path]) -> dict[str, Any]:
+def sampling_defaults(
+    given: dict[str, Any], json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]
+) -> dict[str, Any]:
     """The sampling options and constraint given on the command line, checked: the defaults every
     row's own values are laid over."""
     defaults = {k: v for k, v in given.items() if v is not None}
@@ -161,15 +187,19 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # transformers raises ValueError, OSError, or a tokenizer library's own
-        fail(f"{model_dir}: cannot load the model's tokenizer ({type(exc).__name__}: "
-              f"{' '.join(str(exc).split())[:300]}); a model folder needs its tokenizer files "
-              "(tokenizer.json or tokenizer.model, tokenizer_config.json)")
+        fail(
+            f"{model_dir}: cannot load the model's tokenizer ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:300]}); a model folder needs its tokenizer files "
+            "(tokenizer.json or tokenizer.model, tokenizer_config.json)"
+        )
     if not chat_template:
         tokenizer.chat_template = None
     elif not getattr(tokenizer, "chat_template", None):
-        fail(f"{model_dir}: the model has no chat template, so chat messages cannot be formatted for it; "
-              "pass --no-chat-template to send each prompt's messages as plain text joined by blank lines "
-              "(for a base model), or use an instruction-tuned model")
+        fail(
+            f"{model_dir}: the model has no chat template, so chat messages cannot be formatted for it; "
+            "pass --no-chat-template to send each prompt's messages as plain text joined by blank lines "
+            "(for a base model), or use an instruction-tuned model"
+        )
     try:
         check_chat_template(tokenizer, str(model_dir))
     except ValueError as exc:
@@ -180,9 +210,11 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
     for t in templates.values():
         n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
         if n >= context:
-            fail(f"{t.path}: template {t.name!r} is {n} tokens before any row's values, and the model's "
-                  f"context holds {context} (with room for one generated token); shorten its system prompt "
-                  "or use a model with a longer context")
+            fail(
+                f"{t.path}: template {t.name!r} is {n} tokens before any row's values, and the model's "
+                f"context holds {context} (with room for one generated token); shorten its system prompt "
+                "or use a model with a longer context"
+            )
 
 
 def resolve_model(model: Optional[str]) -> Path:
@@ -192,14 +224,21 @@ def resolve_model(model: Optional[str]) -> Path:
 
     def notice(gguf: Path, target: Path, size: int | None) -> None:
         if size is None:
-            err.print(f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
-                      "(later runs load that copy)", highlight=False)
+            err.print(
+                f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
+                "(later runs load that copy)",
+                highlight=False,
+            )
             return
-        err.print(f"converted: {human_bytes(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)",
-                  highlight=False)
+        err.print(
+            f"converted: {human_bytes(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)", highlight=False
+        )
         for old in stale_copies(target):
-            err.print(f"an older copy of this model (from an earlier version of the file or of chunkgen) "
-                      f"takes {human_bytes(copy_size(old))}: {old} (remove it with: rm -r '{old}')", highlight=False)
+            err.print(
+                f"an older copy of this model (from an earlier version of the file or of chunkgen) "
+                f"takes {human_bytes(copy_size(old))}: {old} (remove it with: rm -r '{old}')",
+                highlight=False,
+            )
 
     try:
         path = resolve_model(model, on_convert=notice)
@@ -207,4 +246,3 @@ def resolve_model(model: Optional[str]) -> Path:
     except ModelNotFound as exc:
         fail(str(exc))
     return path
-

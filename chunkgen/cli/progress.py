@@ -1,5 +1,6 @@
 """What a run says while it runs: a bar on a terminal; elsewhere plain or JSON lines, at least every
 PROGRESS_EVERY_S (JSON_PROGRESS_EVERY_S), also while one long step holds the main thread."""
+
 from __future__ import annotations
 
 import json
@@ -41,11 +42,12 @@ class Ticker:
         self._thread.join()
 
 
-
 def _progress_text(p) -> str:
     rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
-    return (f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {human_bytes(p.kv_used_bytes)}  "
-            f"cache hits {100 * p.cache_hit_rate:4.1f}%")
+    return (
+        f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {human_bytes(p.kv_used_bytes)}  "
+        f"cache hits {100 * p.cache_hit_rate:4.1f}%"
+    )
 
 
 def _progress_lines(json_log: bool, total: int | None):
@@ -61,8 +63,9 @@ def _progress_lines(json_log: bool, total: int | None):
         elapsed = now - t0
         if json_log:
             fields = dict(p.__dict__) if p is not None else {"done": 0, "total": total}
-            json_event({"event": "progress", **fields, "elapsed_s": round(elapsed, 2),
-                         "step_running_s": round(busy, 2)})
+            json_event(
+                {"event": "progress", **fields, "elapsed_s": round(elapsed, 2), "step_running_s": round(busy, 2)}
+            )
         else:
             if p is None:
                 of = f"/{total}" if total else ""
@@ -100,13 +103,19 @@ def progress_printer(quiet: bool, json_log: bool, total: int | None):
     if json_log or not TTY:
         return _progress_lines(json_log, total)
     progress = Progress(
-        TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=err, transient=False,
+        TextColumn("[bold]generating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=err,
+        transient=False,
     )
     progress.start()
     task = progress.add_task("run", total=None, info="")
 
     def on_bar(p) -> None:
         progress.update(task, completed=p.done, total=p.total, info=_progress_text(p))
-    return on_bar, progress.stop
 
+    return on_bar, progress.stop

@@ -4,6 +4,7 @@ The command checks every option before the model loads (cli/options.py), resolve
 Config, opens the rows as a JobSource (jobs/source.py), and hands both to the job loop: locally
 (jobs/run.py over one LLM) or on a Ray cluster (scale/ray.py). What it prints at the end is
 cli/summary.py's."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,16 @@ import typer
 
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
-from chunkgen.cli.options import (check_kv_fits, check_out, check_tokenizer, max_batch_values, resolve_config,
-                                  resolve_model, said_as_mistakes, sampling_defaults)
+from chunkgen.cli.options import (
+    check_kv_fits,
+    check_out,
+    check_tokenizer,
+    max_batch_values,
+    resolve_config,
+    resolve_model,
+    said_as_mistakes,
+    sampling_defaults,
+)
 from chunkgen.cli.progress import progress_printer
 from chunkgen.cli.summary import report
 from chunkgen.config import ORDERS, Config
@@ -30,41 +39,142 @@ OUTPUT_ORDERS = ("completion", "input")
 
 @app.command()
 def run(
-    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    queries: str = typer.Option(
+        ..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."
+    ),
     out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
-    dtype: str = typer.Option("auto", metavar="DTYPE", help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU."),
-    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N; auto: the GPU when torch sees one and chunkgen's CUDA kernels are built, else the CPU."),
-    max_new_tokens: Optional[int] = typer.Option(None, metavar="N", help="Tokens to generate at most per answer [default: 64]."),
-    temperature: Optional[float] = typer.Option(None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."),
-    top_p: Optional[float] = typer.Option(None, metavar="X", help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
-    top_k: Optional[int] = typer.Option(None, metavar="N", help="Sample among the k most likely tokens; 0 is off [default: 0]."),
-    seed: Optional[int] = typer.Option(None, metavar="N", help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
-    stop: Optional[list[str]] = typer.Option(None, metavar="TEXT", help="Stop string, repeatable: the answer ends before it [default: none]."),
-    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
-    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", metavar="X", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
-    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", metavar="X", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
-    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
-    regex: Optional[str] = typer.Option(None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."),
-    grammar: Optional[Path] = typer.Option(None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."),
-    max_batch: str = typer.Option("auto", metavar="N", callback=max_batch_values, help="Sequences decoded together, or auto: as many as the KV budget holds, at most 256."),
-    kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget, e.g. 2GiB, or auto: on a GPU 85% of the memory the weights leave free (reserved at once), on the CPU 4GiB (used as chunks fill)."),
+    template: Optional[Path] = typer.Option(
+        None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."
+    ),
+    model: Optional[str] = typer.Option(
+        None,
+        metavar="MODEL",
+        help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct].",
+    ),
+    dtype: str = typer.Option(
+        "auto",
+        metavar="DTYPE",
+        help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU.",
+    ),
+    device: str = typer.Option(
+        "auto",
+        metavar="DEVICE",
+        help="auto, cpu, cuda or cuda:N; auto: the GPU when torch sees one and chunkgen's CUDA kernels are built, else the CPU.",
+    ),
+    max_new_tokens: Optional[int] = typer.Option(
+        None, metavar="N", help="Tokens to generate at most per answer [default: 64]."
+    ),
+    temperature: Optional[float] = typer.Option(
+        None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."
+    ),
+    top_p: Optional[float] = typer.Option(
+        None,
+        metavar="X",
+        help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1].",
+    ),
+    top_k: Optional[int] = typer.Option(
+        None, metavar="N", help="Sample among the k most likely tokens; 0 is off [default: 0]."
+    ),
+    seed: Optional[int] = typer.Option(
+        None,
+        metavar="N",
+        help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random].",
+    ),
+    stop: Optional[list[str]] = typer.Option(
+        None, metavar="TEXT", help="Stop string, repeatable: the answer ends before it [default: none]."
+    ),
+    logprobs: Optional[int] = typer.Option(
+        None,
+        "--logprobs",
+        metavar="N",
+        help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none].",
+    ),
+    presence_penalty: Optional[float] = typer.Option(
+        None,
+        "--presence-penalty",
+        metavar="X",
+        help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0].",
+    ),
+    frequency_penalty: Optional[float] = typer.Option(
+        None,
+        "--frequency-penalty",
+        metavar="X",
+        help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0].",
+    ),
+    json_schema: Optional[Path] = typer.Option(
+        None,
+        "--json-schema",
+        metavar="FILE",
+        help="Constrain answers to this JSON schema (a .json file) [default: none].",
+    ),
+    regex: Optional[str] = typer.Option(
+        None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."
+    ),
+    grammar: Optional[Path] = typer.Option(
+        None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."
+    ),
+    max_batch: str = typer.Option(
+        "auto",
+        metavar="N",
+        callback=max_batch_values,
+        help="Sequences decoded together, or auto: as many as the KV budget holds, at most 256.",
+    ),
+    kv_memory: str = typer.Option(
+        "auto",
+        metavar="SIZE",
+        help="KV cache budget, e.g. 2GiB, or auto: on a GPU 85% of the memory the weights leave free (reserved at once), on the CPU 4GiB (used as chunks fill).",
+    ),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
-    rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
-    output_order: str = typer.Option("completion", "--output-order", metavar="ORDER", help="completion: each result is written as soon as it finishes; input: results in input order (finished ones wait for those before them)."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."
+    ),
+    rerun_changed: bool = typer.Option(
+        False,
+        "--rerun-changed",
+        help="With --resume: answer again the rows whose request changed since they were answered.",
+    ),
+    output_order: str = typer.Option(
+        "completion",
+        "--output-order",
+        metavar="ORDER",
+        help="completion: each result is written as soon as it finishes; input: results in input order (finished ones wait for those before them).",
+    ),
     ordered: bool = typer.Option(False, "--ordered", hidden=True, help="Same as --output-order input."),
-    order: str = typer.Option("prefix", "--order", metavar="ORDER", help="prefix: answer rows sharing a prompt prefix together, so each shared prefix is prefilled once while cached (the file is read twice; standard input is spooled to a temporary file); input: answer rows in file order."),
+    order: str = typer.Option(
+        "prefix",
+        "--order",
+        metavar="ORDER",
+        help="prefix: answer rows sharing a prompt prefix together, so each shared prefix is prefilled once while cached (the file is read twice; standard input is spooled to a temporary file); input: answer rows in file order.",
+    ),
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise)."),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
-    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
-    use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
-    workers: Optional[int] = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
-    ray_address: Optional[str] = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
+    no_chat_template: bool = typer.Option(
+        False,
+        "--no-chat-template",
+        help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise).",
+    ),
+    enforce_eager: bool = typer.Option(
+        False,
+        "--enforce-eager",
+        help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly).",
+    ),
+    shard: Optional[str] = typer.Option(
+        None,
+        metavar="I/N",
+        help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows).",
+    ),
+    use_ray: bool = typer.Option(
+        False,
+        "--ray",
+        help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]').",
+    ),
+    workers: Optional[int] = typer.Option(
+        None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."
+    ),
+    ray_address: Optional[str] = typer.Option(
+        None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -78,19 +188,39 @@ def run(
         _check_choices(fmt, order, output_order, max_new_tokens, rerun_changed and not resume)
         check_queries_path(queries)
         check_out(out, queries)
-        config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
-                                max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
-                                enforce_eager=True if enforce_eager else None,
-                                order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
-        defaults = sampling_defaults(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, seed=seed, stop=stop or None, logprobs=logprobs,
-                                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
-                                     json_schema, regex, grammar)
+        config = resolve_config(
+            device=device,
+            dtype=dtype,
+            chunk_size=chunk_size,
+            kv_memory=kv_memory,
+            max_batch=max_batch,
+            share_prefix=not no_share,
+            chat_template=not no_chat_template,
+            enforce_eager=True if enforce_eager else None,
+            order="input" if use_ray else order,
+        )  # Ray groups rows by prefix on the cluster
+        defaults = sampling_defaults(
+            dict(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                stop=stop or None,
+                logprobs=logprobs,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+            ),
+            json_schema,
+            regex,
+            grammar,
+        )
         part = _shard(shard, queries)
         if use_ray:
             _check_ray()
-        source = JobSource.open(queries, template, fmt, defaults, id_field, prefix_order=config.order == "prefix",
-                                shard=part)
+        source = JobSource.open(
+            queries, template, fmt, defaults, id_field, prefix_order=config.order == "prefix", shard=part
+        )
     with source:
         if part is not None and not source.plan.rows(part.index):
             return _write_empty_shard(out, queries, part, source.plan.loads, resume, json_log)
@@ -98,18 +228,31 @@ def run(
         config = config.replace(model=str(model_dir))
         check_kv_fits(model_dir, config)
         check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
-        writing = dict(model_dir=model_dir, resume=resume, ordered=ordered or output_order == "input",
-                       rerun_changed=rerun_changed)
-        summary, signum = _answer(source, config, out, writing, quiet, json_log,
-                                  ray=dict(workers=workers, address=ray_address) if use_ray else None)
-    if queries == "-" and part is None and not summary.interrupted and \
-            summary.requests + summary.skipped + summary.errors == 0:  # a file was checked before the model loaded
+        writing = dict(
+            model_dir=model_dir, resume=resume, ordered=ordered or output_order == "input", rerun_changed=rerun_changed
+        )
+        summary, signum = _answer(
+            source,
+            config,
+            out,
+            writing,
+            quiet,
+            json_log,
+            ray=dict(workers=workers, address=ray_address) if use_ray else None,
+        )
+    if (
+        queries == "-"
+        and part is None
+        and not summary.interrupted
+        and summary.requests + summary.skipped + summary.errors == 0
+    ):  # a file was checked before the model loaded
         fail("standard input held no rows; nothing was run")
     report(summary, out, quiet, json_log, signum)
 
 
-def _check_choices(fmt: str, order: str, output_order: str, max_new_tokens: Optional[int],
-                   rerun_without_resume: bool) -> None:
+def _check_choices(
+    fmt: str, order: str, output_order: str, max_new_tokens: Optional[int], rerun_without_resume: bool
+) -> None:
     check_format(fmt)
     if order not in ORDERS:
         usage("--order", f"must be prefix or input, not {order!r}")
@@ -142,8 +285,15 @@ def _check_ray() -> None:
         fail("--ray needs Ray: pip install 'chunkgen[ray]'")
 
 
-def _answer(source: JobSource, config: Config, out: Path, writing: dict[str, Any], quiet: bool, json_log: bool,
-            ray: dict[str, Any] | None):
+def _answer(
+    source: JobSource,
+    config: Config,
+    out: Path,
+    writing: dict[str, Any],
+    quiet: bool,
+    json_log: bool,
+    ray: dict[str, Any] | None,
+):
     """(summary, the signal that stopped the run or None): the rows answered into a writer on --out.
     From here on a signal is never a traceback: the writer may be repairing the file."""
     from chunkgen.jobs.lock import OutputLocked
@@ -156,9 +306,14 @@ def _answer(source: JobSource, config: Config, out: Path, writing: dict[str, Any
     writer = None
     try:
         try:
-            writer = ResultWriter(out, source.fmt, model_name=display_name(writing["model_dir"]),
-                                  resume=writing["resume"], ordered=writing["ordered"],
-                                  rerun_changed=writing["rerun_changed"])
+            writer = ResultWriter(
+                out,
+                source.fmt,
+                model_name=display_name(writing["model_dir"]),
+                resume=writing["resume"],
+                ordered=writing["ordered"],
+                rerun_changed=writing["rerun_changed"],
+            )
         except (OutputLocked, OutputExists, OutputError) as exc:
             fail(str(exc))
         except OSError as exc:
@@ -175,8 +330,11 @@ def _answer(source: JobSource, config: Config, out: Path, writing: dict[str, Any
         stop_flag.settle()
         if writer is not None:
             writer.close(rewrite=False)
-        err.print(f"stopped at once by a second signal: every record written to {out} is whole; run the "
-                  "same command with --resume to continue", highlight=False)
+        err.print(
+            f"stopped at once by a second signal: every record written to {out} is whole; run the "
+            "same command with --resume to continue",
+            highlight=False,
+        )
         raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT])
     finally:
         if writer is not None:
@@ -191,12 +349,23 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
 
     llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line")
     if source.prefix_order is not None and not (quiet or json_log):
-        err.print("--order prefix: every row is read and keyed by its prompt's text before the first is answered, so rows "
-                  "sharing a prefix run together (--order input skips this pass)", highlight=False)
+        err.print(
+            "--order prefix: every row is read and keyed by its prompt's text before the first is answered, so rows "
+            "sharing a prefix run together (--order input skips this pass)",
+            highlight=False,
+        )
     on_progress, stop_progress = progress_printer(quiet, json_log, source.total)
     try:
-        summary = run_job(llm.engine, llm.encode, source.items, writer, total=source.total, should_stop=stop_flag,
-                          on_progress=on_progress, order=source.prefix_order)
+        summary = run_job(
+            llm.engine,
+            llm.encode,
+            source.items,
+            writer,
+            total=source.total,
+            should_stop=stop_flag,
+            on_progress=on_progress,
+            order=source.prefix_order,
+        )
     finally:
         stop_progress()
     loaded = llm.config
@@ -205,23 +374,30 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
     return summary
 
 
-def _run_ray(source: JobSource, writer, config: Config, stop_flag: StopFlag, workers: Optional[int],
-             address: Optional[str]):
+def _run_ray(
+    source: JobSource, writer, config: Config, stop_flag: StopFlag, workers: Optional[int], address: Optional[str]
+):
     from chunkgen.scale.ray import run_on_ray
 
     def started(shape) -> None:
-        err.print(f"ray: {shape.count} workers, each with {shape.num_cpus:g} CPU(s)"
-                  + (f" and {shape.num_gpus} GPU" if shape.num_gpus else ""), highlight=False)
+        err.print(
+            f"ray: {shape.count} workers, each with {shape.num_cpus:g} CPU(s)"
+            + (f" and {shape.num_gpus} GPU" if shape.num_gpus else ""),
+            highlight=False,
+        )
 
     t0 = time.perf_counter()
     try:
-        summary = run_on_ray(source.items, writer, config, workers, address=address, should_stop=stop_flag,
-                             on_start=started)
+        summary = run_on_ray(
+            source.items, writer, config, workers, address=address, should_stop=stop_flag, on_start=started
+        )
     except (ValueError, RuntimeError) as exc:
         fail(str(exc))
-    err.print(f"ray: {summary.requests} answered, {summary.skipped} already done, {summary.errors} error record(s); "
-              f"{time.perf_counter() - t0:.1f} s with {summary.workers} workers, {summary.model_loads} model loads",
-              highlight=False)
+    err.print(
+        f"ray: {summary.requests} answered, {summary.skipped} already done, {summary.errors} error record(s); "
+        f"{time.perf_counter() - t0:.1f} s with {summary.workers} workers, {summary.model_loads} model loads",
+        highlight=False,
+    )
     return summary
 
 
@@ -239,10 +415,26 @@ def _write_empty_shard(out: Path, queries: str, part, loads: list[int], resume: 
         fail(str(exc))
     except OSError as exc:
         fail(f"cannot write {out}: {exc.strerror or exc}")
-    err.print(f"shard {part.index}/{part.count}: none of the {sum(loads)} rows of {queries} fall to this shard "
-              f"(rows per shard: {', '.join(map(str, loads))}); wrote an empty {out}", highlight=False)
+    err.print(
+        f"shard {part.index}/{part.count}: none of the {sum(loads)} rows of {queries} fall to this shard "
+        f"(rows per shard: {', '.join(map(str, loads))}); wrote an empty {out}",
+        highlight=False,
+    )
     if json_log:
-        summary = JobSummary(requests=0, skipped=0, errors=0, changed=0, prompt_tokens=0, cached_tokens=0,
-                             completion_tokens=0, wall_s=0.0, prefill_s=0.0, decode_s=0.0, kv_peak_bytes=0,
-                             kv_unshared_peak_bytes=0, workers=0, model_loads=0)
+        summary = JobSummary(
+            requests=0,
+            skipped=0,
+            errors=0,
+            changed=0,
+            prompt_tokens=0,
+            cached_tokens=0,
+            completion_tokens=0,
+            wall_s=0.0,
+            prefill_s=0.0,
+            decode_s=0.0,
+            kv_peak_bytes=0,
+            kv_unshared_peak_bytes=0,
+            workers=0,
+            model_loads=0,
+        )
         print(json.dumps({"event": "summary", **summary.as_dict()}), file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ tokens may come next; the engine masks every other token's logit before sampling
 Grammars are compiled once per distinct spec (the spec string is the cache key); each sequence
 (each of a request's n samples) walks its own LLMatcher. The llguidance tokenizer costs about a
 second to build, so an engine builds it only when its first constrained request arrives."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,6 +15,7 @@ import torch
 
 from chunkgen.engine.params import ParamError, llguidance_module, compile_spec, spec_of
 from chunkgen.engine.sampler import host_buffer
+
 
 @dataclass
 class Bitmask:
@@ -54,8 +56,7 @@ class Constraints:
             from llguidance.hf import from_tokenizer
 
             # every EOS the engine stops on is the grammar's end-of-text token too
-            self._tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                             eos_token=self.eos_ids or None)
+            self._tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
             self._executor = llg.LLExecutor()
         return self._tokenizer
 
@@ -94,9 +95,10 @@ class Constraints:
         self._turn ^= 1
         buf = self._buffers[self._turn]
         if buf is None or buf.shape[0] < len(rows):
-            buf = self._buffers[self._turn] = host_buffer((max(len(rows), 2 * (0 if buf is None else buf.shape[0])),
-                                                           words), torch.int32, self.device)
-        bitmask = buf[:len(rows)]
+            buf = self._buffers[self._turn] = host_buffer(
+                (max(len(rows), 2 * (0 if buf is None else buf.shape[0])), words), torch.int32, self.device
+            )
+        bitmask = buf[: len(rows)]
         fill_next_token_bitmask_par(self._executor, [(matchers[i], j) for j, i in enumerate(rows)], bitmask)
         return Bitmask(rows, bitmask)
 

@@ -1,4 +1,5 @@
 """Text of a token stream as it grows, and the stop strings found in it."""
+
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             raise RuntimeError("the text was already cut at a stop string")
         self.ids.append(token_id)
-        if self._in_byte_run(self.ids[self._read:]):
+        if self._in_byte_run(self.ids[self._read :]):
             return "", False
         return self._advance(final=False)
 
@@ -58,11 +59,11 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> tuple[str, bool]:
         if self._read == len(self.ids):
             return "", False
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
         if not final and (len(after) <= len(before) or after.endswith(REPLACEMENT)):
             return "", False  # nothing visible yet, or an unfinished character: wait for more
-        new = after[len(before):]
+        new = after[len(before) :]
         start = len(self.text)
         self.text += new
         self._ends += self._waiting_ends(before, after, start)
@@ -82,7 +83,7 @@ class IncrementalDetokenizer:
         a byte run the next tokens regroup), the token ends with the next one that fits."""
         ends: list[int | None] = []
         for j in range(self._read + 1, len(self.ids)):
-            part = self._decode(self.ids[self._prefix:j])
+            part = self._decode(self.ids[self._prefix : j])
             fits = after.startswith(part) and len(part) >= len(before)
             ends.append(start + len(part) - len(before) if fits else None)
         ends.append(start + len(after) - len(before))

@@ -1,5 +1,6 @@
 """The step loop: each step runs what the scheduler hands over, one prefill wave or one decode
 step for every running sequence, and returns the requests that finished in it."""
+
 from __future__ import annotations
 
 import time
@@ -42,8 +43,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, config: Config | None = None,
-                 kv: KVReservation | None = None) -> None:
+    def __init__(
+        self, model: LlamaModel, tokenizer, config: Config | None = None, kv: KVReservation | None = None
+    ) -> None:
         """kv: K/V memory shared with other engines of the same model, which take turns on it (the
         LLM's); without it the engine reserves its own pool."""
         self.model = model
@@ -69,13 +71,22 @@ class Engine:
         if self.kv is not None:
             self.pool = self.kv.lease(self, cfg.kv_memory)
         else:
-            self.pool = ChunkPool(model.num_layers, model.kv_heads, model.head_dim, cfg.chunk_size,
-                                  cfg.kv_dtype or kv_dtype_for(model.device, model.dtype), cfg.kv_memory, device=model.device)
+            self.pool = ChunkPool(
+                model.num_layers,
+                model.kv_heads,
+                model.head_dim,
+                cfg.chunk_size,
+                cfg.kv_dtype or kv_dtype_for(model.device, model.dtype),
+                cfg.kv_memory,
+                device=model.device,
+            )
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
-        self.runner = ModelRunner(model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first,
-                                  enforce_eager=cfg.enforce_eager)
-        self.scheduler = Scheduler(self.tree, cfg.max_batch, cfg.max_prefill_tokens,
-                                   group_prefix_tokens=4 * cfg.chunk_size)
+        self.runner = ModelRunner(
+            model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first, enforce_eager=cfg.enforce_eager
+        )
+        self.scheduler = Scheduler(
+            self.tree, cfg.max_batch, cfg.max_prefill_tokens, group_prefix_tokens=4 * cfg.chunk_size
+        )
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -105,8 +116,9 @@ class Engine:
                     for s in samples:
                         s.matcher = self.constraints.matcher(req.params)
                 except ParamError as exc:
-                    self._refused.append(Result(req.id, len(req.prompt_tokens), 0, [], error=str(exc),
-                                                error_field="constraint"))
+                    self._refused.append(
+                        Result(req.id, len(req.prompt_tokens), 0, [], error=str(exc), error_field="constraint")
+                    )
                     continue
                 self._num_constrained += len(samples)
             self._pending[id(req)] = samples
@@ -119,8 +131,9 @@ class Engine:
             self._constraints = Constraints(self.tokenizer, self.model.vocab_size, self.eos_ids, self.model.device)
         return self._constraints
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
-                early_mask: Future | None = None) -> list[tuple[int, TokenLogprob | None]]:
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, early_mask: Future | None = None
+    ) -> list[tuple[int, TokenLogprob | None]]:
         """Next token of each of `seqs` from its logits row, with its logprobs entry when asked.
         Logprobs are read off the raw logits; penalties, then constraint masks change them before
         the draw. `early_mask`: the rows' masks, started before the forward that made `logits`.
@@ -269,8 +282,9 @@ class Engine:
         by_id = {s.seq_id: s for s in batch.decode}
         order = [by_id[s] for s in ctx.order]  # the tree holds exactly the running sequences
         early = self.constraints.fill_async([s.matcher for s in order]) if self._num_constrained else None
-        logits = self.runner.decode([s.tokens[-1] for s in order], [len(s.tokens) - 1 for s in order],
-                                    [batch.slots[s.seq_id] for s in order])
+        logits = self.runner.decode(
+            [s.tokens[-1] for s in order], [len(s.tokens) - 1 for s in order], [batch.slots[s.seq_id] for s in order]
+        )
         picks = self._sample(order, logits, early)
         for seq, (token, entry) in zip(order, picks):
             self._accept(seq, token, entry)
@@ -294,8 +308,11 @@ class Engine:
             seq.finish_reason, seq.error, seq.error_field = "error", f"constraint: {m.get_error()}", "constraint"
             return
         # A finished grammar admits nothing but EOS: the answer is complete, as if EOS came.
-        if ((m is not None and m.is_stopped()) or (token in self.eos_ids and not p.ignore_eos)
-                or token in p.stop_token_ids):
+        if (
+            (m is not None and m.is_stopped())
+            or (token in self.eos_ids and not p.ignore_eos)
+            or token in p.stop_token_ids
+        ):
             seq.finish_reason = "stop"
         elif p.stop:  # decoded a few tokens at a time; only new text is searched
             seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer, p.stop)
@@ -305,15 +322,13 @@ class Engine:
             if hit:  # the text ends before the stop string, token_ids with the last token wholly before it
                 seq.finish_reason, seq.text = "stop", seq.detok.text
                 cut = len(out) - seq.detok.num_tokens
-                del seq.tokens[seq.num_prompt + seq.detok.num_tokens:]
+                del seq.tokens[seq.num_prompt + seq.detok.num_tokens :]
                 if seq.logprobs is not None:
-                    del seq.logprobs[seq.detok.num_tokens:]
+                    del seq.logprobs[seq.detok.num_tokens :]
                 if m is not None and cut:
                     m.rollback(cut)  # so whether the answer satisfies its constraint is judged on what is kept
                 return
-        if seq.finish_reason is None and (
-            len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context
-        ):
+        if seq.finish_reason is None and (len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context):
             seq.finish_reason = "length"
         if seq.finish_reason:
             seq.text = self.tokenizer.decode(out, skip_special_tokens=True)
@@ -338,10 +353,14 @@ class Engine:
                 del self._pending[id(seq.request)]
                 first = samples[0]
                 failed = next((s for s in samples if s.error), None)
-                results.append(Result(
-                    id=seq.request.id, prompt_tokens=first.num_prompt,
-                    cached_tokens=first.cached_tokens or 0,
-                    completions=[] if failed else [s.completion() for s in samples],
-                    error=failed and failed.error, error_field=failed and failed.error_field,
-                ))
+                results.append(
+                    Result(
+                        id=seq.request.id,
+                        prompt_tokens=first.num_prompt,
+                        cached_tokens=first.cached_tokens or 0,
+                        completions=[] if failed else [s.completion() for s in samples],
+                        error=failed and failed.error,
+                        error_field=failed and failed.error_field,
+                    )
+                )
         return results

@@ -1,5 +1,6 @@
 """What the engine does to a batch of logits besides sampling from them: the log-probabilities a
 request asks to see, and the presence / frequency penalties it asks for."""
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,7 @@ class TokenLogprob:
     def as_openai(self) -> dict:
         """The Chat Completions shape of one entry of `logprobs.content`."""
         entry = {"token": self.token, "logprob": self.logprob, "bytes": list(self.raw)}
-        entry["top_logprobs"] = [{k: v for k, v in t.as_openai().items() if k != "top_logprobs"}
-                                 for t in self.top]
+        entry["top_logprobs"] = [{k: v for k, v in t.as_openai().items() if k != "top_logprobs"} for t in self.top]
         return entry
 
 
@@ -62,8 +62,13 @@ class StepLogprobs:
         assert self.lp is not None
         return float(self.lp[self.batch.logprob_rows.index(row), token])
 
-    def entries(self, read: list[float], tokens: list[int], text: Callable[[int], tuple[str, bytes]],
-                redrawn: Sequence[int] = ()) -> list[TokenLogprob | None]:
+    def entries(
+        self,
+        read: list[float],
+        tokens: list[int],
+        text: Callable[[int], tuple[str, bytes]],
+        redrawn: Sequence[int] = (),
+    ) -> list[TokenLogprob | None]:
         """Per row of the batch, the entry of its sampled token (None for rows that did not ask),
         from `read`, the host copy of `columns`; `text` gives a token's text and bytes; rows in
         `redrawn` changed token after `columns` was taken."""
@@ -72,9 +77,9 @@ class StepLogprobs:
         width = 1 + 2 * b.max_logprobs
         m = b.max_logprobs
         for j, row in enumerate(b.logprob_rows):
-            rec = read[j * width:(j + 1) * width]
+            rec = read[j * width : (j + 1) * width]
             k = b.params[row].logprobs or 0
-            top = [TokenLogprob(t, *text(t), v) for t, v in zip(map(int, rec[1 + m:1 + m + k]), rec[1:1 + k])]
+            top = [TokenLogprob(t, *text(t), v) for t, v in zip(map(int, rec[1 + m : 1 + m + k]), rec[1 : 1 + k])]
             chosen = self.chosen(row, tokens[row]) if row in redrawn else rec[0]
             out[row] = TokenLogprob(tokens[row], *text(tokens[row]), chosen, top)
         return out

@@ -2,6 +2,7 @@
 (a JSON schema, a regex or a Lark grammar) compiled once per distinct spec with llguidance, so a bad
 one is refused before any model loads. Turning logits into tokens is sampler.py's; masking them
 by a constraint is constraint.py's."""
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,15 @@ class SamplingParams:
         if self.logprobs is not None:
             put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         for name in ("presence_penalty", "frequency_penalty"):
-            put(name, _number(name, getattr(self, name), f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
-                              lambda v: -MAX_PENALTY <= v <= MAX_PENALTY))
+            put(
+                name,
+                _number(
+                    name,
+                    getattr(self, name),
+                    f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+                    lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+                ),
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ParamError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string is one stop
@@ -91,8 +99,9 @@ class SamplingParams:
             raise ParamError("stop", f"takes at most {MAX_STOP} strings, got {len(stop)}")
         put("stop", tuple(stop))
         ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, Integral) or t < 0
-                                                       for t in ids):
+        if not isinstance(ids, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, Integral) or t < 0 for t in ids
+        ):
             raise ParamError("stop_token_ids", f"must be a list of token ids (integers >= 0), got {ids!r}")
         put("stop_token_ids", tuple(int(t) for t in ids))
         self._check_constraint(put)
@@ -121,12 +130,19 @@ class SamplingParams:
     def as_dict(self) -> dict:
         # Fields added after the first release are left out while unset: request hashes and records
         # of requests that do not use them stay what they were (resume compares those hashes).
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()
-                if _OPTIONAL.get(k, ...) != v}
+        return {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if _OPTIONAL.get(k, ...) != v
+        }
 
 
-_OPTIONAL = {"json_schema": None, "regex": None, "grammar": None, "logprobs": None,
-             "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_OPTIONAL = {
+    "json_schema": None,
+    "regex": None,
+    "grammar": None,
+    "logprobs": None,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 KINDS = ("json_schema", "regex", "grammar")  # SamplingParams fields, at most one set

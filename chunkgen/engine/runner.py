@@ -13,6 +13,7 @@ bucket has one shape: on the GPU each is captured once as a CUDA graph and repla
 replay logic is the same on the CPU (the captured callable is called over the same static buffers),
 so the buffer refresh a replay depends on is exercised everywhere.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from chunkgen.model.llama import LlamaModel
 class PrefillItem:
     """One sequence's share of a prefill wave: K/V of [0, start) are already in the pool along
     path_slots; positions [start, len(tokens)) are computed and those >= write_from are stored."""
+
     tokens: list[int]
     start: int
     write_from: int
@@ -45,9 +47,17 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: ChunkPool, tree: PrefixTree, max_batch: int,
-                 chunk_first: bool = True, enforce_eager: bool | None = None,
-                 mirror: bool | None = None, compile_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: ChunkPool,
+        tree: PrefixTree,
+        max_batch: int,
+        chunk_first: bool = True,
+        enforce_eager: bool | None = None,
+        mirror: bool | None = None,
+        compile_backend: str | None = None,
+    ) -> None:
         """enforce_eager: run the forward directly each step (default on the CPU); otherwise one
         captured graph per bucket is replayed (a CUDA graph on the GPU; on the CPU the same
         callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
@@ -58,8 +68,14 @@ class ModelRunner:
         self.chunk_first = chunk_first
         self.device = torch.device(model.device)
         self.enforce_eager = self.device.type == "cpu" if enforce_eager is None else enforce_eager
-        self.ctx = KernelContext(tree, chunk_first=chunk_first, buckets=batch_buckets(max_batch),
-                                 device=self.device, scratch_slot=pool.scratch_slot, mirror=mirror)
+        self.ctx = KernelContext(
+            tree,
+            chunk_first=chunk_first,
+            buckets=batch_buckets(max_batch),
+            device=self.device,
+            scratch_slot=pool.scratch_slot,
+            mirror=mirror,
+        )
         self._graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self._workspace: tuple[int, torch.Tensor] | None = None
         self._graph_pool = None  # one CUDA memory pool shared by every bucket's graph
@@ -156,8 +172,12 @@ class ModelRunner:
         # Usually every new row is written: then K/V go to the pool without a gather first.
         every_row = w_rows == list(range(row))
         return PrefillStep(
-            tokens=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
-            write_slots=torch.tensor(w_slots, dtype=torch.long), write_offsets=torch.tensor(w_offs, dtype=torch.long),
+            tokens=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            write_slots=torch.tensor(w_slots, dtype=torch.long),
+            write_offsets=torch.tensor(w_offs, dtype=torch.long),
             write_rows=None if every_row else torch.tensor(w_rows, dtype=torch.long, device=dev),
-            writes=bool(w_rows), groups=plan_groups(spans, C, self.model.dtype, dev),
-            logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits])
+            writes=bool(w_rows),
+            groups=plan_groups(spans, C, self.model.dtype, dev),
+            logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
+        )

@@ -1,5 +1,6 @@
 """The next-token choice for a batch of logits, on their device: greedy rows by argmax, sampled
 rows by top-k / top-p and one uniform draw from their own generator."""
+
 from __future__ import annotations
 
 import math
@@ -106,8 +107,11 @@ class _Part:
         self.top_k = torch.tensor([params[i].top_k for i in rows], device=device)
         self.top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64, device=device)
         self.total = any(params[i].top_p < 1.0 and not params[i].top_k for i in rows)
-        self.cap = max([params[i].top_k + 1 for i in rows if params[i].top_k]
-                       + [CANDIDATES for i in rows if params[i].top_p < 1.0 and not params[i].top_k], default=0)
+        self.cap = max(
+            [params[i].top_k + 1 for i in rows if params[i].top_k]
+            + [CANDIDATES for i in rows if params[i].top_p < 1.0 and not params[i].top_k],
+            default=0,
+        )
 
 
 class SamplingBatch:
@@ -115,29 +119,34 @@ class SamplingBatch:
     (the engine keeps it while the same sequences run in the same order): a step then moves only
     its rows' uniform numbers to the device."""
 
-    def __init__(self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-                 device: torch.device) -> None:
+    def __init__(
+        self, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], device: torch.device
+    ) -> None:
         self.params = list(params)
         self.generators = list(generators)
         self.device = device
         self.sampled = [i for i, p in enumerate(self.params) if not p.greedy]
-        self.parts = [_Part(self.sampled[lo:lo + _ROWS], self.params, device)
-                      for lo in range(0, len(self.sampled), _ROWS)]
+        self.parts = [
+            _Part(self.sampled[lo : lo + _ROWS], self.params, device) for lo in range(0, len(self.sampled), _ROWS)
+        ]
         # Each sampled row's uniform number of the step, drawn on the host from its own generator
         # straight into this buffer (no Python floats), then moved in one copy. The previous
         # step's copy has finished by then: every step waits for its sampled tokens.
         self.u_host = host_buffer((len(self.sampled),), torch.float64, device)
         # rows asking for logprobs (engine/logits.py reads them on the device)
         self.logprob_rows = [i for i, p in enumerate(self.params) if p.logprobs is not None]
-        self.logprob_index = None if len(self.logprob_rows) == len(self.params) else torch.tensor(
-            self.logprob_rows, dtype=torch.long, device=device)
+        self.logprob_index = (
+            None
+            if len(self.logprob_rows) == len(self.params)
+            else torch.tensor(self.logprob_rows, dtype=torch.long, device=device)
+        )
         self.max_logprobs = max((self.params[i].logprobs or 0 for i in self.logprob_rows), default=0)
 
     def uniforms(self) -> torch.Tensor:
         """One uniform number per sampled row from its generator: the row's stream advances by
         exactly one draw per step, whatever else is in the batch."""
         for j, i in enumerate(self.sampled):
-            torch.rand(1, generator=self.generators[i], dtype=torch.float64, out=self.u_host[j:j + 1])
+            torch.rand(1, generator=self.generators[i], dtype=torch.float64, out=self.u_host[j : j + 1])
         return self.u_host.to(self.device, non_blocking=True)
 
 
@@ -145,8 +154,14 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest value (the first of equals; a row with NaN: its first NaN).
     On the CPU chunkgen's op (fp32 or the model's bf16 logits as they are, ~10x torch's max);
     elsewhere max's indices, which torch computes several times faster than argmax."""
-    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
-            and x.shape[1] > 0 and x.stride(1) == 1 and native_cpu_available()):
+    if (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
+        and native_cpu_available()
+    ):
         return torch.ops.chunkgen.argmax_rows.default(x)
     return x.max(dim=-1).indices
 
@@ -171,12 +186,13 @@ def draw(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torc
     for part in batch.parts:
         n = len(part.rows)
         if part.run:
-            x = logits[part.rows[0]:part.rows[0] + n]
+            x = logits[part.rows[0] : part.rows[0] + n]
         else:
             x = _scratch.take("x", (n, V), logits.dtype, logits.device)
             torch.index_select(logits, 0, part.index, out=x)
-        tokens, part_redo = _draw_rows(x.float(), part.temperature, part.top_k, part.top_p, u[at:at + n],
-                                       min(part.cap, V), part.total)
+        tokens, part_redo = _draw_rows(
+            x.float(), part.temperature, part.top_k, part.top_p, u[at : at + n], min(part.cap, V), part.total
+        )
         out.index_copy_(0, part.index, tokens)
         redo.index_copy_(0, part.index, part_redo)
         at += n
@@ -196,8 +212,9 @@ class StepReader:
         flat = torch.cat([p.reshape(-1).double() for p in parts])
         n = flat.numel()
         if self.buf is None or self.buf.numel() < n or self.buf.is_pinned() != (flat.device.type == "cuda"):
-            self.buf = host_buffer((max(n, 2 * (self.buf.numel() if self.buf is not None else 0)),),
-                                   torch.float64, flat.device)
+            self.buf = host_buffer(
+                (max(n, 2 * (self.buf.numel() if self.buf is not None else 0)),), torch.float64, flat.device
+            )
         host = self.buf[:n]
         host.copy_(flat, non_blocking=True)
         if flat.device.type == "cuda":
@@ -206,7 +223,7 @@ class StepReader:
         values = host.tolist()
         out, at = [], 0
         for p in parts:
-            out.append(values[at:at + p.numel()])
+            out.append(values[at : at + p.numel()])
             at += p.numel()
         return out
 
@@ -225,10 +242,16 @@ def redo_short_rows(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int
     dev = logits.device
     x = logits.index_select(0, torch.tensor(rows, device=dev)).float()
     u = torch.tensor([float(batch.u_host[where[i]]) for i in rows], dtype=torch.float64, device=dev)
-    new, _ = _draw_rows(x, torch.tensor([q.temperature for q in p], dtype=torch.float32, device=dev),
-                        torch.tensor([q.top_k for q in p], device=dev),
-                        torch.tensor([q.top_p for q in p], dtype=torch.float64, device=dev), u, x.shape[1],
-                        True, exact=True)
+    new, _ = _draw_rows(
+        x,
+        torch.tensor([q.temperature for q in p], dtype=torch.float32, device=dev),
+        torch.tensor([q.top_k for q in p], device=dev),
+        torch.tensor([q.top_p for q in p], dtype=torch.float64, device=dev),
+        u,
+        x.shape[1],
+        True,
+        exact=True,
+    )
     tokens = list(tokens)
     for i, t in zip(rows, new.tolist()):
         tokens[i] = t
@@ -245,8 +268,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return redo_short_rows(logits, batch, [int(t) for t in toks], [bool(f) for f in flags])
 
 
-def _draw_rows(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
-               cap: int, total: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_rows(
+    x: torch.Tensor,
+    temp: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    cap: int,
+    total: bool,
+    exact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of logits `x` [rows, vocab], from uniforms `u` [rows], with its
     parameters as tensors [rows]; the cut is sought among the `cap` best tokens (0: no row cuts;
     `total`: some row needs its whole mass, for top-p without top-k). Returns the tokens and
@@ -285,8 +316,9 @@ def _order_keys(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return mono * (1 << 32) + ((1 << 32) - 1 - ids)
 
 
-def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, cap: int,
-         total: bool = True) -> torch.Tensor:
+def _cut(
+    s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, cap: int, total: bool = True
+) -> torch.Tensor:
     """Zero the weights `w` of the tokens top-k, then top-p, leave out, given log-weights `s`
     [rows, vocab], top_k [rows] (0: off) and top_p [rows], looking among the `cap` best tokens
     (`total` False: no row has top-p without top-k, whose mass is then the whole row's).
@@ -323,8 +355,12 @@ def _cut(s: torch.Tensor, w: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     if C == V:
         return torch.zeros(R, dtype=torch.bool, device=s.device)
     end = vals[:, -1]
-    return ((has_k & (kth > -math.inf) & (end == kth)) | (cuts & (floor > -math.inf) & (end == floor))
-            | (~has_k & with_p & (cum[:, -1] < target)))
+    return (
+        (has_k & (kth > -math.inf) & (end == kth))
+        | (cuts & (floor > -math.inf) & (end == floor))
+        | (~has_k & with_p & (cum[:, -1] < target))
+    )
+
 
 def _draw(blocks: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF in vocabulary order of weights [B, blocks, _BLOCK], u in [0, 1) per row: block

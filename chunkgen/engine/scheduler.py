@@ -1,6 +1,7 @@
 """Iteration-level batching: who waits, who joins the next prefill wave, who decodes, who is
 preempted, and who can never fit. Decisions only: the cache is changed through PrefixTree calls
 (insert, append, remove) and no tensor is touched; the engine runs what schedule() returns."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -13,6 +14,7 @@ from chunkgen.engine.sequence import Sequence
 
 class Admission(NamedTuple):
     """One sequence of a prefill wave: K/V of kv_tokens[cached:] are to be computed."""
+
     seq: Sequence
     kv_tokens: list[int]
     cached: int
@@ -21,6 +23,7 @@ class Admission(NamedTuple):
 @dataclass
 class Batch:
     """One step of work: a prefill wave or a decode step, never both."""
+
     prefill: list[Admission] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)  # each has a position reserved for its last token
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (slot, offset) of that position
@@ -35,13 +38,14 @@ def kv_budget_error(n_tokens: int, pool: ChunkPool) -> str | None:
     if need <= pool.max_slots:
         return None
     mib = pool.bytes_per_slot / 2**20
-    return (f"prompt needs {need} KV chunks of {pool.chunk_size} tokens ({need * mib:.1f} MiB) but the "
-            f"whole KV budget holds {pool.max_slots} ({pool.max_slots * mib:.1f} MiB); raise --kv-memory")
+    return (
+        f"prompt needs {need} KV chunks of {pool.chunk_size} tokens ({need * mib:.1f} MiB) but the "
+        f"whole KV budget holds {pool.max_slots} ({pool.max_slots * mib:.1f} MiB); raise --kv-memory"
+    )
 
 
 class Scheduler:
-    def __init__(self, tree: PrefixTree, max_batch: int, max_prefill_tokens: int,
-                 group_prefix_tokens: int) -> None:
+    def __init__(self, tree: PrefixTree, max_batch: int, max_prefill_tokens: int, group_prefix_tokens: int) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.tree = tree
@@ -110,7 +114,8 @@ class Scheduler:
             seq.finish_reason = "length"
         else:
             seq.error = kv_budget_error(len(seq.tokens), self.tree.pool) or (
-                f"prompt of {len(seq.tokens)} tokens does not fit the KV budget; raise --kv-memory")
+                f"prompt of {len(seq.tokens)} tokens does not fit the KV budget; raise --kv-memory"
+            )
             seq.finish_reason = "error"
 
     # -- decode -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """What the engine is asked (Request), what it tracks (Sequence) and what it returns (Result)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

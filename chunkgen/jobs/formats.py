@@ -1,5 +1,6 @@
 """Output records: a finished request or an error as chunkgen's own JSON line, or as OpenAI batch
 output. Apart from the writer so that remote workers format what the driver writes."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,6 +12,7 @@ from typing import Any
 from chunkgen.engine.sequence import Completion, Result
 from chunkgen.jobs.ledger import FORMAT_VERSION
 from chunkgen.jobs.requests import ErrorRecord, Job
+
 
 def encode_record(record: dict[str, Any]) -> bytes:
     """One JSON line. Text with a lone surrogate (no UTF-8 form) is written with \\u escapes instead."""
@@ -55,30 +57,60 @@ class RecordFormat:
     def result_record(self, job: Job, res: Result) -> dict[str, Any]:
         if res.error is not None:
             field = job.constraint_field if res.error_field == "constraint" else "prompt"
-            return self._keyed(self.error_record(ErrorRecord(job.id, job.line, field, res.error), job.request_hash), job)
+            return self._keyed(
+                self.error_record(ErrorRecord(job.id, job.line, field, res.error), job.request_hash), job
+            )
         if self.fmt == "openai":
             body = {
-                "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": None if c.logprobs is None else {"content": _logprobs(c), "refusal": None},
-                             "finish_reason": c.finish_reason} for i, c in enumerate(res.completions)],
-                "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-                          "total_tokens": res.prompt_tokens + res.completion_tokens,
-                          "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
+                "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": None if c.logprobs is None else {"content": _logprobs(c), "refusal": None},
+                        "finish_reason": c.finish_reason,
+                    }
+                    for i, c in enumerate(res.completions)
+                ],
+                "usage": {
+                    "prompt_tokens": res.prompt_tokens,
+                    "completion_tokens": res.completion_tokens,
+                    "total_tokens": res.prompt_tokens + res.completion_tokens,
+                    "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+                },
             }
-            return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": job.id,
-                    "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
-                    "error": None, "line": job.line, "request_hash": job.request_hash, "chunkgen": FORMAT_VERSION}
-        rec: dict[str, Any] = {"id": job.id, "line": job.line, "template": job.template, "text": res.text,
-                               "finish_reason": res.finish_reason,
-                               "usage": {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens,
-                                         "completion_tokens": res.completion_tokens},
-                               "sampling": _sampling(job), "request_hash": job.request_hash,
-                               "chunkgen": FORMAT_VERSION, **_extras(res.completions[0])}
+            return {
+                "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+                "custom_id": job.id,
+                "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
+                "error": None,
+                "line": job.line,
+                "request_hash": job.request_hash,
+                "chunkgen": FORMAT_VERSION,
+            }
+        rec: dict[str, Any] = {
+            "id": job.id,
+            "line": job.line,
+            "template": job.template,
+            "text": res.text,
+            "finish_reason": res.finish_reason,
+            "usage": {
+                "prompt_tokens": res.prompt_tokens,
+                "cached_tokens": res.cached_tokens,
+                "completion_tokens": res.completion_tokens,
+            },
+            "sampling": _sampling(job),
+            "request_hash": job.request_hash,
+            "chunkgen": FORMAT_VERSION,
+            **_extras(res.completions[0]),
+        }
         if len(res.completions) > 1:
-            rec["completions"] = [{"text": c.text, "finish_reason": c.finish_reason, **_extras(c)}
-                                  for c in res.completions]
+            rec["completions"] = [
+                {"text": c.text, "finish_reason": c.finish_reason, **_extras(c)} for c in res.completions
+            ]
         return self._keyed(rec, job)
 
     @staticmethod
@@ -90,9 +122,19 @@ class RecordFormat:
 
     def error_record(self, err: ErrorRecord, request_hash: str | None = None) -> dict[str, Any]:
         if self.fmt == "openai":
-            return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": err.id, "response": None,
-                    "error": {"code": "invalid_request", "line": err.line, "field": err.field,
-                              "message": err.message},
-                    "line": err.line, "request_hash": request_hash, "chunkgen": FORMAT_VERSION}
-        return {"id": err.id, "line": err.line, "error": {"field": err.field, "message": err.message},
-                "request_hash": request_hash, "chunkgen": FORMAT_VERSION}
+            return {
+                "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+                "custom_id": err.id,
+                "response": None,
+                "error": {"code": "invalid_request", "line": err.line, "field": err.field, "message": err.message},
+                "line": err.line,
+                "request_hash": request_hash,
+                "chunkgen": FORMAT_VERSION,
+            }
+        return {
+            "id": err.id,
+            "line": err.line,
+            "error": {"field": err.field, "message": err.message},
+            "request_hash": request_hash,
+            "chunkgen": FORMAT_VERSION,
+        }

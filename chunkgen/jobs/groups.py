@@ -1,4 +1,5 @@
 """Which rows share a prompt prefix: the one grouping that `--shard` plans with and `--ray` routes by."""
+
 from __future__ import annotations
 
 import hashlib

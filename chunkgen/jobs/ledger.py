@@ -3,6 +3,7 @@ refused before anything changes), and the ledger of which records still stand: a
 to its row by id, or by request and occurrence for a row without one; an error record never stands
 for an answer, and a later record at the same line supersedes an earlier one. `--resume` and the
 writer's end-of-run rewrite both go by it."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,11 @@ def is_record(rec: Any) -> bool:
     if isinstance(line, bool) or not isinstance(line, int):
         return False
     if "custom_id" in rec:  # OpenAI batch output
-        return ("response" in rec and isinstance(rec.get("error"), (dict, type(None)))
-                and isinstance(rec["custom_id"], (str, type(None))))
+        return (
+            "response" in rec
+            and isinstance(rec.get("error"), (dict, type(None)))
+            and isinstance(rec["custom_id"], (str, type(None)))
+        )
     if not isinstance(rec.get("id", 0), (str, type(None))):
         return False
     return "id" in rec and (isinstance(rec.get("text"), str) or isinstance(rec.get("error"), dict))
@@ -55,8 +59,9 @@ def _foreign(path: Path, number: int, rec: Any) -> OutputError:
         why = f"line {number} was written by a newer chunkgen (record format {rec['chunkgen']})"
     else:
         why = f"line {number} is not a chunkgen result record"
-    return OutputError(f"{path}: {why}; refusing to resume into it, and nothing was changed "
-                       "(is --out your queries file?)")
+    return OutputError(
+        f"{path}: {why}; refusing to resume into it, and nothing was changed (is --out your queries file?)"
+    )
 
 
 def parse_line(raw: bytes) -> Any:
@@ -118,8 +123,9 @@ class Ledger:
         return self.answers[rid][0] == index and self._answer_stands(rid, index, line)
 
     def kept(self, first_new: int | None = None) -> int:
-        errors = sum(1 for i, answer, _ in self.last_at_line.values()
-                     if not answer and (first_new is None or i >= first_new))
+        errors = sum(
+            1 for i, answer, _ in self.last_at_line.values() if not answer and (first_new is None or i >= first_new)
+        )
         answers = sum(1 for rid, (i, line, _) in self.answers.items() if self._answer_stands(rid, i, line))
         return errors + answers
 

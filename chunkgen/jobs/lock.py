@@ -7,6 +7,7 @@ the next one. When the writer replaces the file (the end-of-run rewrite), it loc
 renaming it into place, so the name is never unguarded; a run that locked a file just replaced sees
 that the name now points elsewhere and tries again.
 """
+
 from __future__ import annotations
 
 import errno

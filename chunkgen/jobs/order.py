@@ -15,6 +15,7 @@ leading messages to the same leading text, whose tokens are the same (up to the 
 point where two prompts part), so text prefixes group rows as token prefixes do, and keying costs a
 hash of a few KB per row instead of rendering and tokenizing a prompt of thousands of tokens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -102,7 +103,8 @@ def _temp_failure(exc: OSError, what: str, needed: int) -> TempSpaceError:
     return TempSpaceError(
         f"cannot write the temporary folder {folder} (TMPDIR) while {what}: {exc.strerror or exc}; it "
         f"needs about {needed / 2**20:.1f} MiB more there. Free space, set TMPDIR to a folder with room, "
-        "or pass --order input (which writes nothing there; not for standard input spooled for a shard)")
+        "or pass --order input (which writes nothing there; not for standard input spooled for a shard)"
+    )
 
 
 def sort_bytes_needed(rows: int) -> int:
@@ -254,9 +256,9 @@ class _BufferedReader:
 
     def take(self, n: int) -> bytes:
         if self._pos + n > len(self._data):
-            self._data = self._data[self._pos:] + self._f.read(max(self._size, n))
+            self._data = self._data[self._pos :] + self._f.read(max(self._size, n))
             self._pos = 0
-        out = self._data[self._pos:self._pos + n]
+        out = self._data[self._pos : self._pos + n]
         self._pos += len(out)
         return out
 
@@ -280,20 +282,24 @@ class PrefixOrder:
     stats: OrderStats = field(default_factory=OrderStats)
 
     @classmethod
-    def reading(cls, row_file: RowFile, rows: Iterable[tuple[int, Any]], to_jobs: ToJobs,
-                **kwargs: Any) -> "tuple[PrefixOrder, Iterator[Job | ErrorRecord]]":
+    def reading(
+        cls, row_file: RowFile, rows: Iterable[tuple[int, Any]], to_jobs: ToJobs, **kwargs: Any
+    ) -> "tuple[PrefixOrder, Iterator[Job | ErrorRecord]]":
         """(the order, the job's rows in file order) for rows parsed from `row_file.lines()`;
         `to_jobs` turns parsed rows into jobs, the first time and when a line is read again."""
+
         def rebuild(line: int, raw: bytes) -> Job | ErrorRecord | None:
             return next(to_jobs((line, obj) for _, obj in read_rows([raw])), None)
+
         return cls(row_file, rebuild, **kwargs), row_file.follow(to_jobs(rows))
 
     def close(self) -> None:
         """The file the rows are re-read from (a spooled standard input is removed)."""
         self.rows.close()
 
-    def apply(self, jobs: Iterable[tuple[int, Job]], chunk_size: int,
-              should_stop: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, Job]]:
+    def apply(
+        self, jobs: Iterable[tuple[int, Job]], chunk_size: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[tuple[int, Job]]:
         """`jobs` (numbered in file order, as triage yields them) in prefix order, for a cache of
         chunks of `chunk_size` tokens. Every row is keyed (by its prompt's text: prompt_key) before
         the first is handed on; a stop request ends the keying pass early and yields nothing (the
@@ -320,8 +326,8 @@ class PrefixOrder:
                     raise QueryFileChanged(
                         f"{self.rows.path}: line {line} changed while the job ran (it is read twice to answer "
                         "rows in prefix order); every answer written so far is kept: rerun with --resume, "
-                        "or pass --order input")
+                        "or pass --order input"
+                    )
                 yield index, item
         finally:
             sorter.close()
-

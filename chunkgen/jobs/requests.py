@@ -5,6 +5,7 @@ OpenAI Batch API request files (custom_id / method / url / body). Rows are read 
 file of any length (or standard input) costs memory for one line at a time. A bad line becomes an
 ErrorRecord naming its line, id and field; the rest go on.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,8 +49,12 @@ class Job:
         # The digest of the text up to the first message's end, kept while the next rows repeat it.
         head = _hash_of_head(parts[0]).copy() if parts else hashlib.sha256(b'{"messages": [')
         rest = "".join(", " + p for p in parts[1:])
-        head.update((f'{rest}], "params": {_params_json(self.params)}, '
-                     f'"template": {json.dumps(self.template, ensure_ascii=False)}}}').encode())
+        head.update(
+            (
+                f'{rest}], "params": {_params_json(self.params)}, '
+                f'"template": {json.dumps(self.template, ensure_ascii=False)}}}'
+            ).encode()
+        )
         return head.hexdigest()[:16]
 
     @property
@@ -62,8 +67,12 @@ class Job:
 
 
 def _message_json(message: dict[str, Any]) -> str:
-    if len(message) == 2 and isinstance(message.get("content"), str) and isinstance(message.get("role"), str) \
-            and len(message["content"]) >= 512:
+    if (
+        len(message) == 2
+        and isinstance(message.get("content"), str)
+        and isinstance(message.get("role"), str)
+        and len(message["content"]) >= 512
+    ):
         return _long_message_json(message["role"], message["content"])
     return json.dumps(message, sort_keys=True, ensure_ascii=False)
 
@@ -157,8 +166,12 @@ def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
         return RowError(None, f"expected a JSON object, got {type(obj).__name__}")
     bad = _unencodable(obj)
     if bad is not False:
-        return RowError(bad, "holds a lone surrogate escape (e.g. \\ud800), which is not text; "
-                             "encode the text as UTF-8 or write the pair", row=obj)
+        return RowError(
+            bad,
+            "holds a lone surrogate escape (e.g. \\ud800), which is not text; "
+            "encode the text as UTF-8 or write the pair",
+            row=obj,
+        )
     return obj
 
 
@@ -285,13 +298,29 @@ def check_defaults(defaults: dict[str, Any]) -> None:
 
 
 # -- template rows ---------------------------------------------------------------------------------
-TEMPLATE_OVERRIDES = {k: k for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-                                     "logprobs", "presence_penalty", "frequency_penalty",
-                                     "json_schema", "regex", "grammar")}
+TEMPLATE_OVERRIDES = {
+    k: k
+    for k in (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "n",
+        "logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "json_schema",
+        "regex",
+        "grammar",
+    )
+}
 
 
-def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any],
-                  id_field: str = "id") -> Iterator[Job | ErrorRecord]:
+def template_jobs(
+    rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any], id_field: str = "id"
+) -> Iterator[Job | ErrorRecord]:
     """Rows of a template query file. With several templates, each row names one in `template`."""
     seen: set[str] = set()  # explicit ids only: a generated `line-N` never collides with a row's own id
     occurrences: dict[str, int] = {}  # request hash -> id-less rows with it so far
@@ -332,12 +361,20 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
             else:
                 params = _params(layer(template.sampling, template.output, defaults), obj, TEMPLATE_OVERRIDES)
                 row_kind = next((k for k in KINDS if obj.get(k) is not None), "")
-                source = _constraint_source(params, [("template", template.output), ("", defaults),
-                                                     (row_kind, {k: obj.get(k) for k in KINDS})])
+                source = _constraint_source(
+                    params, [("template", template.output), ("", defaults), (row_kind, {k: obj.get(k) for k in KINDS})]
+                )
                 if not any(obj.get(k) is not None for k in TEMPLATE_OVERRIDES):
                     plain[template.name] = params, source
-            job = Job(rid, number, template.messages(values), params, template.name,
-                      data=tuple(values.values()), constraint_field=source)
+            job = Job(
+                rid,
+                number,
+                template.messages(values),
+                params,
+                template.name,
+                data=tuple(values.values()),
+                constraint_field=source,
+            )
             # A row without an id is matched on resume by its request's hash (and occurrence), so it
             # is hashed here; a row with one is hashed when its record is written (it cannot fail
             # there: every value is text, numbers or lists, and the text has a UTF-8 form, checked
@@ -355,12 +392,30 @@ def template_jobs(rows: Iterable[tuple[int, Any]], templates: dict[str, Template
 
 
 # -- OpenAI batch rows -----------------------------------------------------------------------------
-OPENAI_OVERRIDES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
-                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+OPENAI_OVERRIDES = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "n": "n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
 # Accepted and without effect on a local model, as the Batch API accepts them.
-OPENAI_IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options",
-                  "parallel_tool_calls", "reasoning_effort", "prompt_cache_key", "safety_identifier"}
+OPENAI_IGNORED = {
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "stream_options",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "prompt_cache_key",
+    "safety_identifier",
+}
 OPENAI_OWN = ("messages", "response_format", "logprobs", "top_logprobs")  # read by openai_jobs itself
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -473,12 +528,16 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 base = {k: v for k, v in base.items() if k not in KINDS}
             if body.get("logprobs") is False:  # an explicit no beats the command line's default
                 base = {k: v for k, v in base.items() if k != "logprobs"}
-            params = _params(base, {**body, "response_format": schema, "top_logprobs": _logprobs(body)},
-                             {**OPENAI_OVERRIDES, "response_format": "json_schema", "top_logprobs": "logprobs"},
-                             prefix="body.")
+            params = _params(
+                base,
+                {**body, "response_format": schema, "top_logprobs": _logprobs(body)},
+                {**OPENAI_OVERRIDES, "response_format": "json_schema", "top_logprobs": "logprobs"},
+                prefix="body.",
+            )
             source = _constraint_source(params, [("", defaults), ("body.response_format", {"json_schema": schema})])
-            job = Job(rid, number, clean, params, None, data=tuple(m["content"] for m in clean),
-                      constraint_field=source)
+            job = Job(
+                rid, number, clean, params, None, data=tuple(m["content"] for m in clean), constraint_field=source
+            )
             job.request_hash  # computed here, so a row it fails on fails alone
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)

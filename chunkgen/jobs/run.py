@@ -5,6 +5,7 @@ answered. `answer` needs the engine: it tokenizes rows a window ahead of the eng
 not grow with the file), feeds them between steps, and turns every result, or a request the engine
 refused, into a record. A local run chains the two; on Ray the driver triages and workers answer.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -109,21 +110,35 @@ def cache_hit_rate(stats: EngineStats) -> float:
     return 1 - stats.prefilled_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
 
 
-def summarize(counts: JobCounts, engines: list[EngineStats], changed: int, wall_s: float, interrupted: bool,
-              workers: int = 1) -> JobSummary:
+def summarize(
+    counts: JobCounts, engines: list[EngineStats], changed: int, wall_s: float, interrupted: bool, workers: int = 1
+) -> JobSummary:
     """The run's summary from its engines' stats: the one engine of a local run, or every Ray worker's
     (times and tokens added up, KV peaks per worker; one engine per model load, a replaced worker's too)."""
-    total = EngineStats(prompt_tokens=sum(s.prompt_tokens for s in engines),
-                        prefilled_tokens=sum(s.prefilled_tokens for s in engines))
+    total = EngineStats(
+        prompt_tokens=sum(s.prompt_tokens for s in engines), prefilled_tokens=sum(s.prefilled_tokens for s in engines)
+    )
     peaks = [s.kv_peak_bytes for s in engines]
     return JobSummary(
-        requests=counts.answered, skipped=counts.skipped, errors=counts.failed, changed=changed,
-        prompt_tokens=counts.prompt_tokens, cached_tokens=counts.cached_tokens,
-        completion_tokens=counts.completion_tokens, wall_s=wall_s, prefill_s=sum(s.prefill_s for s in engines),
-        decode_s=sum(s.decode_s for s in engines), kv_peak_bytes=max(peaks, default=0),
+        requests=counts.answered,
+        skipped=counts.skipped,
+        errors=counts.failed,
+        changed=changed,
+        prompt_tokens=counts.prompt_tokens,
+        cached_tokens=counts.cached_tokens,
+        completion_tokens=counts.completion_tokens,
+        wall_s=wall_s,
+        prefill_s=sum(s.prefill_s for s in engines),
+        decode_s=sum(s.decode_s for s in engines),
+        kv_peak_bytes=max(peaks, default=0),
         kv_unshared_peak_bytes=max((s.kv_unshared_peak_bytes for s in engines), default=0),
-        constrained=counts.constrained, matched=counts.matched, interrupted=interrupted, workers=workers,
-        model_loads=len(engines), prefilled_tokens=total.prefilled_tokens, kv_peak_bytes_per_worker=peaks,
+        constrained=counts.constrained,
+        matched=counts.matched,
+        interrupted=interrupted,
+        workers=workers,
+        model_loads=len(engines),
+        prefilled_tokens=total.prefilled_tokens,
+        kv_peak_bytes_per_worker=peaks,
         peak_batch=max((max(s.batch_sizes, default=0) for s in engines), default=0),
         held_back_steps=sum(s.held_back_steps for s in engines),
     )
@@ -149,9 +164,15 @@ class Answer:
     result: Result | None = None
 
 
-def answer(engine: Engine, encode: Encode, fmt: RecordFormat, jobs: Iterable[tuple[int, Job]],
-           window: int = 256, should_stop: Callable[[], bool] = never,
-           on_step: Callable[[], None] | None = None) -> Iterator[Answer]:
+def answer(
+    engine: Engine,
+    encode: Encode,
+    fmt: RecordFormat,
+    jobs: Iterable[tuple[int, Job]],
+    window: int = 256,
+    should_stop: Callable[[], bool] = never,
+    on_step: Callable[[], None] | None = None,
+) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
     A source may yield None for "nothing ready yet, more to come" (a Ray worker between deliveries):
@@ -213,12 +234,18 @@ def run_job(
     def report() -> None:
         if on_progress:
             s = engine.stats
-            on_progress(JobProgress(
-                done=counts.answered + counts.failed + counts.skipped, total=total, errors=counts.failed,
-                generated_tokens=s.generated_tokens, elapsed_s=time.perf_counter() - t0,
-                running=engine.num_running, kv_used_bytes=engine.pool.used_bytes,
-                cache_hit_rate=cache_hit_rate(s),
-            ))
+            on_progress(
+                JobProgress(
+                    done=counts.answered + counts.failed + counts.skipped,
+                    total=total,
+                    errors=counts.failed,
+                    generated_tokens=s.generated_tokens,
+                    elapsed_s=time.perf_counter() - t0,
+                    running=engine.num_running,
+                    kv_used_bytes=engine.pool.used_bytes,
+                    cache_hit_rate=cache_hit_rate(s),
+                )
+            )
 
     jobs = triage(items, writer, counts)
     if order is not None:

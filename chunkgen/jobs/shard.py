@@ -7,6 +7,7 @@ is split: the lightest shard is topped up to the mean and the rest is placed aga
 holds more than max(1.25 x mean, ceil(mean), the largest group) rows, and at most N groups are
 split: a split fills a shard, which then takes no more rows.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -39,6 +40,7 @@ class Shard:
 @dataclass
 class ShardPlan:
     """Where every row goes: per group, the shards of its consecutive pieces, in file order."""
+
     count: int
     pieces: dict  # group -> [(rows before this piece ends, shard), ...]
     loads: list[int]

@@ -5,6 +5,7 @@ input), its templates, the format, the shard of it this process answers, and the
 standard input spooled when the prefix order reads rows again) and closes it with itself. Every
 mistake it finds is an `OptionError` naming the option it came from, raised before any model loads.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,16 @@ class JobSource:
     _keep: tempfile.TemporaryDirectory | None = None
 
     @classmethod
-    def open(cls, queries: str, template: Path | None, fmt: str, defaults: dict[str, Any], id_field: str,
-             prefix_order: bool = False, shard: Shard | None = None) -> JobSource:
+    def open(
+        cls,
+        queries: str,
+        template: Path | None,
+        fmt: str,
+        defaults: dict[str, Any],
+        id_field: str,
+        prefix_order: bool = False,
+        shard: Shard | None = None,
+    ) -> JobSource:
         """The rows of `queries`; with `prefix_order`, re-readable by offset (standard input is
         spooled to a temporary file for that) and keyed by prefix as they are first read. With a
         `shard`, the whole file is planned first and only that shard's rows are read."""
@@ -89,16 +98,25 @@ class JobSource:
             raise
 
     @classmethod
-    def _read(cls, queries: str, template: Path | None, fmt: str, defaults: dict[str, Any], id_field: str,
-              prefix_order: bool, keep: tempfile.TemporaryDirectory | None) -> JobSource:
+    def _read(
+        cls,
+        queries: str,
+        template: Path | None,
+        fmt: str,
+        defaults: dict[str, Any],
+        id_field: str,
+        prefix_order: bool,
+        keep: tempfile.TemporaryDirectory | None,
+    ) -> JobSource:
         templates = _load_templates(template)
         _check_sample(queries, fmt, templates, id_field)
         try:
             row_file = RowFile(queries) if prefix_order else None
             stream = row_file.lines() if row_file else open_queries(queries)
         except OSError as exc:
-            raise OptionError("--queries", f"{queries}: cannot read the queries file ({exc.strerror})",
-                              usage=False) from None
+            raise OptionError(
+                "--queries", f"{queries}: cannot read the queries file ({exc.strerror})", usage=False
+            ) from None
         rows = read_rows(stream)
         if fmt == "auto":
             fmt, rows = detect_format(rows)
@@ -135,24 +153,32 @@ def check_temp_space(queries: str, ordering: bool) -> None:
         return
     named = os.environ.get("TMPDIR")
     if named and not os.path.isdir(named):
-        raise OptionError("TMPDIR", f"TMPDIR={named} is not a folder; create it or set TMPDIR to a writable folder",
-                          usage=False)
+        raise OptionError(
+            "TMPDIR", f"TMPDIR={named} is not a folder; create it or set TMPDIR to a writable folder", usage=False
+        )
     try:
         folder = tempfile.gettempdir()
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise OptionError("TMPDIR", f"the temporary folder {named or '(TMPDIR)'} cannot be written "
-                                    f"({exc.strerror or exc}); set TMPDIR to a writable folder", usage=False) from None
+        raise OptionError(
+            "TMPDIR",
+            f"the temporary folder {named or '(TMPDIR)'} cannot be written "
+            f"({exc.strerror or exc}); set TMPDIR to a writable folder",
+            usage=False,
+        ) from None
     if named and os.path.realpath(folder) != os.path.realpath(named):
         raise OptionError("TMPDIR", f"TMPDIR={named} cannot be written; set TMPDIR to a writable folder", usage=False)
     needed = sort_bytes_needed(count_lines(queries) or 0)
     free = shutil.disk_usage(folder).free
     if needed > free:
-        raise OptionError("TMPDIR", f"the temporary folder {folder} (TMPDIR) has {human_bytes(free)} free and "
-                                    f"--order prefix needs about {human_bytes(needed)} there for this file's sort "
-                                    "keys; free space there, set TMPDIR to a folder with room, or pass --order input",
-                          usage=False)
+        raise OptionError(
+            "TMPDIR",
+            f"the temporary folder {folder} (TMPDIR) has {human_bytes(free)} free and "
+            f"--order prefix needs about {human_bytes(needed)} there for this file's sort "
+            "keys; free space there, set TMPDIR to a folder with room, or pass --order input",
+            usage=False,
+        )
 
 
 def _csv_as_jsonl(queries: str) -> tuple[tempfile.TemporaryDirectory | None, str]:
@@ -182,8 +208,9 @@ def _check_not_empty(queries: str) -> None:
         return
     with open(queries, "rb") as f:
         if not any(line.strip() for line in f):
-            raise OptionError("--queries", f"{queries} holds no rows (it is empty or blank); nothing to run",
-                              usage=False)
+            raise OptionError(
+                "--queries", f"{queries} holds no rows (it is empty or blank); nothing to run", usage=False
+            )
 
 
 def _load_templates(template: Path | None) -> dict[str, Template] | None:
@@ -203,15 +230,20 @@ def _check_sample(queries: str, fmt: str, templates: dict[str, Template] | None,
     except FileMistake as exc:
         raise OptionError("--queries", str(exc)) from None
     except OSError as exc:
-        raise OptionError("--queries", f"{queries}: cannot read the queries file ({exc.strerror})",
-                          usage=False) from None
+        raise OptionError(
+            "--queries", f"{queries}: cannot read the queries file ({exc.strerror})", usage=False
+        ) from None
 
 
-def _row_reader(queries: str, fmt: str, templates: dict[str, Template] | None, defaults: dict[str, Any],
-                id_field: str) -> Callable:
+def _row_reader(
+    queries: str, fmt: str, templates: dict[str, Template] | None, defaults: dict[str, Any], id_field: str
+) -> Callable:
     if fmt == "openai":
         return lambda rows: openai_jobs(rows, defaults)
     if templates is None:
-        raise OptionError("--template", f"{queries} holds template rows: pass --template (a .toml file or a "
-                                        "directory of them)", usage=False)
+        raise OptionError(
+            "--template",
+            f"{queries} holds template rows: pass --template (a .toml file or a directory of them)",
+            usage=False,
+        )
     return lambda rows: template_jobs(rows, templates, defaults, id_field)

@@ -1,5 +1,6 @@
 """Stopping a job between steps: the first SIGINT / SIGTERM asks the run to stop once the current
 step is over (every answer so far written, the run resumable); a second stops at once."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,10 @@ class StopFlag:
 
     def _exit_now(self) -> None:
         where = f" to {self._out}" if self._out is not None else ""
-        message = (f"stopped at once by a second signal: every record written{where} is whole; run the "
-                   "same command with --resume to continue\n")
+        message = (
+            f"stopped at once by a second signal: every record written{where} is whole; run the "
+            "same command with --resume to continue\n"
+        )
         try:
             os.write(2, message.encode())
         finally:

@@ -1,4 +1,5 @@
 """Prompt templates (TOML): a long shared system prompt plus a user message with {placeholders}."""
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,18 @@ def _placeholders(text: str, path: Path) -> tuple[str, ...]:
     return tuple(names)
 
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "logprobs",
-                 "presence_penalty", "frequency_penalty"}
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+}
 TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling", "output"}
 
 
@@ -72,14 +83,15 @@ def _output(data: Any, path: Path) -> dict[str, Any]:
         raise TemplateError(f"{path}: [output] has unknown keys {sorted(unknown)}; allowed: {list(KINDS)}")
     if len(data) != 1:
         raise TemplateError(f"{path}: [output] takes exactly one of {list(KINDS)}, got {sorted(data) or 'none'}")
-    (key, value), = data.items()
+    ((key, value),) = data.items()
     if key == "json_schema" and isinstance(value, str):  # a file next to the template
         schema_path = path.parent / value
         try:
             value = json.loads(schema_path.read_text(encoding="utf-8"))
         except OSError as exc:
-            raise TemplateError(f"{path}: [output] json_schema: cannot read {schema_path} "
-                                f"({exc.strerror or exc})") from None
+            raise TemplateError(
+                f"{path}: [output] json_schema: cannot read {schema_path} ({exc.strerror or exc})"
+            ) from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise TemplateError(f"{path}: [output] json_schema: {schema_path} is not valid JSON: {exc}") from None
     try:

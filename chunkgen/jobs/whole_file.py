@@ -5,6 +5,7 @@ row fills would otherwise become one error record per row after the model has lo
 rows were bad. The first rows tell: when none of them can be read, or none has a field the template
 needs, the file is refused with one line that says what it looks like or which field the rows have.
 """
+
 from __future__ import annotations
 
 import csv
@@ -40,14 +41,18 @@ def _looks_like(lines: list[bytes]) -> str:
     text = b"".join(lines).decode("utf-8", "replace").lstrip("\ufeff")
     first = text.splitlines()[0] if text.strip() else ""
     if text.lstrip().startswith("["):
-        return ("one JSON array; write one JSON object per line (JSONL), e.g. "
-                "python -c \"import json,sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]\" < FILE")
+        return (
+            "one JSON array; write one JSON object per line (JSONL), e.g. "
+            'python -c "import json,sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]" < FILE'
+        )
     for delimiter, name in (("\t", "TSV"), (",", "CSV"), (";", "CSV (semicolon-separated)")):
         if delimiter in first:
             header = next(csv.reader(io.StringIO(first), delimiter=delimiter))
             shown = ", ".join(h.strip() for h in header[:8]) + (", ..." if len(header) > 8 else "")
-            return (f"{name} with the header {shown}; a file named .csv is read as CSV (header row = "
-                    "field names), or write one JSON object per line")
+            return (
+                f"{name} with the header {shown}; a file named .csv is read as CSV (header row = "
+                "field names), or write one JSON object per line"
+            )
     return "not JSONL (one JSON object per line)"
 
 
@@ -75,7 +80,8 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 raise FileMistake(
                     f"template {t.name!r} ({t.path}) needs the field {name!r}, which none of the first "
-                    f"{len(users)} rows for it has (they have {', '.join(map(repr, have)) or 'no fields'}){hint}")
+                    f"{len(users)} rows for it has (they have {', '.join(map(repr, have)) or 'no fields'}){hint}"
+                )
 
 
 # -- CSV -------------------------------------------------------------------------------------------

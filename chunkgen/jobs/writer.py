@@ -11,6 +11,7 @@ it). Error records never stand for
 answers; a later record at the same line supersedes them. Superseded records are removed by an
 atomic rewrite at the end of the run, and by the next `--resume` when a run died before finishing it.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,12 +32,21 @@ class OutputExists(FileExistsError):
 class ResultWriter:
     """The one writer of an output file: it holds the file's lock from open to close."""
 
-    def __init__(self, path: str | Path, fmt: str, model_name: str, resume: bool = False,
-                 ordered: bool = False, rerun_changed: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        fmt: str,
+        model_name: str,
+        resume: bool = False,
+        ordered: bool = False,
+        rerun_changed: bool = False,
+    ) -> None:
         self.format = RecordFormat(fmt, model_name)
         self.path = Path(path)
         if self.path.is_dir():
-            raise OutputError(f"{self.path} is a directory; --out takes a file path, e.g. {self.path / 'results.jsonl'}")
+            raise OutputError(
+                f"{self.path} is a directory; --out takes a file path, e.g. {self.path / 'results.jsonl'}"
+            )
         self.notes: list[str] = []  # repairs made on opening, for the user to read
         self.rerun_changed = rerun_changed
         self.changed: list[str] = []  # ids answered before, whose request differs now
@@ -62,15 +72,18 @@ class ResultWriter:
         self.ledger = Ledger()
         size = os.fstat(self.lock.fd).st_size
         if size and not resume:
-            raise OutputExists(f"{self.path} already has results; pass --resume to continue it, or choose another --out")
+            raise OutputExists(
+                f"{self.path} already has results; pass --resume to continue it, or choose another --out"
+            )
         if size:
             self._repair_tail()
             self._scan()
             if self.ledger.kept() < self.ledger.n:
                 dropped = self.ledger.n - self.ledger.kept()
                 self._guard(lambda: self._rewrite(None), "rewrite")
-                self.notes.append(f"finished an interrupted rewrite of {self.path}: removed {dropped} "
-                                  "superseded record(s)")
+                self.notes.append(
+                    f"finished an interrupted rewrite of {self.path}: removed {dropped} superseded record(s)"
+                )
                 self._scan()
         self.answers = self.ledger.standing_answers()
         self._legacy = legacy_keys(self.answers)
@@ -85,8 +98,10 @@ class ResultWriter:
                     os.unlink(self.target.parent / name)
                 except FileNotFoundError:
                     continue
-                self.notes.append(f"removed {self.target.parent / name}, left by an interrupted rewrite of "
-                                  f"{self.path} (the file itself is complete)")
+                self.notes.append(
+                    f"removed {self.target.parent / name}, left by an interrupted rewrite of "
+                    f"{self.path} (the file itself is complete)"
+                )
 
     def _repair_tail(self) -> None:
         """A last line without its newline: kept (newline added) when it is a whole record, else cut."""
@@ -111,8 +126,10 @@ class ResultWriter:
             self.notes.append(f"{self.path}: the last record had no final newline; added it")
         else:
             self._guard(lambda: os.truncate(self.target, start), "repair")
-            self.notes.append(f"{self.path}: cut a partial last line ({size - start} bytes) left by an "
-                              "interrupted run; its row is answered again")
+            self.notes.append(
+                f"{self.path}: cut a partial last line ({size - start} bytes) left by an "
+                "interrupted run; its row is answered again"
+            )
 
     def _scan(self) -> None:
         self.ledger = Ledger()
@@ -174,7 +191,8 @@ class ResultWriter:
         def put() -> None:
             view = memoryview(line)
             while view:  # one call for a whole line but on a full disk; a killed run cuts at most this line
-                view = view[os.write(self.lock.fd, view):]
+                view = view[os.write(self.lock.fd, view) :]
+
         self._guard(put, "write to")
         if self._first_new:
             self.ledger.add(record)

@@ -7,6 +7,7 @@ step allocates its buffers once and every layer reuses them.
 They round as the torch composition they replace does (fp32 math, each stored intermediate rounded
 to the model's dtype), so a bf16 model gives the same tokens; tests/kernels/test_elementwise.py checks it bit
 for bit against those compositions."""
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ def _register_fake() -> None:
         return None
 
     @torch.library.register_fake("chunkgen::rotary")
-    def _(qkv, positions, cos, sin, q_heads, kv_heads, q_out, q_norm=None, k_norm=None, eps=0.0,
-          offset_norm=False) -> None:
+    def _(
+        qkv, positions, cos, sin, q_heads, kv_heads, q_out, q_norm=None, k_norm=None, eps=0.0, offset_norm=False
+    ) -> None:
         return None
 
     @torch.library.register_fake("chunkgen::silu_mul")
@@ -41,8 +43,14 @@ def _register_fake() -> None:
 _register_fake()
 
 
-def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor, offset: bool = False) -> None:
+def add_rms_norm(
+    residual: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    offset: bool = False,
+) -> None:
     """residual += delta (when given), then out = RMSNorm(residual) * weight, as
     `weight * F.rms_norm(residual, None, eps)` rounds in 16-bit (and `F.rms_norm(residual, weight)`
     in fp32); offset: times (1 + weight) in fp32, rounded once (Gemma's norms). residual, delta,
@@ -50,15 +58,26 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: tor
     torch.ops.chunkgen.add_rms_norm.default(residual, delta, weight, eps, out, offset)
 
 
-def rotary(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int,
-           kv_heads: int, q_out: torch.Tensor, q_norm: torch.Tensor | None = None,
-           k_norm: torch.Tensor | None = None, eps: float = 0.0, offset_norm: bool = False) -> None:
+def rotary(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    q_out: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    offset_norm: bool = False,
+) -> None:
     """Rotate the q and k heads of each row of qkv `[rows, (q_heads + 2 kv_heads) * d]` by its
     position: k in place, q into q_out `[rows, q_heads, d]` (any float dtype). cos, sin: the tables of
     every position, `[positions, ..., d]` in qkv's dtype; positions int32 or int64. With q_norm and
     k_norm `[d]` (Qwen3, Gemma 3) each head is RMS-normed first, rounded as add_rms_norm rounds."""
-    torch.ops.chunkgen.rotary.default(qkv, positions, cos, sin, q_heads, kv_heads, q_out, q_norm, k_norm, eps,
-                                      offset_norm)
+    torch.ops.chunkgen.rotary.default(
+        qkv, positions, cos, sin, q_heads, kv_heads, q_out, q_norm, k_norm, eps, offset_norm
+    )
 
 
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:

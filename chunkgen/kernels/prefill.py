@@ -15,6 +15,7 @@ kernels (neither torch's flash kernel nor chunkgen's bf16 one caps scores): scor
 blocks of queries, masked by position. A group's prefix chunks that end before the window of its
 earliest query (so of every member's) are not gathered or read.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ MAX_GROUP_TOKENS = 512  # new tokens per group: bounds the padded own-part batch
 class PrefillSpan:
     """One sequence of a wave: K/V of its first `start` tokens are in the pool along `path_slots`;
     its new tokens are rows [row, row + count) of the wave."""
+
     start: int
     path_slots: list[int]
     row: int
@@ -40,17 +42,18 @@ class PrefillSpan:
 @dataclass
 class Group:
     """Sequences that read the same cached chunks first (a lone sequence: its whole cached path)."""
-    rows: torch.Tensor              # [R] the members' new rows in the wave
+
+    rows: torch.Tensor  # [R] the members' new rows in the wave
     contiguous: tuple[int, int] | None  # (a, b) when rows == range(a, b)
-    prefix_slots: torch.Tensor      # cached chunks every member reads
-    prefix_len: int                 # tokens of them (0: none)
+    prefix_slots: torch.Tensor  # cached chunks every member reads
+    prefix_len: int  # tokens of them (0: none)
     # The own part, only for groups of several members (a lone sequence's is plain causal).
     own_slots: torch.Tensor | None  # every member's cached chunks past the prefix
-    own_len: int                    # tokens gathered from own_slots
-    key_idx: torch.Tensor | None    # [M, L] into (own keys, new keys, one zero row)
+    own_len: int  # tokens gathered from own_slots
+    key_idx: torch.Tensor | None  # [M, L] into (own keys, new keys, one zero row)
     query_idx: torch.Tensor | None  # [M, T] into the group's rows (R: padding)
-    mask: torch.Tensor | None       # [M, 1, T, L] additive, the model's dtype
-    real: torch.Tensor | None       # positions of [M * T] that are real queries, in row order
+    mask: torch.Tensor | None  # [M, 1, T, L] additive, the model's dtype
+    real: torch.Tensor | None  # positions of [M * T] that are real queries, in row order
     positions: torch.Tensor | None = None  # [R] each row's position in its sequence (for windows)
 
 
@@ -59,6 +62,7 @@ class PrefillStep:
     """A prefill wave's inputs on the model's device, prepared by the runner: the new tokens and
     their positions, where their K/V go in the pool, the attention plan, and the rows whose logits
     are wanted (each sequence's last)."""
+
     tokens: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
     write_slots: torch.Tensor  # pool slot and offset of every stored row (a row before write_from is not)
@@ -69,8 +73,7 @@ class PrefillStep:
     logit_rows: list[int]
 
 
-def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype,
-                device: torch.device) -> list[Group]:
+def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype, device: torch.device) -> list[Group]:
     """Everything about a wave's attention that is the same in every layer."""
     by_prefix: dict[tuple[int, ...], list[PrefillSpan]] = {}
     alone: list[PrefillSpan] = []
@@ -82,8 +85,9 @@ def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype,
     return groups
 
 
-def _grouped(by_prefix: dict[tuple[int, ...], list[PrefillSpan]], chunk: int, dtype: torch.dtype,
-             device: torch.device) -> list[Group]:
+def _grouped(
+    by_prefix: dict[tuple[int, ...], list[PrefillSpan]], chunk: int, dtype: torch.dtype, device: torch.device
+) -> list[Group]:
     groups: list[Group] = []
     for prefix, members in by_prefix.items():
         if len(members) == 1:
@@ -97,8 +101,9 @@ def _grouped(by_prefix: dict[tuple[int, ...], list[PrefillSpan]], chunk: int, dt
                 batch, tokens = [], 0
             batch.append(sp)
             tokens += sp.count
-        groups.append(_shared(list(prefix), batch, chunk, dtype, device) if len(batch) > 1
-                      else _lone(batch[0], chunk, device))
+        groups.append(
+            _shared(list(prefix), batch, chunk, dtype, device) if len(batch) > 1 else _lone(batch[0], chunk, device)
+        )
     return groups
 
 
@@ -107,20 +112,29 @@ def _slots(slots: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _lone(sp: PrefillSpan, chunk: int, device: torch.device) -> Group:
-    return Group(rows=torch.arange(sp.row, sp.row + sp.count, device=device),
-                 contiguous=(sp.row, sp.row + sp.count),
-                 prefix_slots=_slots(sp.path_slots[: -(-sp.start // chunk)], device), prefix_len=sp.start,
-                 own_slots=None, own_len=0, key_idx=None, query_idx=None, mask=None, real=None,
-                 positions=torch.arange(sp.start, sp.start + sp.count, device=device))
+    return Group(
+        rows=torch.arange(sp.row, sp.row + sp.count, device=device),
+        contiguous=(sp.row, sp.row + sp.count),
+        prefix_slots=_slots(sp.path_slots[: -(-sp.start // chunk)], device),
+        prefix_len=sp.start,
+        own_slots=None,
+        own_len=0,
+        key_idx=None,
+        query_idx=None,
+        mask=None,
+        real=None,
+        positions=torch.arange(sp.start, sp.start + sp.count, device=device),
+    )
 
 
-def _shared(prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: torch.dtype,
-            device: torch.device) -> Group:
+def _shared(
+    prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: torch.dtype, device: torch.device
+) -> Group:
     # Member i has `rest` cached tokens past the prefix (its own chunks) and t new ones. Keys come
     # from one table: every member's own chunks, then every new token, then a zero row that
     # padding points at.
     n_p = len(prefix) * chunk
-    owns = [sp.path_slots[len(prefix): -(-sp.start // chunk)] for sp in members]
+    owns = [sp.path_slots[len(prefix) : -(-sp.start // chunk)] for sp in members]
     own_slots = [slot for own in owns for slot in own]
     n_own, R = len(own_slots) * chunk, sum(sp.count for sp in members)
     key_idx, query_idx, rests = [], [], []
@@ -144,11 +158,19 @@ def _shared(prefix: list[int], members: list[PrefillSpan], chunk: int, dtype: to
     rows = torch.cat([torch.arange(sp.row, sp.row + sp.count) for sp in members])
     first, last = members[0].row, members[-1].row + members[-1].count
     contiguous = (first, last) if torch.equal(rows, torch.arange(first, last)) else None
-    return Group(rows=rows.to(device), contiguous=contiguous, prefix_slots=_slots(prefix, device),
-                 prefix_len=n_p, own_slots=_slots(own_slots, device) if own_slots else None,
-                 own_len=n_own, key_idx=kidx.to(device), query_idx=qidx.to(device), mask=mask.to(device),
-                 real=(qidx.view(-1) != R).nonzero().view(-1).to(device),
-                 positions=torch.cat([torch.arange(sp.start, sp.start + sp.count) for sp in members]).to(device))
+    return Group(
+        rows=rows.to(device),
+        contiguous=contiguous,
+        prefix_slots=_slots(prefix, device),
+        prefix_len=n_p,
+        own_slots=_slots(own_slots, device) if own_slots else None,
+        own_len=n_own,
+        key_idx=kidx.to(device),
+        query_idx=qidx.to(device),
+        mask=mask.to(device),
+        real=(qidx.view(-1) != R).nonzero().view(-1).to(device),
+        positions=torch.cat([torch.arange(sp.start, sp.start + sp.count) for sp in members]).to(device),
+    )
 
 
 def _own_kernel() -> bool:
@@ -157,8 +179,14 @@ def _own_kernel() -> bool:
     return native_cpu_available() and native().cpu_kernel_isa() == "amx"
 
 
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
-                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale + mask) v and its row log-sum-exp (fp32): q `[B, Hq, T, d]`, k, v
     `[B, Hk, S, d]` with Hq a multiple of Hk (query head h reads kv head h // (Hq / Hk)); a causal
     product aligns the last query with the last key. Output in q's dtype."""
@@ -169,7 +197,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         # gather of the transposed K is such a view).
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
     group = q.shape[1] // k.shape[1]  # other devices: the plain product in fp32
     s = torch.matmul(q.float(), k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
     if causal:
@@ -189,9 +218,18 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
     return o2.float() + (o1.float() - o2.float()) * w1
 
 
-def prefill_attention(groups: list[Group], layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      pool: ChunkPool, scale: float, out: torch.Tensor, window: int = 0,
-                      softcap: float = 0.0) -> None:
+def prefill_attention(
+    groups: list[Group],
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ChunkPool,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> None:
     """out[rows] = attention of the wave's new tokens over their paths: q `[rows, q_heads, d]`,
     k, v `[rows, kv_heads, d]` (the new tokens' own K/V, also already written to the pool).
 
@@ -205,12 +243,13 @@ def prefill_attention(groups: list[Group], layer: int, q: torch.Tensor, k: torch
         return
     for g in groups:
         a_b = g.contiguous
-        qg = q[a_b[0]:a_b[1]] if a_b else q[g.rows]
-        kg = k[a_b[0]:a_b[1]] if a_b else k[g.rows]
-        vg = v[a_b[0]:a_b[1]] if a_b else v[g.rows]
+        qg = q[a_b[0] : a_b[1]] if a_b else q[g.rows]
+        kg = k[a_b[0] : a_b[1]] if a_b else k[g.rows]
+        vg = v[a_b[0] : a_b[1]] if a_b else v[g.rows]
         if g.key_idx is None:  # one sequence: its new tokens, causally
-            o, lse = attention_lse(qg.transpose(0, 1)[None], kg.transpose(0, 1)[None],
-                                   vg.transpose(0, 1)[None], scale, causal=True)
+            o, lse = attention_lse(
+                qg.transpose(0, 1)[None], kg.transpose(0, 1)[None], vg.transpose(0, 1)[None], scale, causal=True
+            )
             o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)  # [R, Hq, d], [R, Hq]
         else:
             o, lse = _own_parts(g, layer, qg, kg, vg, pool, scale)
@@ -219,13 +258,14 @@ def prefill_attention(groups: list[Group], layer: int, q: torch.Tensor, k: torch
             op, lsep = attention_lse(qg.transpose(0, 1)[None], kp[None].to(q.dtype), vp[None].to(q.dtype), scale)
             o = merge(op[0].transpose(0, 1), lsep[0].transpose(0, 1), o, lse)
         if a_b:
-            out[a_b[0]:a_b[1]] = o
+            out[a_b[0] : a_b[1]] = o
         else:
             out[g.rows] = o.to(out.dtype)
 
 
-def _own_parts(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_parts(
+    g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each member's new tokens over its own chunks past the prefix and its new tokens, causally,
     as one padded batch: (o `[R, Hq, d]`, lse `[R, Hq]`) in the group's row order."""
     R, Hq, d = q.shape
@@ -246,8 +286,9 @@ def _own_parts(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.
 QUERY_BLOCK = 256  # queries per score matrix of the masked path: bounds its memory
 
 
-def _masked_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          visible: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_lse's contract for what the fused kernels cannot do (soft-capped scores, windows):
     q `[B, Hq, T, d]`, k, v `[B, Hk, S, d]`, visible `[B, T, S]` (bool). In fp32; a row that sees
     no key gets o = 0, lse = -inf (weight 0 in a merge)."""
@@ -278,8 +319,18 @@ def _masked_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     return o, lse
 
 
-def _masked_group(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool,
-                  scale: float, out: torch.Tensor, window: int, softcap: float) -> None:
+def _masked_group(
+    g: Group,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ChunkPool,
+    scale: float,
+    out: torch.Tensor,
+    window: int,
+    softcap: float,
+) -> None:
     """One group on the masked path: its own part (each member's cached tokens past the prefix and
     its new tokens, or a lone sequence's new tokens), then the prefix from its first chunk that
     some member's window reaches."""
@@ -288,8 +339,9 @@ def _masked_group(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     lower = pos - window if window else pos - far  # a key at position p is seen when p > lower
     if g.key_idx is None:  # one sequence: its new tokens, causally
         visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > lower[:, None])
-        o, lse = _masked_attention_lse(qg.transpose(0, 1)[None], kg.transpose(0, 1)[None],
-                                       vg.transpose(0, 1)[None], scale, visible[None], softcap)
+        o, lse = _masked_attention_lse(
+            qg.transpose(0, 1)[None], kg.transpose(0, 1)[None], vg.transpose(0, 1)[None], scale, visible[None], softcap
+        )
         o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)
     else:
         o, lse = _masked_own_parts(g, layer, qg, kg, vg, pool, scale, lower, softcap)
@@ -300,14 +352,22 @@ def _masked_group(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
         kp, vp = pool.gather(layer, g.prefix_slots[first_chunk:], g.prefix_len - base)
         key_pos = torch.arange(base, g.prefix_len, device=q.device)
         visible = key_pos[None, :] > lower[:, None]  # prefix keys all precede the new tokens
-        op, lsep = _masked_attention_lse(qg.transpose(0, 1)[None], kp[None], vp[None], scale, visible[None],
-                                         softcap)
+        op, lsep = _masked_attention_lse(qg.transpose(0, 1)[None], kp[None], vp[None], scale, visible[None], softcap)
         o = merge(op[0].transpose(0, 1), lsep[0].transpose(0, 1), o, lse)
     out[g.rows] = o.to(out.dtype)
 
 
-def _masked_own_parts(g: Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: ChunkPool,
-                      scale: float, lower: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_own_parts(
+    g: Group,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: ChunkPool,
+    scale: float,
+    lower: torch.Tensor,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """_own_parts with the window's lower bound and soft-capping: key j of a member's own part
     sits at position prefix_len + j."""
     R, Hq, d = q.shape

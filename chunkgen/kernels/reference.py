@@ -1,4 +1,5 @@
 """Naive decode attention, independent of the kernels: dense K/V per sequence, plain softmax."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,14 @@ def dense_kv(pool: ChunkPool, tree: PrefixTree, layer: int, seq: SeqId) -> tuple
 
 
 def reference_decode_attention(
-    q: torch.Tensor, pool: ChunkPool, tree: PrefixTree, layer: int, order: list[SeqId], scale: float,
-    window: int = 0, softcap: float = 0.0,
+    q: torch.Tensor,
+    pool: ChunkPool,
+    tree: PrefixTree,
+    layer: int,
+    order: list[SeqId],
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence in float64; q `[batch, q_heads, head_dim]` in `order`.
 

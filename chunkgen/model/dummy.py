@@ -10,6 +10,7 @@ The tokenizer is the default model's when every one of its ids is a valid id of 
 vocabulary; otherwise there is none that fits, and `IdsTokenizer` stands in: prompts are given as
 token ids (the benchmark makes them), and text is only a rendering of the ids.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,10 @@ def config_path(spec: str | Path) -> Path:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise DummyWeightsError(f"--dummy-weights {spec}: not a shipped config ({', '.join(SHIPPED)}) "
-                                "nor a Hugging Face config.json (or a folder holding one)")
+        raise DummyWeightsError(
+            f"--dummy-weights {spec}: not a shipped config ({', '.join(SHIPPED)}) "
+            "nor a Hugging Face config.json (or a folder holding one)"
+        )
     return path
 
 
@@ -102,7 +105,8 @@ def check_fits(config, dtype: torch.dtype, device: str, available: int, copies: 
             f"random weights of this config in {DTYPE_NAMES.get(dtype, dtype)} are {weights / 2**30:.1f} GiB; "
             f"building them here takes about {need / 2**30:.1f} GiB"
             + (" with transformers' copy for the hf system" if copies > 1 else "")
-            + f", more than the {available / 2**30:.1f} GiB {where}{smaller}")
+            + f", more than the {available / 2**30:.1f} GiB {where}{smaller}"
+        )
     return need
 
 
@@ -142,8 +146,9 @@ class IdsTokenizer:
         return self.vocab_size
 
     def __call__(self, text, **_):
-        raise TypeError("this model has random weights and no tokenizer that fits its vocabulary: "
-                        "give prompts as token ids")
+        raise TypeError(
+            "this model has random weights and no tokenizer that fits its vocabulary: give prompts as token ids"
+        )
 
     def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
         return " ".join(str(int(i)) for i in ids)

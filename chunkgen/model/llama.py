@@ -10,6 +10,7 @@ sqrt(hidden) (Gemma), sliding-window layers (Mistral, Phi-3, Qwen2/3 with window
 attention and final-logit soft-capping (Gemma 2), rotary tables per layer type (Gemma 3's local
 and global bases) and partial rotary (Phi-4).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,9 +28,16 @@ from chunkgen.kernels import decode_step_attention
 from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillStep, prefill_attention
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           "Gemma3ForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)
 # Families whose norms scale by (1 + weight) in fp32 and whose embeddings are scaled by sqrt(hidden).
 _GEMMA_TYPES = ("gemma2", "gemma3", "gemma3_text")
 
@@ -71,16 +79,25 @@ class Linear:
         self.bias = None if bias is None else bias.detach().contiguous()
         self.weight_t = self.weight.t()  # what F.linear multiplies by: mm/addmm on it is F.linear, one op
         self.packed = None
-        if (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                and weight.numel() >= _ONEDNN_MIN_WEIGHT and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"):
+        if (
+            weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and weight.numel() >= _ONEDNN_MIN_WEIGHT
+            and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
+        ):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
             except (RuntimeError, AttributeError):  # e.g. bf16 without AVX-512: plain path
                 self.packed = None
         self.decode_packed = None
-        if (weight.dtype == torch.bfloat16 and bias is None and weight.numel() >= _ONEDNN_MIN_WEIGHT
-                and weight.device.type == "cpu" and decode_product_available()
-                and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"):
+        if (
+            weight.dtype == torch.bfloat16
+            and bias is None
+            and weight.numel() >= _ONEDNN_MIN_WEIGHT
+            and weight.device.type == "cpu"
+            and decode_product_available()
+            and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"
+        ):
             self.decode_packed = torch.ops.chunkgen.pack_linear.default(self.weight)
         self.out_features = self.weight.shape[0]
 
@@ -137,8 +154,10 @@ def _projections(attn, mlp) -> tuple[Linear, Linear]:
     if hasattr(attn, "qkv_proj"):
         qkv = Linear(attn.qkv_proj.weight, attn.qkv_proj.bias)
     else:
-        qkv = Linear(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                     _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))
+        qkv = Linear(
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        )
     if hasattr(mlp, "gate_up_proj"):
         gate_up = Linear(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
     else:
@@ -149,8 +168,12 @@ def _projections(attn, mlp) -> tuple[Linear, Linear]:
 def _cat_bias(*linears) -> torch.Tensor | None:
     if all(l.bias is None for l in linears):
         return None
-    return torch.cat([l.bias if l.bias is not None else torch.zeros(l.out_features, dtype=l.weight.dtype, device=l.weight.device)
-                      for l in linears])
+    return torch.cat(
+        [
+            l.bias if l.bias is not None else torch.zeros(l.out_features, dtype=l.weight.dtype, device=l.weight.device)
+            for l in linears
+        ]
+    )
 
 
 def context_length(cfg) -> int:
@@ -182,7 +205,7 @@ class LlamaModel:
         self.scale = (scalar if scalar else self.head_dim) ** -0.5
         self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
-        self.embed_scale = cfg.hidden_size ** 0.5 if gemma else None
+        self.embed_scale = cfg.hidden_size**0.5 if gemma else None
         self.eps = cfg.rms_norm_eps
         self.max_context = context_length(cfg)
         self.vocab_size = cfg.vocab_size
@@ -204,22 +227,26 @@ class LlamaModel:
                 qkv, gate_up = _projections(a, m)
                 q_norm = getattr(a, "q_norm", None)
                 k_norm = getattr(a, "k_norm", None)
-                self.layers.append(LayerWeights(
-                    ln_attn=layer.input_layernorm.weight.detach(),
-                    qkv=qkv,
-                    o=Linear(a.o_proj.weight, a.o_proj.bias),
-                    # Gemma names the norm before the MLP pre_feedforward_layernorm and uses
-                    # post_attention_layernorm on the attention output
-                    ln_mlp=(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm).weight.detach(),
-                    gate_up=gate_up,
-                    down=Linear(m.down_proj.weight, m.down_proj.bias),
-                    window=windows[i],
-                    rope=types[i] if per_type_rope else "default",
-                    q_norm=None if q_norm is None else q_norm.weight.detach(),
-                    k_norm=None if k_norm is None else k_norm.weight.detach(),
-                    post_attn=layer.post_attention_layernorm.weight.detach() if gemma else None,
-                    post_mlp=layer.post_feedforward_layernorm.weight.detach() if gemma else None,
-                ))
+                self.layers.append(
+                    LayerWeights(
+                        ln_attn=layer.input_layernorm.weight.detach(),
+                        qkv=qkv,
+                        o=Linear(a.o_proj.weight, a.o_proj.bias),
+                        # Gemma names the norm before the MLP pre_feedforward_layernorm and uses
+                        # post_attention_layernorm on the attention output
+                        ln_mlp=(
+                            layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+                        ).weight.detach(),
+                        gate_up=gate_up,
+                        down=Linear(m.down_proj.weight, m.down_proj.bias),
+                        window=windows[i],
+                        rope=types[i] if per_type_rope else "default",
+                        q_norm=None if q_norm is None else q_norm.weight.detach(),
+                        k_norm=None if k_norm is None else k_norm.weight.detach(),
+                        post_attn=layer.post_attention_layernorm.weight.detach() if gemma else None,
+                        post_mlp=layer.post_feedforward_layernorm.weight.detach() if gemma else None,
+                    )
+                )
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
         self._inter = cfg.intermediate_size
@@ -227,13 +254,20 @@ class LlamaModel:
         self._gated = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}.get(activation)
         self._rope_keys = sorted({layer.rope for layer in self.layers})
         with torch.no_grad():  # the whole table once: the rotary op indexes it by position, no rotary call per step
-            tables = None if self._length_dependent_rope() else {key: self._rope(key, self.embed[:1],
-                torch.arange(self.max_context, device=self.embed.device)) for key in self._rope_keys}
+            tables = (
+                None
+                if self._length_dependent_rope()
+                else {
+                    key: self._rope(key, self.embed[:1], torch.arange(self.max_context, device=self.embed.device))
+                    for key in self._rope_keys
+                }
+            )
         # {rope key: (cos, sin) [positions, 1, rot_dim]} in the model's dtype; None for rope types
         # computed per call
         self.rope_tables = tables
-        self._rotary_dim = self._rope(self._rope_keys[0], self.embed[:1], torch.zeros(1, dtype=torch.long,
-                                      device=self.embed.device))[0].shape[-1]
+        self._rotary_dim = self._rope(
+            self._rope_keys[0], self.embed[:1], torch.zeros(1, dtype=torch.long, device=self.embed.device)
+        )[0].shape[-1]
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     # The forward's elementwise work runs as fused ops (kernels/elementwise.py) that round as the
@@ -277,8 +311,9 @@ class LlamaModel:
         q.copy_(_rms(q, layer.q_norm, self.eps, self.offset_norms))
         k.copy_(_rms(k, layer.k_norm, self.eps, self.offset_norms))
 
-    def _partial_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        q_out: torch.Tensor) -> None:
+    def _partial_rotary(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor
+    ) -> None:
         """Rotary on the first rot_dim dims of each head only (Phi-4's partial_rotary_factor), as
         transformers does: k in place, q into q_out."""
         rows, d, rot = qkv.shape[0], self.head_dim, cos.shape[-1]
@@ -286,7 +321,7 @@ class LlamaModel:
 
         def turn(x: torch.Tensor) -> torch.Tensor:
             r = x[..., :rot]
-            half = torch.cat((-r[..., rot // 2:], r[..., : rot // 2]), dim=-1)
+            half = torch.cat((-r[..., rot // 2 :], r[..., : rot // 2]), dim=-1)
             return torch.cat((r * c + half * s_, x[..., rot:]), dim=-1)
 
         q = qkv[:, : self._q_size].view(rows, self.q_heads, d)
@@ -294,8 +329,13 @@ class LlamaModel:
         q_out.copy_(turn(q))
         k.copy_(turn(k))
 
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
-                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """Every decoder layer over the rows of x (the residual stream, updated in place), then the
         final norm: returns the normed hidden states. q `[rows, q_heads, d]` receives each layer's
         rotated queries (its dtype is the one attention takes); attend(layer, q, k, v) returns the
@@ -320,8 +360,19 @@ class LlamaModel:
             qkv = layer.qkv(h)
             cos, sin = tables[layer.rope]
             if self._rotary_dim == self.head_dim:  # the q/k norms, where there are, fused into rotary
-                rotary(qkv, positions, cos, sin, self.q_heads, self.kv_heads, q, layer.q_norm, layer.k_norm,
-                       self.eps, self.offset_norms)
+                rotary(
+                    qkv,
+                    positions,
+                    cos,
+                    sin,
+                    self.q_heads,
+                    self.kv_heads,
+                    q,
+                    layer.q_norm,
+                    layer.k_norm,
+                    self.eps,
+                    self.offset_norms,
+                )
             else:
                 if layer.q_norm is not None:
                     self._qk_norm(qkv, layer)
@@ -360,11 +411,11 @@ class LlamaModel:
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if step.writes:
-                if step.write_rows is not None:
-                    k, v = k[step.write_rows], v[step.write_rows]
-                pool.write(i, step.write_slots, step.write_offsets, k, v)
-            prefill_attention(step.groups, i, q, k, v, pool, self.scale, attn, window=self.layers[i].window,
-                              softcap=self.softcap)
+                rows_kv = (k, v) if step.write_rows is None else (k[step.write_rows], v[step.write_rows])
+                pool.write(i, step.write_slots, step.write_offsets, *rows_kv)
+            prefill_attention(
+                step.groups, i, q, k, v, pool, self.scale, attn, window=self.layers[i].window, softcap=self.softcap
+            )
             return attn.view(rows, -1)
 
         h = self._layers(x, step.positions, q, attend)
@@ -372,8 +423,14 @@ class LlamaModel:
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, step: ContextArrays, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               workspace: torch.Tensor, chunk_first: bool = True) -> torch.Tensor:
+    def decode(
+        self,
+        step: ContextArrays,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        workspace: torch.Tensor,
+        chunk_first: bool = True,
+    ) -> torch.Tensor:
         """One token per row of `step` (the kernel context's arrays and the step's inputs, on the
         model's device); returns logits [rows, vocab] in the model's dtype. A plain forward: no
         host data is read and no tensor is built from Python values, so it compiles to one graph
@@ -388,8 +445,21 @@ class LlamaModel:
         flat = out.view(rows, -1)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            decode_step_attention(q, k, v, k_cache, v_cache, i, step, workspace, out, self.scale, chunk_first,
-                                  window=self.layers[i].window, softcap=self.softcap)
+            decode_step_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                i,
+                step,
+                workspace,
+                out,
+                self.scale,
+                chunk_first,
+                window=self.layers[i].window,
+                softcap=self.softcap,
+            )
             return flat if flat.dtype == x.dtype else flat.to(x.dtype)
 
         return self._logits(self._layers(x, step.positions, q, attend))

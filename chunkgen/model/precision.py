@@ -1,4 +1,5 @@
 """Which dtype the weights, activations and K/V use when the user says `auto`, and why."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

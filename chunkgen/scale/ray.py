@@ -10,6 +10,7 @@ enter the engine while the previous group decodes. The driver writes every recor
 dies is replaced and the rows it had not answered are sent again, so nothing is lost or doubled;
 one the cluster no longer has room for (a lost node) is given up and its rows go to the others.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,14 +46,14 @@ Answered = tuple[int, dict, tuple[int, ...]]  # (index, record, USAGE counts)
 @dataclass(frozen=True)
 class WorkerShape:
     """How many engine actors, and what each asks the cluster for."""
+
     count: int
     num_cpus: float
     num_gpus: int
     threads: int  # torch threads in each actor
 
 
-def plan_workers(device: str, requested: int | None, cluster: dict[str, float],
-                 node_cpus: list[float]) -> WorkerShape:
+def plan_workers(device: str, requested: int | None, cluster: dict[str, float], node_cpus: list[float]) -> WorkerShape:
     """Workers sized from the cluster's resources: on GPUs one per GPU (unless fewer are asked for);
     on CPUs the cluster's cores shared out, no worker asking for more than the largest machine has."""
     cpus = cluster.get("CPU", 0.0)
@@ -189,6 +190,7 @@ class EngineWorker:
 @dataclass
 class _Slot:
     """One worker as the driver sees it: its actor, the rows it has not answered, its latest stats."""
+
     actor: Any
     unanswered: dict[int, Job] = field(default_factory=dict)  # sent or about to be
     outgoing: list[Row] = field(default_factory=list)
@@ -207,8 +209,9 @@ class _Slot:
 class _Pool:
     """The driver's side: the actors, routing, collecting answers and replacing dead workers."""
 
-    def __init__(self, shape: WorkerShape, config: Config, writer: ResultWriter, counts: JobCounts,
-                 capacity: int) -> None:
+    def __init__(
+        self, shape: WorkerShape, config: Config, writer: ResultWriter, counts: JobCounts, capacity: int
+    ) -> None:
         import ray
 
         self.ray = ray
@@ -304,8 +307,10 @@ class _Pool:
         self.ray.kill(slot.actor, no_restart=True)  # an unavailable one may come back: it must not answer
         self.replacements += 1
         if self.replacements > MAX_REPLACEMENTS:
-            raise RuntimeError(f"{self.replacements} Ray workers died in this job (last: {exc}); the records "
-                               "written so far are kept, and a rerun with --resume continues from them") from None
+            raise RuntimeError(
+                f"{self.replacements} Ray workers died in this job (last: {exc}); the records "
+                "written so far are kept, and a rerun with --resume continues from them"
+            ) from None
         if slot.stats is not None:
             self.retired.append(slot.stats)
         self._start(slot)
@@ -323,8 +328,7 @@ class _Pool:
         if not waiting or len(self.live) < 2:
             return
         resource, amount = self.need
-        fits = sum(int(n["Resources"].get(resource, 0.0) / amount + 1e-9)
-                   for n in self.ray.nodes() if n.get("Alive"))
+        fits = sum(int(n["Resources"].get(resource, 0.0) / amount + 1e-9) for n in self.ray.nodes() if n.get("Alive"))
         if fits >= len(self.live):
             return  # the cluster has room for it: it is being placed or loading the model
         given_up = waiting[: min(len(self.live) - fits, len(self.live) - 1)]
@@ -364,9 +368,15 @@ def _keep_reaper() -> None:
         _REAPER.append(start_reaper())
 
 
-def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, config: Config,
-               workers: int | None = None, address: str | None = None, should_stop: Callable[[], bool] = never,
-               on_start: Callable[[WorkerShape], None] | None = None) -> JobSummary:
+def run_on_ray(
+    items: Iterable[Job | ErrorRecord],
+    writer: ResultWriter,
+    config: Config,
+    workers: int | None = None,
+    address: str | None = None,
+    should_stop: Callable[[], bool] = never,
+    on_start: Callable[[WorkerShape], None] | None = None,
+) -> JobSummary:
     """Run the job on Ray. Bad rows and resume are handled on the driver (`triage`), answers on the
     workers (`answer`), every record written by the driver's writer."""
     import ray
@@ -409,5 +419,11 @@ def run_on_ray(items: Iterable[Job | ErrorRecord], writer: ResultWriter, config:
             pool.close()
     interrupted = should_stop()
     writer.close(complete=not interrupted)  # a finished job drops earlier runs' error records, as locally
-    return summarize(counts, pool.engine_stats() if pool else [], len(writer.changed), time.perf_counter() - t0,
-                     interrupted, workers=shape.count if pool else 0)
+    return summarize(
+        counts,
+        pool.engine_stats() if pool else [],
+        len(writer.changed),
+        time.perf_counter() - t0,
+        interrupted,
+        workers=shape.count if pool else 0,
+    )

@@ -8,6 +8,7 @@ however it came), stops every one of them still running.
 
 Run as `python -m chunkgen.scale.reaper DRIVER_PID`, with a pipe from the driver as standard input.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,14 @@ GRACE_S = 3.0  # between SIGTERM and SIGKILL
 def start_reaper() -> subprocess.Popen:
     """The watcher of this process's descendants; it lives until this process ends. Its own session,
     so a Ctrl-C sent to the terminal's process group does not end it before the driver."""
-    return subprocess.Popen([sys.executable, "-m", "chunkgen.scale.reaper", str(os.getpid())],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "chunkgen.scale.reaper", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 def _descendants(pid: int, known: dict[int, float]) -> None:

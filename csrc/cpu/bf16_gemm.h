@@ -44,11 +44,11 @@ inline float to_float(uint16_t h) {
 // (zero elsewhere, up to k_pad rows and n_cols columns). Zeroing matters: tokens past a chunk's
 // length hold whatever the pool slot held before (possibly NaN), and 0 * NaN is NaN. dst_cols:
 // the width of dst's rows when it is wider than n_cols (several sources side by side).
-inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int k_pad, int n_cols,
-                       int cols_valid, uint16_t* dst, int dst_cols = 0) {
+inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int k_pad, int n_cols, int cols_valid,
+                       uint16_t* dst, int dst_cols = 0) {
   const int ld = dst_cols > 0 ? dst_cols : n_cols;
   // Word i of the low/high result: element i/2 (+16 for high) of row a (even i) or row b (odd i).
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
@@ -76,8 +76,8 @@ inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int 
 // out[r, n] (+)= sum_k A[r, k] B[k, n] for r < R (a multiple of 16), K a multiple of 32, N of 16;
 // A bf16 row-major (stride lda elements), B packed by pack_pairs (N columns), out fp32 (stride
 // ldo); `accumulate` adds to out instead of overwriting it.
-inline void gemm_dpbf16(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out,
-                        int ldo, int R, bool accumulate) {
+inline void gemm_dpbf16(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out, int ldo, int R,
+                        bool accumulate) {
   constexpr int RB = 8;  // rows per register block: RB x 2 accumulators + 2 B vectors
   for (int n = 0; n < N; n += 32) {
     const bool two = n + 16 < N;
@@ -159,8 +159,8 @@ struct alignas(64) TileConfig {
 
 // NB accumulators (tiles 0..NB-1), A in tile 4, B in tiles 5..7 in turn: columns [n, n + 16 NB).
 template <int NB>
-inline void amx_block(const uint16_t* A, int lda, const uint16_t* B, int K, int N, int n, float* out,
-                      int ldo, bool accumulate) {
+inline void amx_block(const uint16_t* A, int lda, const uint16_t* B, int K, int N, int n, float* out, int ldo,
+                      bool accumulate) {
   if (accumulate) {
     _tile_loadd(0, out + n, ldo * 4);
     if constexpr (NB > 1) _tile_loadd(1, out + n + 16, ldo * 4);
@@ -198,18 +198,25 @@ inline void amx_block(const uint16_t* A, int lda, const uint16_t* B, int K, int 
 }
 
 // Same contract as gemm_dpbf16; the calling thread must have loaded TileConfig.
-inline void gemm_amx(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out, int ldo,
-                     int R, bool accumulate) {
+inline void gemm_amx(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out, int ldo, int R,
+                     bool accumulate) {
   for (int r = 0; r < R; r += 16) {
     const uint16_t* a = A + static_cast<size_t>(r) * lda;
     float* o = out + static_cast<size_t>(r) * ldo;
     int n = 0;
     for (; n + 64 <= N; n += 64) amx_block<4>(a, lda, B, K, N, n, o, ldo, accumulate);
     switch ((N - n) / 16) {
-      case 3: amx_block<3>(a, lda, B, K, N, n, o, ldo, accumulate); break;
-      case 2: amx_block<2>(a, lda, B, K, N, n, o, ldo, accumulate); break;
-      case 1: amx_block<1>(a, lda, B, K, N, n, o, ldo, accumulate); break;
-      default: break;
+      case 3:
+        amx_block<3>(a, lda, B, K, N, n, o, ldo, accumulate);
+        break;
+      case 2:
+        amx_block<2>(a, lda, B, K, N, n, o, ldo, accumulate);
+        break;
+      case 1:
+        amx_block<1>(a, lda, B, K, N, n, o, ldo, accumulate);
+        break;
+      default:
+        break;
     }
   }
 }

@@ -94,8 +94,7 @@ inline void merge_shared_partials(const DecodeProblem& p, const Workspace& ws, S
     if (b < ws.eff_begin[c] || b >= ws.eff_end[c]) continue;  // outside the row's window: no partial
     for (int g = 0; g < G; ++g) {
       const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
-      merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d, ws.part_m[pr], ws.part_l[pr],
-                    d);
+      merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d, ws.part_m[pr], ws.part_l[pr], d);
     }
   }
 }

@@ -73,8 +73,8 @@ inline void pack_queries(const DecodeProblem& p, const SharedItem& w, int R, int
 
 // K^T [d, C] of the block's chunks side by side (pairs along d); V [C, d] stacked (pairs along
 // tokens), zero rows up to Kn.
-inline void pack_block(const DecodeProblem& p, const Workspace& ws, const SharedItem& w, int i0, int dp,
-                       Bf16Block& blk, Bf16Scratch& sc) {
+inline void pack_block(const DecodeProblem& p, const Workspace& ws, const SharedItem& w, int i0, int dp, Bf16Block& blk,
+                       Bf16Scratch& sc) {
   const int d = p.head_dim, C = p.chunk;
   const size_t head_elems = static_cast<size_t>(d) * C, slot_elems = head_elems * p.kv_heads;
   const uint16_t* K = static_cast<const uint16_t*>(p.k);
@@ -87,8 +87,7 @@ inline void pack_block(const DecodeProblem& p, const Workspace& ws, const Shared
     bf16::pack_pairs(K + off, C, d, dp, C, blk.len[j], sc.kp.data() + 2 * j * C, blk.N);
     bf16::pack_pairs(V + off, d, blk.len[j], C, d, d, sc.vp.data() + static_cast<size_t>(j) * C * d);
   }
-  std::fill(sc.vp.data() + static_cast<size_t>(blk.N) * d, sc.vp.data() + static_cast<size_t>(blk.Kn) * d,
-            uint16_t{0});
+  std::fill(sc.vp.data() + static_cast<size_t>(blk.N) * d, sc.vp.data() + static_cast<size_t>(blk.Kn) * d, uint16_t{0});
 }
 
 // The next block's K and V regions, to be fetched into L2 a few lines per softmax row of this one,
@@ -127,7 +126,8 @@ inline void chunk_probabilities(const float* sr, uint16_t* pr, const Bf16Block& 
   for (int j = jc * C, j_end = j + C; j < j_end; j += 16) {
     const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(sr + j), scale2, neg_m2);
     const __mmask16 valid =
-        Full ? __mmask16(0xffff) : bf16::valid_lanes(j - jc * C, blk.len[jc]) & ~bf16::valid_lanes(j - jc * C, blk.lo[jc]);
+        Full ? __mmask16(0xffff)
+             : bf16::valid_lanes(j - jc * C, blk.len[jc]) & ~bf16::valid_lanes(j - jc * C, blk.lo[jc]);
     if constexpr (TrackMax) xmax = Full ? _mm512_max_ps(xmax, x) : _mm512_mask_max_ps(xmax, valid, xmax, x);
     const __m512 e = Full ? bf16::exp2_bf16(x) : _mm512_maskz_mov_ps(valid, bf16::exp2_bf16(x));
     // l sums the probabilities as rounded for the product, so o / l stays a weighted mean.
@@ -172,9 +172,9 @@ inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf1
   if (!lazy)
     for (int jc = 0; jc < blk.nc; ++jc)
       for (int j = 0; j < C; j += 16)
-        mx = _mm512_max_ps(mx, _mm512_mask_mul_ps(neg_inf,
-                                                  bf16::valid_lanes(j, blk.len[jc]) & ~bf16::valid_lanes(j, blk.lo[jc]),
-                                                  _mm512_loadu_ps(sr + jc * C + j), scale));
+        mx = _mm512_max_ps(
+            mx, _mm512_mask_mul_ps(neg_inf, bf16::valid_lanes(j, blk.len[jc]) & ~bf16::valid_lanes(j, blk.lo[jc]),
+                                   _mm512_loadu_ps(sr + jc * C + j), scale));
   for (;;) {
     raise_max(sc, blk, r, d, mx, m);
     if (m == kNegInf) {  // the row's window starts past this block (and every earlier one)
@@ -195,7 +195,7 @@ inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf1
     }
     if (lazy) {
       const float over = _mm512_reduce_max_ps(xmax);  // log2 of the largest probability
-      if (over > kLazyHeadroom) {                      // too far above the max so far: again, from a new max
+      if (over > kLazyHeadroom) {                     // too far above the max so far: again, from a new max
         mx = _mm512_set1_ps(m + over / kLog2e);
         lazy = false;
         continue;

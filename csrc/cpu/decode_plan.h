@@ -31,7 +31,7 @@ struct Workspace {
   std::vector<int64_t> shared_row;  // first partial row of each shared chunk
   std::vector<float> part_o, part_m, part_l;
   std::vector<SharedItem> shared_items;
-  std::vector<int32_t> group_chunks;  // live shared chunks, ordered by their row range
+  std::vector<int32_t> group_chunks;                          // live shared chunks, ordered by their row range
   std::vector<int32_t> chunk_slot, chunk_len, seq_chunk_ptr;  // chunks each sequence reads itself
   std::vector<int32_t> seq_nseg, seg_row;
   std::vector<float> seg_o, seg_m, seg_l;
@@ -88,9 +88,7 @@ inline void plan_windows(const DecodeProblem& p, Workspace& ws) {
 }
 
 // First token of a chunk at position pos with n tokens inside row b's window (n: none).
-inline int window_lo(const Workspace& ws, int b, int pos, int n) {
-  return std::clamp(ws.row_lo[b] - pos, 0, n);
-}
+inline int window_lo(const Workspace& ws, int b, int pos, int n) { return std::clamp(ws.row_lo[b] - pos, 0, n); }
 
 // Tokens row b reads in the sequence-first phase.
 inline int64_t seq_tokens(const Workspace& ws, int b) {
@@ -101,8 +99,8 @@ inline int64_t seq_tokens(const Workspace& ws, int b) {
 
 // The partials of rows [b0, b1) of item w (state rows (b - b0) * G + g): at the item's first chunk;
 // its other chunks' partials for those rows are marked empty (l = 0).
-inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedItem& w, int b0, int b1,
-                           const float* o, const float* m, const float* l) {
+inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedItem& w, int b0, int b1, const float* o,
+                           const float* m, const float* l) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
   for (int i = w.first; i < w.last; ++i) {
     const int c = ws.group_chunks[i];
@@ -120,7 +118,6 @@ inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedIt
       }
   }
 }
-
 
 // Phase 1's items: the live shared chunks grouped by the rows that read them; each group's (rows x
 // chunks) work per head cut into about three equal pieces a thread, by chunks first (each piece
@@ -151,8 +148,8 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
   const int n_live = static_cast<int>(ws.group_chunks.size());
   for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
     const int c0 = ws.group_chunks[g0], begin = eff_begin[c0], end = eff_end[c0];
-    for (g1 = g0 + 1;
-         g1 < n_live && eff_begin[ws.group_chunks[g1]] == begin && eff_end[ws.group_chunks[g1]] == end; ++g1) {
+    for (g1 = g0 + 1; g1 < n_live && eff_begin[ws.group_chunks[g1]] == begin && eff_end[ws.group_chunks[g1]] == end;
+         ++g1) {
     }
     const int nch = g1 - g0, cover = end - begin;
     const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;

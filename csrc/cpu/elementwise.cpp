@@ -39,7 +39,9 @@ inline float load(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline T store(float f);
 template <>
-inline float store<float>(float f) { return f; }
+inline float store<float>(float f) {
+  return f;
+}
 template <>
 inline c10::BFloat16 store<c10::BFloat16>(float f) {
   uint32_t u;
@@ -50,11 +52,15 @@ inline c10::BFloat16 store<c10::BFloat16>(float f) {
   return b;
 }
 template <>
-inline c10::Half store<c10::Half>(float f) { return c10::Half(f); }
+inline c10::Half store<c10::Half>(float f) {
+  return c10::Half(f);
+}
 
 // The value a torch op would leave in storage of type T.
 template <typename T>
-inline float rnd(float f) { return load(store<T>(f)); }
+inline float rnd(float f) {
+  return load(store<T>(f));
+}
 
 // ATen's float sum of one contiguous row (vectorized_inner_sum -> row_sum -> multi_row_sum), with
 // the vector width of its AVX2 kernel (8 floats): ATen registers no AVX-512 sum kernel, and its
@@ -120,7 +126,12 @@ constexpr int64_t kParallelElems = 1 << 15;
 // rsqrt = 1 / sqrt), the sum in ATen's order.
 template <typename T>
 inline float inv_rms(const T* x, int64_t n, float eps) {
-  const float total = aten_row_sum([x](int64_t i) { const float v = load(x[i]); return v * v; }, n);
+  const float total = aten_row_sum(
+      [x](int64_t i) {
+        const float v = load(x[i]);
+        return v * v;
+      },
+      n);
   return 1.f / std::sqrt(total / static_cast<float>(n) + eps);
 }
 
@@ -132,8 +143,8 @@ inline float normed(T x, T w, float inv, bool offset) {
 }
 
 template <typename T>
-void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, int64_t n, int64_t rs,
-                      int64_t ds, int64_t os, float eps, bool offset) {
+void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, int64_t n, int64_t rs, int64_t ds,
+                      int64_t os, float eps, bool offset) {
 #pragma omp parallel for if (rows * n >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
     T* x = res + r * rs;
@@ -148,9 +159,8 @@ void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, 
 }
 
 template <typename T, typename Q, typename P>
-void rotary_cpu(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts, int64_t rows,
-                int64_t hq, int64_t hk, int64_t d, Q* q_out, const T* q_norm, const T* k_norm, float eps,
-                bool offset) {
+void rotary_cpu(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts, int64_t rows, int64_t hq,
+                int64_t hk, int64_t d, Q* q_out, const T* q_norm, const T* k_norm, float eps, bool offset) {
   const int64_t half = d / 2;
 #pragma omp parallel for if (rows * (hq + hk) * d >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
@@ -246,25 +256,29 @@ void gelu_tanh_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows
 }
 
 // The storage dtypes the ops take (dtype_code rejects the others first).
-#define CHUNKGEN_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                      \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)      \
-                             AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#define CHUNKGEN_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                                      \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                                                            \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 // ---- argument checks ----------------------------------------------------------------------------
 
 int dtype_code(const torch::Tensor& t, const char* name) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return 0;
-    case torch::kBFloat16: return 1;
-    case torch::kHalf: return 2;
-    default: TORCH_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+    case torch::kFloat32:
+      return 0;
+    case torch::kBFloat16:
+      return 1;
+    case torch::kHalf:
+      return 2;
+    default:
+      TORCH_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
 
 void check_rows(const torch::Tensor& t, const char* name, const torch::Tensor& like) {
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-d with contiguous rows, got ",
-                    t.sizes(), " strides ", t.strides());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-d with contiguous rows, got ", t.sizes(),
+                    " strides ", t.strides());
   TORCH_CHECK_VALUE(t.device() == like.device(), name, " must be on ", like.device(), ", got ", t.device());
   TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, " must be ", like.scalar_type(), ", got ",
                    t.scalar_type());
@@ -276,21 +290,21 @@ void* stream_of(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream
 
 }  // namespace
 
-void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>& delta,
-                     const torch::Tensor& weight, double eps, torch::Tensor& out, bool offset) {
+void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight,
+                     double eps, torch::Tensor& out, bool offset) {
   check_rows(residual, "residual", residual);
   check_rows(out, "out", residual);
   const int64_t rows = residual.size(0), n = residual.size(1);
   TORCH_CHECK_VALUE(out.sizes() == residual.sizes(), "out ", out.sizes(), " must be shaped like residual ",
                     residual.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(),
-                    "weight must be a contiguous [", n, "] tensor, got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n && weight.is_contiguous(), "weight must be a contiguous [",
+                    n, "] tensor, got ", weight.sizes());
   TORCH_CHECK_TYPE(weight.scalar_type() == residual.scalar_type() && weight.device() == residual.device(),
                    "weight must be ", residual.scalar_type(), " on ", residual.device());
   if (delta.has_value()) {
     check_rows(*delta, "delta", residual);
-    TORCH_CHECK_VALUE(delta->sizes() == residual.sizes(), "delta ", delta->sizes(),
-                      " must be shaped like residual ", residual.sizes());
+    TORCH_CHECK_VALUE(delta->sizes() == residual.sizes(), "delta ", delta->sizes(), " must be shaped like residual ",
+                      residual.sizes());
   }
   const int dt = dtype_code(residual, "residual");
   if (rows == 0) return;
@@ -299,32 +313,30 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
 #ifdef CHUNKGEN_WITH_CUDA
     const c10::cuda::CUDAGuard guard(residual.device());  // launch on the tensors' GPU, whichever is current
     add_rms_norm_cuda(residual.data_ptr(), delta.has_value() ? delta->data_ptr() : nullptr, weight.data_ptr(),
-                      out.data_ptr(), rows, n, residual.stride(0), ds, out.stride(0), static_cast<float>(eps),
-                      offset, dt, stream_of(residual));
+                      out.data_ptr(), rows, n, residual.stride(0), ds, out.stride(0), static_cast<float>(eps), offset,
+                      dt, stream_of(residual));
     return;
 #else
     TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; residual is on ", residual.device());
 #endif
   }
   CHUNKGEN_DISPATCH_MODEL_TYPES(residual.scalar_type(), "add_rms_norm", [&] {
-    add_rms_norm_cpu<scalar_t>(residual.data_ptr<scalar_t>(),
-                               delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
-                               weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n,
-                               residual.stride(0), ds, out.stride(0), static_cast<float>(eps), offset);
+    add_rms_norm_cpu<scalar_t>(residual.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
+                               weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, residual.stride(0), ds,
+                               out.stride(0), static_cast<float>(eps), offset);
   });
   (void)dt;
 }
 
-void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-               const torch::Tensor& sin, int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out,
-               const std::optional<torch::Tensor>& q_norm, const std::optional<torch::Tensor>& k_norm,
-               double eps, bool offset_norm) {
+void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+               int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out, const std::optional<torch::Tensor>& q_norm,
+               const std::optional<torch::Tensor>& k_norm, double eps, bool offset_norm) {
   check_rows(qkv, "qkv", qkv);
   const int dt = dtype_code(qkv, "qkv");
   const int64_t rows = qkv.size(0);
   TORCH_CHECK_VALUE(cos.dim() >= 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides(),
-                    "cos and sin must be tables shaped alike, [positions, ..., head_dim]; got ", cos.sizes(),
-                    " and ", sin.sizes());
+                    "cos and sin must be tables shaped alike, [positions, ..., head_dim]; got ", cos.sizes(), " and ",
+                    sin.sizes());
   const int64_t d = cos.size(-1), table = cos.size(0);
   TORCH_CHECK_VALUE(cos.numel() == table * d && cos.stride(-1) == 1,
                     "cos and sin must hold one contiguous row of head_dim values per position, got ", cos.sizes());
@@ -333,24 +345,22 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
   TORCH_CHECK_VALUE(cos.device() == qkv.device() && sin.device() == qkv.device(),
                     "cos and sin must be on qkv's device");
   TORCH_CHECK_VALUE(d > 0 && d % 2 == 0 && d <= 1024, "head_dim must be even and at most 1024, got ", d);
-  TORCH_CHECK_VALUE(q_heads >= 0 && kv_heads >= 0 && (q_heads + kv_heads) * d <= qkv.size(1),
-                    "qkv rows of ", qkv.size(1), " values cannot hold ", q_heads, " + ", kv_heads,
-                    " heads of ", d);
+  TORCH_CHECK_VALUE(q_heads >= 0 && kv_heads >= 0 && (q_heads + kv_heads) * d <= qkv.size(1), "qkv rows of ",
+                    qkv.size(1), " values cannot hold ", q_heads, " + ", kv_heads, " heads of ", d);
   TORCH_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == rows && positions.is_contiguous() &&
                         positions.device() == qkv.device(),
                     "positions must be a contiguous [", rows, "] tensor on qkv's device, got ", positions.sizes());
   TORCH_CHECK_TYPE(positions.scalar_type() == torch::kInt32 || positions.scalar_type() == torch::kInt64,
                    "positions must be int32 or int64, got ", positions.scalar_type());
-  TORCH_CHECK_VALUE(q_out.dim() == 3 && q_out.size(0) == rows && q_out.size(1) == q_heads &&
-                        q_out.size(2) == d && q_out.is_contiguous() && q_out.device() == qkv.device(),
+  TORCH_CHECK_VALUE(q_out.dim() == 3 && q_out.size(0) == rows && q_out.size(1) == q_heads && q_out.size(2) == d &&
+                        q_out.is_contiguous() && q_out.device() == qkv.device(),
                     "q_out must be a contiguous [", rows, ", ", q_heads, ", ", d, "] tensor on qkv's device, got ",
                     q_out.sizes());
   const int qt = dtype_code(q_out, "q_out");
   TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together: give both or neither");
   for (const auto* w : {&q_norm, &k_norm}) {
     if (!w->has_value()) continue;
-    TORCH_CHECK_VALUE((*w)->dim() == 1 && (*w)->size(0) == d && (*w)->is_contiguous() &&
-                          (*w)->device() == qkv.device(),
+    TORCH_CHECK_VALUE((*w)->dim() == 1 && (*w)->size(0) == d && (*w)->is_contiguous() && (*w)->device() == qkv.device(),
                       "q_norm and k_norm must be contiguous [", d, "] tensors on qkv's device, got ", (*w)->sizes());
     TORCH_CHECK_TYPE((*w)->scalar_type() == qkv.scalar_type(), "q_norm and k_norm must be in qkv's dtype (",
                      qkv.scalar_type(), "), got ", (*w)->scalar_type());
@@ -361,8 +371,8 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
   if (!qkv.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
     const c10::cuda::CUDAGuard guard(qkv.device());
-    rotary_cuda(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), pos64, cos.data_ptr(), sin.data_ptr(), ts,
-                rows, q_heads, kv_heads, d, q_out.data_ptr(), qt, q_norm ? q_norm->data_ptr() : nullptr,
+    rotary_cuda(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), pos64, cos.data_ptr(), sin.data_ptr(), ts, rows,
+                q_heads, kv_heads, d, q_out.data_ptr(), qt, q_norm ? q_norm->data_ptr() : nullptr,
                 k_norm ? k_norm->data_ptr() : nullptr, static_cast<float>(eps), offset_norm, dt, stream_of(qkv));
     return;
 #else
@@ -372,8 +382,8 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
   // Positions outside the table would read past it: checked here, on the host, at no extra cost.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t p = pos64 ? positions.data_ptr<int64_t>()[r] : positions.data_ptr<int32_t>()[r];
-    TORCH_CHECK_VALUE(p >= 0 && p < table, "position ", p, " of row ", r, " is outside the rotary table (",
-                      table, " positions)");
+    TORCH_CHECK_VALUE(p >= 0 && p < table, "position ", p, " of row ", r, " is outside the rotary table (", table,
+                      " positions)");
   }
   CHUNKGEN_DISPATCH_MODEL_TYPES(qkv.scalar_type(), "rotary", [&] {
     using T = scalar_t;
@@ -410,16 +420,16 @@ void gated_mul(const torch::Tensor& gate_up, torch::Tensor& out, bool gelu) {
   if (!gate_up.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
     const c10::cuda::CUDAGuard guard(gate_up.device());
-    (gelu ? gelu_tanh_mul_cuda : silu_mul_cuda)(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
-                                                 out.stride(0), rows, n, dt, stream_of(gate_up));
+    (gelu ? gelu_tanh_mul_cuda : silu_mul_cuda)(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                                                rows, n, dt, stream_of(gate_up));
     return;
 #else
     TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; gate_up is on ", gate_up.device());
 #endif
   }
   CHUNKGEN_DISPATCH_MODEL_TYPES(gate_up.scalar_type(), "gated_mul", [&] {
-    (gelu ? gelu_tanh_mul_cpu<scalar_t> : silu_mul_cpu<scalar_t>)(
-        gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.data_ptr<scalar_t>(), out.stride(0), rows, n);
+    (gelu ? gelu_tanh_mul_cpu<scalar_t> : silu_mul_cpu<scalar_t>)(gate_up.data_ptr<scalar_t>(), gate_up.stride(0),
+                                                                  out.data_ptr<scalar_t>(), out.stride(0), rows, n);
   });
   (void)dt;
 }

@@ -43,8 +43,8 @@ Isa best_isa() {
 #if defined(CHUNKGEN_HAVE_AMX) && defined(__linux__)
     // AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24) in leaf 7, then the kernel's permission to use
     // the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA): a kernel or VM may refuse it.
-    if (isa == Isa::Avx512Bf16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) &&
-        (d & (1u << 24)) && syscall(SYS_arch_prctl, 0x1023, 18) == 0)
+    if (isa == Isa::Avx512Bf16 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
+        syscall(SYS_arch_prctl, 0x1023, 18) == 0)
       isa = Isa::Amx;
 #endif
 #endif
@@ -75,9 +75,12 @@ Isa current_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::Amx: return "amx";
-    case Isa::Avx512Bf16: return "avx512_bf16";
-    default: return fp32_isa_name();
+    case Isa::Amx:
+      return "amx";
+    case Isa::Avx512Bf16:
+      return "avx512_bf16";
+    default:
+      return fp32_isa_name();
   }
 }
 

@@ -10,8 +10,8 @@
 namespace chunkgen {
 
 template <typename Dst, typename Src>
-void write_rows(Dst* kc, Dst* vc, const Src* k, const Src* v, const int64_t* ks, const int64_t* vs,
-                const int32_t* slot, const int32_t* off, int64_t rows, int64_t Hk, int64_t d, int64_t C) {
+void write_rows(Dst* kc, Dst* vc, const Src* k, const Src* v, const int64_t* ks, const int64_t* vs, const int32_t* slot,
+                const int32_t* off, int64_t rows, int64_t Hk, int64_t d, int64_t C) {
   const int64_t head = d * C, per_slot = Hk * head;
   for (int64_t b = 0; b < rows; ++b) {
     Dst* kb = kc + slot[b] * per_slot + off[b];      // K is [head_dim, chunk]: a column

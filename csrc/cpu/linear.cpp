@@ -19,8 +19,8 @@
 namespace chunkgen {
 
 torch::Tensor pack_linear_op(const torch::Tensor& w) {
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "pack_linear: w must be a 2-d CPU tensor, got ",
-                    w.sizes(), " on ", w.device());
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "pack_linear: w must be a 2-d CPU tensor, got ", w.sizes(),
+                    " on ", w.device());
   TORCH_CHECK_TYPE(w.scalar_type() == torch::kBFloat16, "pack_linear: w must be bfloat16, got ", w.scalar_type());
   const auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1), blocks = (n + 31) / 32, kp = (k + 31) / 32 * 32;
@@ -44,8 +44,8 @@ namespace {
 // Row tiles RT (16 rows each) x two 16-column tiles per block: accumulators in tiles 0..3, x's
 // row tiles in 4..5, the block's two column tiles in 6..7.
 template <int RT>
-void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp,
-                       int64_t n, uint16_t* y) {
+void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp, int64_t n,
+                       uint16_t* y) {
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
 #pragma omp parallel
   {
@@ -122,8 +122,8 @@ inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int6
   }
 }
 
-void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp,
-                          int64_t n, uint16_t* y) {
+void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp, int64_t n,
+                          uint16_t* y) {
   constexpr int kGroup = 14;  // 28 accumulators, two weight vectors, one broadcast: 31 registers
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
 #pragma omp parallel
@@ -134,6 +134,7 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
       const uint16_t* wb = w + b * block_elems;
       int r = 0;
       for (; r + kGroup <= rows; r += kGroup) dpbf16_rows<kGroup>(x + r * ldx, ldx, wb, kp, c + r * 32);
+      // clang-format off
       switch (rows - r) {
 #define CHUNKGEN_ROWS(m) \
   case m: dpbf16_rows<m>(x + r * ldx, ldx, wb, kp, c + r * 32); break;
@@ -143,6 +144,7 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
 #undef CHUNKGEN_ROWS
         default: break;
       }
+      // clang-format on
       const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
       const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
       for (int rr = 0; rr < rows; ++rr) {
@@ -157,18 +159,17 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
 #endif
 
 torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-d CPU tensor, got ",
-                    x.sizes(), " on ", x.device());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-d CPU tensor, got ", x.sizes(),
+                    " on ", x.device());
   TORCH_CHECK_TYPE(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
                    "packed_linear: x and packed must be bfloat16, got ", x.scalar_type(), " and ",
                    packed.scalar_type());
   const int64_t rows = x.size(0), k = x.size(1), kp = (k + 31) / 32 * 32;
-  TORCH_CHECK_VALUE(rows <= kPackedLinearMaxRows, "packed_linear: at most ", kPackedLinearMaxRows,
-                    " rows, got ", rows);
+  TORCH_CHECK_VALUE(rows <= kPackedLinearMaxRows, "packed_linear: at most ", kPackedLinearMaxRows, " rows, got ", rows);
   TORCH_CHECK_VALUE(packed.dim() == 4 && packed.is_contiguous() && packed.size(0) == (n + 31) / 32 &&
                         packed.size(1) == kp / 2 && packed.size(2) == 32 && packed.size(3) == 2,
-                    "packed_linear: packed must come from pack_linear of a [", n, ", ", k,
-                    "] weight, got ", packed.sizes());
+                    "packed_linear: packed must come from pack_linear of a [", n, ", ", k, "] weight, got ",
+                    packed.sizes());
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)

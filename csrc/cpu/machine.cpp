@@ -23,16 +23,25 @@ double fma_peak_gflops(int64_t iters) {
 #pragma omp parallel reduction(+ : sink) reduction(+ : flops)
   {
     // Ten independent chains cover the FMA latency x throughput product of current x86 cores.
-    vf a0 = vf{} + 1.f, a1 = vf{} + 2.f, a2 = vf{} + 3.f, a3 = vf{} + 4.f, a4 = vf{} + 5.f,
-       a5 = vf{} + 6.f, a6 = vf{} + 7.f, a7 = vf{} + 8.f, a8 = vf{} + 9.f, a9 = vf{} + 10.f;
+    vf a0 = vf{} + 1.f, a1 = vf{} + 2.f, a2 = vf{} + 3.f, a3 = vf{} + 4.f, a4 = vf{} + 5.f, a5 = vf{} + 6.f,
+       a6 = vf{} + 7.f, a7 = vf{} + 8.f, a8 = vf{} + 9.f, a9 = vf{} + 10.f;
     const vf x = vf{} + 0.999f, y = vf{} + 0.001f;
     for (int64_t i = 0; i < iters; ++i) {
-      a0 = a0 * x + y; a1 = a1 * x + y; a2 = a2 * x + y; a3 = a3 * x + y; a4 = a4 * x + y;
-      a5 = a5 * x + y; a6 = a6 * x + y; a7 = a7 * x + y; a8 = a8 * x + y; a9 = a9 * x + y;
+      a0 = a0 * x + y;
+      a1 = a1 * x + y;
+      a2 = a2 * x + y;
+      a3 = a3 * x + y;
+      a4 = a4 * x + y;
+      a5 = a5 * x + y;
+      a6 = a6 * x + y;
+      a7 = a7 * x + y;
+      a8 = a8 * x + y;
+      a9 = a9 * x + y;
 #if defined(__x86_64__)
       // Opaque to the optimiser: the chains must really run, one FMA per chain per iteration.
-      asm volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
-                   "+x"(a7), "+x"(a8), "+x"(a9));
+      asm volatile(""
+                   : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+x"(a8),
+                     "+x"(a9));
 #endif
     }
     const vf s = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9;

@@ -47,8 +47,7 @@ inline void scores(const float* q, const T* kt, int nv, int C, int d, float* s) 
 
 // o[r] = o[r] * alpha[r] + p[r, :n] @ V for RB rows; V is [C, d].
 template <typename T, int RB>
-inline void weighted_values(const float* p, int C, const T* v, int n, int d, float* o,
-                            const float* alpha) {
+inline void weighted_values(const float* p, int C, const T* v, int n, int d, float* o, const float* alpha) {
   const int dv = d / W;
   int c = 0;
   for (; c + 2 <= dv; c += 2) {
@@ -122,20 +121,16 @@ inline void scores_rows(const float* q, int R, const T* kt, int nv, int C, int d
 }
 
 template <typename T, int RB>
-inline void values_rows(const float* p, int R, int C, const T* v, int n, int d, float* o,
-                        const float* alpha) {
+inline void values_rows(const float* p, int R, int C, const T* v, int n, int d, float* o, const float* alpha) {
   if constexpr (RB > 1) {
     if (R < RB) return values_rows<T, RB - 1>(p, R, C, v, n, d, o, alpha);
   }
   int r = 0;
-  for (; r + RB <= R; r += RB)
-    weighted_values<T, RB>(p + static_cast<size_t>(r) * C, C, v, n, d, o + r * d, alpha + r);
+  for (; r + RB <= R; r += RB) weighted_values<T, RB>(p + static_cast<size_t>(r) * C, C, v, n, d, o + r * d, alpha + r);
   if constexpr (RB > 1) {
-    if (r < R)
-      values_rows<T, RB - 1>(p + static_cast<size_t>(r) * C, R - r, C, v, n, d, o + r * d, alpha + r);
+    if (r < R) values_rows<T, RB - 1>(p + static_cast<size_t>(r) * C, R - r, C, v, n, d, o + r * d, alpha + r);
   }
 }
-
 
 // A row's scores of one chunk beyond what full attention does: soft-capped (cap > 0) and, with a
 // window, tokens below `lo` (before the row's window) masked out.
@@ -189,15 +184,15 @@ inline void row_softmax(float* sr, int nv, vi tail, int lo, float cap, float& m,
 // Online-softmax update of R scaled query rows (q [R, d]) with the first n tokens of one chunk.
 // Masked: per-row window starts and soft-capping (mask); full attention instantiates without them.
 template <typename T, bool Masked>
-void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, int d, float* o,
-                  float* m, float* l, float* s, float* alpha, ChunkMask mask = {nullptr, 0.f}) {
+void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, int d, float* o, float* m, float* l,
+                  float* s, float* alpha, ChunkMask mask = {nullptr, 0.f}) {
   const int nv = (n + W - 1) / W;
   scores_rows<T, kRB>(q, R, kt, nv, C, d, s);
 
   const vi tail = lanes_below(n - (nv - 1) * W);  // valid lanes of the last vector
   for (int r = 0; r < R; ++r)
-    row_softmax<Masked>(s + static_cast<size_t>(r) * C, nv, tail, Masked && mask.lo ? mask.lo[r] : 0,
-                        mask.cap, m[r], l[r], alpha[r]);
+    row_softmax<Masked>(s + static_cast<size_t>(r) * C, nv, tail, Masked && mask.lo ? mask.lo[r] : 0, mask.cap, m[r],
+                        l[r], alpha[r]);
 
   values_rows<T, kRB>(s, R, C, v, n, d, o, alpha);
 }
@@ -219,7 +214,7 @@ inline void store_new_kv(const DecodeProblem& p, int b, int h) {
   const size_t base = (slot * p.kv_heads + h) * head_elems;
   const int C = p.chunk, d = p.head_dim, off = p.write_offset[b];
   // The pool layer is the op's mutable argument; the kernel only reads it through p.k, p.v.
-  T* kt = static_cast<T*>(const_cast<void*>(p.k)) + base + off;  // a column of K^T
+  T* kt = static_cast<T*>(const_cast<void*>(p.k)) + base + off;                           // a column of K^T
   T* vr = static_cast<T*>(const_cast<void*>(p.v)) + base + static_cast<size_t>(off) * d;  // a row of V
   const T* nk = static_cast<const T*>(p.new_k) + b * p.new_k_stride[0] + h * p.new_k_stride[1];
   const T* nv = static_cast<const T*>(p.new_v) + b * p.new_v_stride[0] + h * p.new_v_stride[1];

@@ -84,7 +84,7 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
   const __m512 c = _mm512_set1_ps(unit * kLog2e), scale = _mm512_set1_ps(p.scale);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), hidden = _mm512_set1_ps(-1e30f);
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0: dpbf16 against it sums pairs
-  const int shift = S - T;  // causal: position t sees keys < t + shift + 1
+  const int shift = S - T;                                    // causal: position t sees keys < t + shift + 1
 
   grow(sc.q, static_cast<size_t>(Rp) * dp);
   grow(sc.o, static_cast<size_t>(Rp) * d);
@@ -164,10 +164,11 @@ void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm 
         const __m512 neg_mc = _mm512_set1_ps(-m * unit * kLog2e);
         __m512 sum = _mm512_setzero_ps();
         for (int jj = 0; jj < kv; jj += 32) {
-          const __m512 e0 = _mm512_maskz_mov_ps(
-              bf16::valid_lanes(jj, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), c, neg_mc)));
-          const __m512 e1 = _mm512_maskz_mov_ps(
-              bf16::valid_lanes(jj + 16, n), bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj + 16), c, neg_mc)));
+          const __m512 e0 = _mm512_maskz_mov_ps(bf16::valid_lanes(jj, n),
+                                                bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj), c, neg_mc)));
+          const __m512 e1 =
+              _mm512_maskz_mov_ps(bf16::valid_lanes(jj + 16, n),
+                                  bf16::exp2_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + jj + 16), c, neg_mc)));
           const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);
           sum = _mm512_dpbf16_ps(sum, pb, ones);  // l adds the rounded probabilities the product uses
           _mm512_storeu_si512(pr + jj, (__m512i)pb);
@@ -199,8 +200,7 @@ Workspace& workspace() {
 }
 
 void run(const PrefillProblem& p, Isa isa) {
-  const int B = p.batch, Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, T = p.q_len,
-            S = p.kv_len;
+  const int B = p.batch, Hq = p.q_heads, Hk = p.kv_heads, G = Hq / Hk, d = p.head_dim, T = p.q_len, S = p.kv_len;
   const int dp = bf16::round_up(d, 32), nkb = (S + kKeys - 1) / kKeys;
   Workspace& ws = workspace();
   grow(ws.kp, static_cast<size_t>(B) * Hk * nkb * dp * kKeys);
@@ -219,8 +219,7 @@ void run(const PrefillProblem& p, Isa isa) {
         const int keys = p.causal ? std::max(0, std::min(S, t1 + S - T)) : S;
         ws.items.push_back({b, h, t0, t1, static_cast<int64_t>(t1 - t0) * (keys + kKeys)});
       }
-  std::stable_sort(ws.items.begin(), ws.items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::stable_sort(ws.items.begin(), ws.items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const Gemm gemm = isa == Isa::Amx ?
 #if defined(CHUNKGEN_HAVE_AMX)
                                     bf16::gemm_amx

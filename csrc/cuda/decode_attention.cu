@@ -43,8 +43,8 @@ namespace wmma = nvcuda::wmma;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kTile = 16;       // query rows per tensor-core tile (the m of m16n16k16)
-constexpr int kHeadBlock = 4;   // GQA heads whose scores share one read of K (and of V)
+constexpr int kTile = 16;      // query rows per tensor-core tile (the m of m16n16k16)
+constexpr int kHeadBlock = 4;  // GQA heads whose scores share one read of K (and of V)
 constexpr int kMaxHeadDim = 256;
 
 #ifndef CHUNKGEN_CUDA_EMULATION
@@ -54,16 +54,32 @@ __device__ __forceinline__ unsigned char* shared_bytes() {
 }
 #endif
 
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
 }
 
@@ -114,8 +130,8 @@ __device__ __forceinline__ int shared_position(const DecodeProblem& p, int c) {
 // cap * tanh(s / cap), Gemma 2's logit soft-capping.
 __device__ __forceinline__ float soft_cap(float s, float cap) { return cap * tanhf(s / cap); }
 
-__device__ __forceinline__ size_t part_row(const DecodeProblem& p, const int32_t* part_off, int c,
-                                           int h, int seq, int g) {
+__device__ __forceinline__ size_t part_row(const DecodeProblem& p, const int32_t* part_off, int c, int h, int seq,
+                                           int g) {
   const int G = p.q_heads / p.kv_heads, n_seqs = p.shared_end[c] - p.shared_begin[c];
   return static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * n_seqs * G +
          (seq - p.shared_begin[c]) * G + g;
@@ -270,18 +286,18 @@ __device__ void warp_merge(WarpState& s, const float* po, const float* pm, const
 template <typename T>
 struct MmaTiles {
   static constexpr int kPadT = 16 / sizeof(T), kPadF = 16 / sizeof(float);
-  int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;                 // leading dimensions, in elements
-  size_t ks, vs, qs, ss, ps, os, stats, lo, bytes;              // byte offsets, each 128-aligned
+  int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;     // leading dimensions, in elements
+  size_t ks, vs, qs, ss, ps, os, stats, lo, bytes;  // byte offsets, each 128-aligned
   __host__ __device__ MmaTiles(int d, int C)
       : ks_ld(C + kPadT), vs_ld(d + kPadT), qs_ld(d + kPadT), ss_ld(C + kPadF), ps_ld(C + kPadT), os_ld(d + kPadF) {
     size_t at = 0;
-    ks = take(at, sizeof(T) * d * ks_ld);         // K [d, C]
-    vs = take(at, sizeof(T) * C * vs_ld);         // V [C, d]
-    qs = take(at, sizeof(T) * kTile * qs_ld);     // Q [16, d]
-    ss = take(at, sizeof(float) * kTile * ss_ld); // S [16, C]
-    ps = take(at, sizeof(T) * kTile * ps_ld);     // P [16, C]
-    os = take(at, sizeof(float) * kTile * os_ld); // O [16, d]
-    stats = take(at, sizeof(float) * 2 * kTile);  // row max, row sum
+    ks = take(at, sizeof(T) * d * ks_ld);                         // K [d, C]
+    vs = take(at, sizeof(T) * C * vs_ld);                         // V [C, d]
+    qs = take(at, sizeof(T) * kTile * qs_ld);                     // Q [16, d]
+    ss = take(at, sizeof(float) * kTile * ss_ld);                 // S [16, C]
+    ps = take(at, sizeof(T) * kTile * ps_ld);                     // P [16, C]
+    os = take(at, sizeof(float) * kTile * os_ld);                 // O [16, d]
+    stats = take(at, sizeof(float) * 2 * kTile);                  // row max, row sum
     lo = take(at, sizeof(int) * kTile + sizeof(float) * kWarps);  // rows' window starts, warps' flags
     bytes = at;
   }
@@ -292,11 +308,10 @@ struct MmaTiles {
   }
 };
 
-
 // Whether any row of the block's tiles (tile, tile + splits, ...) reaches the chunk ending at
 // position end_pos (all threads get the answer).
-__device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G, int split, int splits,
-                              int end_pos, float* flags) {
+__device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G, int split, int splits, int end_pos,
+                              float* flags) {
   float any = 0.f;
   const int tiles = (rows + kTile - 1) / kTile;
   for (int tile = split; tile < tiles; tile += splits)
@@ -330,8 +345,8 @@ __device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, int n, co
 
 // Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * splits blocks.
 template <typename T, bool Masked>
-__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits,
-                                       float* part_o, float* part_m, float* part_l) {
+__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits, float* part_o,
+                                       float* part_m, float* part_l) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
   const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -354,7 +369,8 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
   int pos = 0;
   if constexpr (Masked) {
     pos = p.window > 0 ? shared_position(p, c) : 0;
-    if (p.window > 0 && !block_reaches(p, begin, rows, G, split, splits, pos + n, reinterpret_cast<float*>(los + kTile)))
+    if (p.window > 0 &&
+        !block_reaches(p, begin, rows, G, split, splits, pos + n, reinterpret_cast<float*>(los + kTile)))
       return;  // no row of this block sees the chunk: not read (the merge skips these rows' partials)
   }
 
@@ -451,8 +467,8 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
 
 // SIMT chunk-first for fp32 K/V: each warp takes whole sequences of the chunk's range.
 template <typename T, bool Masked>
-__global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off, int splits,
-                                        float* part_o, float* part_m, float* part_l) {
+__global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off, int splits, float* part_o,
+                                        float* part_m, float* part_l) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
   const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -602,14 +618,14 @@ void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const ch
 }
 
 template <typename T, bool kTensorCores, bool Masked>
-void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m,
-            float* part_l, cudaStream_t stream) {
+void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m, float* part_l,
+            cudaStream_t stream) {
   const DeviceLimits lim = device_limits();
   const int G = p.q_heads / p.kv_heads;
   const size_t gd = static_cast<size_t>(G) * p.head_dim;
   const size_t state = WarpState::floats(G, p.head_dim, p.chunk);
-  const size_t simt_smem = sizeof(float) * kWarps * (gd + state);   // a query copy per warp
-  const size_t seq_smem = sizeof(float) * (gd + kWarps * state);    // one query copy per block
+  const size_t simt_smem = sizeof(float) * kWarps * (gd + state);  // a query copy per warp
+  const size_t seq_smem = sizeof(float) * (gd + kWarps * state);   // one query copy per block
   if (p.chunk_first && p.num_shared > 0) {
     // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
     const int items = p.num_shared * p.kv_heads;
@@ -620,20 +636,17 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
       const size_t smem = MmaTiles<T>(p.head_dim, p.chunk).bytes;
       const auto kernel = chunk_first_mma_kernel<T, Masked>;  // one name: the launch macro splits on commas
       reserve_smem(kernel, smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, smem, stream, p, part_off, splits,
-                      part_o, part_m, part_l);
+      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, smem, stream, p, part_off, splits, part_o, part_m, part_l);
     } else {
       const auto kernel = chunk_first_simt_kernel<T, Masked>;
       reserve_smem(kernel, simt_smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, simt_smem, stream, p, part_off,
-                      splits, part_o, part_m, part_l);
+      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, simt_smem, stream, p, part_off, splits, part_o, part_m, part_l);
     }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
   const auto seq_kernel = sequence_first_kernel<T, Masked>;
   reserve_smem(seq_kernel, seq_smem, lim, "sequence-first kernel");
-  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, seq_smem, stream, p, part_off,
-                  part_o, part_m, part_l);
+  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, seq_smem, stream, p, part_off, part_o, part_m, part_l);
   check(cudaGetLastError(), "sequence-first kernel launch");
 }
 
@@ -649,16 +662,16 @@ void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, 
   const bool masked = p.window > 0 || p.softcap > 0.f;
   switch (p.kv_type) {
     case KVType::F32:
-      (masked ? launch<float, false, true> : launch<float, false, false>)(p, part_off, max_rows, part_o, part_m,
-                                                                           part_l, s);
+      (masked ? launch<float, false, true> : launch<float, false, false>)(p, part_off, max_rows, part_o, part_m, part_l,
+                                                                          s);
       break;
     case KVType::F16:
-      (masked ? launch<__half, true, true> : launch<__half, true, false>)(p, part_off, max_rows, part_o, part_m,
-                                                                           part_l, s);
+      (masked ? launch<__half, true, true> : launch<__half, true, false>)(p, part_off, max_rows, part_o, part_m, part_l,
+                                                                          s);
       break;
     case KVType::BF16:
       (masked ? launch<__nv_bfloat16, true, true> : launch<__nv_bfloat16, true, false>)(p, part_off, max_rows, part_o,
-                                                                                         part_m, part_l, s);
+                                                                                        part_m, part_l, s);
       break;
   }
 }

@@ -18,14 +18,22 @@ __device__ __forceinline__ float ld(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T st(float f);
 template <>
-__device__ __forceinline__ float st<float>(float f) { return f; }
+__device__ __forceinline__ float st<float>(float f) {
+  return f;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 st<__nv_bfloat16>(float f) { return __float2bfloat16_rn(f); }
+__device__ __forceinline__ __nv_bfloat16 st<__nv_bfloat16>(float f) {
+  return __float2bfloat16_rn(f);
+}
 template <>
-__device__ __forceinline__ __half st<__half>(float f) { return __float2half_rn(f); }
+__device__ __forceinline__ __half st<__half>(float f) {
+  return __float2half_rn(f);
+}
 
 template <typename T>
-__device__ __forceinline__ float rnd(float f) { return ld(st<T>(f)); }
+__device__ __forceinline__ float rnd(float f) {
+  return ld(st<T>(f));
+}
 
 constexpr int kThreads = 256;
 
@@ -43,8 +51,8 @@ __device__ __forceinline__ float inv_rms(float sum_sq, int64_t n, float eps) {
 }
 
 template <typename T>
-__global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, int64_t n, int64_t rs,
-                                    int64_t ds, int64_t os, float eps, bool offset) {
+__global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, int64_t n, int64_t rs, int64_t ds,
+                                    int64_t os, float eps, bool offset) {
   const int64_t r = blockIdx.x;
   T* x = res + r * rs;
   float part = 0.f;
@@ -84,8 +92,7 @@ __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos
   T* x = qkv + r * stride + h * d;
   const float a = ld(x[i]), b = ld(x[i + half]);
   const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, ld(c[i]))), rnd<T>(__fmul_rn(-b, ld(s[i])))));
-  const float hi = rnd<T>(
-      __fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
+  const float hi = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
   if (h < hq) {
     Q* q = q_out + (r * hq + h) * d;
     q[i] = st<Q>(lo);
@@ -101,8 +108,8 @@ __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos
 // writes it, and all reads of the sum come before the shuffle, so the head is safe in place.
 template <typename T, typename Q, typename P>
 __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts,
-                                   int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out, const T* qn,
-                                   const T* kn, float eps, bool offset) {
+                                   int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out, const T* qn, const T* kn,
+                                   float eps, bool offset) {
   const int64_t head = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (head >= rows * (hq + hk)) return;  // the whole warp leaves together
   const int lane = threadIdx.x % 32;
@@ -118,8 +125,7 @@ __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T
   for (int64_t i = lane; i < half; i += 32) {
     const float a = normed(x[i], w[i], inv, offset), b = normed(x[i + half], w[i + half], inv, offset);
     const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, ld(c[i]))), rnd<T>(__fmul_rn(-b, ld(s[i])))));
-    const float hi = rnd<T>(
-        __fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
+    const float hi = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
     if (h < hq) {
       Q* q = q_out + (r * hq + h) * d;
       q[i] = st<Q>(lo);
@@ -166,21 +172,21 @@ void by_dtype(int dtype, F&& f) {
 
 }  // namespace
 
-void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, void* out, int64_t rows,
-                       int64_t n, int64_t res_stride, int64_t delta_stride, int64_t out_stride, float eps,
-                       bool offset, int dtype, void* stream) {
+void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, void* out, int64_t rows, int64_t n,
+                       int64_t res_stride, int64_t delta_stride, int64_t out_stride, float eps, bool offset, int dtype,
+                       void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     add_rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<T*>(residual), static_cast<const T*>(delta), static_cast<const T*>(weight),
-        static_cast<T*>(out), n, res_stride, delta_stride, out_stride, eps, offset);
+        static_cast<T*>(residual), static_cast<const T*>(delta), static_cast<const T*>(weight), static_cast<T*>(out), n,
+        res_stride, delta_stride, out_stride, eps, offset);
   });
 }
 
-void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos64, const void* cos,
-                 const void* sin, int64_t table_stride, int64_t rows, int64_t q_heads, int64_t kv_heads,
-                 int64_t d, void* q_out, int q_out_dtype, const void* q_norm, const void* k_norm, float eps,
-                 bool offset_norm, int dtype, void* stream) {
+void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos64, const void* cos, const void* sin,
+                 int64_t table_stride, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t d, void* q_out,
+                 int q_out_dtype, const void* q_norm, const void* k_norm, float eps, bool offset_norm, int dtype,
+                 void* stream) {
   const unsigned grid = q_norm != nullptr ? blocks_for(rows * (q_heads + kv_heads) * 32)
                                           : blocks_for(rows * (q_heads + kv_heads) * (d / 2));
   by_dtype(dtype, [&](auto tag) {
@@ -207,8 +213,8 @@ void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos6
   });
 }
 
-void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows,
-                   int64_t n, int dtype, void* stream) {
+void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows, int64_t n,
+                   int dtype, void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
@@ -216,8 +222,8 @@ void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t ou
   });
 }
 
-void gelu_tanh_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows,
-                        int64_t n, int dtype, void* stream) {
+void gelu_tanh_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows, int64_t n,
+                        int dtype, void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     gelu_tanh_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(

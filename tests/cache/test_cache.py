@@ -1,4 +1,5 @@
 """PrefixTree / ChunkPool / KernelContext under random joins, appends and leaves."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,7 +49,12 @@ def check_all(pool: ChunkPool, tree: PrefixTree, expected: dict) -> None:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("insert"), st.integers(0, 3), st.integers(0, 120), st.lists(st.integers(0, 5), min_size=0, max_size=40)),
+        st.tuples(
+            st.just("insert"),
+            st.integers(0, 3),
+            st.integers(0, 120),
+            st.lists(st.integers(0, 5), min_size=0, max_size=40),
+        ),
         st.tuples(st.just("append"), st.integers(0, 50), st.integers(1, 20), st.integers(0, 5)),
         st.tuples(st.just("remove"), st.integers(0, 50), st.booleans(), st.just(0)),
         # inserted but never prefilled (a refused admission, a failed prefill): removed at once
@@ -274,6 +280,7 @@ def test_chunks_being_prefilled_are_not_matched_until_ready():
 
 # -- prompt matching: indexed lookups against a scan of every child ---------------------------
 
+
 def scan_match(tree: PrefixTree, tokens: list[int], include_pending: bool) -> tuple[int, int]:
     """The longest cached prefix found by comparing against every child at every level:
     (tokens covered by whole shared chunks, tokens copied from a chunk it diverges inside)."""
@@ -284,7 +291,9 @@ def scan_match(tree: PrefixTree, tokens: list[int], include_pending: bool) -> tu
         best, best_len = None, 0
         for child in node.children:
             if child.ready or include_pending:
-                n = next((k for k, (a, b) in enumerate(zip(child.tokens, rest)) if a != b), min(len(child.tokens), len(rest)))
+                n = next(
+                    (k for k, (a, b) in enumerate(zip(child.tokens, rest)) if a != b), min(len(child.tokens), len(rest))
+                )
                 if n > best_len:
                     best, best_len = child, n
         if best is None:
@@ -320,8 +329,11 @@ def bookkeeping_pool(chunk: int) -> ChunkPool:
     chunk=st.sampled_from([4, 8, 16]),
     prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=40), min_size=1, max_size=25),
     pending=st.booleans(),
-    queries=st.lists(st.tuples(st.integers(0, 100), st.integers(0, 40), st.lists(st.integers(0, 3), max_size=20)),
-                     min_size=1, max_size=8),
+    queries=st.lists(
+        st.tuples(st.integers(0, 100), st.integers(0, 40), st.lists(st.integers(0, 3), max_size=20)),
+        min_size=1,
+        max_size=8,
+    ),
 )
 def test_indexed_matching_agrees_with_a_scan_of_every_child(chunk, prompts, pending, queries):
     tree = PrefixTree(bookkeeping_pool(chunk))

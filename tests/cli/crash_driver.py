@@ -5,6 +5,7 @@ The model loads once; every run is a forked child that continues the same output
 SIGKILL: after a random delay, before or after a random record, or at a chosen point of the end-of-run rewrite (after k records of the
 copy, just before the rename, just after it). Torch runs single-threaded so that forking is safe.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def arm(kind: str, rng: random.Random, max_delay: float) -> None:
             real_emit(self, line, record)
             if written[0] == k:
                 die()
+
         ResultWriter._emit = emit
     elif kind == "mid-copy":
         after = rng.randint(0, 40)
@@ -69,6 +71,7 @@ def arm(kind: str, rng: random.Random, max_delay: float) -> None:
         def rewrite(self, first_new):
             results.read_records = counting
             real_rewrite(self, first_new)
+
         ResultWriter._rewrite = rewrite
     elif kind in ("before-rename", "after-rename"):
         real_replace = os.replace
@@ -78,6 +81,7 @@ def arm(kind: str, rng: random.Random, max_delay: float) -> None:
                 die()
             real_replace(src, dst)
             die()
+
         results.os.replace = replace
 
 

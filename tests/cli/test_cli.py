@@ -1,4 +1,5 @@
 """The commands users type, end to end on the tiny model: typer's runner and real subprocesses."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,8 @@ def test_bad_lines_become_error_records_and_good_ones_are_answered(tiny_model, t
     queries = tmp_path / "q.jsonl"
     lines = [
         '{"id": "ok1", "question": "What is 2 + 2?"}',
-        'this is not json',
-        '[1, 2, 3]',
+        "this is not json",
+        "[1, 2, 3]",
         '{"id": "nofield"}',
         '{"id": "badtype", "question": ["a list"]}',
         '{"id": "ok1", "question": "duplicate id"}',
@@ -78,15 +79,36 @@ def test_bad_template_stops_before_any_work(tiny_model, tmp_path):
 def test_openai_batch_in_and_out(tiny_model, tmp_path):
     queries = tmp_path / "batch.jsonl"
     system = "You are a terse assistant. " * 20
-    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "any", "max_tokens": 8, "messages": [
-                 {"role": "system", "content": system}, {"role": "user", "content": f"Say {i}"}]}}
-            for i in range(4)]
+    rows = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "any",
+                "max_tokens": 8,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Say {i}"}],
+            },
+        }
+        for i in range(4)
+    ]
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {}})
     queries.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out.jsonl"
-    res = run_cli("run", "--queries", str(queries), "--out", str(out), "--model", str(tiny_model),
-                  "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet")
+    res = run_cli(
+        "run",
+        "--queries",
+        str(queries),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--quiet",
+    )
     assert res.exit_code == EXIT_BAD_INPUT_LINES
     recs = {r["custom_id"]: r for r in records(out)}
     for i in range(4):
@@ -99,8 +121,9 @@ def test_openai_batch_in_and_out(tiny_model, tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_results(tiny_model, tmp_path):
-    args = base_args(tiny_model, tmp_path / "x", queries=PROMPTS / "document_qa.queries.jsonl",
-                     template=PROMPTS / "document_qa.toml")
+    args = base_args(
+        tiny_model, tmp_path / "x", queries=PROMPTS / "document_qa.queries.jsonl", template=PROMPTS / "document_qa.toml"
+    )
     args[args.index("--max-new-tokens") + 1] = "40"
     args += ["--max-batch", "1"]
     full = tmp_path / "full.jsonl"
@@ -111,8 +134,9 @@ def test_killed_run_resumes_to_the_same_results(tiny_model, tmp_path):
     part = tmp_path / "part.jsonl"
     args[args.index("--out") + 1] = str(part)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "chunkgen", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chunkgen", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 120
     while time.time() < deadline and (not part.exists() or len(part.read_text().splitlines()) < 3):
         time.sleep(0.05)
@@ -132,9 +156,17 @@ def test_killed_run_resumes_to_the_same_results(tiny_model, tmp_path):
 
 def test_inspect_tree_reports_sharing(tiny_model, tmp_path):
     js = tmp_path / "tree.json"
-    res = run_cli("inspect-tree", "--template", str(PROMPTS / "tool_dispatcher.toml"),
-                  "--queries", str(PROMPTS / "tool_dispatcher.queries.jsonl"), "--model", str(tiny_model),
-                  "--json", str(js))
+    res = run_cli(
+        "inspect-tree",
+        "--template",
+        str(PROMPTS / "tool_dispatcher.toml"),
+        "--queries",
+        str(PROMPTS / "tool_dispatcher.queries.jsonl"),
+        "--model",
+        str(tiny_model),
+        "--json",
+        str(js),
+    )
     assert res.exit_code == 0, res.output
     fig = json.loads(js.read_text())
     assert fig["sequences"] == 16 and fig["chunks_shared"] < fig["chunks_unshared"]
@@ -157,8 +189,10 @@ def test_template_directory_forms_a_forest_and_ordered_output(tiny_model, tmp_pa
     alias = tmp_path / "alias.jsonl"  # --ordered, the option's earlier name, still works (hidden from --help)
     assert run_cli(*base_args(tiny_model, alias, queries=queries, template=PROMPTS), "--ordered").exit_code == 0
     assert [r["id"] for r in records(alias)] == [r["id"] for r in rows]
-    assert all(r["template"] == r["id"].replace("math", "arithmetic_cot").replace("doc", "document_qa").rsplit("-", 1)[0]
-               for r in recs)
+    assert all(
+        r["template"] == r["id"].replace("math", "arithmetic_cot").replace("doc", "document_qa").rsplit("-", 1)[0]
+        for r in recs
+    )
     # two system prompts: the later queries of each template hit their own tree's cache
     assert recs[-1]["usage"]["cached_tokens"] > 0 and recs[-2]["usage"]["cached_tokens"] > 0
 
@@ -173,7 +207,8 @@ def test_bench_kernel_quick_rows_and_refusals(tmp_path):
     assert res.exit_code == 0, res.output
     rows = json.loads(out.read_text())
     assert {(r["impl"], r["n_s"], r["device"]) for r in rows} == {
-        (i, s, "cpu") for i in ("paged", "chunk_tpp") for s in (0, 1024)}
+        (i, s, "cpu") for i in ("paged", "chunk_tpp") for s in (0, 1024)
+    }
     assert all(r["us"] > 0 for r in rows)
     res = runner.invoke(app, ["bench", "kernel", "--quick", "--dtype", "fp16"])
     assert res.exit_code == 1 and "fp16 is for --device cuda" in res.output
@@ -186,19 +221,22 @@ def test_bench_kernel_quick_rows_and_refusals(tmp_path):
 MISSING_MODEL = "/nonexistent/model"  # an option error must win over this: it is checked first
 
 
-@pytest.mark.parametrize("extra, option, words", [
-    (["--chunk-size", "17"], "--chunk-size", "multiple of 16"),
-    (["--max-new-tokens", "0"], "--max-new-tokens", "at least 1"),
-    (["--temperature", "nan"], "--temperature", "nan"),
-    (["--top-p", "0"], "--top-p", "(0, 1]"),
-    (["--seed", str(2**70)], "--seed", "integer"),
-    (["--kv-memory", "lots"], "--kv-memory", "size"),
-    (["--dtype", "fp8"], "--dtype", "fp8"),
-    (["--device", "tpu"], "--device", "cpu, cuda"),
-    (["--format", "csv"], "--format", "csv"),
-    (["--shard", "3/3"], "--shard", "i/N"),
-    (["--rerun-changed"], "--rerun-changed", "--resume"),
-])
+@pytest.mark.parametrize(
+    "extra, option, words",
+    [
+        (["--chunk-size", "17"], "--chunk-size", "multiple of 16"),
+        (["--max-new-tokens", "0"], "--max-new-tokens", "at least 1"),
+        (["--temperature", "nan"], "--temperature", "nan"),
+        (["--top-p", "0"], "--top-p", "(0, 1]"),
+        (["--seed", str(2**70)], "--seed", "integer"),
+        (["--kv-memory", "lots"], "--kv-memory", "size"),
+        (["--dtype", "fp8"], "--dtype", "fp8"),
+        (["--device", "tpu"], "--device", "cpu, cuda"),
+        (["--format", "csv"], "--format", "csv"),
+        (["--shard", "3/3"], "--shard", "i/N"),
+        (["--rerun-changed"], "--rerun-changed", "--resume"),
+    ],
+)
 def test_option_mistakes_are_usage_errors_before_anything_loads(tmp_path, extra, option, words):
     out = tmp_path / "out.jsonl"
     res = runner.invoke(app, base_args(MISSING_MODEL, out) + extra)
@@ -315,7 +353,9 @@ def test_resume_retries_rows_that_failed_and_reports_changed_ones(tiny_model, tm
     queries = tmp_path / "q.jsonl"
     queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": "' + "long words " * 200 + '"}\n')
     out = tmp_path / "out.jsonl"
-    assert run_cli(*base_args(tiny_model, out, queries=queries), "--kv-memory", "1MiB").exit_code == EXIT_BAD_INPUT_LINES
+    assert (
+        run_cli(*base_args(tiny_model, out, queries=queries), "--kv-memory", "1MiB").exit_code == EXIT_BAD_INPUT_LINES
+    )
     res = run_cli(*base_args(tiny_model, out, queries=queries), "--resume")  # a budget big enough now
     assert res.exit_code == 0, res.output
     got = records(out)
@@ -349,14 +389,22 @@ def test_streams_records_after_every_prefill_wave(tiny_llm, tmp_path):
     from chunkgen.jobs.run import run_job
 
     queries = tmp_path / "q.jsonl"
-    queries.write_text("".join(json.dumps({"id": f"r{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(120)))
+    queries.write_text(
+        "".join(json.dumps({"id": f"r{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(120))
+    )
     items = _items(queries, {"max_new_tokens": 1})
     out = tmp_path / "out.jsonl"
     writer = ResultWriter(out, "template", "tiny")
     seen_on_disk = []
     engine = tiny_llm.new_engine(max_batch=8)
-    run_job(engine, tiny_llm.encode, items, writer, window=16,
-            on_progress=lambda p: seen_on_disk.append(len(out.read_text().splitlines())))
+    run_job(
+        engine,
+        tiny_llm.encode,
+        items,
+        writer,
+        window=16,
+        on_progress=lambda p: seen_on_disk.append(len(out.read_text().splitlines())),
+    )
     assert len(records(out)) == 120
     assert 0 < seen_on_disk[len(seen_on_disk) // 2] < 120, seen_on_disk
 
@@ -376,8 +424,12 @@ def _slow_queries(tmp_path: Path) -> Path:
     """More rows than a run gets through before a test's signal reaches it: no timing window to race."""
     queries = tmp_path / "slow.queries.jsonl"
     if not queries.exists():
-        queries.write_text("".join(json.dumps({"id": f"doc-{i:03d}", "question": f"What does section {i % 9} say?"})
-                                   + "\n" for i in range(SLOW_ROWS)))
+        queries.write_text(
+            "".join(
+                json.dumps({"id": f"doc-{i:03d}", "question": f"What does section {i % 9} say?"}) + "\n"
+                for i in range(SLOW_ROWS)
+            )
+        )
     return queries
 
 
@@ -389,8 +441,13 @@ def _slow_args(tiny_model, out: Path, tmp_path: Path) -> list[str]:
 
 def _slow_run(tiny_model, out: Path, tmp_path: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "chunkgen", *_slow_args(tiny_model, out, tmp_path), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "chunkgen", *_slow_args(tiny_model, out, tmp_path), *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_records(out: Path, n: int, proc: subprocess.Popen) -> None:
@@ -478,14 +535,17 @@ def _signal_inside_the_rewrite(monkeypatch, signals: list[int]) -> list[bool]:
             real_rewrite(self, first_new)
         finally:
             monkeypatch.setattr(results, "read_records", real_records)
+
     monkeypatch.setattr(results.ResultWriter, "_rewrite", rewrite)
     return seen
 
 
 def test_signals_during_the_final_rewrite(tiny_model, tmp_path, monkeypatch):
     queries = tmp_path / "q.jsonl"
-    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "b", "question": "2?", "temperature": -1}\n'
-                       '{"id": "c", "question": "3?"}\n')
+    queries.write_text(
+        '{"id": "a", "question": "1?"}\n{"id": "b", "question": "2?", "temperature": -1}\n'
+        '{"id": "c", "question": "3?"}\n'
+    )
     out = tmp_path / "out.jsonl"
     args = base_args(tiny_model, out, queries=queries)
     assert run_cli(*args).exit_code == EXIT_BAD_INPUT_LINES
@@ -537,8 +597,10 @@ def test_lines_inserted_or_removed_above_never_re_answer(tiny_model, tmp_path):
 
 def test_a_lone_surrogate_fails_its_row_only_and_resume_finishes(tiny_model, tmp_path):
     queries = tmp_path / "q.jsonl"
-    queries.write_text('{"id": "a", "question": "1?"}\n{"id": "s", "question": "\\ud800"}\n'
-                       '{"id": "n", "question": "x", "seed": ' + "1" * 5000 + '}\n{"id": "c", "question": "3?"}\n')
+    queries.write_text(
+        '{"id": "a", "question": "1?"}\n{"id": "s", "question": "\\ud800"}\n'
+        '{"id": "n", "question": "x", "seed": ' + "1" * 5000 + '}\n{"id": "c", "question": "3?"}\n'
+    )
     out = tmp_path / "out.jsonl"
     for resume in ((), ("--resume",)):
         res = run_cli(*base_args(tiny_model, out, queries=queries), *resume)
@@ -546,7 +608,9 @@ def test_a_lone_surrogate_fails_its_row_only_and_resume_finishes(tiny_model, tmp
     recs = {r["line"]: r for r in records(out)}
     assert sorted(recs) == [1, 2, 3, 4]
     assert recs[2]["error"]["field"] == "question" and "surrogate" in recs[2]["error"]["message"]
-    assert recs[2]["id"] == "s" and recs[3]["id"] == "n" and recs[3]["error"]["field"] == "seed"  # huge integers are data
+    assert (
+        recs[2]["id"] == "s" and recs[3]["id"] == "n" and recs[3]["error"]["field"] == "seed"
+    )  # huge integers are data
     assert "error" not in recs[1] and "error" not in recs[4]
 
 
@@ -584,11 +648,27 @@ def test_constraints_that_cannot_compile_name_their_source(tiny_model, tmp_path)
     assert run_cli(*base_args(tiny_model, out, queries=queries, template=template)).exit_code == EXIT_BAD_INPUT_LINES
     assert records(out)[0]["error"]["field"] == "template"
     batch = tmp_path / "b.jsonl"
-    batch.write_text(json.dumps({"custom_id": "o", "body": {"messages": [{"role": "user", "content": "hi"}],
-                                                            "max_tokens": 2}}) + "\n")
+    batch.write_text(
+        json.dumps({"custom_id": "o", "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}})
+        + "\n"
+    )
     out = tmp_path / "out3.jsonl"
-    res = run_cli("run", "--queries", str(batch), "--out", str(out), "--model", str(tiny_model), "--chunk-size",
-                  "16", "--kv-memory", "64MiB", "--quiet", "--regex", monster)
+    res = run_cli(
+        "run",
+        "--queries",
+        str(batch),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--quiet",
+        "--regex",
+        monster,
+    )
     assert res.exit_code == EXIT_BAD_INPUT_LINES and records(out)[0]["error"]["field"] == "regex"
 
 
@@ -618,8 +698,10 @@ def test_an_empty_input_says_so(tiny_model, tmp_path):
 
 def test_n_samples_records_every_completion(tiny_model, tmp_path):
     queries = tmp_path / "q.jsonl"
-    queries.write_text('{"id": "a", "question": "1?", "n": 3, "temperature": 0.9, "seed": 7, "logprobs": 2, '
-                       '"regex": "[a-z ]{1,6}", "max_new_tokens": 5}\n')
+    queries.write_text(
+        '{"id": "a", "question": "1?", "n": 3, "temperature": 0.9, "seed": 7, "logprobs": 2, '
+        '"regex": "[a-z ]{1,6}", "max_new_tokens": 5}\n'
+    )
     out = tmp_path / "out.jsonl"
     assert run_cli(*base_args(tiny_model, out, queries=queries)).exit_code == 0
     (rec,) = records(out)
@@ -638,13 +720,41 @@ def test_n_samples_records_every_completion(tiny_model, tmp_path):
 
 def test_openai_records_field_by_field(tiny_model, tmp_path):
     batch = tmp_path / "b.jsonl"
-    batch.write_text(json.dumps({"custom_id": "ok", "method": "POST", "url": "/v1/chat/completions",
-                                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                                          "n": 2, "temperature": 0.5, "seed": 1, "logprobs": True}}) + "\n"
-                     + json.dumps({"custom_id": "bad", "body": {"messages": []}}) + "\n")
+    batch.write_text(
+        json.dumps(
+            {
+                "custom_id": "ok",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                    "n": 2,
+                    "temperature": 0.5,
+                    "seed": 1,
+                    "logprobs": True,
+                },
+            }
+        )
+        + "\n"
+        + json.dumps({"custom_id": "bad", "body": {"messages": []}})
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
-    res = run_cli("run", "--queries", str(batch), "--out", str(out), "--model", str(tiny_model),
-                  "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet")
+    res = run_cli(
+        "run",
+        "--queries",
+        str(batch),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--quiet",
+    )
     assert res.exit_code == EXIT_BAD_INPUT_LINES, res.output
     ok, bad = sorted(records(out), key=lambda r: r["custom_id"] != "ok")
     assert set(ok) == {"id", "custom_id", "response", "error", "line", "request_hash", "chunkgen"}
@@ -652,18 +762,26 @@ def test_openai_records_field_by_field(tiny_model, tmp_path):
     assert set(ok["response"]) == {"status_code", "request_id", "body"} and ok["response"]["status_code"] == 200
     body = ok["response"]["body"]
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
-    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == tiny_model.name
+    assert (
+        body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion" and body["model"] == tiny_model.name
+    )
     assert [c["index"] for c in body["choices"]] == [0, 1]
     for c in body["choices"]:
         assert set(c) == {"index", "message", "logprobs", "finish_reason"}
         assert c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str)
         assert set(c["logprobs"]) == {"content", "refusal"} and c["finish_reason"] in ("stop", "length")
-        assert [set(e) for e in c["logprobs"]["content"]] == [{"token", "logprob", "bytes", "top_logprobs"}] * len(c["logprobs"]["content"])
+        assert [set(e) for e in c["logprobs"]["content"]] == [{"token", "logprob", "bytes", "top_logprobs"}] * len(
+            c["logprobs"]["content"]
+        )
     usage = body["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["completion_tokens"] == sum(len(c["logprobs"]["content"]) for c in body["choices"])
     assert set(usage["prompt_tokens_details"]) == {"cached_tokens"}
     assert set(bad) == {"id", "custom_id", "response", "error", "line", "request_hash", "chunkgen"}
     assert bad["response"] is None and bad["line"] == 2 and bad["request_hash"] is None
-    assert bad["error"] == {"code": "invalid_request", "line": 2, "field": "body.messages",
-                            "message": "must be a non-empty list"}
+    assert bad["error"] == {
+        "code": "invalid_request",
+        "line": 2,
+        "field": "body.messages",
+        "message": "must be a non-empty list",
+    }

@@ -1,5 +1,6 @@
 """What --help and a mistyped command line look like: every option explained, values named plainly,
 usage errors in the same one-line form as run errors."""
+
 from __future__ import annotations
 
 import re
@@ -11,6 +12,8 @@ from chunkgen.cli import app
 from tests.conftest import PROMPTS
 
 runner = CliRunner()
+
+
 def _commands(group, prefix=()):
     """Every command of the app, so a new one cannot skip these checks."""
     import typer.main
@@ -38,19 +41,26 @@ def test_every_option_has_help_and_a_plain_metavar(command):
             assert m.group(5), f"{' '.join(command)} {m.group(2)} has no help"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "-q", "x", "-o", "y", "--max-batch", "0"], "error: --max-batch: must be at least 1 (or auto), not 0"),
-    (["run", "-q", "x", "-o", "y", "--temperature", "warm"], "error: --temperature: must be a number, not 'warm'"),
-    (["run", "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"), "-o", "y", "--chunk-size", "17"],
-     "error: --chunk-size: must be a multiple of 16"),
-    (["run", "-q", "absent.jsonl", "-o", "y"], "error: --queries: absent.jsonl: queries file not found"),
-    (["run", "-q", "x", "-o", "y", "--output-order", "sorted"],
-     "error: --output-order: must be completion or input, not 'sorted'"),
-    (["run", "-o", "y"], "error: missing option '--queries'"),
-    (["run", "-q", "x", "-o", "y", "--bogus"], "error: no such option: --bogus"),
-    (["bench", "e2e", "--n-queries", "many"], "error: --n-queries: must be an integer, not 'many'"),
-    (["nope"], "error: no such command 'nope'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "-q", "x", "-o", "y", "--max-batch", "0"], "error: --max-batch: must be at least 1 (or auto), not 0"),
+        (["run", "-q", "x", "-o", "y", "--temperature", "warm"], "error: --temperature: must be a number, not 'warm'"),
+        (
+            ["run", "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"), "-o", "y", "--chunk-size", "17"],
+            "error: --chunk-size: must be a multiple of 16",
+        ),
+        (["run", "-q", "absent.jsonl", "-o", "y"], "error: --queries: absent.jsonl: queries file not found"),
+        (
+            ["run", "-q", "x", "-o", "y", "--output-order", "sorted"],
+            "error: --output-order: must be completion or input, not 'sorted'",
+        ),
+        (["run", "-o", "y"], "error: missing option '--queries'"),
+        (["run", "-q", "x", "-o", "y", "--bogus"], "error: no such option: --bogus"),
+        (["bench", "e2e", "--n-queries", "many"], "error: --n-queries: must be an integer, not 'many'"),
+        (["nope"], "error: no such command 'nope'"),
+    ],
+)
 def test_usage_errors_are_one_line_like_run_errors(args, message):
     res = runner.invoke(app, args)
     assert res.exit_code == 2

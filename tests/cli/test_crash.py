@@ -1,6 +1,7 @@
 """Crash consistency of the output file: `--resume` runs killed with SIGKILL at random moments,
 including inside the end-of-run rewrite, then resumed to the end, leave every row's record exactly
 once, the same answers as an uninterrupted run, and no temporary file."""
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,30 @@ def test_kill_9_at_random_moments_then_resume_loses_and_duplicates_nothing(tiny_
     out, reference = tmp_path / "out" / "out.jsonl", tmp_path / "ref" / "ref.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.cli.crash_driver", "--model", str(tiny_model), "--queries", str(queries),
-         "--template", str(PROMPTS / "arithmetic_cot.toml"), "--out", str(out), "--reference", str(reference),
-         "--kills", "22", "--seed", "29"],
-        env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "tests.cli.crash_driver",
+            "--model",
+            str(tiny_model),
+            "--queries",
+            str(queries),
+            "--template",
+            str(PROMPTS / "arithmetic_cot.toml"),
+            "--out",
+            str(out),
+            "--reference",
+            str(reference),
+            "--kills",
+            "22",
+            "--seed",
+            "29",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = json.loads(proc.stdout.splitlines()[-1])
     kills = [e for e in log if e["killed"]]
@@ -37,7 +58,9 @@ def test_kill_9_at_random_moments_then_resume_loses_and_duplicates_nothing(tiny_
     in_rewrite = [e for e in kills if e["kind"] != "timer"]
     assert len(in_rewrite) >= 5 and any(e["leftover_copy"] for e in in_rewrite), log
     cut_mid_job = [e for e in kills if e["kind"] in ("timer", "mid-job") and 0 < e["lines"] < len(lines)]
-    assert len(cut_mid_job) >= 5 and len({e["lines"] for e in cut_mid_job}) >= 5, log  # the job itself was cut several times, not only its rewrite
+    assert len(cut_mid_job) >= 5 and len({e["lines"] for e in cut_mid_job}) >= 5, (
+        log
+    )  # the job itself was cut several times, not only its rewrite
 
     def by_row(path: Path) -> dict:
         recs = [json.loads(l) for l in path.read_text().splitlines()]

@@ -1,5 +1,6 @@
 """inspect-tree: names the templates of its branches, explains its figures, and counts prefill
 tokens saved as a run does."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,12 @@ runner = CliRunner()
 
 
 def test_branches_name_their_templates_and_figures_are_explained(tiny_model, tmp_path):
-    res = runner.invoke(app, ["inspect-tree", "-t", str(PROMPTS), "-q", str(PROMPTS / "mixed.queries.jsonl"),
-                              "--model", str(tiny_model)], terminal_width=400, catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        ["inspect-tree", "-t", str(PROMPTS), "-q", str(PROMPTS / "mixed.queries.jsonl"), "--model", str(tiny_model)],
+        terminal_width=400,
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     for name in ("tool_dispatcher", "arithmetic_cot", "document_qa"):
         assert f"· template {name}" in res.output
@@ -23,13 +28,34 @@ def test_branches_name_their_templates_and_figures_are_explained(tiny_model, tmp
 
 
 def test_prefill_tokens_saved_agree_with_a_run(tiny_model, tmp_path):
-    common = ["-t", str(PROMPTS / "arithmetic_cot.toml"), "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"),
-              "--model", str(tiny_model), "--chunk-size", "16"]
+    common = [
+        "-t",
+        str(PROMPTS / "arithmetic_cot.toml"),
+        "-q",
+        str(PROMPTS / "arithmetic_cot.queries.jsonl"),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+    ]
     fig = tmp_path / "tree.json"
     res = runner.invoke(app, ["inspect-tree", *common, "--json", str(fig)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["run", *common, "-o", str(tmp_path / "out.jsonl"), "--kv-memory", "64MiB",
-                              "--max-new-tokens", "2", "--json-log"], catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            *common,
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--kv-memory",
+            "64MiB",
+            "--max-new-tokens",
+            "2",
+            "--json-log",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     summary = next(json.loads(l) for l in res.output.splitlines() if '"event": "summary"' in l)
     planned = json.loads(fig.read_text())
@@ -54,10 +80,12 @@ def test_the_planned_tree_holds_one_chunk_per_distinct_chunk_aligned_prefix(tiny
     # The system prompt ends 20 tokens into a 64-token chunk; openings shared by several rows fill
     # that chunk and end inside the next, so a row gains less than a chunk of tokens by waiting.
     openings = [[rng.randrange(400) for _ in range(rng.randrange(44, 60))] for _ in range(6)]
-    prompts = [system + rng.choice(openings) + [rng.randrange(400) for _ in range(rng.randrange(1, 30))]
-               for _ in range(64)]
+    prompts = [
+        system + rng.choice(openings) + [rng.randrange(400) for _ in range(rng.randrange(1, 30))] for _ in range(64)
+    ]
     for chunk in (16, 64):
-        minimum = len({tuple(p[:k + chunk]) for p in prompts for k in range(0, len(p), chunk)})
-        pool = ChunkPool.for_config(AutoConfig.from_pretrained(tiny_model), chunk, torch.float32,
-                                    budget_bytes=1 << 40, storage=False)
+        minimum = len({tuple(p[: k + chunk]) for p in prompts for k in range(0, len(p), chunk)})
+        pool = ChunkPool.for_config(
+            AutoConfig.from_pretrained(tiny_model), chunk, torch.float32, budget_bytes=1 << 40, storage=False
+        )
         assert tree_stats(plan_tree(pool, prompts, DEFAULT_MAX_PREFILL_TOKENS)).chunks_shared == minimum

@@ -2,6 +2,7 @@
 subprocess): every one ends in one line on stderr and its documented exit code (README, "Exit
 codes and errors"), never a traceback. Signals are sent at start-up, during the keying pass, during
 decoding, once and twice in a row."""
+
 from __future__ import annotations
 
 import fcntl
@@ -40,6 +41,7 @@ def _error_lines(stderr: str) -> list[str]:
 class Mistake:
     """`args` after `run`; `setup(tmp, model)` writes the files the mistake needs and may return
     replacements for the placeholders QUERIES, OUT, MODEL, TEMPLATE, or environment variables."""
+
     name: str
     args: list[str]
     code: int
@@ -52,6 +54,7 @@ def _file(name: str, text: str | bytes) -> Callable[[Path, Path], dict[str, str]
         path = tmp / name
         path.write_bytes(text.encode() if isinstance(text, str) else text)
         return {"QUERIES": str(path)}
+
     return setup
 
 
@@ -61,6 +64,7 @@ def _model_copy(edit: Callable[[Path], None]) -> Callable[[Path, Path], dict[str
         shutil.copytree(model, copy)
         edit(copy)
         return {"MODEL": str(copy)}
+
     return setup
 
 
@@ -81,6 +85,7 @@ def _out_file(text: str) -> Callable[[Path, Path], dict[str, str]]:
     def setup(tmp: Path, model: Path) -> dict[str, str]:
         (tmp / "out.jsonl").write_text(text)
         return {}
+
     return setup
 
 
@@ -93,6 +98,7 @@ def _template(text: str) -> Callable[[Path, Path], dict[str, str]]:
     def setup(tmp: Path, model: Path) -> dict[str, str]:
         (tmp / "t.toml").write_text(text)
         return {"TEMPLATE": str(tmp / "t.toml")}
+
     return setup
 
 
@@ -138,29 +144,63 @@ MISTAKES = [
     Mistake("out in a missing folder", ["--out", "/nonexistent/folder/out.jsonl"], USAGE, "does not exist"),
     Mistake("CSV content in a .jsonl file", [], USAGE, "CSV with the header id, question", _file("q.jsonl", CSV)),
     Mistake("TSV content", [], USAGE, "TSV", _file("q.jsonl", CSV.replace(",", "\t"))),
-    Mistake("one JSON array", [], USAGE, "JSON array",
-            _file("q.jsonl", json.dumps([{"id": "a", "question": "x"}], indent=2))),
-    Mistake("a placeholder no row fills", ["--template", "TEMPLATE"], USAGE, "did you mean 'message'",
-            lambda tmp, model: {**_template('system = "S"\nuser = "{mesage}"\n')(tmp, model),
-                                **_file("q.jsonl", '{"id": "a", "message": "hi"}\n')(tmp, model)}),
+    Mistake(
+        "one JSON array",
+        [],
+        USAGE,
+        "JSON array",
+        _file("q.jsonl", json.dumps([{"id": "a", "question": "x"}], indent=2)),
+    ),
+    Mistake(
+        "a placeholder no row fills",
+        ["--template", "TEMPLATE"],
+        USAGE,
+        "did you mean 'message'",
+        lambda tmp, model: {
+            **_template('system = "S"\nuser = "{mesage}"\n')(tmp, model),
+            **_file("q.jsonl", '{"id": "a", "message": "hi"}\n')(tmp, model),
+        },
+    ),
     # errors, exit 1
     Mistake("template missing", ["--template", "/nonexistent/t.toml"], ERROR, "t.toml"),
     Mistake("template not TOML", ["--template", "TEMPLATE"], ERROR, "t.toml", _template("system = [unclosed\n")),
     Mistake("template rows without a template", ["--template", ""], ERROR, "--template"),
     Mistake("empty queries file", [], ERROR, "no rows", _file("q.jsonl", "\n\n")),
     Mistake("model folder missing", ["--model", "/nonexistent/model"], ERROR, "/nonexistent/model"),
-    Mistake("model without a tokenizer", [], ERROR, "tokenizer",
-            _model_copy(lambda d: [p.unlink() for p in d.glob("tokenizer*")])),
+    Mistake(
+        "model without a tokenizer",
+        [],
+        ERROR,
+        "tokenizer",
+        _model_copy(lambda d: [p.unlink() for p in d.glob("tokenizer*")]),
+    ),
     Mistake("model without a chat template", [], ERROR, "--no-chat-template", _model_copy(_no_chat_template)),
-    Mistake("model without weights", [], ERROR, "no weights", _model_copy(lambda d: (d / "model.safetensors").unlink())),
+    Mistake(
+        "model without weights", [], ERROR, "no weights", _model_copy(lambda d: (d / "model.safetensors").unlink())
+    ),
     Mistake("model of another architecture", [], ERROR, "Whisper", _model_copy(_architecture)),
-    Mistake("truncated weights", [], ERROR, "cannot load the weights",
-            _model_copy(lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:4096]))),
+    Mistake(
+        "truncated weights",
+        [],
+        ERROR,
+        "cannot load the weights",
+        _model_copy(lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:4096])),
+    ),
     Mistake("output exists without --resume", [], ERROR, "--resume", _out_file('{"x": 1}\n')),
-    Mistake("output not chunkgen's, with --resume", ["--resume"], ERROR, "not a chunkgen result record",
-            _out_file('{"id": "a", "text": "hand-written"}\n')),
-    Mistake("TMPDIR missing", ["--order", "prefix"], ERROR, "TMPDIR",
-            lambda tmp, model: {"ENV_TMPDIR": str(tmp / "missing")}),
+    Mistake(
+        "output not chunkgen's, with --resume",
+        ["--resume"],
+        ERROR,
+        "not a chunkgen result record",
+        _out_file('{"id": "a", "text": "hand-written"}\n'),
+    ),
+    Mistake(
+        "TMPDIR missing",
+        ["--order", "prefix"],
+        ERROR,
+        "TMPDIR",
+        lambda tmp, model: {"ENV_TMPDIR": str(tmp / "missing")},
+    ),
     Mistake("TMPDIR is a file", ["--order", "prefix"], ERROR, "TMPDIR", _tmpdir_file),
     Mistake("standard input empty", ["--queries", "-"], ERROR, "standard input held no rows"),
 ]
@@ -168,12 +208,25 @@ MISTAKES = [
 
 def _command(m: Mistake, tmp: Path, model: Path) -> tuple[list[str], dict[str, str]]:
     (tmp / "q.jsonl").write_text(QUESTIONS)
-    values = {"QUERIES": str(tmp / "q.jsonl"), "OUT": str(tmp / "out.jsonl"), "MODEL": str(model),
-              "TEMPLATE": str(PROMPTS / "arithmetic_cot.toml"), "TMP": str(tmp)}
+    values = {
+        "QUERIES": str(tmp / "q.jsonl"),
+        "OUT": str(tmp / "out.jsonl"),
+        "MODEL": str(model),
+        "TEMPLATE": str(PROMPTS / "arithmetic_cot.toml"),
+        "TMP": str(tmp),
+    }
     values.update(m.setup(tmp, model))
     env = _env(**{k[4:]: v for k, v in values.items() if k.startswith("ENV_")})
-    base = {"--queries": "QUERIES", "--out": "OUT", "--model": "MODEL", "--template": "TEMPLATE",
-            "--max-new-tokens": "4", "--kv-memory": "64MiB", "--chunk-size": "16", "--dtype": "fp32"}
+    base = {
+        "--queries": "QUERIES",
+        "--out": "OUT",
+        "--model": "MODEL",
+        "--template": "TEMPLATE",
+        "--max-new-tokens": "4",
+        "--kv-memory": "64MiB",
+        "--chunk-size": "16",
+        "--dtype": "fp32",
+    }
     given = dict(zip(m.args[::2], m.args[1::2]))
     if m.name == "no --queries":
         base.pop("--queries")
@@ -185,7 +238,7 @@ def _command(m: Mistake, tmp: Path, model: Path) -> tuple[list[str], dict[str, s
     args = [values.get(a, a) for a in args]
     if "--template" in args and args[args.index("--template") + 1] == "":
         i = args.index("--template")
-        del args[i:i + 2]
+        del args[i : i + 2]
     return [sys.executable, "-m", "chunkgen", "run", "--quiet", *args], env
 
 
@@ -196,8 +249,9 @@ def test_the_catalogue_holds_at_least_forty_mistakes():
 @pytest.mark.parametrize("mistake", MISTAKES, ids=lambda m: m.name)
 def test_each_mistake_is_one_line_and_its_exit_code(mistake: Mistake, tiny_model, tmp_path):
     cmd, env = _command(mistake, tmp_path, tiny_model)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, cwd=tmp_path
+    )
     lines = _error_lines(proc.stderr)
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert proc.returncode == mistake.code, proc.stderr
@@ -238,8 +292,15 @@ def _default_sigint() -> None:
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, preexec_fn=_default_sigint, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd,
+        env=env,
+        preexec_fn=_default_sigint,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> list[str]:
@@ -304,13 +365,37 @@ def _many_rows(tmp: Path, n: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("signals", [[signal.SIGINT], [signal.SIGINT, signal.SIGINT], [signal.SIGTERM, signal.SIGINT]],
-                         ids=["once", "twice", "term-then-int"])
+@pytest.mark.parametrize(
+    "signals",
+    [[signal.SIGINT], [signal.SIGINT, signal.SIGINT], [signal.SIGTERM, signal.SIGINT]],
+    ids=["once", "twice", "term-then-int"],
+)
 def test_signals_during_the_keying_pass(signals, tiny_model, tmp_path):
     queries, out = _many_rows(tmp_path, 20_000), tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "chunkgen", "run", "--template", str(PROMPTS / "arithmetic_cot.toml"),
-           "--queries", str(queries), "--out", str(out), "--model", str(tiny_model), "--chunk-size", "16",
-           "--kv-memory", "64MiB", "--max-new-tokens", "4", "--dtype", "fp32", "--order", "prefix"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "chunkgen",
+        "run",
+        "--template",
+        str(PROMPTS / "arithmetic_cot.toml"),
+        "--queries",
+        str(queries),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--max-new-tokens",
+        "4",
+        "--dtype",
+        "fp32",
+        "--order",
+        "prefix",
+    ]
     proc = _start(cmd, _env())
     _wait_for_line(proc, "--order prefix: every row is read")
     time.sleep(0.5)
@@ -327,9 +412,32 @@ def test_signals_during_the_keying_pass(signals, tiny_model, tmp_path):
 
 def test_two_signals_while_decoding_stop_and_resume_finishes_every_row_once(tiny_model, tmp_path):
     queries, out = _many_rows(tmp_path, 40), tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "chunkgen", "run", "--template", str(PROMPTS / "arithmetic_cot.toml"),
-           "--queries", str(queries), "--out", str(out), "--model", str(tiny_model), "--chunk-size", "16",
-           "--kv-memory", "64MiB", "--max-new-tokens", "24", "--dtype", "fp32", "--order", "input", "--max-batch", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "chunkgen",
+        "run",
+        "--template",
+        str(PROMPTS / "arithmetic_cot.toml"),
+        "--queries",
+        str(queries),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--max-new-tokens",
+        "24",
+        "--dtype",
+        "fp32",
+        "--order",
+        "input",
+        "--max-batch",
+        "4",
+    ]
     proc = _start(cmd, _env())
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and out.stat().st_size):

@@ -1,5 +1,6 @@
 """Progress outside a terminal: a line when the model starts and ends loading, and a line at least
 every PROGRESS_EVERY_S even while one long engine step holds the main thread."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,24 @@ def _slow_first_step(monkeypatch, seconds: float) -> None:
 
 
 def _run(tiny_model, tmp_path, *extra: str):
-    args = ["run", "-t", str(PROMPTS / "arithmetic_cot.toml"), "-q", str(PROMPTS / "arithmetic_cot.queries.jsonl"),
-            "-o", str(tmp_path / "out.jsonl"), "--model", str(tiny_model), "--chunk-size", "16",
-            "--kv-memory", "64MiB", "--max-new-tokens", "2", *extra]
+    args = [
+        "run",
+        "-t",
+        str(PROMPTS / "arithmetic_cot.toml"),
+        "-q",
+        str(PROMPTS / "arithmetic_cot.queries.jsonl"),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--max-new-tokens",
+        "2",
+        *extra,
+    ]
     res = runner.invoke(cli.app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return res.output
@@ -73,8 +89,23 @@ def test_quiet_prints_no_load_or_progress_lines(tiny_model, tmp_path, monkeypatc
 def test_bench_e2e_says_which_round_runs_and_that_it_still_does(tiny_model, monkeypatch):
     monkeypatch.setattr(bench_e2e, "PROGRESS_EVERY_S", 0.4)
     _slow_first_step(monkeypatch, 1.5)
-    res = runner.invoke(cli.app, ["bench", "e2e", "--model", str(tiny_model), "--quick", "--n-queries", "2",
-                                  "--max-new-tokens", "2", "--systems", "chunkgen"], catch_exceptions=False)
+    res = runner.invoke(
+        cli.app,
+        [
+            "bench",
+            "e2e",
+            "--model",
+            str(tiny_model),
+            "--quick",
+            "--n-queries",
+            "2",
+            "--max-new-tokens",
+            "2",
+            "--systems",
+            "chunkgen",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     lines = [l.strip() for l in res.output.splitlines()]
     start = lines.index("chunkgen n_shared=512 round 1: running…")

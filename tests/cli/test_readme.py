@@ -2,6 +2,7 @@
 tiny model (CHUNKGEN_MODEL stands for the default model). A comment just above a snippet may say
 `<!-- readme-test: skip: WHY -->` or `<!-- readme-test: stop after N s ... -->` (a run meant to be
 stopped: it must still be running then, and end cleanly on SIGTERM)."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -41,7 +41,7 @@ def snippets() -> list[Snippet]:
         start, lang = i, m.group(1)
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         note = lines[start - 1] if start else ""
-        s = Snippet(start + 1, lang, "\n".join(lines[start + 1:end]) + "\n")
+        s = Snippet(start + 1, lang, "\n".join(lines[start + 1 : end]) + "\n")
         if (skip := re.match(r"<!-- readme-test: skip: (.+?) -->", note)) is not None:
             s.skip = skip.group(1)
         if (stop := re.match(r"<!-- readme-test: stop after (\d+) s", note)) is not None:
@@ -72,12 +72,20 @@ def test_snippet_runs_as_written(snippet: Snippet, tiny_model, tmp_path):
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
-           "CHUNKGEN_MODEL": str(tiny_model)}
-    argv = ["bash", "-euo", "pipefail", "-c", snippet.code] if snippet.lang == "bash" else \
-        [sys.executable, "-c", snippet.code]
-    proc = subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "CHUNKGEN_MODEL": str(tiny_model),
+    }
+    argv = (
+        ["bash", "-euo", "pipefail", "-c", snippet.code]
+        if snippet.lang == "bash"
+        else [sys.executable, "-c", snippet.code]
+    )
+    proc = subprocess.Popen(
+        argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     if snippet.stop_after_s is not None:
         try:
             out, _ = proc.communicate(timeout=snippet.stop_after_s)

@@ -1,5 +1,6 @@
 """Constrained decoding (JSON schema, regex, Lark grammar) with llguidance: on the tiny random
 model, whose free answers are garbage, every constrained answer must still be valid."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,16 @@ SCHEMA = {
     "required": ["city", "days", "units"],
     "additionalProperties": False,
 }
-PROMPTS_TEXT = ["Will it rain in Oslo?", "Book a flight to Rome.", "What is 2 + 2?", "Play some jazz.",
-                "Mark task T-1 as done.", "Translate 'hello' into Italian.", "hello", "Restart billing."]
+PROMPTS_TEXT = [
+    "Will it rain in Oslo?",
+    "Book a flight to Rome.",
+    "What is 2 + 2?",
+    "Play some jazz.",
+    "Mark task T-1 as done.",
+    "Translate 'hello' into Italian.",
+    "hello",
+    "Restart billing.",
+]
 DATA = Path(__file__).resolve().parents[1] / "data"
 BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 
@@ -64,8 +73,11 @@ def test_permissive_constraint_leaves_greedy_unchanged(tiny_model):
     llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=16)
     tok = llm.tokenizer
     pieces = tok.convert_ids_to_tokens(list(range(llm.model.vocab_size)))
-    not_text = [i for i, p in enumerate(pieces)
-                if i in set(tok.all_special_ids) | set(tok.added_tokens_decoder) or BYTE_PIECE.fullmatch(p)]
+    not_text = [
+        i
+        for i, p in enumerate(pieces)
+        if i in set(tok.all_special_ids) | set(tok.added_tokens_decoder) or BYTE_PIECE.fullmatch(p)
+    ]
     bias = torch.zeros(llm.model.vocab_size)
     bias[not_text] = float("-inf")
     logits = llm.model._logits
@@ -88,9 +100,14 @@ def test_each_sample_walks_its_own_matcher(tiny_llm):
 
 def test_constrained_and_free_requests_share_a_batch(tiny_llm):
     eng = tiny_llm.new_engine(max_batch=8, kv_memory=12 * tiny_llm.engine.pool.bytes_per_slot)
-    reqs = [Request(i, tiny_llm.encode(p), SamplingParams(max_new_tokens=128, temperature=1.0, seed=i,
-                                                          json_schema=SCHEMA if i % 2 else None))
-            for i, p in enumerate(PROMPTS_TEXT)]
+    reqs = [
+        Request(
+            i,
+            tiny_llm.encode(p),
+            SamplingParams(max_new_tokens=128, temperature=1.0, seed=i, json_schema=SCHEMA if i % 2 else None),
+        )
+        for i, p in enumerate(PROMPTS_TEXT)
+    ]
     out = {r.id: r for r in eng.stream(reqs)}
     for i, r in out.items():
         assert r.error is None
@@ -115,7 +132,10 @@ def test_bad_specs_are_param_errors():
     assert "at most one" in e.value.message
     # a dict and its JSON text are the same params (hashable, equal); key order is kept, as it
     # is the order the answer's properties are written in
-    a, b = SamplingParams(json_schema={"type": "object", "b": 1}), SamplingParams(json_schema='{"type": "object", "b": 1}')
+    a, b = (
+        SamplingParams(json_schema={"type": "object", "b": 1}),
+        SamplingParams(json_schema='{"type": "object", "b": 1}'),
+    )
     assert a == b and hash(a) == hash(b) and a.json_schema == '{"type":"object","b":1}'
     assert "json_schema" not in SamplingParams().as_dict()
 
@@ -125,11 +145,24 @@ def test_openai_response_format():
     msgs = [{"role": "user", "content": "hi"}]
     lines = [
         openai_row({"messages": msgs, "response_format": {"type": "json_object"}}, "obj"),
-        openai_row({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": schema, "strict": True}}}, "schema"),
+        openai_row(
+            {
+                "messages": msgs,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema, "strict": True},
+                },
+            },
+            "schema",
+        ),
         openai_row({"messages": msgs, "response_format": {"type": "text"}}, "text"),
-        openai_row({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "bad", "schema": {"type": "nope"}}}}, "bad"),
+        openai_row(
+            {
+                "messages": msgs,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nope"}}},
+            },
+            "bad",
+        ),
         openai_row({"messages": msgs, "response_format": {"type": "xml"}}, "kind"),
     ]
     got = {i.id: i for i in openai_jobs(rows_of(*lines), {"regex": "[a-z]+"})}
@@ -145,8 +178,12 @@ def test_template_output_table_and_row_overrides(tmp_path):
     path = tmp_path / "t.toml"
     path.write_text('user = "Q: {q}"\n[output]\njson_schema = "s.json"\n')
     t = load_template(path)
-    lines = ['{"id": "a", "q": "x"}', '{"id": "b", "q": "x", "regex": "[0-9]+"}',
-             '{"id": "c", "q": "x", "json_schema": {"type": "array"}}', '{"id": "d", "q": "x", "regex": "(("}']
+    lines = [
+        '{"id": "a", "q": "x"}',
+        '{"id": "b", "q": "x", "regex": "[0-9]+"}',
+        '{"id": "c", "q": "x", "json_schema": {"type": "array"}}',
+        '{"id": "d", "q": "x", "regex": "(("}',
+    ]
     got = {j.id: j for j in template_jobs(rows_of(*lines), {t.name: t}, {})}
     assert json.loads(got["a"].params.json_schema) == SCHEMA
     assert got["b"].params.regex == "[0-9]+" and got["b"].params.json_schema is None
@@ -155,9 +192,13 @@ def test_template_output_table_and_row_overrides(tmp_path):
     inline = tmp_path / "inline.toml"
     inline.write_text('user = "{q}"\n[output]\njson_schema = { type = "object" }\n')
     assert load_template(inline).output == {"json_schema": {"type": "object"}}
-    for body, needle in [('json_schema = { type = "nope" }', "json_schema"), ('regex = "a(b"', "regex"),
-                         ('json_schema = "missing.json"', "missing.json"), ('regex = "a"\ngrammar = "b"', "exactly one"),
-                         ('schema = "x"', "unknown keys")]:
+    for body, needle in [
+        ('json_schema = { type = "nope" }', "json_schema"),
+        ('regex = "a(b"', "regex"),
+        ('json_schema = "missing.json"', "missing.json"),
+        ('regex = "a"\ngrammar = "b"', "exactly one"),
+        ('schema = "x"', "unknown keys"),
+    ]:
         path.write_text(f'user = "{{q}}"\n[output]\n{body}\n')
         with pytest.raises(TemplateError) as e:
             load_template(path)
@@ -184,10 +225,26 @@ def test_cli_checks_constraints_before_the_model_loads(tmp_path):
 
 def test_cli_regex_default_applies_to_rows(tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
-    res = run_cli("run", "--template", str(PROMPTS / "arithmetic_cot.toml"), "--queries",
-                  str(PROMPTS / "arithmetic_cot.queries.jsonl"), "--out", str(out), "--model", str(tiny_model),
-                  "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet", "--max-new-tokens", "12",
-                  "--regex", "[0-9]{1,4}")
+    res = run_cli(
+        "run",
+        "--template",
+        str(PROMPTS / "arithmetic_cot.toml"),
+        "--queries",
+        str(PROMPTS / "arithmetic_cot.queries.jsonl"),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--quiet",
+        "--max-new-tokens",
+        "12",
+        "--regex",
+        "[0-9]{1,4}",
+    )
     assert res.exit_code == 0, res.output
     for r in records(out):
         assert re.fullmatch("[0-9]{1,4}", r["text"]), r["text"]
@@ -197,9 +254,22 @@ def test_cli_regex_default_applies_to_rows(tiny_model, tmp_path):
 def test_tool_dispatcher_answers_validate_on_the_default_model(default_model_dir, tmp_path):
     schema = json.loads((PROMPTS / "tool_dispatcher.schema.json").read_text())
     out = tmp_path / "out.jsonl"
-    res = run_cli("run", "--template", str(PROMPTS / "tool_dispatcher.toml"), "--queries",
-                  str(PROMPTS / "tool_dispatcher.queries.jsonl"), "--out", str(out), "--model",
-                  str(default_model_dir), "--kv-memory", "1GiB", "--quiet", "--max-new-tokens", "96")
+    res = run_cli(
+        "run",
+        "--template",
+        str(PROMPTS / "tool_dispatcher.toml"),
+        "--queries",
+        str(PROMPTS / "tool_dispatcher.queries.jsonl"),
+        "--out",
+        str(out),
+        "--model",
+        str(default_model_dir),
+        "--kv-memory",
+        "1GiB",
+        "--quiet",
+        "--max-new-tokens",
+        "96",
+    )
     assert res.exit_code == 0, res.output
     recs = records(out)
     assert len(recs) == 16
@@ -215,9 +285,20 @@ def test_further_tool_requests_validate_on_the_default_model(default_model_dir, 
     schema: every answer parses and validates, and the summary counts them all as matching."""
     schema = json.loads((PROMPTS / "tool_dispatcher.schema.json").read_text())
     out = tmp_path / "out.jsonl"
-    res = run_cli("run", "--template", str(PROMPTS / "tool_dispatcher.toml"), "--queries",
-                  str(DATA / "tool_requests.jsonl"), "--out", str(out), "--model", str(default_model_dir),
-                  "--kv-memory", "1GiB", "--json-log")
+    res = run_cli(
+        "run",
+        "--template",
+        str(PROMPTS / "tool_dispatcher.toml"),
+        "--queries",
+        str(DATA / "tool_requests.jsonl"),
+        "--out",
+        str(out),
+        "--model",
+        str(default_model_dir),
+        "--kv-memory",
+        "1GiB",
+        "--json-log",
+    )
     assert res.exit_code == 0, res.output
     summary = next(json.loads(l) for l in res.stderr.splitlines() if '"summary"' in l)
     recs = records(out)
@@ -262,8 +343,12 @@ def test_matchers_of_one_spec_are_copies_that_walk_apart(tiny_llm):
     first, second = c.matcher(params), c.matcher(params)
     assert first is not second and len(c._fresh) == 1
     start = c.fill([second]).bits.clone()
-    digit = next(t for t in range(c.vocab_size) if tiny_llm.tokenizer.decode([t]).strip().isdigit()
-                 and tiny_llm.tokenizer.decode([t]).strip() == tiny_llm.tokenizer.decode([t]))
+    digit = next(
+        t
+        for t in range(c.vocab_size)
+        if tiny_llm.tokenizer.decode([t]).strip().isdigit()
+        and tiny_llm.tokenizer.decode([t]).strip() == tiny_llm.tokenizer.decode([t])
+    )
     assert first.consume_token(digit)
     assert torch.equal(c.fill([second]).bits, start)  # the other copy has not moved
     assert not torch.equal(c.fill([first]).bits, start)  # after a digit, end of text is allowed too

@@ -1,4 +1,5 @@
 """Incremental detokenization against full decodes, and stop strings cut where they begin."""
+
 from __future__ import annotations
 
 import random
@@ -8,8 +9,14 @@ from transformers import AutoTokenizer
 
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 
-TEXTS = ["héllo wörld 日本語 🙂 ok and more", "€ and ünïcödé — “quotes” 🎉🎉!", "a\nb  c\t d", "  leading spaces",
-         "x.y, z! 'quote' n't", "<|im_start|>assistant\n2 + 2 = 4<|im_end|>"]
+TEXTS = [
+    "héllo wörld 日本語 🙂 ok and more",
+    "€ and ünïcödé — “quotes” 🎉🎉!",
+    "a\nb  c\t d",
+    "  leading spaces",
+    "x.y, z! 'quote' n't",
+    "<|im_start|>assistant\n2 + 2 = 4<|im_end|>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +115,7 @@ def test_random_stop_strings_are_found_wherever_they_fall(tok):
         if "\ufffd" in full or len(full) < 2:
             continue  # garbage bytes: their text is rewritten by later tokens, nothing to cut at
         a = rng.randrange(len(full) - 1)
-        stop = full[a: a + rng.randrange(1, 5)]
+        stop = full[a : a + rng.randrange(1, 5)]
         d = IncrementalDetokenizer(tok, [stop])
         hit = False
         for t in ids:

@@ -1,4 +1,5 @@
 """Engine answers against transformers' generate, and against itself under other settings."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,10 +38,16 @@ def test_qwen2_bias_tied_embeddings_and_linear_rope(tiny_qwen):
     assert exact >= 3, f"only {exact}/4 sequences equal token for token"
 
 
-@pytest.mark.parametrize("overrides", [
-    {"share_prefix": False}, {"chunk_first": False}, {"max_batch": 1}, {"chunk_size": 64},
-    {"kv_memory": "tight"},  # too small for all at once: admission control and preemption
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"share_prefix": False},
+        {"chunk_first": False},
+        {"max_batch": 1},
+        {"chunk_size": 64},
+        {"kv_memory": "tight"},  # too small for all at once: admission control and preemption
+    ],
+)
 def test_same_answers_under_every_engine_setting(tiny_llm, overrides):
     prompts = template_prompts("tool_dispatcher", 12)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -85,7 +92,7 @@ def test_n_samples_share_the_prompt_and_stop_strings_cut_text(tiny_llm):
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 30
     text, ids = greedy.text, greedy.token_ids
     decode = lambda t: tiny_llm.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
-    stop = decode(ids[:15])[len(decode(ids[:12])):]  # what tokens 12-14 add: it occurs, whatever the model says
+    stop = decode(ids[:15])[len(decode(ids[:12])) :]  # what tokens 12-14 add: it occurs, whatever the model says
     assert stop.strip() and stop in text, f"no usable stop string in {text!r}"
     cut = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=30, stop=[stop], ignore_eos=True))[0]
     assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)] and stop not in cut.text
@@ -145,8 +152,12 @@ def test_requests_that_can_never_run_come_back_as_errors(tiny_llm):
     engine = tiny_llm.new_engine(kv_memory=8 * tiny_llm.new_engine().pool.bytes_per_slot)  # 8 chunks
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     context = tiny_llm.model.max_context
-    reqs = [Request("ok", [1, 5, 6, 7], params), Request("kv", [1] + [5] * 199, params),
-            Request("context", [1] * context, params), Request("ok2", [1, 8, 9], params)]
+    reqs = [
+        Request("ok", [1, 5, 6, 7], params),
+        Request("kv", [1] + [5] * 199, params),
+        Request("context", [1] * context, params),
+        Request("ok2", [1, 8, 9], params),
+    ]
     got = {r.id: r for r in engine.stream(reqs)}
     assert set(got) == {"ok", "kv", "context", "ok2"}
     for ok in ("ok", "ok2"):
@@ -186,11 +197,24 @@ def test_decode_steps_sample_without_host_work_and_read_once(tiny_llm):
     from tests.helpers import copies_into, host_work
 
     engine = tiny_llm.new_engine()
-    kinds = [dict(), dict(temperature=0.8, top_k=20, seed=1), dict(temperature=1.0, top_p=0.9, seed=2),
-             dict(temperature=1.1, seed=3, logprobs=3), dict(presence_penalty=0.5, frequency_penalty=0.4, logprobs=0)]
+    kinds = [
+        dict(),
+        dict(temperature=0.8, top_k=20, seed=1),
+        dict(temperature=1.0, top_p=0.9, seed=2),
+        dict(temperature=1.1, seed=3, logprobs=3),
+        dict(presence_penalty=0.5, frequency_penalty=0.4, logprobs=0),
+    ]
     prompts = template_prompts("arithmetic_cot", 10)
-    engine.add([Request(i, tiny_llm.encode(prompts[i]),
-                        SamplingParams(max_new_tokens=12, ignore_eos=True, **kinds[i % len(kinds)])) for i in range(10)])
+    engine.add(
+        [
+            Request(
+                i,
+                tiny_llm.encode(prompts[i]),
+                SamplingParams(max_new_tokens=12, ignore_eos=True, **kinds[i % len(kinds)]),
+            )
+            for i in range(10)
+        ]
+    )
     logs: list[tuple[list, int, bool]] = []
     sample = engine._sample
 

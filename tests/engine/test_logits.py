@@ -1,5 +1,6 @@
 """Logprobs and presence / frequency penalties, checked against transformers running the same
 weights: logprobs are its log-softmax, penalties are applied to its logits as vLLM does."""
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,12 @@ def hf_log_softmax(hf_model, ids: list[int]) -> torch.Tensor:
 def test_logprobs_equal_transformers_log_softmax(tiny_llm, hf_model):
     """Greedy and sampled rows in one batch: every token's logprob, and each listed alternative's,
     is transformers' log-softmax at that position within 1e-4; alternatives are its top k."""
-    params = [SamplingParams(max_new_tokens=10, logprobs=5, ignore_eos=True),
-              SamplingParams(max_new_tokens=10, logprobs=2, temperature=1.3, seed=4, ignore_eos=True),
-              SamplingParams(max_new_tokens=10, ignore_eos=True),  # asks for none
-              SamplingParams(max_new_tokens=10, logprobs=0, top_k=5, temperature=0.7, seed=1, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=10, logprobs=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, logprobs=2, temperature=1.3, seed=4, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, ignore_eos=True),  # asks for none
+        SamplingParams(max_new_tokens=10, logprobs=0, top_k=5, temperature=0.7, seed=1, ignore_eos=True),
+    ]
     results = tiny_llm.generate(PROMPTS_TEXT, params)
     assert results[2].completions[0].logprobs is None
     for prompt, p, r in zip(PROMPTS_TEXT, params, results):
@@ -62,9 +65,8 @@ def test_logprobs_follow_tokens_cut_by_a_stop_string(tiny_llm):
     for prompt, f in zip(PROMPTS_TEXT, free):
         if len(f.text) < 6:
             continue
-        stop = f.text[len(f.text) // 2:][:3]  # somewhere inside the free answer
-        r = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True, stop=stop,
-                                                      logprobs=1))[0]
+        stop = f.text[len(f.text) // 2 :][:3]  # somewhere inside the free answer
+        r = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True, stop=stop, logprobs=1))[0]
         c = r.completions[0]
         assert c.finish_reason == "stop"
         assert [e.token_id for e in c.logprobs] == c.token_ids
@@ -99,8 +101,7 @@ def greedy_with_penalties(hf_model, ids: list[int], steps: int, presence: float,
 
 @pytest.mark.parametrize("presence, frequency", [(0.0, 1.5), (1.0, 0.0), (0.5, 0.5), (-1.0, 0.0)])
 def test_penalties_equal_the_reference_loop(tiny_llm, hf_model, presence, frequency):
-    params = SamplingParams(max_new_tokens=14, ignore_eos=True, presence_penalty=presence,
-                            frequency_penalty=frequency)
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
     plain = tiny_llm.generate(PROMPTS_TEXT, SamplingParams(max_new_tokens=14, ignore_eos=True))
     # penalized and plain rows share the batch: a row's penalty touches its own logits only
     mixed = tiny_llm.generate(PROMPTS_TEXT * 2, [params] * 4 + [SamplingParams(max_new_tokens=14, ignore_eos=True)] * 4)
@@ -114,19 +115,30 @@ def test_penalties_equal_the_reference_loop(tiny_llm, hf_model, presence, freque
 
 
 def test_each_sample_counts_its_own_tokens(tiny_llm):
-    r = tiny_llm.generate(["Play some jazz."], SamplingParams(max_new_tokens=12, n=3, temperature=1.0, seed=5,
-                                                              frequency_penalty=2.0, logprobs=1))[0]
-    alone = [tiny_llm.generate(["Play some jazz."], SamplingParams(max_new_tokens=12, temperature=1.0, seed=5,
-                                                                  frequency_penalty=2.0))[0]]
+    r = tiny_llm.generate(
+        ["Play some jazz."],
+        SamplingParams(max_new_tokens=12, n=3, temperature=1.0, seed=5, frequency_penalty=2.0, logprobs=1),
+    )[0]
+    alone = [
+        tiny_llm.generate(
+            ["Play some jazz."], SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, frequency_penalty=2.0)
+        )[0]
+    ]
     assert r.completions[0].token_ids == alone[0].token_ids
     assert all(len(c.logprobs) == len(c.token_ids) for c in r.completions)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
-    ({"frequency_penalty": "1"}, "frequency_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ],
+)
 def test_bad_values_name_their_field(kwargs, field):
     with pytest.raises(ParamError) as info:
         SamplingParams(**kwargs)
@@ -143,8 +155,10 @@ def test_unused_fields_leave_request_hashes_alone():
 def test_openai_body_logprobs_and_penalties():
     msgs = [{"role": "user", "content": "hi"}]
     lines = [
-        openai_row({"messages": msgs, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.4,
-                    "frequency_penalty": -0.2}, "ok"),
+        openai_row(
+            {"messages": msgs, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.4, "frequency_penalty": -0.2},
+            "ok",
+        ),
         openai_row({"messages": msgs, "logprobs": True}, "bare"),
         openai_row({"messages": msgs, "logprobs": False}, "off"),
         openai_row({"messages": msgs, "top_logprobs": 2}, "top-alone"),
@@ -159,17 +173,28 @@ def test_openai_body_logprobs_and_penalties():
     assert got["bare"].params.logprobs == 0
     assert got["off"].params.logprobs is None  # an explicit false beats the default
     assert {k: got[k].field for k in ("top-alone", "top-big", "lp-type", "pp")} == {
-        "top-alone": "body.top_logprobs", "top-big": "body.top_logprobs", "lp-type": "body.logprobs",
-        "pp": "body.presence_penalty"}
+        "top-alone": "body.top_logprobs",
+        "top-big": "body.top_logprobs",
+        "lp-type": "body.logprobs",
+        "pp": "body.presence_penalty",
+    }
 
 
 def test_template_rows_and_sampling_table_take_them(tmp_path):
     t = tmp_path / "t.toml"
     t.write_text('user = "Q: {q}"\n[sampling]\nlogprobs = 2\nfrequency_penalty = 0.3\n')
     templates = load_templates(t)
-    jobs = list(template_jobs(rows_of('{"id": "a", "q": "x"}', '{"id": "b", "q": "y", "logprobs": 0, '
-                                      '"presence_penalty": 1}', '{"id": "c", "q": "z", "logprobs": 50}'),
-                              templates, {}))
+    jobs = list(
+        template_jobs(
+            rows_of(
+                '{"id": "a", "q": "x"}',
+                '{"id": "b", "q": "y", "logprobs": 0, "presence_penalty": 1}',
+                '{"id": "c", "q": "z", "logprobs": 50}',
+            ),
+            templates,
+            {},
+        )
+    )
     assert (jobs[0].params.logprobs, jobs[0].params.frequency_penalty) == (2, 0.3)
     assert (jobs[1].params.logprobs, jobs[1].params.presence_penalty) == (0, 1.0)
     assert jobs[2].field == "logprobs" and "[0, 20]" in jobs[2].message
@@ -186,11 +211,27 @@ def test_cli_writes_logprobs_in_both_record_formats(tiny_model, tmp_path):
             assert e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
     batch = tmp_path / "batch.jsonl"
     msgs = [{"role": "user", "content": "Will it rain?"}]
-    batch.write_text(openai_row({"messages": msgs, "max_tokens": 5, "logprobs": True, "top_logprobs": 1}, "a")
-                     + "\n" + openai_row({"messages": msgs, "max_tokens": 5}, "b") + "\n")
+    batch.write_text(
+        openai_row({"messages": msgs, "max_tokens": 5, "logprobs": True, "top_logprobs": 1}, "a")
+        + "\n"
+        + openai_row({"messages": msgs, "max_tokens": 5}, "b")
+        + "\n"
+    )
     out2 = tmp_path / "out2.jsonl"
-    res = run_cli("run", "--queries", str(batch), "--out", str(out2), "--model", str(tiny_model),
-                  "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet")
+    res = run_cli(
+        "run",
+        "--queries",
+        str(batch),
+        "--out",
+        str(out2),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "64MiB",
+        "--quiet",
+    )
     assert res.exit_code == 0, res.output
     by_id = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in records(out2)}
     content = by_id["a"]["logprobs"]["content"]
@@ -201,9 +242,19 @@ def test_cli_writes_logprobs_in_both_record_formats(tiny_model, tmp_path):
 def test_cli_rejects_bad_values_before_the_model_loads(tmp_path):
     out = tmp_path / "out.jsonl"
     for option, value in (("--logprobs", "30"), ("--presence-penalty", "-7")):
-        res = run_cli("run", "--template", str(PROMPTS / "arithmetic_cot.toml"), "--queries",
-                      str(PROMPTS / "arithmetic_cot.queries.jsonl"), "--out", str(out), "--model", "/nonexistent",
-                      option, value)
+        res = run_cli(
+            "run",
+            "--template",
+            str(PROMPTS / "arithmetic_cot.toml"),
+            "--queries",
+            str(PROMPTS / "arithmetic_cot.queries.jsonl"),
+            "--out",
+            str(out),
+            "--model",
+            "/nonexistent",
+            option,
+            value,
+        )
         assert res.exit_code == 2 and option in res.output, res.output
 
 

@@ -3,6 +3,7 @@
 Checked on the CPU over workloads with joins, leaves, chunk-boundary crossings, context rebuilds
 and preemption: what a CUDA graph or a compiled forward would get wrong (stale buffers, frozen
 sizes, hidden host syncs) shows up here as a wrong token or a counted op."""
+
 from __future__ import annotations
 
 import pytest
@@ -102,22 +103,31 @@ def test_decode_forward_does_no_host_work(llm):
     assert any("chunkgen.decode_attention" in n for n in names)
     syncs = [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")]
     from_python = [n for n in names if "lift_fresh" in n or "scalar_tensor" in n]
-    moves = [n for f, a, k in log.calls for n in [str(f)]
-             if ("_to_copy" in n and "device" in k) or "_pin_memory" in n or n.startswith("aten.to.device")]
+    moves = [
+        n
+        for f, a, k in log.calls
+        for n in [str(f)]
+        if ("_to_copy" in n and "device" in k) or "_pin_memory" in n or n.startswith("aten.to.device")
+    ]
     assert syncs == [] and from_python == [] and moves == [], (syncs, from_python, moves)
 
 
 def test_one_host_to_device_copy_per_step(llm):
     engine = prepared_runner(llm, mirror=True)
-    runner, ctx = engine.runner, engine.runner.ctx
+    ctx = engine.runner.ctx
     assert ctx.dev.data_ptr() != ctx.host.data_ptr()
     dev_storage = ctx.dev.untyped_storage().data_ptr()
     for _ in range(5):
         with OpLog() as log:
             engine.step()
-        into_dev = [f for f, a, _ in log.calls
-                    if "copy" in str(f) and a and isinstance(a[0], torch.Tensor)
-                    and a[0].untyped_storage().data_ptr() == dev_storage]
+        into_dev = [
+            f
+            for f, a, _ in log.calls
+            if "copy" in str(f)
+            and a
+            and isinstance(a[0], torch.Tensor)
+            and a[0].untyped_storage().data_ptr() == dev_storage
+        ]
         assert len(into_dev) == 1, [str(f) for f in into_dev]
     assert ctx.uploads == engine.stats.decode_steps
 
@@ -134,8 +144,12 @@ def test_decode_forward_runs_its_elementwise_work_as_fused_ops(llm):
     count = lambda op: sum(1 for n in names if n.startswith(f"chunkgen.{op}"))  # noqa: E731
     assert count("add_rms_norm") == 2 * layers + 1  # the final norm too
     assert count("rotary") == layers and count("silu_mul") == layers and count("decode_attention") == layers
-    unfused = [n for n in names if n.split(".")[1] in
-               {"mul", "add", "cat", "neg", "pow", "rsqrt", "mean", "silu", "rms_norm", "index", "sum", "div"}]
+    unfused = [
+        n
+        for n in names
+        if n.split(".")[1]
+        in {"mul", "add", "cat", "neg", "pow", "rsqrt", "mean", "silu", "rms_norm", "index", "sum", "div"}
+    ]
     assert unfused == [], unfused
     assert len(names) <= 20 * layers, names
 

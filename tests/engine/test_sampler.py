@@ -1,5 +1,6 @@
 """Sampling: the kept set and the draw's distribution against a sort-based reference, seeded
 reproducibility whatever the batch, seeds of several samples, and parameter checks."""
+
 from __future__ import annotations
 
 import math
@@ -11,7 +12,16 @@ import torch
 from chunkgen.engine import sampler
 from chunkgen.engine.logits import Penalties, StepLogprobs
 from chunkgen.engine.params import MAX_SEED, ParamError, SamplingParams
-from chunkgen.engine.sampler import FALLBACKS, SamplingBatch, StepReader, _cut, draw, make_generator, sample, sample_seed
+from chunkgen.engine.sampler import (
+    FALLBACKS,
+    SamplingBatch,
+    StepReader,
+    _cut,
+    draw,
+    make_generator,
+    sample,
+    sample_seed,
+)
 from tests.helpers import OpLog
 from tests.helpers import copies_into, host_work
 
@@ -52,11 +62,20 @@ def logits_with(kind: str, vocab: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["distinct", "ties"])
-@pytest.mark.parametrize("vocab,temperature,top_k,top_p", [
-    (60, 1.0, 0, 1.0), (60, 0.7, 0, 0.9), (60, 1.3, 0, 0.5), (60, 1.0, 5, 1.0), (60, 1.0, 12, 0.8),
-    (60, 0.8, 3, 0.3), (60, 1.0, 0, 0.05),
-    (1000, 0.5, 0, 0.7), (1000, 1.0, 30, 1.0),  # kept tokens spread over several blocks of the draw
-])
+@pytest.mark.parametrize(
+    "vocab,temperature,top_k,top_p",
+    [
+        (60, 1.0, 0, 1.0),
+        (60, 0.7, 0, 0.9),
+        (60, 1.3, 0, 0.5),
+        (60, 1.0, 5, 1.0),
+        (60, 1.0, 12, 0.8),
+        (60, 0.8, 3, 0.3),
+        (60, 1.0, 0, 0.05),
+        (1000, 0.5, 0, 0.7),
+        (1000, 1.0, 30, 1.0),  # kept tokens spread over several blocks of the draw
+    ],
+)
 def test_draws_stay_in_the_kept_set_and_follow_its_distribution(kind, vocab, temperature, top_k, top_p):
     logits = logits_with(kind, vocab, seed=top_k + int(100 * top_p))
     ref = reference(logits, temperature, top_k, top_p)
@@ -72,16 +91,29 @@ def test_draws_stay_in_the_kept_set_and_follow_its_distribution(kind, vocab, tem
 
 
 @pytest.mark.parametrize("cap", [5000, 64])
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 0.9), (0.6, 0, 0.99), (2.0, 0, 0.5), (1.0, 200, 0.9), (1.0, 3, 0.9), (1.0, 1500, 0.7), (1.0, 40, 1.0),
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (1.0, 0, 0.9),
+        (0.6, 0, 0.99),
+        (2.0, 0, 0.5),
+        (1.0, 200, 0.9),
+        (1.0, 3, 0.9),
+        (1.0, 1500, 0.7),
+        (1.0, 40, 1.0),
+    ],
+)
 def test_the_kept_set_is_exactly_the_reference_on_a_large_vocabulary(temperature, top_k, top_p, cap):
     """Exactness where draws cannot tell: the weights left after the cut, against the reference,
     for rows of many shapes in one batch (flat, peaky, tied, with -inf entries)."""
     vocab = 5000
     g = torch.Generator().manual_seed(top_k)
-    rows = [torch.randn(vocab, generator=g), torch.randn(vocab, generator=g) * 8,
-            (torch.randn(vocab, generator=g) * 4).round() / 4, torch.randn(vocab, generator=g)]
+    rows = [
+        torch.randn(vocab, generator=g),
+        torch.randn(vocab, generator=g) * 8,
+        (torch.randn(vocab, generator=g) * 4).round() / 4,
+        torch.randn(vocab, generator=g),
+    ]
     rows[3][::3] = -math.inf
     rows[0][:8] = rows[0].max() + 1  # eight tokens tied at the top
     x = torch.stack(rows)
@@ -104,8 +136,12 @@ def test_seeded_rows_draw_the_same_alone_and_in_any_batch():
     rng = torch.Generator().manual_seed(0)
     row = torch.randn(vocab, generator=rng) * 1.5
     mine = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
-    others = [SamplingParams(), SamplingParams(temperature=1.5, seed=7), SamplingParams(temperature=0.5, top_p=0.3),
-              SamplingParams(temperature=1.0, top_k=5, seed=9)]
+    others = [
+        SamplingParams(),
+        SamplingParams(temperature=1.5, seed=7),
+        SamplingParams(temperature=0.5, top_p=0.3),
+        SamplingParams(temperature=1.0, top_k=5, seed=9),
+    ]
     gen = make_generator(mine, 0)
     alone = [sample(row[None], [mine], [gen])[0] for _ in range(40)]
     assert len(set(alone)) > 5  # it does sample
@@ -123,8 +159,14 @@ def test_seeded_rows_draw_the_same_alone_and_in_any_batch():
 
 def test_greedy_rows_take_the_argmax_and_tiny_temperatures_are_greedy():
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)) * 50
-    params = [SamplingParams(), SamplingParams(temperature=1e-300), SamplingParams(temperature=9e-6, seed=3),
-              SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1e-5, seed=2), SamplingParams()]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=9e-6, seed=3),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=1e-5, seed=2),
+        SamplingParams(),
+    ]
     assert [p.greedy for p in params] == [True, True, True, False, False, True]
     gens = [make_generator(p, 0) for p in params]
     assert gens[1] is None and gens[2] is None
@@ -143,7 +185,7 @@ def test_the_argmax_is_the_first_of_equals_on_any_row(dtype, n):
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(8, n, generator=gen).to(dtype)
     x[1] = 0  # all equal: index 0
-    x[2, n // 2:] = 7  # a run of equal maxima: its first
+    x[2, n // 2 :] = 7  # a run of equal maxima: its first
     x[3, -1] = 100  # in the tail
     x[4] = float("-inf")
     x[5, n // 3] = float("nan")
@@ -194,18 +236,41 @@ def test_seeds_span_63_bits():
         assert e.value.field == "seed"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_new_tokens", 0), ("max_new_tokens", 5.0), ("max_new_tokens", "5"), ("max_new_tokens", True),
-    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.1), ("temperature", "1"),
-    ("temperature", True),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_p", None),
-    ("top_k", -1), ("top_k", 2.5), ("top_k", False),
-    ("n", 0), ("n", 129), ("n", 2.0),
-    ("seed", 1.0), ("seed", True), ("seed", "7"),
-    ("stop", [""]), ("stop", [3]), ("stop", ["x"] * 17), ("stop", 5),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("stop_token_ids", 2),
-    ("ignore_eos", "yes"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 5.0),
+        ("max_new_tokens", "5"),
+        ("max_new_tokens", True),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", -0.1),
+        ("temperature", "1"),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_p", None),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", False),
+        ("n", 0),
+        ("n", 129),
+        ("n", 2.0),
+        ("seed", 1.0),
+        ("seed", True),
+        ("seed", "7"),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("stop", ["x"] * 17),
+        ("stop", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["2"]),
+        ("stop_token_ids", 2),
+        ("ignore_eos", "yes"),
+    ],
+)
 def test_each_bad_value_is_a_param_error_naming_its_field(field, value):
     with pytest.raises(ParamError) as e:
         SamplingParams(**{field: value})
@@ -229,10 +294,19 @@ def test_param_messages_read_well_and_good_values_are_normalised():
 def mixed_batch(rows: int = 32, vocab: int = 3000) -> tuple[torch.Tensor, list[SamplingParams]]:
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(rows, vocab, generator=g) * 6  # peaky, as a trained model's: nuclei well inside the list
-    kinds = [dict(), dict(temperature=0.8, top_k=50), dict(temperature=1.0, top_p=0.9),
-             dict(temperature=0.7, top_k=40, top_p=0.8), dict(temperature=1.2)]
-    params = [SamplingParams(seed=i, logprobs=i % 3, presence_penalty=0.5 * (i % 2), frequency_penalty=0.3,
-                             **kinds[i % len(kinds)]) for i in range(rows)]
+    kinds = [
+        dict(),
+        dict(temperature=0.8, top_k=50),
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=0.7, top_k=40, top_p=0.8),
+        dict(temperature=1.2),
+    ]
+    params = [
+        SamplingParams(
+            seed=i, logprobs=i % 3, presence_penalty=0.5 * (i % 2), frequency_penalty=0.3, **kinds[i % len(kinds)]
+        )
+        for i in range(rows)
+    ]
     return logits, params
 
 

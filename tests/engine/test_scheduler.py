@@ -1,4 +1,5 @@
 """The Scheduler on a real prefix tree with bookkeeping only: no model, every decision visible."""
+
 from __future__ import annotations
 
 import torch
@@ -88,7 +89,7 @@ def test_a_refused_admission_leaves_the_cache_as_it_was():
     sched.add(seqs([[9] * (C - 1), [8] * (C - 1)]))
     run(tree, sched, sched.schedule())
     sched.add(seqs([system + [3, 4]]))
-    cached, used, match = tree.cached_chunks, tree.pool.used, tree.match_len(system + [2])
+    cached, match = tree.cached_chunks, tree.match_len(system + [2])
     assert match == 6 * C and tree.pool.free_slots + tree.evictable_chunks < 2 + 1 + 1
     batch = sched.schedule()
     assert not batch.prefill and len(batch.decode) == 2  # refused: the runners decode

@@ -1,5 +1,6 @@
 """Rows in, records out, without a model: reading and validating rows, templates, the writer's resume
 index, the output lock."""
+
 from __future__ import annotations
 
 import io
@@ -15,8 +16,15 @@ from hypothesis import strategies as st
 
 from chunkgen.engine import Completion, Result, SamplingParams
 from chunkgen.jobs.lock import OutputLock, OutputLocked
-from chunkgen.jobs.requests import (TEMPLATE_OVERRIDES, ErrorRecord, Job, detect_format, openai_jobs, read_rows,
-                                    template_jobs)
+from chunkgen.jobs.requests import (
+    TEMPLATE_OVERRIDES,
+    ErrorRecord,
+    Job,
+    detect_format,
+    openai_jobs,
+    read_rows,
+    template_jobs,
+)
 from chunkgen.jobs.formats import RecordFormat, encode_record
 from chunkgen.jobs.ledger import OutputError
 from chunkgen.jobs.writer import OutputExists, ResultWriter
@@ -53,8 +61,20 @@ def test_hostile_template_rows_become_one_error_each():
     ]
     got = by_line(template_jobs(rows_of(*lines), templates(), {}))
     assert isinstance(got[1], Job) and isinstance(got[10], Job)  # a tiny temperature is valid (greedy)
-    want_field = {2: "template", 3: "template", 4: "seed", 5: "temperature", 6: "top_p", 7: "max_new_tokens",
-                  8: "max_new_tokens", 9: "top_k", 11: "id", 12: "question", 13: "stop", 14: None}
+    want_field = {
+        2: "template",
+        3: "template",
+        4: "seed",
+        5: "temperature",
+        6: "top_p",
+        7: "max_new_tokens",
+        8: "max_new_tokens",
+        9: "top_k",
+        11: "id",
+        12: "question",
+        13: "stop",
+        14: None,
+    }
     for line, field in want_field.items():
         assert isinstance(got[line], ErrorRecord), f"line {line} should be an error: {got[line]}"
         assert got[line].field == field, (line, got[line])
@@ -62,8 +82,13 @@ def test_hostile_template_rows_become_one_error_each():
 
 
 def test_duplicate_ids_are_errors_that_name_the_later_line():
-    got = by_line(template_jobs(rows_of('{"id": "a", "question": "1"}', '{"id": "b", "question": "2"}',
-                                        '{"id": "a", "question": "3"}'), templates(), {}))
+    got = by_line(
+        template_jobs(
+            rows_of('{"id": "a", "question": "1"}', '{"id": "b", "question": "2"}', '{"id": "a", "question": "3"}'),
+            templates(),
+            {},
+        )
+    )
     assert isinstance(got[1], Job) and isinstance(got[2], Job)
     assert isinstance(got[3], ErrorRecord) and got[3].id == "a" and "duplicate" in got[3].message
 
@@ -79,12 +104,26 @@ def test_bom_blank_lines_and_format_detection_from_any_row():
 
 
 def test_openai_body_fields_supported_ignored_and_refused():
-    msgs = [{"role": "developer", "content": "sys"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    msgs = [
+        {"role": "developer", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
     lines = [
-        openai_row({"messages": msgs, "max_completion_tokens": 7, "stop": "x", "seed": 3, "n": 2,
-                    "user": "u", "metadata": {"k": "v"}, "model": "m", "logprobs": False,
-                    "response_format": {"type": "text"}}, "ok"),
+        openai_row(
+            {
+                "messages": msgs,
+                "max_completion_tokens": 7,
+                "stop": "x",
+                "seed": 3,
+                "n": 2,
+                "user": "u",
+                "metadata": {"k": "v"},
+                "model": "m",
+                "logprobs": False,
+                "response_format": {"type": "text"},
+            },
+            "ok",
+        ),
         openai_row({"messages": msgs, "tools": [{"type": "function"}]}, "tools"),
         openai_row({"messages": msgs, "response_format": {"type": "xml"}}, "rf"),
         openai_row({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "img"),
@@ -99,18 +138,34 @@ def test_openai_body_fields_supported_ignored_and_refused():
     assert ok.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"}]
     assert ok.data == ("sys", "ab")  # every content of a batch file is data
     fields = {k: got[k].field for k in ("tools", "rf", "img", "role", "zero", "pen", "temp")}
-    assert fields == {"tools": "body.tools", "rf": "body.response_format", "img": "body.messages[0].content[0]",
-                      "role": "body.messages[0].role", "zero": "body.max_tokens", "pen": "body.frequency_penalty",
-                      "temp": "body.temperature"}
+    assert fields == {
+        "tools": "body.tools",
+        "rf": "body.response_format",
+        "img": "body.messages[0].content[0]",
+        "role": "body.messages[0].role",
+        "zero": "body.max_tokens",
+        "pen": "body.frequency_penalty",
+        "temp": "body.temperature",
+    }
 
 
-@pytest.mark.parametrize("fields, field", [
-    ({"n": 0}, "body.n"), ({"seed": -1}, "body.seed"), ({"stop": 5}, "body.stop"), ({"stop": ["a", ""]}, "body.stop"),
-    ({"max_completion_tokens": -3}, "body.max_completion_tokens"), ({"top_p": 2}, "body.top_p"),
-    ({"tool_choice": "auto"}, "body.tool_choice"), ({"audio": {"voice": "x"}}, "body.audio"),
-    ({"logit_bias": {"50256": -100}}, "body.logit_bias"), ({"stream": True}, "body.stream"),
-    ({"modalities": ["text", "audio"]}, "body.modalities"), ({"functions": [{"name": "f"}]}, "body.functions"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"n": 0}, "body.n"),
+        ({"seed": -1}, "body.seed"),
+        ({"stop": 5}, "body.stop"),
+        ({"stop": ["a", ""]}, "body.stop"),
+        ({"max_completion_tokens": -3}, "body.max_completion_tokens"),
+        ({"top_p": 2}, "body.top_p"),
+        ({"tool_choice": "auto"}, "body.tool_choice"),
+        ({"audio": {"voice": "x"}}, "body.audio"),
+        ({"logit_bias": {"50256": -100}}, "body.logit_bias"),
+        ({"stream": True}, "body.stream"),
+        ({"modalities": ["text", "audio"]}, "body.modalities"),
+        ({"functions": [{"name": "f"}]}, "body.functions"),
+    ],
+)
 def test_openai_bad_or_unsupported_body_fields_name_the_field(fields, field):
     line = openai_row({"messages": [{"role": "user", "content": "hi"}], **fields})
     (item,) = openai_jobs(rows_of(line), {})
@@ -118,10 +173,25 @@ def test_openai_bad_or_unsupported_body_fields_name_the_field(fields, field):
 
 
 def test_openai_harmless_fields_are_accepted():
-    line = openai_row({"messages": [{"role": "user", "content": "hi"}], "seed": 5, "n": 3, "stop": ["a", "b"],
-                       "max_completion_tokens": 9, "stream": False, "tool_choice": "none", "tools": [],
-                       "logit_bias": {}, "modalities": ["text"], "top_logprobs": 0, "user": "u",
-                       "metadata": {"a": "b"}, "store": False, "service_tier": "auto"})
+    line = openai_row(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "seed": 5,
+            "n": 3,
+            "stop": ["a", "b"],
+            "max_completion_tokens": 9,
+            "stream": False,
+            "tool_choice": "none",
+            "tools": [],
+            "logit_bias": {},
+            "modalities": ["text"],
+            "top_logprobs": 0,
+            "user": "u",
+            "metadata": {"a": "b"},
+            "store": False,
+            "service_tier": "auto",
+        }
+    )
     (job,) = openai_jobs(rows_of(line), {})
     assert isinstance(job, Job), job
     assert (job.params.seed, job.params.n, job.params.stop, job.params.max_new_tokens) == (5, 3, ("a", "b"), 9)
@@ -138,10 +208,17 @@ def test_request_hash_follows_what_the_answer_depends_on():
 
 
 # -- templates -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sampling, key", [
-    ('max_new_tokens = "5"', "max_new_tokens"), ("temperature = -1.0", "temperature"),
-    ("top_p = 1.5", "top_p"), ("stop = 3", "stop"), ("seed = -2", "seed"), ("colour = 1", "colour"),
-])
+@pytest.mark.parametrize(
+    "sampling, key",
+    [
+        ('max_new_tokens = "5"', "max_new_tokens"),
+        ("temperature = -1.0", "temperature"),
+        ("top_p = 1.5", "top_p"),
+        ("stop = 3", "stop"),
+        ("seed = -2", "seed"),
+        ("colour = 1", "colour"),
+    ],
+)
 def test_template_sampling_is_checked_when_read(tmp_path, sampling, key):
     bad = tmp_path / "bad.toml"
     bad.write_text(f'user = "Q: {{q}}"\n[sampling]\n{sampling}\n')
@@ -263,19 +340,24 @@ def test_one_writer_per_output_and_a_dead_holder_never_blocks(tmp_path):
     first.release()
     OutputLock(out).acquire().release()
     # A process that takes the lock and dies without releasing it (SIGKILL) leaves nothing that blocks.
-    code = (f"import os; from pathlib import Path; from chunkgen.jobs.lock import OutputLock; "
-            f"OutputLock(Path({str(out)!r})).acquire(); os._exit(0)")
+    code = (
+        f"import os; from pathlib import Path; from chunkgen.jobs.lock import OutputLock; "
+        f"OutputLock(Path({str(out)!r})).acquire(); os._exit(0)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     OutputLock(out).acquire().release()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]  # no sidecar to delete or forget
 
 
 # -- the output file as a database -----------------------------------------------------------------
-def write_records(out: Path, *pairs: tuple[Job, Result | ErrorRecord], resume: bool = False,
-                  complete: bool = False) -> ResultWriter:
+def write_records(
+    out: Path, *pairs: tuple[Job, Result | ErrorRecord], resume: bool = False, complete: bool = False
+) -> ResultWriter:
     w = ResultWriter(out, "template", "m", resume=resume)
     for j, r in pairs:
-        w.write(w.format.error_record(r, j.request_hash) if isinstance(r, ErrorRecord) else w.format.result_record(j, r))
+        w.write(
+            w.format.error_record(r, j.request_hash) if isinstance(r, ErrorRecord) else w.format.result_record(j, r)
+        )
     w.close(complete=complete)
     return w
 
@@ -365,19 +447,31 @@ def test_a_rewrite_keeps_the_mode_and_writes_through_a_symlink(tmp_path):
 
 def test_a_fixed_bad_line_loses_its_old_error_record(tmp_path):
     out = tmp_path / "out.jsonl"
-    write_records(out, (job(1, "a"), result(1)), (job(2, "x"), ErrorRecord(None, 2, None, "not valid JSON")),
-                  (job(3, "c"), ErrorRecord("c", 3, "question", "missing")))
+    write_records(
+        out,
+        (job(1, "a"), result(1)),
+        (job(2, "x"), ErrorRecord(None, 2, None, "not valid JSON")),
+        (job(3, "c"), ErrorRecord("c", 3, "question", "missing")),
+    )
     # Line 2 fixed (it now has the id "b"), a line inserted above line 3 (now line 4, still bad).
-    write_records(out, (job(2, "b"), result(2)), (job(4, "c"), ErrorRecord("c", 4, "question", "missing")),
-                  resume=True, complete=True)
+    write_records(
+        out,
+        (job(2, "b"), result(2)),
+        (job(4, "c"), ErrorRecord("c", 4, "question", "missing")),
+        resume=True,
+        complete=True,
+    )
     got = sorted((r["line"], r["id"], "error" in r) for r in lines_of(out))
     assert got == [(1, "a", False), (2, "b", False), (4, "c", True)]
 
 
 def test_a_stopped_run_keeps_earlier_error_records_of_rows_it_did_not_reach(tmp_path):
     out = tmp_path / "out.jsonl"
-    write_records(out, (job(1, "a"), ErrorRecord("a", 1, "prompt", "too long")),
-                  (job(2, "b"), ErrorRecord("b", 2, "prompt", "too long")))
+    write_records(
+        out,
+        (job(1, "a"), ErrorRecord("a", 1, "prompt", "too long")),
+        (job(2, "b"), ErrorRecord("b", 2, "prompt", "too long")),
+    )
     write_records(out, (job(1, "a"), result(1)), resume=True, complete=False)
     assert sorted((r["id"], "error" in r) for r in lines_of(out)) == [("a", False), ("b", True)]
 
@@ -481,15 +575,29 @@ def test_values_a_later_step_cannot_handle_become_the_rows_error_records():
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 TEMPLATE_FIELDS = ["id", "question", "template", *sorted(TEMPLATE_OVERRIDES)]
-OPENAI_FIELDS = ["custom_id", "method", "url", "body", "body.messages", "body.response_format", "body.stop",
-                 "body.max_tokens", "body.logprobs", "body.top_logprobs", "body.n", "body.temperature"]
+OPENAI_FIELDS = [
+    "custom_id",
+    "method",
+    "url",
+    "body",
+    "body.messages",
+    "body.response_format",
+    "body.stop",
+    "body.max_tokens",
+    "body.logprobs",
+    "body.top_logprobs",
+    "body.n",
+    "body.temperature",
+]
 
 
 def _row_lines():
     """Lines as hostile as files get: random bytes, every JSON type in every field, lone surrogates,
     deep nesting, literals too long to convert."""
+
     def assign(fields):
         def build(values):
             row: dict = {}
@@ -502,13 +610,24 @@ def _row_lines():
                 else:
                     row[head] = value
             return json.dumps(row, ensure_ascii=True).encode()
+
         return st.dictionaries(st.sampled_from(fields), JSON_VALUES, max_size=6).map(build)
 
-    surrogate = st.sampled_from([b'{"id": "a", "question": "\\ud800"}', b'{"id": "\\udfff", "question": "q"}',
-                                 b'{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "\\ud83d"}]}}'])
+    surrogate = st.sampled_from(
+        [
+            b'{"id": "a", "question": "\\ud800"}',
+            b'{"id": "\\udfff", "question": "q"}',
+            b'{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "\\ud83d"}]}}',
+        ]
+    )
     deep = st.integers(1, 50_000).map(lambda n: b'{"id": "d", "question": ' + b"[" * n + b"]" * n + b"}")
-    huge = st.sampled_from([b'{"id": 1' + b"0" * 5000 + b', "question": "q"}', b'{"id": "h", "question": 1e999}',
-                            b'{"id": "h", "question": "q", "max_new_tokens": 1' + b"0" * 400 + b"}"])
+    huge = st.sampled_from(
+        [
+            b'{"id": 1' + b"0" * 5000 + b', "question": "q"}',
+            b'{"id": "h", "question": 1e999}',
+            b'{"id": "h", "question": "q", "max_new_tokens": 1' + b"0" * 400 + b"}",
+        ]
+    )
     return st.binary(max_size=40) | assign(TEMPLATE_FIELDS) | assign(OPENAI_FIELDS) | surrogate | deep | huge
 
 
@@ -524,7 +643,9 @@ def test_fuzzed_rows_each_become_a_job_or_an_error_record_and_a_writable_record(
         for item in items:
             if isinstance(item, Job):
                 item.request_hash  # hashing and encoding a job's own record cannot fail
-                record = fmt.result_record(item, Result(0, 1, 0, [Completion(item.messages[-1]["content"], [1], "stop")]))
+                record = fmt.result_record(
+                    item, Result(0, 1, 0, [Completion(item.messages[-1]["content"], [1], "stop")])
+                )
             else:
                 record = fmt.error_record(item)
             assert json.loads(encode_record(record))["line"] == item.line

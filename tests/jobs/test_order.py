@@ -1,4 +1,5 @@
 """Prefix order: keys, the external sort, re-reading rows by offset, and whole runs in each order."""
+
 from __future__ import annotations
 
 import io
@@ -16,8 +17,13 @@ from tests.conftest import PROMPTS
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["", "You route.", "You answer."]), st.text("ab\x1e", max_size=70)),
-                min_size=2, max_size=30))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["", "You route.", "You answer."]), st.text("ab\x1e", max_size=70)),
+        min_size=2,
+        max_size=30,
+    )
+)
 def test_prompt_keys_walk_the_prefix_tree_depth_first(rows):
     """Sorting by key puts the rows sharing their system prompt and the first k pieces of their
     last message in one contiguous run, for every cut the key makes (fine, then doubling)."""
@@ -45,7 +51,9 @@ def test_prompt_key_agrees_on_exactly_the_shared_pieces():
     system = {"role": "system", "content": "You route requests."}
     a = prompt_key([system, {"role": "user", "content": "rain in Oslo? " * 4}], 8)
     b = prompt_key([system, {"role": "user", "content": "rain in Bergen? " * 4}], 8)
-    c = prompt_key([{"role": "user", "content": "You route requests."}, {"role": "user", "content": "rain in Oslo? " * 4}], 8)
+    c = prompt_key(
+        [{"role": "user", "content": "You route requests."}, {"role": "user", "content": "rain in Oslo? " * 4}], 8
+    )
     assert a[:16] == b[:16] and a[16:24] != b[16:24]  # the system prompt and "rain in ", then Oslo against Bergen
     assert a[:8] != c[:8]  # the same text in another role is another prompt
     assert prompt_key([system], 8, depth=4) == prompt_key([system], 8)  # 19 characters: cut alike at both depths
@@ -55,8 +63,10 @@ def test_prompt_key_agrees_on_exactly_the_shared_pieces():
 @pytest.mark.parametrize("run_rows", [3, 1000])
 def test_external_sort_spills_runs_and_merges_them_in_order(run_rows, tmp_path):
     rng = random.Random(0)
-    entries = [(bytes(rng.randrange(4) for _ in range(rng.randrange(0, 5))), i, i + 1, 10 * i, i % 7, i % 3 - 1)
-               for i in range(200)]
+    entries = [
+        (bytes(rng.randrange(4) for _ in range(rng.randrange(0, 5))), i, i + 1, 10 * i, i % 7, i % 3 - 1)
+        for i in range(200)
+    ]
     sorter = ExternalSort(run_rows=run_rows, spill_dir=str(tmp_path))
     for e in entries:
         sorter.add(*e)
@@ -104,7 +114,9 @@ def test_rows_are_reread_by_offset_grouped_by_prefix(tmp_path, source):
     by_line = {l: json.loads(s)["id"] for l, s in enumerate(lines, start=1) if s.startswith("{")}
     assert all(by_line[line] == rid for _, rid, line in got)  # each row read back from its own line
     first_index = {rid: i for i, rid, _ in got}
-    assert sorted(first_index.values()) == sorted(i for i, s in enumerate(l for l in lines if l.strip()) if s.startswith("{"))
+    assert sorted(first_index.values()) == sorted(
+        i for i, s in enumerate(l for l in lines if l.strip()) if s.startswith("{")
+    )
 
 
 def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
@@ -112,8 +124,9 @@ def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text('{"id": "a", "question": "one"}\n{"id": "b", "question": "two"}\n')
     row_file = RowFile(str(path))
-    order, items = PrefixOrder.reading(row_file, read_rows(row_file.lines()),
-                                       lambda rows: template_jobs(rows, templates, {}))
+    order, items = PrefixOrder.reading(
+        row_file, read_rows(row_file.lines()), lambda rows: template_jobs(rows, templates, {})
+    )
 
     def jobs():
         yield from enumerate(items)
@@ -139,9 +152,29 @@ def _run(tiny_model, template, queries, out, *extra, stdin=None):
 
     from chunkgen.cli import app
 
-    args = ["run", "--template", str(template), "--queries", str(queries), "--out", str(out),
-            "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB", "--max-batch", "4",
-            "--max-new-tokens", "6", "--json-log", "--dtype", "fp32", *extra]  # bf16 answers depend on the waves
+    args = [
+        "run",
+        "--template",
+        str(template),
+        "--queries",
+        str(queries),
+        "--out",
+        str(out),
+        "--model",
+        str(tiny_model),
+        "--chunk-size",
+        "16",
+        "--kv-memory",
+        "400KiB",
+        "--max-batch",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--json-log",
+        "--dtype",
+        "fp32",
+        *extra,
+    ]  # bf16 answers depend on the waves
     res = CliRunner().invoke(app, args, input=stdin, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     summary = [json.loads(l) for l in res.output.splitlines() if l.startswith('{"event": "summary"')]
@@ -201,18 +234,53 @@ def test_inspect_tree_foresees_the_hit_rate_of_each_order(tiny_model, tmp_path):
 
     template, queries = _docqa(tmp_path, tiny_model)
     figures = tmp_path / "tree.json"
-    res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
-                                   "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "400KiB",
-                                   "--dtype", "fp32",  # the budget is sized for fp32 K/V
-                                   "--max-batch", "4", "--json", str(figures)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        app,
+        [
+            "inspect-tree",
+            "--template",
+            str(template),
+            "--queries",
+            str(queries),
+            "--model",
+            str(tiny_model),
+            "--chunk-size",
+            "16",
+            "--kv-memory",
+            "400KiB",
+            "--dtype",
+            "fp32",  # the budget is sized for fp32 K/V
+            "--max-batch",
+            "4",
+            "--json",
+            str(figures),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     f = json.loads(figures.read_text())
     assert f["input_order"]["prompt_tokens"] == f["prefix_order"]["prompt_tokens"] == f["tokens"]
     assert f["prefix_order"]["cache_hit_rate"] > f["input_order"]["cache_hit_rate"] + 0.2
     # With a cache that holds everything, either order reaches what the whole tree shares.
-    res = CliRunner().invoke(app, ["inspect-tree", "--template", str(template), "--queries", str(queries),
-                                   "--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB",
-                                   "--json", str(figures)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        app,
+        [
+            "inspect-tree",
+            "--template",
+            str(template),
+            "--queries",
+            str(queries),
+            "--model",
+            str(tiny_model),
+            "--chunk-size",
+            "16",
+            "--kv-memory",
+            "64MiB",
+            "--json",
+            str(figures),
+        ],
+        catch_exceptions=False,
+    )
     f = json.loads(figures.read_text())
     assert f["input_order"]["cached_tokens"] == f["prefix_order"]["cached_tokens"]
     # The replay admits prompts one at a time; the tree is built in prefill waves, where a partly
@@ -227,17 +295,37 @@ def test_bench_order_and_order_pass_reproduce_the_figures(tiny_model, tmp_path):
     from chunkgen.cli import app
 
     figures = tmp_path / "order.json"
-    res = CliRunner().invoke(app, ["bench", "order", "--model", str(tiny_model), "--docs", "6", "--questions", "3",
-                                   "--doc-tokens", "100-150", "--max-new-tokens", "3", "--max-batch", "4",
-                                   "--json", str(figures)], catch_exceptions=False)
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "order",
+            "--model",
+            str(tiny_model),
+            "--docs",
+            "6",
+            "--questions",
+            "3",
+            "--doc-tokens",
+            "100-150",
+            "--max-new-tokens",
+            "3",
+            "--max-batch",
+            "4",
+            "--json",
+            str(figures),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     f = json.loads(figures.read_text())
     by = {r["order"]: r for r in f["results"]}
     assert f["rows"] == 18 and by["input"]["rows"] == by["prefix"]["rows"] == 18
     assert by["prefix"]["answers_equal_to_first"] == 18  # the same answers as in file order
     assert by["prefix"]["prefilled_tokens"] <= 1.15 * f["minimum_prefill_tokens"] < by["input"]["prefilled_tokens"]
-    res = CliRunner().invoke(app, ["bench", "order-pass", "--rows", "300",
-                                   "--prefixes", "10", "--run-rows", "50"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        app, ["bench", "order-pass", "--rows", "300", "--prefixes", "10", "--run-rows", "50"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     assert "300 rows over 10 prefixes" in res.output and "6 sorted runs spilled" in res.output
     assert "in 10 runs of one prefix" in res.output

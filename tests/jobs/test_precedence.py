@@ -1,5 +1,6 @@
 """One rule for every sampling option and constraint, checked through the command line: a row's own
 value wins, then the command line's, then the template's, then chunkgen's defaults."""
+
 from __future__ import annotations
 
 import hashlib
@@ -76,9 +77,27 @@ def _run(tiny_model, tmp_path: Path, template: Path, row_value, option: str, ext
     out.unlink(missing_ok=True)
     if option != "max_new_tokens" and "--max-new-tokens" not in extra:
         extra = [*extra, "--max-new-tokens", "2"]  # short runs; its own precedence is tested on its own
-    res = runner.invoke(app, ["run", "-t", str(template), "-q", str(queries), "-o", str(out), "--model",
-                              str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet", *extra],
-                        catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "-t",
+            str(template),
+            "-q",
+            str(queries),
+            "-o",
+            str(out),
+            "--model",
+            str(tiny_model),
+            "--chunk-size",
+            "16",
+            "--kv-memory",
+            "64MiB",
+            "--quiet",
+            *extra,
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     return {rid: r["sampling"] for rid, r in recs.items()}
@@ -117,21 +136,55 @@ def test_a_constraint_of_another_kind_replaces_the_lower_layers_one(tiny_model, 
 def test_openai_rows_body_then_command_line_then_default(tiny_model, tmp_path):
     queries = tmp_path / "batch.jsonl"
     body = {"messages": [{"role": "user", "content": "hello"}]}
-    queries.write_text("\n".join(json.dumps(r) for r in [
-        {"custom_id": "own", "method": "POST", "url": "/v1/chat/completions",
-         "body": {**body, "max_tokens": 2, "temperature": 0.9, "response_format": {"type": "json_object"}}},
-        {"custom_id": "plain", "method": "POST", "url": "/v1/chat/completions", "body": body},
-    ]) + "\n")
+    queries.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "custom_id": "own",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {**body, "max_tokens": 2, "temperature": 0.9, "response_format": {"type": "json_object"}},
+                },
+                {"custom_id": "plain", "method": "POST", "url": "/v1/chat/completions", "body": body},
+            ]
+        )
+        + "\n"
+    )
     out = tmp_path / "out.jsonl"
-    res = runner.invoke(app, ["run", "-q", str(queries), "-o", str(out), "--model", str(tiny_model),
-                              "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet", "--max-new-tokens", "3",
-                              "--regex", "b+", "--temperature", "0.7", "--format", "openai"],
-                        catch_exceptions=False)
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "-q",
+            str(queries),
+            "-o",
+            str(out),
+            "--model",
+            str(tiny_model),
+            "--chunk-size",
+            "16",
+            "--kv-memory",
+            "64MiB",
+            "--quiet",
+            "--max-new-tokens",
+            "3",
+            "--regex",
+            "b+",
+            "--temperature",
+            "0.7",
+            "--format",
+            "openai",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert recs["own"]["response"]["body"]["usage"]["completion_tokens"] <= 2
-    assert recs["plain"]["response"]["body"]["usage"]["completion_tokens"] == 3 or \
-        recs["plain"]["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+    assert (
+        recs["plain"]["response"]["body"]["usage"]["completion_tokens"] == 3
+        or recs["plain"]["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+    )
 
 
 def test_help_states_the_rule_once():

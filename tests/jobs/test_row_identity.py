@@ -1,5 +1,6 @@
 """Rows without an id keep their own answers across edits of the file; error records keep the
 row's id whenever it can be read; numbers too long for Python's int conversion are data."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from chunkgen.cli import EXIT_BAD_INPUT_LINES, app
+from chunkgen.cli import app
 from chunkgen.jobs.requests import ErrorRecord, read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.conftest import PROMPTS
@@ -34,8 +35,12 @@ def _answers(path: Path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("edit", ["insert", "delete", "reorder", "repeat"])
 def test_rows_without_ids_keep_their_own_answers_after_edits(tiny_model, tmp_path, order, edit):
     questions = ["What is 2 + 2?", "What is 7 times 8?", "Is 91 prime?"]
-    edited = {"insert": ["What is 10 minus 3?", *questions], "delete": questions[1:],
-              "reorder": questions[::-1], "repeat": [questions[0], *questions]}[edit]
+    edited = {
+        "insert": ["What is 10 minus 3?", *questions],
+        "delete": questions[1:],
+        "reorder": questions[::-1],
+        "repeat": [questions[0], *questions],
+    }[edit]
     queries, out, fresh = tmp_path / "q.jsonl", tmp_path / "out.jsonl", tmp_path / "fresh.jsonl"
     queries.write_text(_rows(*questions))
     assert _run(*base_args(tiny_model, out, queries=queries), "--order", order).exit_code == 0
@@ -80,20 +85,20 @@ def _jobs(text: str):
 
 
 def test_error_records_keep_a_readable_id():
-    surrogate, = _jobs('{"id": "s1", "question": "bad \\ud800 text"}\n')
+    (surrogate,) = _jobs('{"id": "s1", "question": "bad \\ud800 text"}\n')
     assert isinstance(surrogate, ErrorRecord) and surrogate.id == "s1" and surrogate.field == "question"
-    in_id, = _jobs('{"id": "s\\ud800", "question": "fine"}\n')
+    (in_id,) = _jobs('{"id": "s\\ud800", "question": "fine"}\n')
     assert isinstance(in_id, ErrorRecord) and in_id.id is None
 
 
 def test_huge_integers_are_data():
     digits = "9" * 5000
-    job, = _jobs('{"id": "big", "question": ' + digits + '}\n')
+    (job,) = _jobs('{"id": "big", "question": ' + digits + "}\n")
     assert not isinstance(job, ErrorRecord), job
     assert digits in job.messages[-1]["content"]
-    big_id, = _jobs('{"id": ' + digits + ', "question": "x"}\n')
+    (big_id,) = _jobs('{"id": ' + digits + ', "question": "x"}\n')
     assert big_id.id == digits
-    seed, = _jobs('{"id": "s", "question": "x", "seed": ' + digits + '}\n')
+    (seed,) = _jobs('{"id": "s", "question": "x", "seed": ' + digits + "}\n")
     assert isinstance(seed, ErrorRecord) and seed.field == "seed"
 
 
@@ -101,11 +106,16 @@ def test_huge_integers_are_data():
 def test_csv_queries_are_read_natively(tiny_model, tmp_path):
     csv_file, jsonl, out_csv, out_jsonl = (tmp_path / n for n in ("q.csv", "q.jsonl", "a.jsonl", "b.jsonl"))
     csv_file.write_text('id,question,max_new_tokens\na,"What is 2 + 2, exactly?",3\nb,"Is 7\nprime?",\n')
-    jsonl.write_text('{"id": "a", "question": "What is 2 + 2, exactly?", "max_new_tokens": 3}\n'
-                     '{"id": "b", "question": "Is 7\\nprime?"}\n')
+    jsonl.write_text(
+        '{"id": "a", "question": "What is 2 + 2, exactly?", "max_new_tokens": 3}\n'
+        '{"id": "b", "question": "Is 7\\nprime?"}\n'
+    )
     assert _run(*base_args(tiny_model, out_csv, queries=csv_file)).exit_code == 0
     assert _run(*base_args(tiny_model, out_jsonl, queries=jsonl)).exit_code == 0
-    strip = lambda recs: sorted((r["id"], r["text"], r["request_hash"]) for r in recs)
+
+    def strip(recs):
+        return sorted((r["id"], r["text"], r["request_hash"]) for r in recs)
+
     assert strip(records(out_csv)) == strip(records(out_jsonl))
 
 
@@ -113,9 +123,12 @@ def test_whole_file_mistakes_name_what_the_file_looks_like(tmp_path):
     from chunkgen.jobs.whole_file import FileMistake, check_sample
 
     templates = load_templates(PROMPTS / "arithmetic_cot.toml")
-    cases = {"id,question\na,x\n": "CSV with the header id, question", "id\tquestion\na\tx\n": "TSV",
-             '[{"id": "a"},\n {"id": "b"}]\n': "JSON array",
-             '{"id": "a", "questoin": "x"}\n{"id": "b", "questoin": "y"}\n': "did you mean 'questoin'"}
+    cases = {
+        "id,question\na,x\n": "CSV with the header id, question",
+        "id\tquestion\na\tx\n": "TSV",
+        '[{"id": "a"},\n {"id": "b"}]\n': "JSON array",
+        '{"id": "a", "questoin": "x"}\n{"id": "b", "questoin": "y"}\n': "did you mean 'questoin'",
+    }
     for text, says in cases.items():
         path = tmp_path / "q.jsonl"
         path.write_text(text)
@@ -185,16 +198,20 @@ def test_request_hash_is_the_sha256_of_the_sorted_json_of_the_request():
     from chunkgen.engine.params import SamplingParams
     from chunkgen.jobs.requests import Job
 
-    long = "Ünïcode \"quoted\" system prompt\n" * 40
+    long = 'Ünïcode "quoted" system prompt\n' * 40
     cases = [
         ([{"role": "system", "content": long}, {"role": "user", "content": "hi ☃"}], SamplingParams(), "t"),
-        ([{"role": "system", "content": long}, {"role": "user", "content": "x" * 600}],
-         SamplingParams(max_new_tokens=7, stop=["\n"], json_schema={"type": "object"}), None),
+        (
+            [{"role": "system", "content": long}, {"role": "user", "content": "x" * 600}],
+            SamplingParams(max_new_tokens=7, stop=["\n"], json_schema={"type": "object"}),
+            None,
+        ),
         ([{"content": long, "role": "user", "name": "n"}], SamplingParams(regex="[ab]+"), "t2"),
         ([{"role": "user", "content": [{"type": "text", "text": "parts"}]}], SamplingParams(seed=3), None),
     ]
     for messages, params, template in cases:
         job = Job("a", 1, messages, params, template)
-        canon = json.dumps({"messages": messages, "params": params.as_dict(), "template": template},
-                           sort_keys=True, ensure_ascii=False)
+        canon = json.dumps(
+            {"messages": messages, "params": params.as_dict(), "template": template}, sort_keys=True, ensure_ascii=False
+        )
         assert job.request_hash == hashlib.sha256(canon.encode()).hexdigest()[:16]

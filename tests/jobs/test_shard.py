@@ -1,5 +1,6 @@
 """`--shard i/N`: the plan (balance bound, every row exactly once, deterministic) and the command
 (every shard writes its file, an empty shard loads no model, merged shards equal a local run)."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def test_one_large_group_is_split_evenly():
 
 
 def _job(i: int, system: str) -> Job:
-    return Job(f"r{i}", i + 1, [{"role": "system", "content": system}, {"role": "user", "content": str(i)}],
-               SamplingParams())
+    return Job(
+        f"r{i}", i + 1, [{"role": "system", "content": system}, {"role": "user", "content": str(i)}], SamplingParams()
+    )
 
 
 def test_select_gives_every_row_to_exactly_one_shard():
@@ -91,7 +93,10 @@ def test_shards_cover_every_line_once_and_merge_to_a_local_run(tiny_model, tmp_p
         for name in {r["template"] for r in recs if "template" in r}:
             assert sum(r.get("template") == name for r in recs) == 3
     local = tmp_path / "local.jsonl"
-    assert run_cli(*base_args(tiny_model, local, queries=queries, template=PROMPTS), "--max-new-tokens", "2").exit_code == 3
+    assert (
+        run_cli(*base_args(tiny_model, local, queries=queries, template=PROMPTS), "--max-new-tokens", "2").exit_code
+        == 3
+    )
     assert {key(r): r.get("text") for r in merged} == {key(r): r.get("text") for r in records(local)}
     bad = run_cli(*base_args(tiny_model, tmp_path / "x.jsonl", queries=queries, template=PROMPTS), "--shard", "3/3")
     assert bad.exit_code == 2 and "i/N" in bad.output
@@ -100,10 +105,21 @@ def test_shards_cover_every_line_once_and_merge_to_a_local_run(tiny_model, tmp_p
 def test_openai_rows_shard_by_system_message(tiny_model, tmp_path):
     queries = tmp_path / "batch.jsonl"
     systems = ["You answer in one word. " * 8, "You are a careful tutor. " * 8]
-    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "any", "messages": [{"role": "system", "content": systems[i % 3 == 0]},
-                                                   {"role": "user", "content": f"Say {i}"}]}}
-            for i in range(24)]  # 16 rows of one system prompt, 8 of the other
+    rows = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "any",
+                "messages": [
+                    {"role": "system", "content": systems[i % 3 == 0]},
+                    {"role": "user", "content": f"Say {i}"},
+                ],
+            },
+        }
+        for i in range(24)
+    ]  # 16 rows of one system prompt, 8 of the other
     queries.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     outs = _run_shards(tiny_model, tmp_path, queries, 2, template=None)
     by_id = {r["custom_id"]: r for r in rows}

@@ -1,4 +1,5 @@
 """The native binding refuses kernel contexts that break the header's promises, before any kernel runs."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ def two_groups() -> tuple[ChunkPool, KernelContext]:
 
 def run(pool: ChunkPool, ctx: KernelContext) -> torch.Tensor:
     q = torch.randn(ctx.batch_size, HEADS, D)
-    return decode_attention(q, pool.k[0], pool.v[0], ctx, D ** -0.5)
+    return decode_attention(q, pool.k[0], pool.v[0], ctx, D**-0.5)
 
 
 def test_the_unmodified_context_runs():

@@ -1,5 +1,6 @@
 """The CUDA path, on a GPU only: the kernel against the same naive reference as the CPU tests, and
 the engine's greedy output against transformers. Skipped where there is no GPU or no CUDA build."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,15 +12,20 @@ from tests.helpers import TOLERANCE
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not (torch.cuda.is_available() and native_cuda_available()),
-                       reason="needs a CUDA GPU and chunkgen built with CUDA kernels"),
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and native_cuda_available()),
+        reason="needs a CUDA GPU and chunkgen built with CUDA kernels",
+    ),
 ]
 
 
 @settings(max_examples=30, deadline=None)
 @given(
-    seed=st.integers(0, 10_000), n_seqs=st.integers(1, 24), shared_len=st.integers(0, 400),
-    chunk=st.sampled_from([32, 64, 128]), heads=st.sampled_from([(8, 8), (8, 2), (9, 3), (32, 32)]),
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 24),
+    shared_len=st.integers(0, 400),
+    chunk=st.sampled_from([32, 64, 128]),
+    heads=st.sampled_from([(8, 8), (8, 2), (9, 3), (32, 32)]),
     head_dim=st.sampled_from([64, 128]),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
     chunk_first=st.booleans(),
@@ -34,8 +40,8 @@ def test_cuda_kernel_matches_reference(seed, n_seqs, shared_len, chunk, heads, h
     pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, decode_steps=2)
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed))
-    out = decode_attention(q.cuda(), pool.k[0].cuda(), pool.v[0].cuda(), ctx, head_dim ** -0.5).cpu()
-    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, head_dim ** -0.5)
+    out = decode_attention(q.cuda(), pool.k[0].cuda(), pool.v[0].cuda(), ctx, head_dim**-0.5).cpu()
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, head_dim**-0.5)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -62,7 +68,9 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
     with torch.inference_mode():
         for p, r in zip(prompts, results):
             ids = llm.encode(p)
-            ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+            ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=12, do_sample=False)[
+                0, len(ids) :
+            ].tolist()
             assert_parity(hf, ids, r.token_ids, ref)
             exact += r.token_ids == ref
     assert exact >= 14, f"only {exact}/16 answers equal token for token ({dtype})"
@@ -99,7 +107,10 @@ def test_device_auto_picks_the_gpu_and_its_kv_budget_from_free_memory(tiny_model
     assert llm.device == f"cuda:{torch.cuda.current_device()}" and "CUDA GPU" in llm.config.why["device"]
     assert llm.model.device.type == "cuda" and llm.engine.pool.k.device.type == "cuda"
     total = torch.cuda.get_device_properties(llm.model.device).total_memory
-    assert llm.config.why["kv_memory"].startswith("auto: ") and 0.5 * total < llm.config.kv_memory <= GPU_KV_FRACTION * total
+    assert (
+        llm.config.why["kv_memory"].startswith("auto: ")
+        and 0.5 * total < llm.config.kv_memory <= GPU_KV_FRACTION * total
+    )
     reserved = torch.cuda.memory_allocated()
     engines = [llm.new_engine() for _ in range(3)]  # one reservation: no engine reserves the budget again
     assert torch.cuda.memory_allocated() - reserved < 0.01 * llm.config.kv_memory
@@ -135,9 +146,24 @@ def test_bench_e2e_dummy_weights_on_the_gpu(tmp_path):
     from chunkgen.cli import app
 
     out = tmp_path / "rows.json"
-    res = CliRunner().invoke(app, ["bench", "e2e", "--dummy-weights", "smollm2-135m", "--n-shared", "256",
-                                   "--n-queries", "8", "--max-new-tokens", "8", "--json", str(out)],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            "smollm2-135m",
+            "--n-shared",
+            "256",
+            "--n-queries",
+            "8",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert "device cuda:" in res.output
     rows = {r["system"]: r for r in json.loads(out.read_text())}
@@ -174,9 +200,23 @@ def test_cuda_elementwise_ops_equal_the_cpu_ones(dtype):
         outs = []
         for device in ("cpu", "cuda"):
             mine, q = qkv.clone().to(device), torch.empty(rows, hq, d, dtype=dtype, device=device)
-            on = (lambda t: None if t is None else t.to(device))
-            rotary(mine, positions.to(device), cos.to(device), sin.to(device), hq, hk, q, on(q_norm), on(k_norm),
-                   1e-6, offset)
+
+            def on(t):
+                return None if t is None else t.to(device)
+
+            rotary(
+                mine,
+                positions.to(device),
+                cos.to(device),
+                sin.to(device),
+                hq,
+                hk,
+                q,
+                on(q_norm),
+                on(k_norm),
+                1e-6,
+                offset,
+            )
             outs.append((mine.cpu(), q.cpu()))
         torch.testing.assert_close(outs[1][0], outs[0][0], **tol)
         torch.testing.assert_close(outs[1][1], outs[0][1], **tol)

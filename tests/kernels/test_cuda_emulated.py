@@ -2,6 +2,7 @@
 (tests/kernels/cuda_emu) against the same naive reference as the CPU kernel, on randomized trees: every
 machine checks the CUDA path's indexing, masking, row splits, warp reductions and barriers, GPU or
 not. Timing and real tensor cores still need a GPU (tests/kernels/test_cuda.py)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -27,47 +28,97 @@ def emulated(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the extension, and so for this test too"
     lib = tmp_path_factory.mktemp("cuda_emu") / "tpp_cuda_emu.so"
-    subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w",
-                    "-DCHUNKGEN_CUDA_EMULATION", str(HERE / "harness.cpp"), "-o", str(lib)], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++20",
+            "-O1",
+            "-pthread",
+            "-shared",
+            "-fPIC",
+            "-w",
+            "-DCHUNKGEN_CUDA_EMULATION",
+            str(HERE / "harness.cpp"),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+    )
     fn = ctypes.CDLL(str(lib)).emu_decode_attention
     fn.restype = ctypes.c_int
     return fn
 
 
-def run_emulated(fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: bool, sms: int, window: int = 0,
-                 softcap: float = 0.0) -> torch.Tensor:
+def run_emulated(
+    fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: bool, sms: int, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())
+
+    def ptr(t):
+        return ctypes.c_void_p(t.data_ptr())
+
     err = ctypes.create_string_buffer(4096)
-    rc = fn(ptr(q), ptr(out), KV_TYPES[q.dtype], ptr(k), ptr(v), KV_TYPES[k.dtype],
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[3], ctypes.c_float(scale),
-            ctx.shared_slot.numel(), ptr(ctx.shared_slot), ptr(ctx.shared_len), ptr(ctx.shared_begin),
-            ptr(ctx.shared_end), ptr(ctx.seq_shared_ptr), ptr(ctx.seq_shared_idx), ptr(ctx.priv_slot),
-            ctx.priv_slot.shape[1], ptr(ctx.priv_count), ptr(ctx.priv_last_len), int(chunk_first), window,
-            ctypes.c_float(softcap), sms, err, len(err))
+    rc = fn(
+        ptr(q),
+        ptr(out),
+        KV_TYPES[q.dtype],
+        ptr(k),
+        ptr(v),
+        KV_TYPES[k.dtype],
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+        k.shape[3],
+        ctypes.c_float(scale),
+        ctx.shared_slot.numel(),
+        ptr(ctx.shared_slot),
+        ptr(ctx.shared_len),
+        ptr(ctx.shared_begin),
+        ptr(ctx.shared_end),
+        ptr(ctx.seq_shared_ptr),
+        ptr(ctx.seq_shared_idx),
+        ptr(ctx.priv_slot),
+        ctx.priv_slot.shape[1],
+        ptr(ctx.priv_count),
+        ptr(ctx.priv_last_len),
+        int(chunk_first),
+        window,
+        ctypes.c_float(softcap),
+        sms,
+        err,
+        len(err),
+    )
     assert rc == 0, err.value.decode()
     return out
 
 
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 10_000), n_seqs=st.integers(1, 10), shared_len=st.integers(0, 300),
-    chunk=st.sampled_from([32, 64, 128]), heads=st.sampled_from([(8, 8), (8, 2), (9, 3), (4, 1)]),
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 10),
+    shared_len=st.integers(0, 300),
+    chunk=st.sampled_from([32, 64, 128]),
+    heads=st.sampled_from([(8, 8), (8, 2), (9, 3), (4, 1)]),
     head_dim=st.sampled_from([64, 128, 80]),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-    decode_steps=st.integers(0, 3), chunk_first=st.booleans(), sms=st.sampled_from([1, 8, 132]),
+    decode_steps=st.integers(0, 3),
+    chunk_first=st.booleans(),
+    sms=st.sampled_from([1, 8, 132]),
     q_in_pool_dtype=st.booleans(),
 )
-def test_emulated_cuda_kernel_matches_reference(emulated, seed, n_seqs, shared_len, chunk, heads, head_dim,
-                                                dtype, decode_steps, chunk_first, sms, q_in_pool_dtype):
+def test_emulated_cuda_kernel_matches_reference(
+    emulated, seed, n_seqs, shared_len, chunk, heads, head_dim, dtype, decode_steps, chunk_first, sms, q_in_pool_dtype
+):
     """q and out fp32, or in the pool's dtype (the model's), as the op takes them."""
     q_heads, kv_heads = heads
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype,
-                            max_private=150, decode_steps=decode_steps)
+    pool, tree = build_tree(
+        seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_private=150, decode_steps=decode_steps
+    )
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(dtype) if q_in_pool_dtype else q
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, scale, chunk_first, sms)
     assert out.dtype == q.dtype
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
@@ -77,28 +128,52 @@ def test_emulated_cuda_kernel_matches_reference(emulated, seed, n_seqs, shared_l
 
 @settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    seed=st.integers(0, 10_000), n_seqs=st.integers(1, 10), shared_len=st.integers(0, 300),
-    chunk=st.sampled_from([32, 64]), heads=st.sampled_from([(8, 2), (9, 3), (4, 1)]),
-    head_dim=st.sampled_from([64, 80]), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 10),
+    shared_len=st.integers(0, 300),
+    chunk=st.sampled_from([32, 64]),
+    heads=st.sampled_from([(8, 2), (9, 3), (4, 1)]),
+    head_dim=st.sampled_from([64, 80]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
     window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
-    softcap=st.sampled_from([0.0, 3.0, 30.0]), decode_steps=st.integers(0, 2), chunk_first=st.booleans(),
+    softcap=st.sampled_from([0.0, 3.0, 30.0]),
+    decode_steps=st.integers(0, 2),
+    chunk_first=st.booleans(),
     sms=st.sampled_from([1, 8, 132]),
 )
-def test_emulated_cuda_kernel_windows_and_softcap(emulated, seed, n_seqs, shared_len, chunk, heads, head_dim, dtype,
-                                                  window_kind, softcap, decode_steps, chunk_first, sms):
+def test_emulated_cuda_kernel_windows_and_softcap(
+    emulated,
+    seed,
+    n_seqs,
+    shared_len,
+    chunk,
+    heads,
+    head_dim,
+    dtype,
+    window_kind,
+    softcap,
+    decode_steps,
+    chunk_first,
+    sms,
+):
     """Sliding windows below, at and across a chunk, on shared and private chunks, with and
     without soft-capping; chunks no window reaches are NaN, partials nobody writes are NaN."""
     import random
 
     rnd = random.Random(seed)
-    window = {"below_chunk": rnd.randrange(1, chunk), "one_chunk": chunk,
-              "several_chunks": rnd.randrange(chunk + 1, 4 * chunk), "none": 0}[window_kind]
+    window = {
+        "below_chunk": rnd.randrange(1, chunk),
+        "one_chunk": chunk,
+        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
+        "none": 0,
+    }[window_kind]
     q_heads, kv_heads = heads
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype,
-                            max_private=150, decode_steps=decode_steps)
+    pool, tree = build_tree(
+        seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_private=150, decode_steps=decode_steps
+    )
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)) * 3
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale, window=window, softcap=softcap)
     if window:
         nan_outside_windows(pool, tree, ctx.order, window)
@@ -135,8 +210,8 @@ def test_emulated_cuda_kernel_edge_trees(emulated, case):
     for chunk_first in (True, False):
         ctx = KernelContext(tree, chunk_first=chunk_first)
         q = torch.randn(ctx.batch_size, heads[0], d, generator=torch.Generator().manual_seed(1))
-        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d ** -0.5, chunk_first, sms=8)
-        ref = reference_decode_attention(q, pool, tree, 0, ctx.order, d ** -0.5)
+        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d**-0.5, chunk_first, sms=8)
+        ref = reference_decode_attention(q, pool, tree, 0, ctx.order, d**-0.5)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 

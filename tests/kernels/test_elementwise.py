@@ -1,6 +1,7 @@
 """The fused elementwise ops against the unfused torch compositions they replace in the decode
 forward: bit for bit in fp32 and bf16 (fp16 too), on random inputs of the shapes that matter (a hidden
 size with a scalar tail past the 8-float vectors, long rows that take the sum's multi-level path)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,9 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
         return False
     keep = ~a.isnan()
-    return torch.equal(a[keep].contiguous().view(as_int[a.element_size()]),
-                       b[keep].contiguous().view(as_int[b.element_size()]))
+    return torch.equal(
+        a[keep].contiguous().view(as_int[a.element_size()]), b[keep].contiguous().view(as_int[b.element_size()])
+    )
 
 
 def rms_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,7 +81,7 @@ def test_rotary_is_bitwise_the_torch_composition(dtype, pos_dtype):
         rotary(got, positions, cos, sin, hq, hk, q_out)
         assert bits_equal(q_out, qk[:, :hq].to(q_dtype).contiguous())
         assert bits_equal(got[:, hq * d : (hq + hk) * d], qk[:, hq:].reshape(rows, -1))
-        assert bits_equal(got[:, :hq * d], qkv[:, :hq * d])  # q's heads in qkv are left alone
+        assert bits_equal(got[:, : hq * d], qkv[:, : hq * d])  # q's heads in qkv are left alone
         assert bits_equal(got[:, (hq + hk) * d :], qkv[:, (hq + hk) * d :])  # v untouched
 
 
@@ -131,7 +133,9 @@ def test_silu_mul_is_bitwise_the_torch_composition(dtype):
     g = torch.Generator().manual_seed(2)
     rows, n = 33, 1536
     gate_up = (torch.randn(rows, 2 * n, generator=g) * 6).to(dtype)
-    gate_up[0, :10] = torch.tensor([float("nan"), float("inf"), -float("inf"), 200, -200, 88.5, -88.5, 0.0, -0.0, 104.5])
+    gate_up[0, :10] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 200, -200, 88.5, -88.5, 0.0, -0.0, 104.5]
+    )
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     out = torch.empty(rows, n, dtype=dtype)
@@ -174,8 +178,11 @@ def unfused_decode(model, step, k_cache, v_cache, workspace, chunk_first: bool) 
     from chunkgen.kernels import decode_step_attention
 
     def rms(x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, model.eps) if x.dtype == torch.float32 else \
-            w * F.rms_norm(x, (x.shape[-1],), None, model.eps)
+        return (
+            F.rms_norm(x, (x.shape[-1],), w, model.eps)
+            if x.dtype == torch.float32
+            else w * F.rms_norm(x, (x.shape[-1],), None, model.eps)
+        )
 
     x = F.embedding(step.tokens, model.embed)
     rows, d = x.shape[0], model.head_dim
@@ -187,8 +194,19 @@ def unfused_decode(model, step, k_cache, v_cache, workspace, chunk_first: bool) 
         n_qk = (model.q_heads + model.kv_heads) * d
         qk = rotate_reference(qkv[:, :n_qk].view(rows, -1, d), cos, sin)
         v = qkv[:, n_qk:].view(rows, model.kv_heads, d)
-        decode_step_attention(qk[:, :model.q_heads].to(q_dtype).contiguous(), qk[:, model.q_heads:], v, k_cache,
-                              v_cache, i, step, workspace, out, model.scale, chunk_first)
+        decode_step_attention(
+            qk[:, : model.q_heads].to(q_dtype).contiguous(),
+            qk[:, model.q_heads :],
+            v,
+            k_cache,
+            v_cache,
+            i,
+            step,
+            workspace,
+            out,
+            model.scale,
+            chunk_first,
+        )
         x = x + layer.o(out.to(x.dtype).reshape(rows, -1))
         gate, up = layer.gate_up(rms(x, layer.ln_mlp)).chunk(2, dim=-1)
         x = x + layer.down(F.silu(gate) * up)
@@ -202,8 +220,9 @@ def test_fused_decode_forward_is_bitwise_the_unfused_one(tiny_model, dtype):
 
     llm = LLM(model=str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=8, dtype=dtype)
     engine = llm.new_engine()
-    engine.add([Request(i, [3 + i % 2] * 21 + [20 + i], SamplingParams(max_new_tokens=8, ignore_eos=True))
-                for i in range(6)])
+    engine.add(
+        [Request(i, [3 + i % 2] * 21 + [20 + i], SamplingParams(max_new_tokens=8, ignore_eos=True)) for i in range(6)]
+    )
     while engine.num_waiting:
         engine.step()
     for _ in range(3):  # a few steps in, so positions and paths differ between rows

@@ -1,5 +1,6 @@
 """The native two-phase kernel against the naive reference, on randomized prefix trees: every CPU
 path this machine has (AMX, AVX512_BF16, the fp32 path), q and out in fp32 or the model's bf16."""
+
 from __future__ import annotations
 
 import random
@@ -32,7 +33,7 @@ def test_kernel_matches_reference(seed, n_seqs, shared_len, chunk, heads, head_d
     pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, decode_steps=decode_steps)
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale)
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
     torch.testing.assert_close(out.double(), ref, **tolerance(native().cpu_kernel_isa(), dtype, q.dtype))
@@ -43,7 +44,10 @@ def test_kernel_edge_trees(case):
     chunk, kvh, hq, d = 64, 3, 9, 64
     pool = ChunkPool(1, kvh, d, chunk, torch.float32, budget_bytes=1 << 27)
     tree = PrefixTree(pool)
-    insert = lambda s, toks: (tree.insert(s, toks), tree.mark_ready(s))
+
+    def insert(s, toks):
+        return (tree.insert(s, toks), tree.mark_ready(s))
+
     if case == "batch1_many_chunks":
         insert(0, list(range(64 * 40 + 17)))
     elif case == "all_identical":
@@ -124,15 +128,17 @@ def test_the_best_path_is_reported_and_lower_ones_can_be_forced(monkeypatch):
     decode_steps=st.integers(0, 3),
     chunk_first=st.booleans(),
 )
-def test_every_cpu_path_matches_reference_in_bf16(cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim,
-                                                  q_dtype, decode_steps, chunk_first):
+def test_every_cpu_path_matches_reference_in_bf16(
+    cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim, q_dtype, decode_steps, chunk_first
+):
     q_heads, kv_heads = heads
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, torch.bfloat16,
-                            max_private=150, decode_steps=decode_steps)
+    pool, tree = build_tree(
+        seed, n_seqs, shared_len, chunk, kv_heads, head_dim, torch.bfloat16, max_private=150, decode_steps=decode_steps
+    )
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(q_dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     with forced(cpu_path):
         out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale)
     assert out.dtype == q_dtype
@@ -213,8 +219,9 @@ def test_the_op_writes_the_steps_kv_rows(src_dtype):
     before_k, before_v = pool.k.clone(), pool.v.clone()
     q = torch.randn(ctx.batch_size, 4, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    decode_step_attention(q, k, v, pool.k, pool.v, 0, ctx.arrays(), workspace_for(ctx, 4, 64, q.device), out,
-                          0.125, True)
+    decode_step_attention(
+        q, k, v, pool.k, pool.v, 0, ctx.arrays(), workspace_for(ctx, 4, 64, q.device), out, 0.125, True
+    )
     s, o = torch.tensor(slots), torch.tensor(offsets)
     assert torch.equal(pool.k[0, s, :, :, o], k.to(torch.bfloat16))
     assert torch.equal(pool.v[0, s, :, o], v.to(torch.bfloat16))
@@ -246,8 +253,12 @@ def test_bad_dtypes_raise_python_errors():
 
 def window_for(chunk: int, kind: str, rnd: random.Random) -> int:
     """Windows against the chunk: inside one, exactly one, across several, or any."""
-    return {"below_chunk": rnd.randrange(1, chunk), "one_chunk": chunk,
-            "several_chunks": rnd.randrange(chunk + 1, 4 * chunk), "any": rnd.randrange(1, 400)}[kind]
+    return {
+        "below_chunk": rnd.randrange(1, chunk),
+        "one_chunk": chunk,
+        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
+        "any": rnd.randrange(1, 400),
+    }[kind]
 
 
 @pytest.mark.parametrize("cpu_path", PATHS)
@@ -266,20 +277,34 @@ def window_for(chunk: int, kind: str, rnd: random.Random) -> int:
     decode_steps=st.integers(0, 2),
     chunk_first=st.booleans(),
 )
-def test_windows_and_softcap_match_reference(cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim, kv_dtype,
-                                             q_bf16, window_kind, softcap, decode_steps, chunk_first):
+def test_windows_and_softcap_match_reference(
+    cpu_path,
+    seed,
+    n_seqs,
+    shared_len,
+    chunk,
+    heads,
+    head_dim,
+    kv_dtype,
+    q_bf16,
+    window_kind,
+    softcap,
+    decode_steps,
+    chunk_first,
+):
     """Sliding windows smaller than a chunk, equal to one and spanning several, on shared and
     private chunks, with and without soft-capping, against the float64 reference; the chunks that
     no row's window reaches are NaN, so reading one fails."""
     rnd = random.Random(seed)
     window = 0 if window_kind == "none" else window_for(chunk, window_kind, rnd)
     q_heads, kv_heads = heads
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, head_dim, kv_dtype, max_private=150,
-                            decode_steps=decode_steps)
+    pool, tree = build_tree(
+        seed, n_seqs, shared_len, chunk, kv_heads, head_dim, kv_dtype, max_private=150, decode_steps=decode_steps
+    )
     ctx = KernelContext(tree, chunk_first=chunk_first)
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)) * 3
     q = q.to(torch.bfloat16 if q_bf16 and kv_dtype == torch.bfloat16 else torch.float32)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale, window=window, softcap=softcap)
     if window:
         nan_outside_windows(pool, tree, ctx.order, window)

@@ -1,5 +1,6 @@
 """chunkgen's bf16 decode product (csrc/cpu/linear.cpp) on every bf16 path this machine has (AMX,
 AVX512_BF16) against a float64 x W^T, and the model's Linear choosing it only where it applies."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,12 +21,22 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @needs_bf16
 @settings(max_examples=80, deadline=None)
-@given(path=st.sampled_from(BF16_PATHS or ["none"]), rows=st.integers(0, 32), n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
-       k=st.sampled_from([1, 31, 32, 40, 64, 200, 576]), strided=st.booleans(), seed=st.integers(0, 2**31))
+@given(
+    path=st.sampled_from(BF16_PATHS or ["none"]),
+    rows=st.integers(0, 32),
+    n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
+    k=st.sampled_from([1, 31, 32, 40, 64, 200, 576]),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
 def test_the_product_is_x_times_w_transposed(path, rows, n, k, strided, seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).bfloat16()
-    x = torch.randn(k, rows, generator=gen).bfloat16().t() if strided else torch.randn(rows, k, generator=gen).bfloat16()
+    x = (
+        torch.randn(k, rows, generator=gen).bfloat16().t()
+        if strided
+        else torch.randn(rows, k, generator=gen).bfloat16()
+    )
     with forced(path):
         got = packed_linear(x, w)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
@@ -68,8 +79,9 @@ def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
     assert lin.decode_packed is not None
     calls = []
     real = torch.ops.chunkgen.packed_linear.default
-    monkeypatch.setattr(llama.torch.ops.chunkgen.packed_linear, "default",
-                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(
+        llama.torch.ops.chunkgen.packed_linear, "default", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
     for rows in (1, 32, 33, 64):
         x = torch.randn(rows, 512).bfloat16()
         y = lin(x)

@@ -1,5 +1,6 @@
 """Prefill attention (shared-prefix groups, own parts, lone sequences) against a naive dense
 attention per sequence, on randomized waves."""
+
 from __future__ import annotations
 
 
@@ -47,7 +48,7 @@ def test_prefill_attention_matches_naive(seed, n_seqs, chunk, heads, head_dim, d
     q = torch.randn(rows, hq, head_dim, generator=gen).to(dtype)
     k = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
     v = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
     prefill_attention(plan_groups(spans, chunk, dtype, q.device), 0, q, k, v, pool, scale, out)
     want = reference(q, k, v, pool, spans, scale)
@@ -61,9 +62,11 @@ def test_a_shared_prefix_is_one_group_read_once():
     pool = ChunkPool(1, 1, 8, 4, torch.float32, budget_bytes=1 << 20)
     shared = [pool.allocate() for _ in range(2)]
     own = [pool.allocate() for _ in range(4)]
-    spans = [PrefillSpan(9, shared + [own[0], own[1]], 0, 3),
-             PrefillSpan(8, shared + [own[2]], 3, 2),
-             PrefillSpan(5, [own[3], shared[0]], 5, 1)]
+    spans = [
+        PrefillSpan(9, shared + [own[0], own[1]], 0, 3),
+        PrefillSpan(8, shared + [own[2]], 3, 2),
+        PrefillSpan(5, [own[3], shared[0]], 5, 1),
+    ]
     groups = plan_groups(spans, 4, torch.float32, torch.device("cpu"))
     sizes = sorted((g.prefix_len, len(g.rows)) for g in groups)
     assert sizes == [(5, 1), (8, 5)]

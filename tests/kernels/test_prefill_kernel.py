@@ -1,5 +1,6 @@
 """chunkgen's bf16 prefill attention kernel (native().prefill_attention) on every bf16 path this
 machine has, against a float64 softmax(q k^T * scale + mask) v, output and log-sum-exp."""
+
 from __future__ import annotations
 
 import random
@@ -75,10 +76,11 @@ def check(q, k, v, scale, causal, mask):
     strided=st.booleans(),
 )
 def test_kernel_matches_reference(path, seed, batch, kv_heads, group, q_len, extra, head_dim, mode, strided):
-    q, k, v, mask = random_problem(seed, batch, kv_heads, group, q_len, q_len + extra, head_dim,
-                                   "mask" in mode, strided)
+    q, k, v, mask = random_problem(
+        seed, batch, kv_heads, group, q_len, q_len + extra, head_dim, "mask" in mode, strided
+    )
     with forced(path):
-        check(q, k, v, head_dim ** -0.5, "causal" in mode, mask)
+        check(q, k, v, head_dim**-0.5, "causal" in mode, mask)
 
 
 @needs_bf16
@@ -117,7 +119,8 @@ def test_attention_lse_keeps_torchs_contract():
     q, k, v, mask = random_problem(11, 4, 3, 3, 40, 40, 64, True, True)
     o, lse = prefill.attention_lse(q, k, v, 0.125, mask=mask)
     want_o, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=0.125)
+        q, k, v, 0.0, False, attn_mask=mask, scale=0.125
+    )
     assert o.shape == want_o.shape and o.stride() == want_o.stride() and o.dtype == want_o.dtype
     assert lse.shape == want_lse.shape and lse.stride() == want_lse.stride() and lse.dtype == want_lse.dtype
     assert torch.allclose(o.float(), want_o.float(), atol=2e-2, rtol=2e-2)
@@ -158,6 +161,7 @@ def test_bad_arguments_raise_python_errors():
 
 # ---- sliding windows and soft-capping over the prefix tree ---------------------------------------
 
+
 def windowed_reference(q, k, v, pool, spans, scale: float, window: int, softcap: float) -> torch.Tensor:
     """Each new token at position t over its path's positions (t - window, t], scores soft-capped,
     in float64, read token by token from the pool."""
@@ -193,25 +197,30 @@ def test_prefill_windows_and_softcap_match_reference(seed, n_seqs, chunk, heads,
     """Shared-prefix groups, own parts and lone sequences with windows below, at and across a
     chunk; prefix chunks that no member's window reaches are NaN, so gathering one fails."""
     rnd = random.Random(seed)
-    window = {"below_chunk": rnd.randrange(1, chunk), "one_chunk": chunk,
-              "several_chunks": rnd.randrange(chunk + 1, 4 * chunk), "none": 0}[window_kind]
+    window = {
+        "below_chunk": rnd.randrange(1, chunk),
+        "one_chunk": chunk,
+        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
+        "none": 0,
+    }[window_kind]
     hq, hk = heads
     pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, 32, dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     q = (torch.randn(rows, hq, 32, generator=gen) * 2).to(dtype)
     k = torch.randn(rows, hk, 32, generator=gen).to(dtype)
     v = torch.randn(rows, hk, 32, generator=gen).to(dtype)
-    want = windowed_reference(q, k, v, pool, spans, 32 ** -0.5, window, softcap)
+    want = windowed_reference(q, k, v, pool, spans, 32**-0.5, window, softcap)
     groups = prefill.plan_groups(spans, chunk, dtype, q.device)
     if window:  # NaN into the chunks no new token's window reaches
-        needed = {sp.path_slots[p // chunk] for sp in spans
-                  for p in range(max(0, sp.start - window + 1), sp.start + sp.count)}
+        needed = {
+            sp.path_slots[p // chunk] for sp in spans for p in range(max(0, sp.start - window + 1), sp.start + sp.count)
+        }
         unread = [slot for slot in range(pool.capacity) if slot not in needed]
         if unread:
             pool.k[0, torch.tensor(unread)] = float("nan")
             pool.v[0, torch.tensor(unread)] = float("nan")
     out = torch.full((rows, hq, 32), float("nan"), dtype=dtype)
-    prefill.prefill_attention(groups, 0, q, k, v, pool, 32 ** -0.5, out, window=window, softcap=softcap)
+    prefill.prefill_attention(groups, 0, q, k, v, pool, 32**-0.5, out, window=window, softcap=softcap)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
 
@@ -232,6 +241,7 @@ def test_a_long_windowed_prompt_reads_its_keys_by_blocks():
     pool.k[0, torch.tensor(cached[: (600 - 99) // 16])] = float("nan")
     pool.v[0, torch.tensor(cached[: (600 - 99) // 16])] = float("nan")
     out = torch.full((1000, 4, 32), float("nan"))
-    prefill.prefill_attention(prefill.plan_groups(spans, 16, torch.float32, q.device), 0, q, k, v, pool, 0.2, out,
-                              window=100)
+    prefill.prefill_attention(
+        prefill.plan_groups(spans, 16, torch.float32, q.device), 0, q, k, v, pool, 0.2, out, window=100
+    )
     assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-4), (out.double() - want).abs().max()

@@ -1,5 +1,6 @@
 """Finding a model: repo ids from the local Hugging Face cache, and the conversion cache keyed on a
 GGUF's content rather than its path."""
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,20 @@ def test_a_missing_repo_id_names_the_folders_searched(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     queries = tmp_path / "q.jsonl"
     queries.write_text('{"id": "a", "question": "hi"}\n')
-    res = runner.invoke(app, ["run", "-t", str(PROMPTS / "arithmetic_cot.toml"), "-q", str(queries),
-                              "-o", str(tmp_path / "out.jsonl"), "--model", "acme/absent"])
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "-t",
+            str(PROMPTS / "arithmetic_cot.toml"),
+            "-q",
+            str(queries),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--model",
+            "acme/absent",
+        ],
+    )
     assert res.exit_code == 1
     text = " ".join(res.output.split())
     assert "error: model 'acme/absent' not found" in text
@@ -76,8 +89,22 @@ def test_default_model_by_repo_id_in_a_temporary_hf_home(default_model_dir, tmp_
     texts = {}
     for name, model in (("repo", ["--model", REPO]), ("default", [])):
         out = tmp_path / f"{name}.jsonl"
-        res = runner.invoke(app, ["run", "-t", str(template), "-q", str(queries), "-o", str(out),
-                                  "--max-new-tokens", "6", "--quiet", *model])
+        res = runner.invoke(
+            app,
+            [
+                "run",
+                "-t",
+                str(template),
+                "-q",
+                str(queries),
+                "-o",
+                str(out),
+                "--max-new-tokens",
+                "6",
+                "--quiet",
+                *model,
+            ],
+        )
         assert res.exit_code == 0, res.output
         texts[name] = [r["text"] for r in map(json.loads, out.read_text().splitlines())]
     assert texts["repo"] == texts["default"] and texts["repo"][0]

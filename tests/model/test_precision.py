@@ -1,4 +1,5 @@
 """--dtype auto: bf16 only where the CPU has native bf16 arithmetic, the model's own dtype on a GPU."""
+
 from __future__ import annotations
 
 import pytest

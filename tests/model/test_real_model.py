@@ -1,4 +1,5 @@
 """A few checks on the embedded default model (SmolLM2-135M-Instruct, dequantized from GGUF)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +38,7 @@ def test_default_model_greedy_parity_with_transformers(default_model_dir, dtype)
     with torch.inference_mode():
         for p, r in zip(prompts, results):
             ids = llm.encode(p)
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
             assert_parity(hf, ids, r.token_ids, ref)
             exact += r.token_ids == ref
     assert exact >= EXACT[dtype], f"only {exact}/16 answers equal token for token ({dtype})"

@@ -1,5 +1,6 @@
 """A Ray engine worker that dies like a killed machine, once per job: the fault the Ray tests
 inject. Pickled by value, so the actor processes get it with the crash plan set on the class."""
+
 from __future__ import annotations
 
 import json

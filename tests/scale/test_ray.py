@@ -1,6 +1,7 @@
 """Ray scale-out on a local cluster: the same records as a local run, workers that live for the
 whole job (one model load each), a worker killed mid-group replaced without losing or doubling a
 record, the output lock held under --ray, and the resources workers ask for."""
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,9 @@ def key(r: dict) -> str:
     return r.get("id") or f"line:{r['line']}"
 
 
-def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(tiny_model, tmp_path, local_cluster,
-                                                                              monkeypatch):
+def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(
+    tiny_model, tmp_path, local_cluster, monkeypatch
+):
     import chunkgen.scale.ray as scale_ray
     from chunkgen.jobs.lock import OutputLock, OutputLocked
     from chunkgen.jobs.writer import ResultWriter
@@ -68,8 +70,13 @@ def test_a_worker_killed_mid_group_is_replaced_and_nothing_is_lost_or_doubled(ti
     rows = [{"id": f"m{i}", "template": "arithmetic_cot", "question": f"What is {i} + 1?"} for i in range(10)]
     rows += [{"id": f"d{i}", "template": "document_qa", "question": f"Question {i}?"} for i in range(3)]
     queries.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    args = [*base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=PROMPTS),
-            "--max-batch", "2", "--max-new-tokens", "4"]
+    args = [
+        *base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=PROMPTS),
+        "--max-batch",
+        "2",
+        "--max-new-tokens",
+        "4",
+    ]
     assert run_cli(*args).exit_code == 3
     want = {key(r): r.get("text") for r in records(tmp_path / "local.jsonl")}
 
@@ -136,10 +143,20 @@ def test_a_long_run_loads_the_model_once_per_worker(tiny_model, tmp_path, local_
     (templates / "b.toml").write_text('name = "short_b"\nsystem = "You reply with one token."\nuser = "{question}?"\n')
     queries = tmp_path / "many.jsonl"
     n = 16_500
-    queries.write_text("".join(json.dumps({"id": f"r{i}", "template": "short_b" if i % 3 == 0 else "short_a",
-                                           "question": str(i)}) + "\n" for i in range(n)))
-    args = [*base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=templates),
-            "--max-new-tokens", "1", "--max-batch", "64", "--json-log"]
+    queries.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "template": "short_b" if i % 3 == 0 else "short_a", "question": str(i)}) + "\n"
+            for i in range(n)
+        )
+    )
+    args = [
+        *base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=templates),
+        "--max-new-tokens",
+        "1",
+        "--max-batch",
+        "64",
+        "--json-log",
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each of the two workers runs on this 2-core machine
     try:
@@ -203,8 +220,12 @@ def test_a_killed_driver_leaves_no_process_of_its_cluster(tiny_model, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     args = base_args(tiny_model, out, queries=queries)
     args[args.index("--max-new-tokens") + 1] = "32"
-    driver = subprocess.Popen([sys.executable, "-m", "chunkgen", *args, "--ray", "--workers", "1"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "chunkgen", *args, "--ray", "--workers", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not (out.exists() and out.stat().st_size):
         time.sleep(0.2)
@@ -235,7 +256,6 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
     on the node left, every id with one record, the answers a local run gives; `--resume` finds
     nothing left to do."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -244,16 +264,26 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
     from tests.conftest import ROOT
 
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
     env.pop("RAY_ADDRESS", None)
     port = _free_port()
     address = f"127.0.0.1:{port}"
     nodes: list[subprocess.Popen] = []
 
     def start_node(*args: str) -> subprocess.Popen:
-        node = subprocess.Popen([ray_cli, "start", "--block", "--num-cpus", "2", "--disable-usage-stats", *args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        node = subprocess.Popen(
+            [ray_cli, "start", "--block", "--num-cpus", "2", "--disable-usage-stats", *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         nodes.append(node)
         return node
 
@@ -276,8 +306,10 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
         except OSError:
             return 0
-        probe = ("import ray; ray.init(address=%r, log_to_driver=False); "
-                 "print(sum(1 for n in ray.nodes() if n['Alive']))" % address)
+        probe = (
+            "import ray; ray.init(address=%r, log_to_driver=False); "
+            "print(sum(1 for n in ray.nodes() if n['Alive']))" % address
+        )
         res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         return int(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 and res.stdout.strip() else 0
 
@@ -285,8 +317,13 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
     rows = [{"id": f"m{i}", "template": "arithmetic_cot", "question": f"What is {i} + {i}?"} for i in range(40)]
     rows += [{"id": f"d{i}", "template": "document_qa", "question": f"Question {i}?"} for i in range(40)]
     queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = [*base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=PROMPTS),
-            "--max-batch", "4", "--max-new-tokens", "24"]
+    args = [
+        *base_args(tiny_model, tmp_path / "local.jsonl", queries=queries, template=PROMPTS),
+        "--max-batch",
+        "4",
+        "--max-new-tokens",
+        "24",
+    ]
     assert run_cli(*args).exit_code == 0
     want = {r["id"]: r["text"] for r in records(tmp_path / "local.jsonl")}
     out = tmp_path / "cluster.jsonl"

@@ -110,7 +110,9 @@ struct Warp {
 
 struct Block {
   explicit Block(int threads, size_t smem_bytes)
-      : sync(threads), warps(static_cast<size_t>((threads + 31) / 32)), bytes(smem_bytes),
+      : sync(threads),
+        warps(static_cast<size_t>((threads + 31) / 32)),
+        bytes(smem_bytes),
         storage(new (std::align_val_t{128}) unsigned char[smem_bytes + 128]) {
     std::memset(storage.get(), 0xff, smem_bytes + 128);  // unwritten shared memory reads as NaN, not zeros
   }
@@ -223,10 +225,14 @@ struct fragment {
   float x[rows * cols];  // the whole tile, row-major, in every lane
 };
 
-template <typename T> inline float elem(const T& v) {
-  if constexpr (std::is_same_v<T, __half>) return __half2float(v);
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(v);
-  else return static_cast<float>(v);
+template <typename T>
+inline float elem(const T& v) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat162float(v);
+  else
+    return static_cast<float>(v);
 }
 
 template <typename T>

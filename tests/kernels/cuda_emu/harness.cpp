@@ -14,8 +14,8 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
                                     const int32_t* shared_begin, const int32_t* shared_end,
                                     const int32_t* seq_shared_ptr, const int32_t* seq_shared_idx,
                                     const int32_t* priv_slot, int priv_stride, const int32_t* priv_count,
-                                    const int32_t* priv_last_len, int chunk_first, int window, float softcap,
-                                    int sms, char* err, int err_len) {
+                                    const int32_t* priv_last_len, int chunk_first, int window, float softcap, int sms,
+                                    char* err, int err_len) {
   using namespace chunkgen;
   DecodeProblem p{};
   p.q = q;

@@ -1,0 +1,157 @@
+"""Decode attention over the prefix tree: one op registered with torch (torch.ops.chunkgen), native
+CPU and CUDA implementations behind it, a fake one for tracing."""
+
+from __future__ import annotations
+
+import torch
+
+from chunkgen._native import native
+from chunkgen.cache.context import ContextArrays, KernelContext, checks_enabled
+
+
+def _register_fake() -> None:
+    """Shapes for tracing (torch.compile, fake tensors): the op writes the pool and `out` in place
+    and returns nothing."""
+    try:
+        native()  # loading the extension defines the op (TORCH_LIBRARY in csrc/bindings.cpp)
+    except ImportError:
+        return  # not built: the first call says how to fix it
+
+    @torch.library.register_fake("chunkgen::decode_attention")
+    def _(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        layer,
+        write_slot,
+        write_offset,
+        shared_slot,
+        shared_len,
+        shared_begin,
+        shared_end,
+        part_off,
+        seq_shared_ptr,
+        seq_shared_idx,
+        priv_slot,
+        priv_count,
+        priv_last_len,
+        workspace,
+        out,
+        scale,
+        chunk_first,
+        window=0,
+        softcap=0.0,
+    ) -> None:
+        return None
+
+
+_register_fake()
+
+
+def workspace_for(ctx: KernelContext, q_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """Partial-result space of the chunk-first phase on the GPU, sized by the context's capacity
+    (its rows are the (row, shared chunk) pairs); the CPU kernel plans its own."""
+    if torch.device(device).type == "cpu":
+        return torch.empty(0, dtype=torch.float32)
+    rows = ctx.arrays().seq_shared_idx.numel()
+    return torch.empty(max(rows, 1) * q_heads * (head_dim + 2), dtype=torch.float32, device=device)
+
+
+def decode_step_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    arrays: ContextArrays,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    chunk_first: bool,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> None:
+    """Store the step's k, v `[rows, kv_heads, head_dim]` in `layer` of the pool at the rows' write
+    positions, then attend q `[rows, q_heads, head_dim]` (fp32, or the pool's dtype; `out` the same)
+    over each row's path into `out`.
+
+    window > 0 makes it a sliding-window layer: a row whose current token is at position t attends
+    positions max(0, t - window + 1)..t only (the last `window` positions, itself included), and
+    chunks wholly before that are not read. softcap > 0 caps every scaled score s as
+    softcap * tanh(s / softcap) before the softmax (Gemma 2's attention soft-capping)."""
+    a = arrays
+    torch.ops.chunkgen.decode_attention.default(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        layer,
+        a.write_slot,
+        a.write_offset,
+        a.shared_slot,
+        a.shared_len,
+        a.shared_begin,
+        a.shared_end,
+        a.part_off,
+        a.seq_shared_ptr,
+        a.seq_shared_idx,
+        a.priv_slot,
+        a.priv_count,
+        a.priv_last_len,
+        workspace,
+        out,
+        scale,
+        chunk_first,
+        window,
+        softcap,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: KernelContext,
+    scale: float,
+    chunk_first: bool | None = None,
+    out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its whole path in the tree, nothing written.
+
+    q `[rows, q_heads, head_dim]` (fp32 or the pool's dtype) in `ctx.order` (rows: the batch,
+    padded to its bucket);
+    k, v one layer of the pool (`pool.k[layer]`, `pool.v[layer]`) on the CPU or a CUDA device.
+    chunk_first=False runs the paged baseline; window and softcap as in `decode_step_attention`. For kernel tests and benchmarks: the model's decode
+    step calls the op through `decode_step_attention` with the K/V write.
+    """
+    if checks_enabled():
+        ctx.validate()
+    arrays = ctx.arrays()
+    if arrays.shared_slot.device != q.device:  # a host context driving a GPU kernel (tests, bench)
+        arrays = ContextArrays(*(t.to(q.device) for t in arrays))
+    out = torch.empty_like(q) if out is None else out
+    hk, d = k.shape[1], k.shape[2]
+    none = torch.empty(0, hk, d, dtype=q.dtype, device=q.device)
+    no_rows = torch.empty(0, dtype=torch.int32, device=q.device)
+    decode_step_attention(
+        q,
+        none,
+        none,
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        0,
+        arrays._replace(write_slot=no_rows, write_offset=no_rows),
+        workspace_for(ctx, q.shape[1], q.shape[2], q.device),
+        out,
+        scale,
+        ctx.chunk_first if chunk_first is None else chunk_first,
+        window,
+        softcap,
+    )
+    return out
