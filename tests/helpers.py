@@ -173,9 +173,13 @@ def nan_outside_windows(pool: ChunkPool, tree: PrefixTree, order: list, window: 
         pool.v[0, torch.tensor(unused)] = float("nan")
 
 
+# The questions template_prompts fills in (the engine tests' workload).
+TEMPLATE_QUESTIONS = [f"question {i}: what is {i} plus {2 * i}?" for i in range(16)]
+
+
 def template_prompts(name: str = "arithmetic_cot", n: int = 16):
     t = load_template(PROMPTS / f"{name}.toml")
-    return [t.messages({t.fields[0]: q}) for q in QUESTIONS[:n]]
+    return [t.messages({t.fields[0]: q}) for q in TEMPLATE_QUESTIONS[:n]]
 
 
 def hf_greedy(model_dir, prompts_ids, max_new_tokens):

@@ -18,20 +18,17 @@ from chunkgen.config import ORDERS
 from chunkgen.device import human_bytes
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    dtype: Optional[str] = typer.Option(
-        None,
-        metavar="DTYPE",
-        help="KV dtype: fp32 or bf16 on the CPU (default fp32); fp16, bf16 or fp32 on CUDA (default fp16).",
-    ),
+    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
+                                                   "fp16, bf16 or fp32 on CUDA (default fp16)."),
     device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run)."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
-    impls: str = typer.Option(
-        "naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."
-    ),
+    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
 ) -> None:
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
     import torch
@@ -51,49 +48,32 @@ def bench_kernel(
     if not on_cuda and kv_dtype == torch.float16:
         fail("the CPU kernel takes fp32 or bf16 K/V; fp16 is for --device cuda")
     with device_guard(device):
-        rows = run_grid(
-            default_grid(quick),
-            kv_dtype,
-            repeats=3 if quick else repeats,
-            impls=chosen,
-            device=device,
-            on_row=lambda r: err.print(
-                f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us",
-                highlight=False,
-            ),
-        )
+        rows = run_grid(default_grid(quick), kv_dtype, repeats=3 if quick else repeats, impls=chosen, device=device,
+                        on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
+                                                   f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
     _print_kernel_table(rows)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
+# fmt: on
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("order")
 def bench_order(
     model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model to run [default: the embedded one]."),
     docs: int = typer.Option(100, min=1, metavar="D", help="Documents (distinct shared prefixes)."),
     questions: int = typer.Option(4, min=1, metavar="Q", help="Questions on each document (rows sharing its prefix)."),
     doc_tokens: str = typer.Option("300", metavar="T|LO-HI", help="Tokens per document: T, or LO-HI drawn uniformly."),
-    shuffle: bool = typer.Option(
-        True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."
-    ),
+    shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
     seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle."),
-    kv_memory: str = typer.Option(
-        "auto",
-        metavar="SIZE",
-        help="KV cache budget [default auto: a tenth of the distinct prompt tokens, at least two of the longest prompts].",
-    ),
+    kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget [default auto: a tenth of the distinct prompt tokens, at least two of the longest prompts]."),
     max_batch: int = typer.Option(16, min=1, metavar="N", help="Sequences decoded together."),
     max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
     dtype: str = typer.Option("fp32", metavar="DTYPE", help="fp32, bf16 or fp16."),
     orders: str = typer.Option("input,prefix", metavar="ORDERS", help="Orders to run, in turn: input, prefix."),
-    write_workload: Optional[Path] = typer.Option(
-        None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."
-    ),
-    dump_token_ids: Optional[Path] = typer.Option(
-        None,
-        metavar="FILE",
-        help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing.",
-    ),
+    write_workload: Optional[Path] = typer.Option(None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."),
+    dump_token_ids: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the rows as JSON here."),
 ) -> None:
     """Retrieval QA, shuffled: prefix order against file order on the same file and KV budget."""
@@ -118,87 +98,39 @@ def bench_order(
         budget = None if kv_memory == "auto" else parse_bytes(kv_memory)
     except ValueError as exc:
         usage("--kv-memory", str(exc))
-    report = run_order_bench(
-        llm,
-        rows,
-        chosen,
-        budget,
-        max_batch,
-        max_new_tokens,
-        write_workload,
-        on_row=lambda r: err.print(
-            f"  {r['order']:>6}: {r['prefilled_tokens']} tokens prefilled, "
-            f"wall {r['wall_s']:.1f} s, {r['gen_tokens_per_s']:.1f} tok/s",
-            highlight=False,
-        ),
-    )
+    report = run_order_bench(llm, rows, chosen, budget, max_batch, max_new_tokens, write_workload,
+                             on_row=lambda r: err.print(f"  {r['order']:>6}: {r['prefilled_tokens']} tokens prefilled, "
+                                                        f"wall {r['wall_s']:.1f} s, {r['gen_tokens_per_s']:.1f} tok/s",
+                                                        highlight=False))
     budget = report["kv_memory"]
-    table = Table(
-        title=f"docqa: {len(rows)} rows, {docs} documents of {doc_tokens} tokens, {questions} questions each, "
-        f"{'shuffled' if shuffle else 'in document order'}; KV {human_bytes(budget)}, batch {max_batch}, "
-        f"{max_new_tokens} new tokens, {dtype}; minimum prefill {report['minimum_prefill_tokens']} of "
-        f"{report['prompt_tokens']} prompt tokens"
-    )
-    for col in (
-        "order",
-        "prefilled tokens",
-        "x minimum",
-        "hit rate",
-        "wall s",
-        "ordering s",
-        "prefill s",
-        "decode s",
-        "gen tok/s",
-        "RSS peak",
-        "answers = first",
-    ):
+    table = Table(title=f"docqa: {len(rows)} rows, {docs} documents of {doc_tokens} tokens, {questions} questions each, "
+                        f"{'shuffled' if shuffle else 'in document order'}; KV {human_bytes(budget)}, batch {max_batch}, "
+                        f"{max_new_tokens} new tokens, {dtype}; minimum prefill {report['minimum_prefill_tokens']} of "
+                        f"{report['prompt_tokens']} prompt tokens")
+    for col in ("order", "prefilled tokens", "x minimum", "hit rate", "wall s", "ordering s", "prefill s",
+                "decode s", "gen tok/s", "RSS peak", "answers = first"):
         table.add_column(col, justify="right")
     for r in report["results"]:
-        table.add_row(
-            r["order"],
-            str(r["prefilled_tokens"]),
-            f"{r['prefill_vs_minimum']:.2f}",
-            f"{100 * r['cache_hit_rate']:.1f}%",
-            f"{r['wall_s']:.1f}",
-            f"{r['order_s']:.2f}",
-            f"{r['prefill_s']:.1f}",
-            f"{r['decode_s']:.1f}",
-            f"{r['gen_tokens_per_s']:.1f}",
-            human_bytes(r["rss_peak_bytes"]),
-            f"{r['answers_equal_to_first']}/{r['rows']}",
-        )
+        table.add_row(r["order"], str(r["prefilled_tokens"]), f"{r['prefill_vs_minimum']:.2f}",
+                      f"{100 * r['cache_hit_rate']:.1f}%", f"{r['wall_s']:.1f}", f"{r['order_s']:.2f}",
+                      f"{r['prefill_s']:.1f}", f"{r['decode_s']:.1f}", f"{r['gen_tokens_per_s']:.1f}",
+                      human_bytes(r["rss_peak_bytes"]), f"{r['answers_equal_to_first']}/{r['rows']}")
     stdout.print(table)
     if json_out:
-        json_out.write_text(
-            json.dumps(
-                {
-                    "docs": docs,
-                    "questions": questions,
-                    "doc_tokens": doc_tokens,
-                    "shuffle": shuffle,
-                    "max_batch": max_batch,
-                    "max_new_tokens": max_new_tokens,
-                    "dtype": dtype,
-                    **report,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        json_out.write_text(json.dumps({"docs": docs, "questions": questions, "doc_tokens": doc_tokens,
+                                        "shuffle": shuffle, "max_batch": max_batch,
+                                        "max_new_tokens": max_new_tokens, "dtype": dtype, **report}, indent=2) + "\n")
+# fmt: on
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("order-pass")
 def bench_order_pass(
     rows: int = typer.Option(1_000_000, min=1, metavar="N", help="Short rows in the file."),
-    prefixes: int = typer.Option(
-        1000, min=1, metavar="N", help="Distinct personas (shared prefixes), interleaved at random."
-    ),
-    work_dir: Optional[Path] = typer.Option(
-        None, metavar="DIR", help="Where the file is written [default: a temporary folder]."
-    ),
-    run_rows: int = typer.Option(
-        1 << 18, min=1, metavar="N", help="Keys held in memory before a sorted run is spilled to disk."
-    ),
+    prefixes: int = typer.Option(1000, min=1, metavar="N", help="Distinct personas (shared prefixes), interleaved at random."),
+    work_dir: Optional[Path] = typer.Option(None, metavar="DIR", help="Where the file is written [default: a temporary folder]."),
+    run_rows: int = typer.Option(1 << 18, min=1, metavar="N", help="Keys held in memory before a sorted run is spilled to disk."),
 ) -> None:
     """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row
     (no model: the peak RSS is the pass's own)."""
@@ -209,32 +141,27 @@ def bench_order_pass(
     with tempfile.TemporaryDirectory(prefix="chunkgen-order-pass-") as tmp:
         template, queries = write_persona_rows(work_dir or Path(tmp), rows, prefixes)
         r = ordering_pass(template, queries, run_rows=run_rows)
-    stdout.print(
-        f"{r['rows']} rows over {prefixes} prefixes: ordering pass {r['wall_s']:.1f} s "
-        f"(keying {r['keying_s']:.1f} s, re-reading {r['reread_s']:.1f} s; {r['rows'] / r['wall_s']:.0f} rows/s), "
-        f"{r['spilled_runs']} sorted runs spilled, rows come out in {r['prefix_runs']} runs of one prefix, "
-        f"peak RSS {human_bytes(r['rss_peak_bytes'])}"
-    )
+    stdout.print(f"{r['rows']} rows over {prefixes} prefixes: ordering pass {r['wall_s']:.1f} s "
+                 f"(keying {r['keying_s']:.1f} s, re-reading {r['reread_s']:.1f} s; {r['rows'] / r['wall_s']:.0f} rows/s), "
+                 f"{r['spilled_runs']} sorted runs spilled, rows come out in {r['prefix_runs']} runs of one prefix, "
+                 f"peak RSS {human_bytes(r['rss_peak_bytes'])}")
+# fmt: on
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("step")
 def bench_step(
-    model: Optional[str] = typer.Option(
-        None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."
-    ),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
     n_shared: int = typer.Option(2048, metavar="N", help="Shared prompt length in tokens."),
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
     dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
     json_out: Optional[Path] = typer.Option(
-        None,
-        "--json",
-        metavar="FILE",
-        help="Also measure the host's share of a step and write every figure to this file: "
+        None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
         "30-layer random model with hidden size 64, the attention op dispatched without its arithmetic; "
-        "cpu_step_ms_b32 / _b256 with it), graph_breaks (torch._dynamo.explain of the decode forward).",
-    ),
+        "cpu_step_ms_b32 / _b256 with it), graph_breaks (torch._dynamo.explain of the decode forward)."),
 ) -> None:
     """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
     from chunkgen.bench import step as bench
@@ -244,59 +171,52 @@ def bench_step(
     dtype = dtype_line(llm.config)
     prompts = build_workload(llm, n_shared, n_queries, steps).prompts
     r = bench.profile_decode_steps(llm, prompts, steps)
-    stdout.print(
-        f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
-        f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
-        f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}"
-    )
+    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
+                 f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
+                 f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
     if json_out:
         floor = bench.host_floor_engine(llm.tokenizer)
-        r.update(
-            ops_per_step=bench.ops_per_step(llm, prompts),
-            host_floor_ms_b32=bench.host_floor_ms(floor, 32),
-            host_floor_ms_b256=bench.host_floor_ms(floor, 256),
-            cpu_step_ms_b32=bench.host_floor_ms(floor, 32, attention=True),
-            cpu_step_ms_b256=bench.host_floor_ms(floor, 256, attention=True),
-            graph_breaks=bench.graph_breaks(llm, prompts),
-        )
-        stdout.print(
-            f"host share: {r['ops_per_step']} ops a step; host floor {r['host_floor_ms_b32']:.2f} ms at "
-            f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256 (with the CPU attention kernel: "
-            f"{r['cpu_step_ms_b32']:.2f} and {r['cpu_step_ms_b256']:.2f} ms); {r['graph_breaks']} graph breaks"
-        )
+        r.update(ops_per_step=bench.ops_per_step(llm, prompts), host_floor_ms_b32=bench.host_floor_ms(floor, 32),
+                 host_floor_ms_b256=bench.host_floor_ms(floor, 256),
+                 cpu_step_ms_b32=bench.host_floor_ms(floor, 32, attention=True),
+                 cpu_step_ms_b256=bench.host_floor_ms(floor, 256, attention=True),
+                 graph_breaks=bench.graph_breaks(llm, prompts))
+        stdout.print(f"host share: {r['ops_per_step']} ops a step; host floor {r['host_floor_ms_b32']:.2f} ms at "
+                     f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256 (with the CPU attention kernel: "
+                     f"{r['cpu_step_ms_b32']:.2f} and {r['cpu_step_ms_b256']:.2f} ms); {r['graph_breaks']} graph breaks")
         json_out.write_text(json.dumps(r, indent=2) + "\n")
+# fmt: on
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("machine")
 def bench_machine() -> None:
     """The ceilings the kernel is compared with: fp32 FMA GFLOP/s and streaming-read GB/s."""
     from chunkgen.bench.machine import machine_ceilings
 
     r = machine_ceilings()
-    stdout.print(
-        f"fp32 FMA peak {r['fma_gflops']:.0f} GFLOP/s ({r['simd_lanes']} lanes, all threads); "
-        f"streaming read {r['read_gb_s']:.1f} GB/s (torch sum over {r['read_mib']} MiB)"
-    )
+    stdout.print(f"fp32 FMA peak {r['fma_gflops']:.0f} GFLOP/s ({r['simd_lanes']} lanes, all threads); "
+                 f"streaming read {r['read_gb_s']:.1f} GB/s (torch sum over {r['read_mib']} MiB)")
+# fmt: on
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("tree")
-def bench_tree(
-    sequences: int = typer.Option(64, metavar="N", help="Sequences decoding on one shared prefix."),
-    json_out: Optional[Path] = typer.Option(
-        None, "--json", metavar="FILE", help="Also write the figures as JSON here."
-    ),
-) -> None:
+def bench_tree(sequences: int = typer.Option(64, metavar="N", help="Sequences decoding on one shared prefix."),
+               json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                       help="Also write the figures as JSON here.")) -> None:
     """Per-step cost of the prefix tree's bookkeeping (appends + kernel context), and of a rebuild."""
     from chunkgen.bench.tree import tree_overhead
 
     r = tree_overhead(sequences)
-    stdout.print(
-        f"{r['sequences']} sequences, {r['steps']} decode steps: tree work per step "
-        f"{r['step_us_median']:.0f} µs median ({r['step_us_p90']:.0f} µs p90), "
-        f"{r['rebuilds_during_steps']} rebuilds; full context rebuild {r['rebuild_us_median']:.0f} µs"
-    )
+    stdout.print(f"{r['sequences']} sequences, {r['steps']} decode steps: tree work per step "
+                    f"{r['step_us_median']:.0f} µs median ({r['step_us_p90']:.0f} µs p90), "
+                    f"{r['rebuilds_during_steps']} rebuilds; full context rebuild {r['rebuild_us_median']:.0f} µs")
     if json_out:
         json_out.write_text(json.dumps(r, indent=2) + "\n")
+# fmt: on
 
 
 def _print_kernel_table(rows: list[dict]) -> None:

@@ -19,50 +19,25 @@ from chunkgen.config import Config
 from chunkgen.device import choose_max_batch, human_bytes
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("e2e")
 def bench_e2e(
-    model: Optional[str] = typer.Option(
-        None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."
-    ),
-    n_shared: str = typer.Option(
-        "1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."
-    ),
-    n_queries: int = typer.Option(
-        32, metavar="N", help="Queries per run, each the shared prompt plus its own question."
-    ),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
+    n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
-    max_batch: str = typer.Option(
-        "auto",
-        metavar="N[,N...]",
-        callback=max_batch_values,
-        help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each.",
-    ),
+    max_batch: str = typer.Option("auto", metavar="N[,N...]", callback=max_batch_values, help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each."),
     dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
-    device: str = typer.Option(
-        "auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."
-    ),
-    kv_memory: str = typer.Option(
-        "8GiB",
-        metavar="SIZE",
-        help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system).",
-    ),
-    dummy_weights: Optional[str] = typer.Option(
-        None,
-        "--dummy-weights",
-        metavar="CONFIG",
-        help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are.",
-    ),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
+    kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
+    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
-    systems: str = typer.Option(
-        ",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")),
-        metavar="NAME[,NAME...]",
-        help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
-        "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking).",
-    ),
+    systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
+                                help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
+                                     "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
-    repeat: int = typer.Option(
-        1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."
-    ),
+    repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
@@ -77,15 +52,8 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
-    config = resolve_config(
-        model=model,
-        dummy_weights=dummy_weights,
-        seed=seed,
-        dtype=dtype,
-        device=device,
-        kv_memory=kv_memory,
-        max_batch=max(batches.values()),
-    )
+    config = resolve_config(model=model, dummy_weights=dummy_weights, seed=seed, dtype=dtype, device=device,
+                            kv_memory=kv_memory, max_batch=max(batches.values()))
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
     llm = load_llm(config)
     dtype = dtype_line(llm.config)
@@ -104,38 +72,23 @@ def bench_e2e(
 
     def on_row(r: dict) -> None:
         current.clear()
-        err.print(
-            f"  {r['system']:>16} n_shared={r['n_shared']}"
-            + (f" batch {r['max_batch']}" if len(batches) > 1 and r.get("max_batch") else "")
-            + f" round {r['round']}: "
-            f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
-            + (
-                f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
-                if r.get("constraint_setup_s")
-                else ""
-            ),
-            highlight=False,
-        )
+        err.print(f"  {r['system']:>16} n_shared={r['n_shared']}"
+                  + (f" batch {r['max_batch']}" if len(batches) > 1 and r.get("max_batch") else "")
+                  + f" round {r['round']}: "
+                  f"{r['gen_tokens_per_s']:.1f} tok/s, wall {r['wall_s']:.1f} s"
+                  + (f" (+{r['constraint_setup_s']:.1f} s grammar set-up, once, not in the wall time)"
+                     if r.get("constraint_setup_s") else ""), highlight=False)
 
     ticker = Ticker(tick, min(1.0, PROGRESS_EVERY_S / 4))
     try:
-        rows = run_e2e(
-            llm,
-            lengths,
-            n_queries,
-            max_new_tokens,
-            chosen,
-            dtype,
-            repeat=repeat,
-            on_row=on_row,
-            on_start=on_start,
-            batches=batches,
-        )
+        rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
+                       on_row=on_row, on_start=on_start, batches=batches)
     finally:
         ticker.stop()
     _print_table(rows, n_queries, max_new_tokens, dtype, repeat)
     if json_out:
         json_out.write_text(json.dumps(rows, indent=2) + "\n")
+# fmt: on
 
 
 def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: str, repeat: int) -> None:

@@ -20,37 +20,20 @@ from chunkgen.jobs.source import JobSource, check_format, check_queries_path
 from chunkgen.model.precision import DTYPE_NAMES
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @app.command("inspect-tree")
 def inspect_tree(
-    queries: str = typer.Option(
-        ..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."
-    ),
-    template: Optional[Path] = typer.Option(
-        None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."
-    ),
-    model: Optional[str] = typer.Option(
-        None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."
-    ),
+    queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
+    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option(
-        "auto",
-        metavar="DTYPE",
-        help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use).",
-    ),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
-    kv_memory: str = typer.Option(
-        "4GiB",
-        metavar="SIZE",
-        help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order.",
-    ),
-    max_batch: str = typer.Option(
-        "auto",
-        metavar="N",
-        callback=max_batch_values,
-        help="Sequences decoded together in the run to foresee (a number, or auto as for run).",
-    ),
+    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
+    max_batch: str = typer.Option("auto", metavar="N", callback=max_batch_values, help="Sequences decoded together in the run to foresee (a number, or auto as for run)."),
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
     hit rate a run with --kv-memory reaches in file order and in prefix order."""
@@ -60,17 +43,15 @@ def inspect_tree(
 
     with said_as_mistakes():
         check_format(fmt)
-        config = resolve_config(
-            device="cpu", dtype=dtype, kv_dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory, max_batch=max_batch
-        )
+        config = resolve_config(device="cpu", dtype=dtype, kv_dtype=dtype, chunk_size=chunk_size,
+                                kv_memory=kv_memory, max_batch=max_batch)
         check_queries_path(queries)
         source = JobSource.open(queries, template, fmt, {}, id_field, prefix_order=True)
     with source:
         path = resolve_model(model)
         check_kv_fits(path, config)
-        forecast = TreeForecast(
-            path, config.chunk_size, config.kv_dtype, config.kv_memory, config.max_batch, config.max_prefill_tokens
-        )
+        forecast = TreeForecast(path, config.chunk_size, config.kv_dtype, config.kv_memory, config.max_batch,
+                                config.max_prefill_tokens)
         _feed(forecast, source, AutoTokenizer.from_pretrained(path), config.chunk_size)
     tree, st, templates_under = forecast.forest()
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {config.chunk_size} tokens)")
@@ -79,6 +60,7 @@ def inspect_tree(
     _print_figures(forecast, st, config)
     if json_out:
         json_out.write_text(json.dumps(forecast.figures(st), indent=2) + "\n")
+# fmt: on
 
 
 def _feed(forecast, source: JobSource, tokenizer, chunk_size: int) -> None:

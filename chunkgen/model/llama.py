@@ -182,6 +182,30 @@ def context_length(cfg) -> int:
     return cfg.max_position_embeddings
 
 
+def _layer_weights(layer, window: int, rope: str, gemma: bool) -> LayerWeights:
+    """One decoder layer's weights as the forward reads them (q/k/v and gate/up fused)."""
+    a, m = layer.self_attn, layer.mlp
+    qkv, gate_up = _projections(a, m)
+    q_norm = getattr(a, "q_norm", None)
+    k_norm = getattr(a, "k_norm", None)
+    return LayerWeights(
+        ln_attn=layer.input_layernorm.weight.detach(),
+        qkv=qkv,
+        o=Linear(a.o_proj.weight, a.o_proj.bias),
+        # Gemma names the norm before the MLP pre_feedforward_layernorm and uses
+        # post_attention_layernorm on the attention output
+        ln_mlp=(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm).weight.detach(),
+        gate_up=gate_up,
+        down=Linear(m.down_proj.weight, m.down_proj.bias),
+        window=window,
+        rope=rope,
+        q_norm=None if q_norm is None else q_norm.weight.detach(),
+        k_norm=None if k_norm is None else k_norm.weight.detach(),
+        post_attn=layer.post_attention_layernorm.weight.detach() if gemma else None,
+        post_mlp=layer.post_feedforward_layernorm.weight.detach() if gemma else None,
+    )
+
+
 class LlamaModel:
     def __init__(self, hf_model) -> None:
         cfg = hf_model.config
@@ -217,36 +241,14 @@ class LlamaModel:
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
         self.lm_head = Linear(hf_model.lm_head.weight, None)
-        self.layers: list[LayerWeights] = []
         windows = layer_windows(cfg)
         per_type_rope = "layer_type" in inspect.signature(self.rotary.forward).parameters
         types = getattr(cfg, "layer_types", None) or ["default"] * self.num_layers
         with torch.no_grad():
-            for i, layer in enumerate(inner.layers):
-                a, m = layer.self_attn, layer.mlp
-                qkv, gate_up = _projections(a, m)
-                q_norm = getattr(a, "q_norm", None)
-                k_norm = getattr(a, "k_norm", None)
-                self.layers.append(
-                    LayerWeights(
-                        ln_attn=layer.input_layernorm.weight.detach(),
-                        qkv=qkv,
-                        o=Linear(a.o_proj.weight, a.o_proj.bias),
-                        # Gemma names the norm before the MLP pre_feedforward_layernorm and uses
-                        # post_attention_layernorm on the attention output
-                        ln_mlp=(
-                            layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
-                        ).weight.detach(),
-                        gate_up=gate_up,
-                        down=Linear(m.down_proj.weight, m.down_proj.bias),
-                        window=windows[i],
-                        rope=types[i] if per_type_rope else "default",
-                        q_norm=None if q_norm is None else q_norm.weight.detach(),
-                        k_norm=None if k_norm is None else k_norm.weight.detach(),
-                        post_attn=layer.post_attention_layernorm.weight.detach() if gemma else None,
-                        post_mlp=layer.post_feedforward_layernorm.weight.detach() if gemma else None,
-                    )
-                )
+            self.layers = [
+                _layer_weights(layer, windows[i], types[i] if per_type_rope else "default", gemma)
+                for i, layer in enumerate(inner.layers)
+            ]
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
         self._inter = cfg.intermediate_size
