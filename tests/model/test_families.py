@@ -221,11 +221,11 @@ def test_prefill_logits_at_every_length(family, family_models):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     cuts = range(1, len(ids) + 1)  # every position: inside, at and past each window and chunk boundary
     engine = llm.new_engine()
-    from chunkgen.model.llama import PrefillItem
+    from chunkgen.engine.runner import PrefillItem
 
     for n in cuts:
         item = PrefillItem(tokens=ids[:n], start=0, write_from=0, path_slots=_slots(engine, n), want_logits=True)
-        got = engine.model.prefill([item], engine.pool)[0].float()
+        got = engine.runner.prefill([item])[0].float()
         with torch.no_grad():
             ref = hf(torch.tensor([ids[:n]])).logits[0, -1]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=f"{family}: position {n - 1}")
