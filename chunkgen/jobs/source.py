@@ -8,6 +8,7 @@ mistake it finds is an `OptionError` naming the option it came from, raised befo
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -128,8 +129,9 @@ class JobSource:
         order, items = PrefixOrder.reading(row_file, rows, to_jobs)
         return cls(queries, fmt, templates, items, order, _keep=keep)
 
-    @property
+    @functools.cached_property
     def total(self) -> int | None:
+        """Rows in the file, for the progress total: counted once (a pipe cannot be counted ahead)."""
         return count_lines(self.queries)
 
     def close(self) -> None:
