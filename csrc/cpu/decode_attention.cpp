@@ -91,12 +91,37 @@ inline void merge_shared_partials(const DecodeProblem& p, const Workspace& ws, S
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
   for (int i = p.seq_shared_ptr[b]; i < p.seq_shared_ptr[b + 1]; ++i) {
     const int c = p.seq_shared_idx[i];
-    if (b < ws.eff_begin[c] || b >= ws.eff_end[c]) continue;  // outside the row's window: no partial
+    if (!ws.holds_partial[c] || b < ws.eff_begin[c] || b >= ws.eff_end[c]) continue;  // no partial here
     for (int g = 0; g < G; ++g) {
       const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
       merge_partial(sc.o.data() + g * d, sc.m[g], sc.l[g], ws.part_o.data() + pr * d, ws.part_m[pr], ws.part_l[pr], d);
     }
   }
+}
+
+// Chunks [lo, hi) of the own-chunk list, at most two, toward L2 for the row after this one: its
+// slots lie anywhere in the pool, so the hardware prefetchers cannot see them coming, and phase 2
+// reads each of them once, from memory.
+template <typename T>
+inline void prefetch_chunks(const DecodeProblem& p, const Workspace& ws, const PoolView& pool, int lo, int hi, int h) {
+  constexpr int kLine = 64 / sizeof(T);
+  const int C = p.chunk, d = p.head_dim;
+  for (int i = lo; i < std::min(hi, lo + 2); ++i) {
+    const int n = ws.chunk_len[i];
+    const size_t off = pool.at(ws.chunk_slot[i], h);
+    const T* k = static_cast<const T*>(p.k) + off;
+    const T* v = static_cast<const T*>(p.v) + off;
+    for (int t = 0; t < d; ++t)
+      for (int j = 0; j < n; j += kLine) __builtin_prefetch(k + static_cast<size_t>(t) * C + j, 0, 2);
+    for (size_t e = 0; e < static_cast<size_t>(n) * d; e += kLine) __builtin_prefetch(v + e, 0, 2);
+  }
+}
+
+// Row b's segment seg of its own chunks: [lo, hi) of the own-chunk list.
+inline std::pair<int, int> segment_chunks(const Workspace& ws, int b, int seg) {
+  const int nseg = ws.seq_nseg[b], c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
+  return {c0 + static_cast<int>(static_cast<int64_t>(nc) * seg / nseg),
+          c0 + static_cast<int>(static_cast<int64_t>(nc) * (seg + 1) / nseg)};
 }
 
 // Phase 2: each row of item w over its segment of its own chunks, then written out (or kept as the
@@ -111,9 +136,11 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Scratch& 
   sc.reserve(G, d, p.chunk);
   for (int b = w.begin; b < w.end; ++b) {
     const int nseg = ws.seq_nseg[b];
-    const int c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
-    const int lo = c0 + static_cast<int>(static_cast<int64_t>(nc) * w.seg / nseg);
-    const int hi = c0 + static_cast<int>(static_cast<int64_t>(nc) * (w.seg + 1) / nseg);
+    const auto [lo, hi] = segment_chunks(ws, b, w.seg);
+    if (b + 1 < w.end) {
+      const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);
+      prefetch_chunks<T>(p, ws, pool, next_lo, next_hi, h);
+    }
     if (ws.item_writes[b] && w.seg == nseg - 1) store_new_kv<T>(p, b, h);  // its segment has the last chunk
     load_queries<Q>(p, sc, b, b + 1, h);
     sc.reset_state(G, d);

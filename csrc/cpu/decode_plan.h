@@ -30,6 +30,9 @@ struct SeqItem {
 struct Workspace {
   std::vector<int64_t> shared_row;  // first partial row of each shared chunk
   std::vector<float> part_o, part_m, part_l;
+  // Shared chunk c's partial rows hold a result (it is the first chunk of its items): the merge
+  // reads only those, not every chunk's rows, which lie a whole batch of rows apart.
+  std::vector<uint8_t> holds_partial;
   std::vector<SharedItem> shared_items;
   std::vector<int32_t> group_chunks;                          // live shared chunks, ordered by their row range
   std::vector<int32_t> chunk_slot, chunk_len, seq_chunk_ptr;  // chunks each sequence reads itself
@@ -97,26 +100,20 @@ inline int64_t seq_tokens(const Workspace& ws, int b) {
   return n;
 }
 
-// The partials of rows [b0, b1) of item w (state rows (b - b0) * G + g): at the item's first chunk;
-// its other chunks' partials for those rows are marked empty (l = 0).
+// The partials of rows [b0, b1) of item w (state rows (b - b0) * G + g), at the item's first chunk.
 inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedItem& w, int b0, int b1, const float* o,
                            const float* m, const float* l) {
+  if (w.first == w.last) return;
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
-  for (int i = w.first; i < w.last; ++i) {
-    const int c = ws.group_chunks[i];
-    for (int b = b0; b < b1; ++b)
-      for (int g = 0; g < G; ++g) {
-        const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
-        const int r = (b - b0) * G + g;
-        if (i == w.first) {
-          std::memcpy(ws.part_o.data() + pr * d, o + static_cast<size_t>(r) * d, sizeof(float) * d);
-          ws.part_m[pr] = m[r];
-          ws.part_l[pr] = l[r];
-        } else {
-          ws.part_l[pr] = 0.f;
-        }
-      }
-  }
+  const int c = ws.group_chunks[w.first];
+  for (int b = b0; b < b1; ++b)
+    for (int g = 0; g < G; ++g) {
+      const size_t pr = static_cast<size_t>(ws.shared_row[c] + b - p.shared_begin[c]) * Hq + h * G + g;
+      const int r = (b - b0) * G + g;
+      std::memcpy(ws.part_o.data() + pr * d, o + static_cast<size_t>(r) * d, sizeof(float) * d);
+      ws.part_m[pr] = m[r];
+      ws.part_l[pr] = l[r];
+    }
 }
 
 // Phase 1's items: the live shared chunks grouped by the rows that read them; each group's (rows x
@@ -146,6 +143,8 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
   const int64_t per_item = std::max<int64_t>(4, (shared_work + 3 * nthreads - 1) / (3 * nthreads));
   ws.shared_items.clear();
   const int n_live = static_cast<int>(ws.group_chunks.size());
+  grow(ws.holds_partial, S);
+  std::fill_n(ws.holds_partial.begin(), S, uint8_t{0});
   for (int g0 = 0, g1; g0 < n_live; g0 = g1) {
     const int c0 = ws.group_chunks[g0], begin = eff_begin[c0], end = eff_end[c0];
     for (g1 = g0 + 1; g1 < n_live && eff_begin[ws.group_chunks[g1]] == begin && eff_end[ws.group_chunks[g1]] == end;
@@ -163,6 +162,7 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
         for (int b = begin; b < end; b += rows_per)
           ws.shared_items.push_back(
               {cut(cp), cp + 1 == chunk_pieces ? g1 : cut(cp + 1), h, b, std::min(b + rows_per, end)});
+    for (int cp = 0; cp < chunk_pieces; ++cp) ws.holds_partial[ws.group_chunks[cut(cp)]] = 1;
   }
   const size_t part_rows = static_cast<size_t>(ws.shared_row[S]) * p.q_heads;
   grow(ws.part_o, part_rows * p.head_dim);
