@@ -67,4 +67,15 @@ int simd_width();  // fp32 lanes the CPU kernel was compiled for
 // force one (tests run every path the machine has); a higher one than available is not granted.
 const char* cpu_kernel_isa();
 
+// What the CPU decode kernel did since the clock was last reset, for profiles (`bench step`):
+// wall seconds of its parts as the calling thread sees them (planning, chunk-first, sequence-first,
+// the segment merge; each part ends at the barrier after it) and the multiply-adds' FLOPs of the
+// two phases (4 x head_dim per query row and key). Kept by every call; costs a few clock reads.
+struct DecodeClock {
+  double plan_s = 0, chunk_first_s = 0, seq_first_s = 0, merge_s = 0;
+  double chunk_first_flop = 0, seq_first_flop = 0;
+  int64_t calls = 0;
+};
+DecodeClock decode_clock(bool reset);
+
 }  // namespace chunkgen

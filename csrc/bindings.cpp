@@ -465,6 +465,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
         "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "
         "CHUNKGEN_CPU_ISA forces a lower one");
+  m.def(
+      "decode_clock",
+      [](bool reset) {
+        const chunkgen::DecodeClock c = chunkgen::decode_clock(reset);
+        return py::dict(py::arg("plan_s") = c.plan_s, py::arg("chunk_first_s") = c.chunk_first_s,
+                        py::arg("seq_first_s") = c.seq_first_s, py::arg("merge_s") = c.merge_s,
+                        py::arg("chunk_first_flop") = c.chunk_first_flop, py::arg("seq_first_flop") = c.seq_first_flop,
+                        py::arg("calls") = c.calls);
+      },
+      "what the CPU decode kernel did since the last reset: seconds of its parts (plan, chunk_first, "
+      "seq_first, merge, each to the barrier after it) and the FLOPs of its two phases",
+      py::arg("reset") = false);
   m.def("fma_peak_gflops", &chunkgen::fma_peak_gflops, "measured fp32 FMA GFLOP/s on all OpenMP threads",
         py::arg("iters") = 200000000);
 #ifdef CHUNKGEN_WITH_CUDA

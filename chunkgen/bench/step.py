@@ -1,22 +1,35 @@
-"""Where one decode step's time goes: attention kernel, linear layers, the model's other torch ops,
-and the engine around the model (tree, kernel context, sampling, Python)."""
+"""Where a decode step's and a prefill wave's time goes: attention (the decode kernel's parts:
+chunk-first, sequence-first, merge, and the op around them), linear layers, the model's other
+torch ops, and the engine around the model (tree, kernel context, sampling, Python); with the
+FLOP rates of the products, to set against the machine's FMA peak (`bench machine`)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from chunkgen._native import native, native_cpu_available
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.kernels import decode_step_attention as real_attention
 from chunkgen.llm import LLM
 from chunkgen.model import llama
 
 
-@contextlib.contextmanager
-def _timed(owner, name: str, totals: dict, key: str):
-    """Temporarily wrap owner.name to add its wall time to totals[key]."""
+@dataclass
+class _Split:
+    """Seconds and FLOPs gathered while a phase runs."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: {"attention": 0.0, "linear": 0.0, "model": 0.0})
+    linear_flop: float = 0.0
+    attention_flop: float = 0.0
+
+
+def _timed(owner, name: str, split: _Split, key: str, flop=None):
+    """Wrap owner.name to add its wall time to split.seconds[key] (and flop(*args, **kwargs) of
+    each call to split's FLOP counts)."""
     original = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -24,27 +37,80 @@ def _timed(owner, name: str, totals: dict, key: str):
         try:
             return original(*args, **kwargs)
         finally:
-            totals[key] += time.perf_counter() - t0
+            split.seconds[key] += time.perf_counter() - t0
+            if flop is not None:
+                flop(split, *args, **kwargs)
 
-    setattr(owner, name, wrapper)
+    return owner, name, original, wrapper
+
+
+@contextlib.contextmanager
+def _patched(*patches):
+    for owner, name, _, wrapper in patches:
+        setattr(owner, name, wrapper)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        for owner, name, original, _ in patches:
+            setattr(owner, name, original)
 
 
-def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
-    """Average ms per decode step once every prompt is admitted (prefill excluded)."""
+def _linear_flop(split: _Split, linear: llama.Linear, x: torch.Tensor) -> None:
+    split.linear_flop += 2.0 * x.shape[0] * linear.weight.shape[0] * linear.weight.shape[1]
+
+
+def _prefill_attention_flop(split: _Split, groups, layer, q, *args, window: int = 0, **kwargs) -> None:
+    # Every new token attends to each key up to its own position (inside its window, if any):
+    # 4 x head_dim FLOPs a key and query head (q.k and p.v).
+    seen = lambda g: (g.positions + 1).clamp(max=window) if window else g.positions + 1  # noqa: E731
+    keys = sum(float(seen(g).sum()) for g in groups)
+    split.attention_flop += 4.0 * q.shape[-1] * q.shape[1] * keys
+
+
+def _decode_clock(reset: bool = False) -> dict | None:
+    return native().decode_clock(reset) if native_cpu_available() else None
+
+
+def _kernel_parts(clock: dict | None, steps: int) -> dict:
+    """The CPU decode kernel's parts, ms a step, and its phases' FLOPs a step."""
+    if not clock or not clock["calls"]:
+        return {}
+    ms = lambda s: 1e3 * s / steps  # noqa: E731
+    return {
+        "kernel_plan_ms": ms(clock["plan_s"]),
+        "chunk_first_ms": ms(clock["chunk_first_s"]),
+        "seq_first_ms": ms(clock["seq_first_s"]),
+        "merge_ms": ms(clock["merge_s"]),
+        "chunk_first_gflop": clock["chunk_first_flop"] / steps / 1e9,
+        "seq_first_gflop": clock["seq_first_flop"] / steps / 1e9,
+    }
+
+
+def profile_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
+    """The split of the prefill of `prompts` (every wave until all are admitted; `prefill_*`, in
+    seconds) and of the decode steps after it (ms a step, the mean of `steps`)."""
     engine = llm.new_engine(max_batch=len(prompts))
     params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
     engine.add([Request(i, p, params) for i, p in enumerate(prompts)])
-    while engine.num_waiting:  # admission and prefill waves, before the decode steps timed below
-        engine.step()
-    totals = {"attention": 0.0, "linear": 0.0, "model": 0.0}
-    with (
-        _timed(llama, "decode_step_attention", totals, "attention"),
-        _timed(llama.Linear, "__call__", totals, "linear"),
-        _timed(llama.LlamaModel, "decode", totals, "model"),
+    model = type(llm.model)
+    prefill = _Split()
+    with _patched(
+        _timed(llama, "prefill_attention", prefill, "attention", _prefill_attention_flop),
+        _timed(llama.Linear, "__call__", prefill, "linear", _linear_flop),
+        _timed(model, "prefill", prefill, "model"),
+    ):
+        t0 = time.perf_counter()
+        waves = 0
+        while engine.num_waiting:  # admission and prefill waves
+            engine.step()
+            waves += 1
+        prefill_wall = time.perf_counter() - t0
+    decode = _Split()
+    _decode_clock(reset=True)
+    with _patched(
+        _timed(llama, "decode_step_attention", decode, "attention"),
+        _timed(llama.Linear, "__call__", decode, "linear", _linear_flop),
+        _timed(model, "decode", decode, "model"),
     ):
         t0 = time.perf_counter()
         done = 0
@@ -53,14 +119,31 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) ->
             done += 1
         total = time.perf_counter() - t0
     ms = lambda s: 1e3 * s / done  # noqa: E731
+    sec = decode.seconds
+    pre = prefill.seconds
+    kernel = _kernel_parts(_decode_clock(), done)
+    if kernel:  # the sequence-first phase streams each row's own K/V: its bytes a step
+        m = llm.model
+        keys = kernel["seq_first_gflop"] * 1e9 / (4 * m.head_dim * m.q_heads)
+        kernel["seq_first_gb"] = keys * 2 * m.kv_heads * m.head_dim * engine.pool.k.element_size() / 1e9
     return {
         "batch": len(prompts),
         "steps": done,
         "step_ms": ms(total),
-        "attention_ms": ms(totals["attention"]),
-        "linear_ms": ms(totals["linear"]),
-        "other_model_ms": ms(totals["model"] - totals["attention"] - totals["linear"]),
-        "engine_ms": ms(total - totals["model"]),
+        "attention_ms": ms(sec["attention"]),
+        "linear_ms": ms(sec["linear"]),
+        "other_model_ms": ms(sec["model"] - sec["attention"] - sec["linear"]),
+        "engine_ms": ms(total - sec["model"]),
+        "linear_gflop": decode.linear_flop / done / 1e9,
+        **kernel,
+        "prefill_steps": waves,
+        "prefill_s": prefill_wall,
+        "prefill_attention_s": pre["attention"],
+        "prefill_linear_s": pre["linear"],
+        "prefill_other_model_s": pre["model"] - pre["attention"] - pre["linear"],
+        "prefill_engine_s": prefill_wall - pre["model"],
+        "prefill_attention_gflop": prefill.attention_flop / 1e9,
+        "prefill_linear_gflop": prefill.linear_flop / 1e9,
     }
 
 

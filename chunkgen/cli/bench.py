@@ -148,6 +148,49 @@ def bench_order_pass(
 # fmt: on
 
 
+def step_table(r: dict, ceilings: dict | None) -> Table:
+    """bench step's split as a table: time, share, and the products' rates against the FMA peak."""
+    peak = ceilings["fma_gflops"] if ceilings else None
+    table = Table(
+        title=f"prefill ({r['prefill_steps']} waves) and a decode step at batch {r['batch']}"
+        + (f"; FMA peak {peak:.0f} GFLOP/s, read {ceilings['read_gb_s']:.1f} GB/s" if ceilings else "")
+    )
+    for col in ("part", "time", "share", "GFLOP/s", "of FMA peak", "GB/s"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+
+    def row(part: str, seconds: float, whole: float, unit: str, gflop: float | None = None, gb: float | None = None):
+        rate = gflop / seconds if gflop and seconds > 0 else None
+        table.add_row(
+            part,
+            f"{seconds * (1e3 if unit == 'ms' else 1):.{1 if unit == 'ms' else 2}f} {unit}",
+            f"{100 * seconds / whole:.0f}%" if whole > 0 else "",
+            f"{rate:.0f}" if rate else "",
+            f"{100 * rate / peak:.0f}%" if rate and peak else "",
+            f"{gb / seconds:.1f}" if gb and seconds > 0 else "",
+        )
+
+    wave = r["prefill_s"]
+    row("prefill", wave, wave, "s", r["prefill_attention_gflop"] + r["prefill_linear_gflop"])
+    row("  attention", r["prefill_attention_s"], wave, "s", r["prefill_attention_gflop"])
+    row("  linear layers", r["prefill_linear_s"], wave, "s", r["prefill_linear_gflop"])
+    row("  other model ops", r["prefill_other_model_s"], wave, "s")
+    row("  engine", r["prefill_engine_s"], wave, "s")
+    step = r["step_ms"] / 1e3
+    gflop = r["linear_gflop"] + r.get("chunk_first_gflop", 0.0) + r.get("seq_first_gflop", 0.0)
+    row("decode step", step, step, "ms", gflop)
+    row("  attention", r["attention_ms"] / 1e3, step, "ms")
+    if "chunk_first_ms" in r:
+        row("    chunk-first", r["chunk_first_ms"] / 1e3, step, "ms", r["chunk_first_gflop"])
+        row("    sequence-first", r["seq_first_ms"] / 1e3, step, "ms", r["seq_first_gflop"], r["seq_first_gb"])
+        row("    segment merge", r["merge_ms"] / 1e3, step, "ms")
+        outside = r["attention_ms"] - r["chunk_first_ms"] - r["seq_first_ms"] - r["merge_ms"]
+        row("    plan, op dispatch", outside / 1e3, step, "ms")
+    row("  linear layers", r["linear_ms"] / 1e3, step, "ms", r["linear_gflop"])
+    row("  other model ops", r["other_model_ms"] / 1e3, step, "ms")
+    row("  engine", r["engine_ms"] / 1e3, step, "ms")
+    return table
+
+
 # One line per option: the signature reads like the --help it makes.
 # fmt: off
 @bench_app.command("step")
@@ -163,17 +206,21 @@ def bench_step(
         "30-layer random model with hidden size 64, the attention op dispatched without its arithmetic; "
         "cpu_step_ms_b32 / _b256 with it), graph_breaks (torch._dynamo.explain of the decode forward)."),
 ) -> None:
-    """Split of one decode step: attention, linear layers, other model ops, engine (tree, sampling)."""
+    """Split of the prefill and of one decode step: attention (the kernel's phases), linear layers, other model ops, engine (tree, sampling); FLOP rates against the machine's FMA peak."""
     from chunkgen.bench import step as bench
     from chunkgen.bench.e2e import build_workload
+    from chunkgen.bench.machine import machine_ceilings
 
     llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB"))
     dtype = dtype_line(llm.config)
     prompts = build_workload(llm, n_shared, n_queries, steps).prompts
-    r = bench.profile_decode_steps(llm, prompts, steps)
+    ceilings = machine_ceilings() if llm.config.device == "cpu" else None
+    r = bench.profile_steps(llm, prompts, steps)
+    r["machine"] = ceilings
     stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
                  f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
+    stdout.print(step_table(r, ceilings))
     if json_out:
         floor = bench.host_floor_engine(llm.tokenizer)
         r.update(ops_per_step=bench.ops_per_step(llm, prompts), host_floor_ms_b32=bench.host_floor_ms(floor, 32),

@@ -205,8 +205,23 @@ inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Sc
   for (int it = 0; it < n_items; ++it) shared_item_fp32<T, Q>(p, ws, ws.shared_items[it], sc);
 }
 
+DecodeClock clock;
+
+// The multiply-adds' FLOPs of both phases: every query row against every key it reads.
+inline void count_flop(const DecodeProblem& p, const Workspace& ws) {
+  const double per_key = 4.0 * p.head_dim * p.q_heads;  // q.k and p.v for each query head
+  int64_t shared = 0, own = 0;
+  if (p.chunk_first)
+    for (int c = 0; c < p.num_shared; ++c)
+      shared += static_cast<int64_t>(ws.eff_end[c] - ws.eff_begin[c]) * p.shared_len[c];
+  for (int b = 0; b < p.batch; ++b) own += seq_tokens(ws, b);
+  clock.chunk_first_flop += per_key * static_cast<double>(shared);
+  clock.seq_first_flop += per_key * static_cast<double>(own);
+}
+
 template <typename T, typename Q>
 void run(const DecodeProblem& p, Isa isa) {
+  const double t0 = omp_get_wtime();
   const int nthreads = omp_get_max_threads();
   Workspace& ws = workspace();
   int block = 1;  // chunks the bf16 path multiplies at once
@@ -232,18 +247,30 @@ void run(const DecodeProblem& p, Isa isa) {
   const int n_seq_items = static_cast<int>(ws.seq_items.size());
   const bool segments = ws.seg_row[p.batch] > 0;
   const int out_rows = p.batch * p.q_heads;
+  count_flop(p, ws);
+  double t1 = omp_get_wtime(), t2 = t1, t3 = t1;
 #pragma omp parallel
   {
     thread_local Scratch sc;
     chunk_first_phase<T, Q>(p, ws, isa, sc);
+#pragma omp master
+    t2 = omp_get_wtime();
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < n_seq_items; ++it) seq_item<T, Q>(p, ws, ws.seq_items[it], sc);
+#pragma omp master
+    t3 = omp_get_wtime();
     // No segments: no loop, one barrier less, which matters when the cores are shared and a
     // waiting thread may lose its time slice.
     if (segments)
 #pragma omp for schedule(static)
       for (int row = 0; row < out_rows; ++row) merge_segments<Q>(p, ws, sc, row);
   }
+  const double t4 = omp_get_wtime();
+  clock.plan_s += t1 - t0;
+  clock.chunk_first_s += t2 - t1;
+  clock.seq_first_s += t3 - t2;
+  clock.merge_s += t4 - t3;
+  clock.calls += 1;
 }
 
 }  // namespace decode
@@ -251,6 +278,12 @@ void run(const DecodeProblem& p, Isa isa) {
 int simd_width() { return decode::W; }
 
 const char* cpu_kernel_isa() { return isa_name(current_isa()); }
+
+DecodeClock decode_clock(bool reset) {
+  const DecodeClock now = decode::clock;
+  if (reset) decode::clock = DecodeClock{};
+  return now;
+}
 
 void decode_attention_cpu(const DecodeProblem& p) {
   const bool q32 = p.q_type == KVType::F32;

@@ -172,3 +172,33 @@ def test_host_floor_dispatches_attention_without_its_work(llm):
         assert timed == (0 if attention else 2 * llm.model.num_layers)
         assert len(rows) - timed >= llm.model.num_layers
         assert llama.decode_step_attention is decode_step_attention
+
+
+def test_step_profile_counts_the_work_done(llm):
+    """`bench step`'s split counts the work it sets time against: the linear layers' FLOPs are
+    every weight times every row; the decode kernel's phases count each row's keys (the shared
+    chunks in chunk-first, the rest in sequence-first); prefill attention counts each new token's
+    keys up to its own position, the shared prompt's tokens once."""
+    from chunkgen.bench import step as bench
+
+    m = llm.model
+    shared = [5] * (2 * CHUNK)  # two full chunks all rows read
+    prompts = [shared + [20 + i] * (3 + i) for i in range(4)]
+    steps = 3
+    r = bench.profile_steps(llm, prompts, steps)
+    assert r["steps"] == steps and r["batch"] == len(prompts)
+    linears = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [m.lm_head]
+    assert r["linear_gflop"] * 1e9 == pytest.approx(2 * len(prompts) * sum(w.weight.numel() for w in linears))
+    per_key = 4 * m.head_dim * m.q_heads * m.num_layers
+    # Decode step j: row i holds its prompt, the token prefill sampled and j more, and the new one.
+    keys = sum(len(p) + 1 + j for p in prompts for j in range(steps)) / steps
+    shared_keys = len(prompts) * len(shared) if llm.new_engine().runner.chunk_first else 0
+    assert r["chunk_first_gflop"] * 1e9 == pytest.approx(per_key * shared_keys)
+    assert r["seq_first_gflop"] * 1e9 == pytest.approx(per_key * (keys - shared_keys))
+    for part in ("chunk_first_ms", "seq_first_ms", "merge_ms", "kernel_plan_ms"):
+        assert 0 <= r[part] <= r["attention_ms"]
+    prefill_keys = sum(t + 1 for t in range(len(shared))) + sum(
+        t + 1 for p in prompts for t in range(len(shared), len(p))
+    )
+    assert r["prefill_attention_gflop"] * 1e9 == pytest.approx(per_key * prefill_keys)
+    assert 0 < r["prefill_attention_s"] + r["prefill_linear_s"] <= r["prefill_s"]
