@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import weakref
 
 import torch
@@ -25,6 +28,27 @@ def kv_shape(config) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back a CPU tensor's untouched memory with 2 MiB pages (transparent huge
+    pages, where the system allows them on request). The decode kernel reads each row's own
+    chunks from slots anywhere in the pool: with 4 KiB pages every chunk of every layer costs
+    TLB misses of its own. Only the whole 2 MiB pages inside the tensor are advised.
+    CHUNKGEN_HUGE_PAGES=0 turns it off. Returns whether the advice was taken."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux") or os.environ.get("CHUNKGEN_HUGE_PAGES") == "0":
+        return False
+    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 class ChunkPool:
@@ -74,6 +98,8 @@ class ChunkPool:
         if tensors is None:
             self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
             self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
+            for t in (self.k, self.v):
+                advise_huge_pages(t)
         else:
             self.k, self.v = tensors
             for name, t, shape in (("K", self.k, shape_k), ("V", self.v, shape_v)):
