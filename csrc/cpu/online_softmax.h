@@ -168,11 +168,8 @@ inline void row_softmax(float* sr, int nv, vi tail, int lo, float cap, float& m,
   vf sum = {};
   for (int jv = 0; jv < nv; ++jv) {
     const vf x = load(sr + jv * W);
-    vf e = vexp(x - mv);
-    if constexpr (Masked)
-      e = x == splat(kNegInf) ? vf{} : e;  // vexp clamps -inf to a tiny positive value
-    else if (jv + 1 == nv)
-      e = tail ? e : vf{};  // padded lanes carry no weight
+    vf e = vexp2_nonpos((x - mv) * 1.44269504088896341f);  // masked scores (-inf) give 0
+    if (!Masked && jv + 1 == nv) e = tail ? e : vf{};      // padded lanes carry no weight
     store(sr + jv * W, e);
     sum += e;
   }

@@ -103,6 +103,25 @@ inline vf vexp(vf x) {
   return y * (vf)n;
 }
 
+// 2^t for t <= 0: softmax's exponent once the row's maximum is taken out (0 below -127, and for
+// -inf). Adding 1.5 * 2^23 rounds t to an integer n held in the low mantissa bits, so 2^n is an
+// integer add and a shift away; 2^(t - n) is a degree-5 fit on [-0.5, 0.5] (relative error under
+// 2e-7). About half the instructions of vexp, which softmax pays once per score.
+inline vf vexp2_nonpos(vf t) {
+  const vf magic = splat(12582912.f);
+  t = vmax(t, splat(-127.f));
+  const vf r = t + magic;
+  const vf f = t - (r - magic);
+  vf p = splat(1.326472731307149e-3f);
+  p = p * f + 9.671512991189957e-3f;
+  p = p * f + 5.550733581185341e-2f;
+  p = p * f + 2.4022242426872253e-1f;
+  p = p * f + 6.931470036506653e-1f;
+  p = p * f + 1.f;
+  const vi n = (vi)r - (vi)magic;
+  return p * (vf)((n + 127) << 23);
+}
+
 // cap * tanh(x / cap) (Gemma 2's logit soft-capping), tanh(y) = 1 - 2 / (e^2y + 1): its absolute
 // error (~1e-7, times cap) is far below the scores' own rounding.
 inline vf soft_cap(vf x, float cap) {
