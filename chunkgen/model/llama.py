@@ -54,8 +54,8 @@ class UnsupportedModel(ValueError):
 # its faster kernel: at batch 32 and 256, one thread, weights of 64x64 to 64x2048 the two paths at
 # best tie.
 _ONEDNN_MIN_WEIGHT = 1 << 17
-# Rows chunkgen's decode product takes (csrc/linear.h); more go to oneDNN.
-_DECODE_PACKED_ROWS = 32
+# Rows chunkgen's decode product takes (csrc/linear.h), by weight dtype; more go to oneDNN.
+_DECODE_PACKED_ROWS = {torch.bfloat16: 32, torch.float32: 256}
 
 
 def decode_product_available() -> bool:
@@ -68,10 +68,12 @@ class Linear:
     """y = x W^T + b. On the CPU the weight is packed once into oneDNN's blocked layout when the
     build supports it for this dtype and the weight is not tiny: 1.4-2.1x faster than F.linear at
     decode batch sizes (measured at batch 32 on the default model's shapes).
-    CHUNKGEN_ONEDNN=0 turns it off. A bf16 weight without bias on a CPU with AMX or AVX512_BF16 is
-    also packed for chunkgen's decode product (csrc/cpu/linear.cpp), which takes calls of up to 32
-    rows: a decode step's product is bound by reading the weights, and its packing streams them from
-    memory faster than oneDNN's does, with the same results.
+    CHUNKGEN_ONEDNN=0 turns it off. A weight without bias is also packed for chunkgen's decode
+    product (csrc/linear.h), which takes calls of up to 32 rows in bf16, 256 in fp32: in bf16 on a CPU with AMX or
+    AVX512_BF16 (a decode step's product is bound by reading the weights, and its packing streams
+    them from memory faster than oneDNN's does, with the same results); in fp32 on any CPU (FMA
+    vectors of the build's width, where oneDNN's AVX2 kernels reach about half the FMA peak at
+    these row counts; sums in another order, equal within fp32 rounding).
     CHUNKGEN_DECODE_LINEAR=0 turns it off."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -91,11 +93,11 @@ class Linear:
                 self.packed = None
         self.decode_packed = None
         if (
-            weight.dtype == torch.bfloat16
-            and bias is None
+            bias is None
             and weight.numel() >= _ONEDNN_MIN_WEIGHT
             and weight.device.type == "cpu"
-            and decode_product_available()
+            and (weight.dtype == torch.float32 and native_cpu_available() or decode_product_available())
+            and weight.dtype in (torch.float32, torch.bfloat16)
             and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"
         ):
             self.decode_packed = torch.ops.chunkgen.pack_linear.default(self.weight)
@@ -104,7 +106,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Inductor cannot lower the prepacked weights; a compiled forward packs weights itself.
         if not torch.compiler.is_compiling():
-            if self.decode_packed is not None and x.shape[0] <= _DECODE_PACKED_ROWS:
+            if self.decode_packed is not None and x.shape[0] <= _DECODE_PACKED_ROWS[self.weight.dtype]:
                 return torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

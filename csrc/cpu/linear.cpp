@@ -21,7 +21,9 @@ namespace chunkgen {
 torch::Tensor pack_linear_op(const torch::Tensor& w) {
   TORCH_CHECK_VALUE(w.dim() == 2 && w.device().is_cpu(), "pack_linear: w must be a 2-d CPU tensor, got ", w.sizes(),
                     " on ", w.device());
-  TORCH_CHECK_TYPE(w.scalar_type() == torch::kBFloat16, "pack_linear: w must be bfloat16, got ", w.scalar_type());
+  if (w.scalar_type() == torch::kFloat) return pack_linear_fp32(w);
+  TORCH_CHECK_TYPE(w.scalar_type() == torch::kBFloat16, "pack_linear: w must be bfloat16 or float32, got ",
+                   w.scalar_type());
   const auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1), blocks = (n + 31) / 32, kp = (k + 31) / 32 * 32;
   auto packed = torch::zeros({blocks, kp / 2, 32, 2}, wc.options());
@@ -158,11 +160,33 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
 }  // namespace
 #endif
 
+namespace {
+
+torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  const int64_t rows = x.size(0), k = x.size(1), cols = packed_linear_fp32_cols();
+  TORCH_CHECK_VALUE(rows <= kPackedLinearFp32MaxRows, "packed_linear: at most ", kPackedLinearFp32MaxRows,
+                    " float32 rows, got ", rows);
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) == (n + cols - 1) / cols &&
+                        packed.size(1) == k && packed.size(2) == cols,
+                    "packed_linear: packed must come from pack_linear of a [", n, ", ", k, "] float32 weight, got ",
+                    packed.sizes());
+  auto y = torch::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const auto xc = x.stride(1) == 1 ? x : x.contiguous();
+  packed_linear_fp32(xc.data_ptr<float>(), xc.stride(0), static_cast<int>(rows), packed.data_ptr<float>(), k, n,
+                     y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
 torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.device().is_cpu(), "packed_linear: x must be a 2-d CPU tensor, got ", x.sizes(),
                     " on ", x.device());
+  if (x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat)
+    return packed_linear_fp32_op(x, packed, n);
   TORCH_CHECK_TYPE(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
-                   "packed_linear: x and packed must be bfloat16, got ", x.scalar_type(), " and ",
+                   "packed_linear: x and packed must be both bfloat16 or both float32, got ", x.scalar_type(), " and ",
                    packed.scalar_type());
   const int64_t rows = x.size(0), k = x.size(1), kp = (k + 31) / 32 * 32;
   TORCH_CHECK_VALUE(rows <= kPackedLinearMaxRows, "packed_linear: at most ", kPackedLinearMaxRows, " rows, got ", rows);

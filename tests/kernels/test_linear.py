@@ -1,5 +1,6 @@
-"""chunkgen's bf16 decode product (csrc/cpu/linear.cpp) on every bf16 path this machine has (AMX,
-AVX512_BF16) against a float64 x W^T, and the model's Linear choosing it only where it applies."""
+"""chunkgen's decode products against a float64 x W^T: bf16 (csrc/cpu/linear.cpp) on every bf16
+path this machine has (AMX, AVX512_BF16), fp32 (csrc/cpu/linear_fp32.cpp) on the build's vectors;
+and the model's Linear choosing them only where they apply."""
 
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def test_bad_arguments_are_refused():
         op(torch.randn(4, 64), packed, 40)
     with pytest.raises(ValueError, match="pack_linear of a"):
         op(torch.randn(4, 32).bfloat16(), packed, 40)
-    with pytest.raises(TypeError, match="bfloat16"):
-        torch.ops.chunkgen.pack_linear.default(w.float())
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        torch.ops.chunkgen.pack_linear.default(w.half())
 
 
 @needs_bf16
@@ -89,9 +90,61 @@ def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
         assert y.shape == (rows, 600) and ((y.double() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
     assert calls == [1, 32]
     assert llama.Linear(w, torch.zeros(600).bfloat16()).decode_packed is None  # biased: oneDNN's path
-    assert llama.Linear(w.float(), None).decode_packed is None
     monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "0")
     assert llama.Linear(w, None).decode_packed is None
     monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "1")
     monkeypatch.setenv("CHUNKGEN_CPU_ISA", "fp32")  # no bf16 arithmetic: oneDNN's path
+    assert llama.Linear(w, None).decode_packed is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(0, 256),
+    n=st.sampled_from([1, 15, 16, 17, 33, 80, 576]),
+    k=st.sampled_from([1, 7, 64, 200, 576]),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_the_fp32_product_is_x_times_w_transposed(rows, n, k, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(k, rows, generator=gen).t() if strided else torch.randn(rows, k, generator=gen)
+    got = packed_linear(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    want = x.double() @ w.double().t()
+    bound = (x.double().abs() @ w.double().abs().t()) * k * 2**-23 + 1e-30  # fp32's rounding of k terms
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_the_fp32_product_keeps_a_nan_in_its_own_column_and_refuses_bad_arguments():
+    w = torch.randn(40, 64)
+    w[33, 5] = float("nan")
+    got = packed_linear(torch.randn(20, 64), w)
+    assert got[:, 33].isnan().all() and not got[:, :33].isnan().any() and not got[:, 34:].isnan().any()
+    packed = torch.ops.chunkgen.pack_linear.default(w)
+    op = torch.ops.chunkgen.packed_linear.default
+    with pytest.raises(ValueError, match="at most 256 float32 rows"):
+        op(torch.randn(257, 64), packed, 40)
+    with pytest.raises(ValueError, match="pack_linear of a"):
+        op(torch.randn(4, 32), packed, 40)
+    with pytest.raises(TypeError, match="both bfloat16 or both float32"):
+        op(torch.randn(4, 64).bfloat16(), packed, 40)
+
+
+def test_the_model_uses_the_fp32_product_for_up_to_256_rows(monkeypatch):
+    w = torch.randn(600, 512)
+    lin = llama.Linear(w, None)
+    assert lin.decode_packed is not None
+    calls = []
+    real = torch.ops.chunkgen.packed_linear.default
+    monkeypatch.setattr(
+        llama.torch.ops.chunkgen.packed_linear, "default", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    for rows in (1, 256, 257):
+        x = torch.randn(rows, 512)
+        want = x.double() @ w.double().t()
+        assert ((lin(x).double() - want).abs() <= (x.double().abs() @ w.double().abs().t()) * 512 * 2**-23).all()
+    assert calls == [1, 256]
+    assert llama.Linear(w, torch.zeros(600)).decode_packed is None  # biased: oneDNN's path
+    monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "0")
     assert llama.Linear(w, None).decode_packed is None
