@@ -335,6 +335,19 @@ def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, 
     assert bad.exit_code == 2 and "--max-batch" in bad.output
 
 
+def test_the_memory_check_does_not_under_estimate_fp32():
+    """fp32 on the CPU keeps a packed copy for the decode product too: the estimate counts it."""
+    from chunkgen.bench.e2e import PeakRSS
+    from chunkgen.llm import LLM
+
+    config = dummy.load_config("smollm2-135m")
+    with PeakRSS() as rss:
+        start = rss.peak
+        llm = LLM(dummy_weights="smollm2-135m", dtype="fp32", device="cpu", kv_memory="64MiB")
+    assert llm.model.layers[0].gate_up.decode_packed is not None
+    assert rss.peak - start <= dummy.weight_bytes(config, torch.float32) * dummy.peak_factor("cpu", torch.float32)
+
+
 @pytest.mark.real_model
 def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_dir, tmp_path):
     from chunkgen.bench.e2e import PeakRSS

@@ -36,10 +36,13 @@ def peak_factor(device: str, dtype: torch.dtype | None = None) -> float:
         return PEAK_PER_WEIGHT_BYTE["cuda"]
     packed = torch.backends.mkldnn.is_available() and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
     factor = PEAK_PER_WEIGHT_BYTE["cpu" if packed else "cpu-unpacked"]
-    if dtype == torch.bfloat16 and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0":
+    if os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0":
+        from chunkgen._native import native_cpu_available
         from chunkgen.model.llama import decode_product_available
 
-        factor += DECODE_PRODUCT_COPY if decode_product_available() else 0.0
+        # The decode product keeps its own packed copy: fp32 on any CPU, bf16 where it runs.
+        fp32 = dtype == torch.float32 and native_cpu_available()
+        factor += DECODE_PRODUCT_COPY if fp32 or dtype == torch.bfloat16 and decode_product_available() else 0.0
     return factor
 
 
