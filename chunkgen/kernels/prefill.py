@@ -179,6 +179,20 @@ def _own_kernel() -> bool:
     return native_cpu_available() and native().cpu_kernel_isa() == "amx"
 
 
+def _prefix_in_place(q: torch.Tensor, pool: ChunkPool) -> bool:
+    """Whether a group's prefix product reads the pool in place (csrc/cpu/prefix_attention.cpp):
+    fp32 queries and K/V on the CPU, where it outruns a gather and torch's fused kernel, and chunks
+    and heads of whole vectors (multiples of 16, as the decode kernel takes)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and pool.dtype == torch.float32
+        and pool.chunk_size % 16 == 0
+        and pool.head_dim % 16 == 0
+        and native_cpu_available()
+    )
+
+
 def attention_lse(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -253,7 +267,12 @@ def prefill_attention(
             o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1)  # [R, Hq, d], [R, Hq]
         else:
             o, lse = _own_parts(g, layer, qg, kg, vg, pool, scale)
-        if g.prefix_len:
+        if g.prefix_len and _prefix_in_place(q, pool):
+            op, lsep = native().prefix_attention(
+                qg, pool.k[layer], pool.v[layer], g.prefix_slots.to(torch.int32), g.prefix_len, scale
+            )
+            o = merge(op, lsep, o, lse)
+        elif g.prefix_len:
             kp, vp = pool.gather(layer, g.prefix_slots, g.prefix_len)
             op, lsep = attention_lse(qg.transpose(0, 1)[None], kp[None].to(q.dtype), vp[None].to(q.dtype), scale)
             o = merge(op[0].transpose(0, 1), lsep[0].transpose(0, 1), o, lse)

@@ -3,7 +3,7 @@ attention per sequence, on randomized waves."""
 
 from __future__ import annotations
 
-
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -70,3 +70,57 @@ def test_a_shared_prefix_is_one_group_read_once():
     groups = plan_groups(spans, 4, torch.float32, torch.device("cpu"))
     sizes = sorted((g.prefix_len, len(g.rows)) for g in groups)
     assert sizes == [(5, 1), (8, 5)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 70),
+    n_tokens=st.integers(1, 300),
+    chunk=st.sampled_from([16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    head_dim=st.sampled_from([32, 64, 80]),
+)
+def test_the_prefix_product_reads_the_pool_in_place(seed, rows, n_tokens, chunk, heads, head_dim):
+    """native prefix_attention (the fp32 prefill's prefix product): every query against a prefix
+    held in scattered pool slots, the last one partly filled (NaN past its tokens: never read),
+    against float64; its log-sum-exp too."""
+    from chunkgen._native import native
+
+    hq, hk = heads
+    gen = torch.Generator().manual_seed(seed)
+    n_chunks = -(-n_tokens // chunk)
+    k_layer = torch.randn(n_chunks + 5, hk, head_dim, chunk, generator=gen)
+    v_layer = torch.randn(n_chunks + 5, hk, chunk, head_dim, generator=gen)
+    slots = torch.randperm(n_chunks + 5, generator=gen)[:n_chunks].to(torch.int32)
+    tail = n_tokens - (n_chunks - 1) * chunk
+    k_layer[slots[-1].long(), :, :, tail:] = float("nan")
+    v_layer[slots[-1].long(), :, tail:] = float("nan")
+    q = torch.randn(rows, hq, head_dim, generator=gen) * 2
+    scale = head_dim**-0.5
+    o, lse = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale)
+    keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
+    values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
+    group = hq // hk
+    s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
+    want = torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0))
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1).t(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_prefix_product_refuses_what_does_not_fit():
+    from chunkgen._native import native
+
+    k_layer, v_layer = torch.zeros(4, 2, 32, 16), torch.zeros(4, 2, 16, 32)
+    q, slots = torch.zeros(3, 4, 32), torch.tensor([0, 1], dtype=torch.int32)
+    op = native().prefix_attention
+    with pytest.raises(ValueError, match="cannot hold a prefix of 40 tokens"):
+        op(q, k_layer, v_layer, slots, 40, 1.0)
+    with pytest.raises(ValueError, match="outside the pool layer"):
+        op(q, k_layer, v_layer, torch.tensor([0, 9], dtype=torch.int32), 20, 1.0)
+    with pytest.raises(TypeError, match="float32"):
+        op(q.bfloat16(), k_layer, v_layer, slots, 20, 1.0)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        op(torch.zeros(3, 3, 32), k_layer, v_layer, slots, 20, 1.0)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        op(q, torch.zeros(4, 2, 32, 8), torch.zeros(4, 2, 8, 32), torch.tensor([0, 1, 2], dtype=torch.int32), 20, 1.0)
