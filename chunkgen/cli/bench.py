@@ -153,9 +153,13 @@ def step_table(r: dict, ceilings: dict | None) -> Table:
     peak = ceilings["fma_gflops"] if ceilings else None
     table = Table(
         title=f"prefill ({r['prefill_steps']} waves) and a decode step at batch {r['batch']}"
-        + (f"; FMA peak {peak:.0f} GFLOP/s, read {ceilings['read_gb_s']:.1f} GB/s" if ceilings else "")
+        + (
+            f"; fp32 FMA peak {peak:.0f} GFLOP/s (bf16 dot products: twice), read {ceilings['read_gb_s']:.1f} GB/s"
+            if ceilings
+            else ""
+        )
     )
-    for col in ("part", "time", "share", "GFLOP/s", "of FMA peak", "GB/s"):
+    for col in ("part", "time", "share", "GFLOP/s", "of fp32 FMA peak", "GB/s"):
         table.add_column(col, justify="left" if col == "part" else "right")
 
     def row(part: str, seconds: float, whole: float, unit: str, gflop: float | None = None, gb: float | None = None):
