@@ -463,9 +463,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("causal") = false,
         py::arg("mask") = py::none());
   m.def("prefix_attention", &chunkgen::prefix_attention,
-        "(o [R, Hq, d], lse [R, Hq]) of softmax(q K^T * scale) V for float32 CPU q [R, Hq, d] against a prefix of "
-        "n_tokens read in place from one float32 pool layer (k_layer [S, Hk, d, C], v_layer [S, Hk, C, d]) along "
-        "slots (int32)",
+        "(o [R, Hq, d], lse [R, Hq]) of softmax(q K^T * scale) V for CPU q [R, Hq, d] against a prefix of "
+        "n_tokens read in place from one pool layer of q's dtype (k_layer [S, Hk, d, C], v_layer [S, Hk, C, d]) "
+        "along slots (int32); float32, or bfloat16 on the amx or avx512_bf16 path (cpu_kernel_isa())",
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n_tokens"), py::arg("scale"));
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,

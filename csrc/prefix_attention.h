@@ -1,5 +1,5 @@
-// The fp32 prefill's prefix product (cpu/prefix_attention.cpp): a group's new tokens against the
-// cached chunks every member reads first, read in place from one pool layer.
+// The prefill's prefix product (cpu/prefix_attention.cpp): a group's new tokens against the cached
+// chunks every member reads first, read in place from one pool layer.
 #pragma once
 
 #include <torch/extension.h>
@@ -8,9 +8,10 @@
 
 namespace chunkgen {
 
-// q [R, Hq, d] float32 (query head h reads kv head h / (Hq / Hk)); k_layer [S, Hk, d, C] and
-// v_layer [S, Hk, C, d] float32, one layer of the pool; slots int32: the prefix's chunks in order,
-// all full but the last, n_tokens in all. Returns softmax(q K^T * scale) V [R, Hq, d] and its
+// q [R, Hq, d] (query head h reads kv head h / (Hq / Hk)); k_layer [S, Hk, d, C] and v_layer
+// [S, Hk, C, d], one layer of the pool, q's dtype: float32, or bfloat16 on the AVX512_BF16 or AMX
+// path (bf16 products, fp32 softmax and sums); slots int32: the prefix's chunks in order, all full
+// but the last, n_tokens in all. Returns softmax(q K^T * scale) V [R, Hq, d] in q's dtype and its
 // natural-log log-sum-exp [R, Hq], float32.
 std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
                                                           const torch::Tensor& v_layer, const torch::Tensor& slots,

@@ -4,6 +4,8 @@
 // online softmax runs across the item's chunks and leaves one partial (o, m, l) per row.
 #pragma once
 
+#include "bf16_gemm.h"  // says whether this build has the bf16 paths
+
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
 
 #include <immintrin.h>
@@ -15,7 +17,6 @@
 #include <vector>
 
 #include "../attention.h"
-#include "bf16_gemm.h"
 #include "decode_plan.h"
 #include "isa.h"
 
@@ -209,9 +210,10 @@ inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf1
 }
 
 // Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
-// online softmax across its chunks; stores each row's partial (o, m, l) like the fp32 path.
+// online softmax across its chunks; leaves each state row's running (o, m, l) in sc.o, sc.m and
+// sc.l (state row (b - w.begin) * G + g: row b, query head w.head * G + g).
 template <typename Q>
-void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa, Bf16Scratch& sc) {
+void attend_item_bf16(const DecodeProblem& p, const Workspace& ws, const SharedItem& w, Isa isa, Bf16Scratch& sc) {
   const int G = p.q_heads / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32);
   const Gemm gemm = isa == Isa::Amx ?
@@ -267,6 +269,12 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
   }
   for (int r = 0; r < R; ++r)
     sc.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(r) * 16));
+}
+
+// The decode kernel's chunk-first item: each row's partial (o, m, l), as the fp32 path stores it.
+template <typename Q>
+void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa, Bf16Scratch& sc) {
+  attend_item_bf16<Q>(p, ws, w, isa, sc);
   store_partials(p, ws, w, w.begin, w.end, sc.o.data(), sc.m.data(), sc.l.data());
 }
 

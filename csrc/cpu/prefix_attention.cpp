@@ -1,55 +1,31 @@
-// The fp32 prefill's prefix product: the new tokens of a wave's group attend to the cached chunks
-// every member reads first. The chunks are read in place from the pool (K stored transposed), one
-// block of query rows (positions x the GQA group) at a time, with the decode kernel's online
-// softmax (online_softmax.h): no gathered copy of the prefix, each chunk read once per block, the
-// products register-blocked as in the decode kernel's chunk-first phase. The normalized output and
-// log-sum-exp merge with the attention over the rest of each row's path (kernels/prefill.py).
+// The prefill's prefix product: the new tokens of a wave's group attend to the cached chunks every
+// member reads first. The chunks are read in place from the pool (K stored transposed), one block
+// of query rows (positions x the GQA group) at a time, by the decode kernel's chunk-first code: in
+// fp32 its register-blocked products and online softmax (online_softmax.h), in bf16 its packed
+// blocks on AMX tiles or AVX512_BF16 dot products (decode_chunk_first_bf16.h). No gathered copy of
+// the prefix, each chunk read once per block of rows. The normalized output and log-sum-exp merge
+// with the attention over the rest of each row's path (kernels/prefill.py).
 #include "../prefix_attention.h"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
+#include "decode_chunk_first_bf16.h"
+#include "isa.h"
 #include "online_softmax.h"
 
 namespace chunkgen {
+namespace {
 
-std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
-                                                          const torch::Tensor& v_layer, const torch::Tensor& slots,
-                                                          int64_t n_tokens, double scale) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k_layer.dim() == 4 && v_layer.dim() == 4 && slots.dim() == 1,
-                    "prefix_attention: q [R, Hq, d], k_layer [S, Hk, d, C], v_layer [S, Hk, C, d], slots [n], got ",
-                    q.sizes(), ", ", k_layer.sizes(), ", ", v_layer.sizes(), ", ", slots.sizes());
-  TORCH_CHECK_TYPE(q.scalar_type() == torch::kFloat && k_layer.scalar_type() == torch::kFloat &&
-                       v_layer.scalar_type() == torch::kFloat && slots.scalar_type() == torch::kInt,
-                   "prefix_attention: q, k_layer, v_layer float32 and slots int32, got ", q.scalar_type(), ", ",
-                   k_layer.scalar_type(), ", ", v_layer.scalar_type(), ", ", slots.scalar_type());
-  TORCH_CHECK_VALUE(q.device().is_cpu() && k_layer.device().is_cpu() && v_layer.device().is_cpu() &&
-                        slots.device().is_cpu() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
-                        slots.is_contiguous(),
-                    "prefix_attention: CPU tensors, the pool layers and slots contiguous");
+void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
+                 const int32_t* slot, int64_t nc, int64_t n_tokens, double scale, torch::Tensor& out,
+                 torch::Tensor& lse) {
   const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
   const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3));
-  const int64_t S = k_layer.size(0), nc = slots.size(0);
-  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0 && k_layer.size(2) == d && v_layer.size(0) == S && v_layer.size(1) == Hk &&
-                        v_layer.size(2) == C && v_layer.size(3) == d,
-                    "prefix_attention: shapes do not fit: q ", q.sizes(), ", k_layer ", k_layer.sizes(), ", v_layer ",
-                    v_layer.sizes());
-  // The score and value vectors span 16 floats at most: whole vectors of every chunk and head.
-  TORCH_CHECK_VALUE(d > 0 && d % 16 == 0 && C > 0 && C % 16 == 0,
-                    "prefix_attention: head_dim and chunk size must be positive multiples of 16, got ", d, " and ", C);
-  TORCH_CHECK_VALUE(n_tokens > 0 && nc == (n_tokens + C - 1) / C, "prefix_attention: ", nc,
-                    " slots cannot hold a prefix of ", n_tokens, " tokens in chunks of ", C);
-  const int32_t* slot = slots.data_ptr<int32_t>();
-  for (int64_t i = 0; i < nc; ++i)
-    TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < S, "prefix_attention: slot ", slot[i], " outside the pool layer's ", S);
-
-  const auto qc = q.contiguous();
-  auto out = torch::empty({R, Hq, d}, q.options());
-  auto lse = torch::empty({R, Hq}, q.options());
-  if (R == 0) return {out, lse};
-  const float* qp = qc.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   const float* K = k_layer.data_ptr<float>();
   const float* V = v_layer.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -84,6 +60,124 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
         }
     }
   }
+}
+
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+// The prefix as the decode kernel sees a shared node: every row (query position) of the group
+// reads every chunk, so it is one run of chunk-first items, cut by rows only (each item packs the
+// prefix once: few, long items; about four a thread).
+void prefix_bf16(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
+                 const int32_t* slot, int64_t nc, int64_t n_tokens, double scale, Isa isa, torch::Tensor& out,
+                 torch::Tensor& lse) {
+  const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
+  const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3)), G = Hq / Hk;
+  std::vector<int32_t> len(nc, C);
+  len[nc - 1] = static_cast<int>(n_tokens - (nc - 1) * C);
+  DecodeProblem p{};
+  p.q = q.data_ptr();
+  p.q_type = KVType::BF16;
+  p.k = k_layer.data_ptr();
+  p.v = v_layer.data_ptr();
+  p.kv_type = KVType::BF16;
+  p.batch = R;
+  p.q_heads = Hq;
+  p.kv_heads = Hk;
+  p.head_dim = d;
+  p.chunk = C;
+  p.scale = static_cast<float>(scale);
+  p.num_shared = static_cast<int>(nc);
+  p.shared_slot = slot;
+  p.shared_len = len.data();
+  decode::Workspace ws;
+  ws.group_chunks.resize(nc);
+  for (int64_t c = 0; c < nc; ++c) ws.group_chunks[c] = static_cast<int32_t>(c);
+  // Rows per item: about four items a thread, at least one product's rows, at most 2,048 state rows
+  // (their running o, 512 KiB, stays in L2 while a block's rows go through).
+  const int nthreads = omp_get_max_threads();
+  const int per_head = std::max(1, (4 * nthreads + Hk - 1) / Hk);
+  const int lo = (decode::kBf16Rows + G - 1) / G, hi = std::max(lo, 2048 / G);
+  const int per_item = std::clamp((R + per_head - 1) / per_head, lo, hi);
+  std::vector<decode::SharedItem> items;
+  for (int h = 0; h < Hk; ++h)
+    for (int b = 0; b < R; b += per_item) items.push_back({0, static_cast<int>(nc), h, b, std::min(R, b + per_item)});
+  const int n_items = static_cast<int>(items.size());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  float* lp = lse.data_ptr<float>();
+#pragma omp parallel
+  {
+    thread_local decode::Bf16Scratch sc;
+#if defined(CHUNKGEN_HAVE_AMX)
+    static const bf16::TileConfig tile_config;
+    if (isa == Isa::Amx) _tile_loadconfig(&tile_config);  // tile configuration is per thread
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < n_items; ++it) {
+      const decode::SharedItem& w = items[it];
+      decode::attend_item_bf16<uint16_t>(p, ws, w, isa, sc);
+      for (int b = w.begin; b < w.end; ++b)
+        for (int g = 0; g < G; ++g) {
+          const int s = (b - w.begin) * G + g;
+          const size_t row = static_cast<size_t>(b) * Hq + w.head * G + g;
+          decode::write_normalized(op + row * d, sc.o.data() + static_cast<size_t>(s) * d, sc.l[s], d);
+          lp[row] = sc.m[s] + std::log(sc.l[s]);
+        }
+    }
+#if defined(CHUNKGEN_HAVE_AMX)
+    if (isa == Isa::Amx) _tile_release();
+#endif
+  }
+}
+#endif
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
+                                                          const torch::Tensor& v_layer, const torch::Tensor& slots,
+                                                          int64_t n_tokens, double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k_layer.dim() == 4 && v_layer.dim() == 4 && slots.dim() == 1,
+                    "prefix_attention: q [R, Hq, d], k_layer [S, Hk, d, C], v_layer [S, Hk, C, d], slots [n], got ",
+                    q.sizes(), ", ", k_layer.sizes(), ", ", v_layer.sizes(), ", ", slots.sizes());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK_TYPE((dtype == torch::kFloat || dtype == torch::kBFloat16) && k_layer.scalar_type() == dtype &&
+                       v_layer.scalar_type() == dtype && slots.scalar_type() == torch::kInt,
+                   "prefix_attention: q, k_layer, v_layer all float32 or all bfloat16, and slots int32, got ",
+                   q.scalar_type(), ", ", k_layer.scalar_type(), ", ", v_layer.scalar_type(), ", ",
+                   slots.scalar_type());
+  // bf16 products need AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA lowering).
+  const Isa isa = dtype == torch::kBFloat16 ? current_isa() : Isa::Fp32;
+  TORCH_CHECK_VALUE(dtype == torch::kFloat || isa != Isa::Fp32,
+                    "prefix_attention: bfloat16 needs the AVX512_BF16 or AMX path, this one is ", isa_name(isa));
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k_layer.device().is_cpu() && v_layer.device().is_cpu() &&
+                        slots.device().is_cpu() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
+                        slots.is_contiguous(),
+                    "prefix_attention: CPU tensors, the pool layers and slots contiguous");
+  const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
+  const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3));
+  const int64_t S = k_layer.size(0), nc = slots.size(0);
+  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0 && k_layer.size(2) == d && v_layer.size(0) == S && v_layer.size(1) == Hk &&
+                        v_layer.size(2) == C && v_layer.size(3) == d,
+                    "prefix_attention: shapes do not fit: q ", q.sizes(), ", k_layer ", k_layer.sizes(), ", v_layer ",
+                    v_layer.sizes());
+  // The score and value vectors span 16 floats at most: whole vectors of every chunk and head.
+  TORCH_CHECK_VALUE(d > 0 && d % 16 == 0 && C > 0 && C % 16 == 0,
+                    "prefix_attention: head_dim and chunk size must be positive multiples of 16, got ", d, " and ", C);
+  TORCH_CHECK_VALUE(n_tokens > 0 && nc == (n_tokens + C - 1) / C, "prefix_attention: ", nc,
+                    " slots cannot hold a prefix of ", n_tokens, " tokens in chunks of ", C);
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  for (int64_t i = 0; i < nc; ++i)
+    TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < S, "prefix_attention: slot ", slot[i], " outside the pool layer's ", S);
+
+  const auto qc = q.contiguous();
+  auto out = torch::empty({R, Hq, d}, q.options());
+  auto lse = torch::empty({R, Hq}, q.options().dtype(torch::kFloat));
+  if (R == 0) return {out, lse};
+  if (q.scalar_type() == torch::kFloat) {
+    prefix_fp32(qc, k_layer, v_layer, slot, nc, n_tokens, scale, out, lse);
+    return {out, lse};
+  }
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  prefix_bf16(qc, k_layer, v_layer, slot, nc, n_tokens, scale, isa, out, lse);
+#endif
   return {out, lse};
 }
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
-from tests.helpers import random_wave
+from tests.helpers import PATHS, forced, random_wave
 
 
 def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:
@@ -72,6 +72,10 @@ def test_a_shared_prefix_is_one_group_read_once():
     assert sizes == [(5, 1), (8, 5)]
 
 
+BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]  # the prefix product's bf16 paths
+
+
+@pytest.mark.parametrize("path", ["fp32"] + BF16_PATHS)
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -81,31 +85,41 @@ def test_a_shared_prefix_is_one_group_read_once():
     heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
     head_dim=st.sampled_from([32, 64, 80]),
 )
-def test_the_prefix_product_reads_the_pool_in_place(seed, rows, n_tokens, chunk, heads, head_dim):
-    """native prefix_attention (the fp32 prefill's prefix product): every query against a prefix
-    held in scattered pool slots, the last one partly filled (NaN past its tokens: never read),
-    against float64; its log-sum-exp too."""
+def test_the_prefix_product_reads_the_pool_in_place(path, seed, rows, n_tokens, chunk, heads, head_dim):
+    """native prefix_attention (the prefill's prefix product; fp32, and bf16 on each bf16 path the
+    CPU has): every query against a prefix held in scattered pool slots, the last one partly filled
+    (NaN past its tokens: never read), against float64 on the same (rounded) inputs; its
+    log-sum-exp too."""
     from chunkgen._native import native
 
     hq, hk = heads
+    dtype = torch.float32 if path == "fp32" else torch.bfloat16
     gen = torch.Generator().manual_seed(seed)
     n_chunks = -(-n_tokens // chunk)
-    k_layer = torch.randn(n_chunks + 5, hk, head_dim, chunk, generator=gen)
-    v_layer = torch.randn(n_chunks + 5, hk, chunk, head_dim, generator=gen)
+    k_layer = torch.randn(n_chunks + 5, hk, head_dim, chunk, generator=gen).to(dtype)
+    v_layer = torch.randn(n_chunks + 5, hk, chunk, head_dim, generator=gen).to(dtype)
     slots = torch.randperm(n_chunks + 5, generator=gen)[:n_chunks].to(torch.int32)
     tail = n_tokens - (n_chunks - 1) * chunk
     k_layer[slots[-1].long(), :, :, tail:] = float("nan")
     v_layer[slots[-1].long(), :, tail:] = float("nan")
-    q = torch.randn(rows, hq, head_dim, generator=gen) * 2
+    q = (torch.randn(rows, hq, head_dim, generator=gen) * 2).to(dtype)
     scale = head_dim**-0.5
-    o, lse = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale)
+    if path == "fp32":
+        o, lse = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale)
+    else:
+        with forced(path):
+            o, lse = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale)
+    assert o.dtype == dtype and lse.dtype == torch.float32
     keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
     values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
     group = hq // hk
     s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
     want = torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0))
-    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1).t(), atol=1e-5, rtol=1e-5)
+    # bf16: the probabilities are rounded to bf16 for the P.V product (relative 2^-9 each) and the
+    # output once more.
+    o_tol, lse_tol = (2e-5, 1e-5) if dtype == torch.float32 else (2e-2, 4e-3)
+    torch.testing.assert_close(o.double(), want, atol=o_tol, rtol=o_tol * 5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1).t(), atol=lse_tol, rtol=lse_tol)
 
 
 def test_the_prefix_product_refuses_what_does_not_fit():
@@ -118,8 +132,11 @@ def test_the_prefix_product_refuses_what_does_not_fit():
         op(q, k_layer, v_layer, slots, 40, 1.0)
     with pytest.raises(ValueError, match="outside the pool layer"):
         op(q, k_layer, v_layer, torch.tensor([0, 9], dtype=torch.int32), 20, 1.0)
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="all float32 or all bfloat16"):
         op(q.bfloat16(), k_layer, v_layer, slots, 20, 1.0)
+    bf16 = (q.bfloat16(), k_layer.bfloat16(), v_layer.bfloat16(), slots, 20, 1.0)
+    with forced(PATHS[-1]), pytest.raises(ValueError, match="bfloat16 needs the AVX512_BF16 or AMX path"):
+        op(*bf16)  # the fp32 path (on every CPU)
     with pytest.raises(ValueError, match="shapes do not fit"):
         op(torch.zeros(3, 3, 32), k_layer, v_layer, slots, 20, 1.0)
     with pytest.raises(ValueError, match="multiples of 16"):
