@@ -18,8 +18,9 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
-#include "bf16_gemm.h"
+#include "vec.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -30,10 +31,16 @@
 namespace chunkgen {
 namespace {
 
-// Storage <-> fp32. bf16 by bit operations (round to nearest even, NaN kept quiet) so that loops
-// over a row vectorise; fp16 through c10's conversion.
+// Storage <-> fp32. bf16 as its raw bits (uint16_t: the loops never see c10::BFloat16, whose
+// struct copies keep them scalar) by integer operations (round to nearest even, NaN kept quiet), so
+// that loops over a row vectorise; fp16 through c10's conversion.
 inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) { return bf16::to_float(x.x); }
+inline float load(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 inline float load(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
@@ -43,13 +50,13 @@ inline float store<float>(float f) {
   return f;
 }
 template <>
-inline c10::BFloat16 store<c10::BFloat16>(float f) {
+inline uint16_t store<uint16_t>(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  c10::BFloat16 b;
-  b.x = static_cast<uint16_t>(std::isnan(f) ? 0x7FC0u : rounded);
-  return b;
+  // NaN told by its bits, not a float compare: a select the vectoriser takes, not a branch.
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
 }
 template <>
 inline c10::Half store<c10::Half>(float f) {
@@ -142,19 +149,46 @@ inline float normed(T x, T w, float inv, bool offset) {
   return offset ? rnd<T>(load(x) * inv * (1.f + load(w))) : rnd<T>(rnd<T>(load(x) * inv) * load(w));
 }
 
+// The value a torch op would leave in storage of type T, a vector at a time (fp32 and bf16).
+template <typename T>
+inline decode::vf vrnd(decode::vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T tmp[decode::W];
+    decode::store(tmp, v);
+    return decode::load(tmp);
+  }
+}
+
+// Elements [0, i) of a row done a vector at a time: the rest (and every fp16 row) goes element by element.
+template <typename T>
+constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, uint16_t>;
+
 template <typename T>
 void add_rms_norm_cpu(T* res, const T* delta, const T* w, T* out, int64_t rows, int64_t n, int64_t rs, int64_t ds,
                       int64_t os, float eps, bool offset) {
+  using decode::W;
 #pragma omp parallel for if (rows * n >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
     T* x = res + r * rs;
+    const int64_t nv = kVectorRows<T> ? n / W * W : 0;
     if (delta != nullptr) {  // residual add, rounded as torch's add
       const T* y = delta + r * ds;
-      for (int64_t i = 0; i < n; ++i) x[i] = store<T>(load(x[i]) + load(y[i]));
+      if constexpr (kVectorRows<T>)
+        for (int64_t i = 0; i < nv; i += W) decode::store(x + i, decode::load(x + i) + decode::load(y + i));
+      for (int64_t i = nv; i < n; ++i) x[i] = store<T>(load(x[i]) + load(y[i]));
     }
     const float inv = inv_rms(x, n, eps);
     T* o = out + r * os;
-    for (int64_t i = 0; i < n; ++i) o[i] = store<T>(normed(x[i], w[i], inv, offset));
+    if constexpr (kVectorRows<T>) {
+      const decode::vf vinv = decode::splat(inv), one = decode::splat(1.f);
+      for (int64_t i = 0; i < nv; i += W) {
+        const decode::vf xv = decode::load(x + i), wv = decode::load(w + i);
+        decode::store(o + i, offset ? xv * vinv * (one + wv) : vrnd<T>(xv * vinv) * wv);
+      }
+    }
+    for (int64_t i = nv; i < n; ++i) o[i] = store<T>(normed(x[i], w[i], inv, offset));
   }
 }
 
@@ -261,6 +295,23 @@ void gelu_tanh_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows
                      AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
                          AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
+// The element type the CPU loops take for a dispatched scalar_t: bf16 as raw bits.
+template <typename T>
+struct Raw {
+  using type = T;
+};
+template <>
+struct Raw<c10::BFloat16> {
+  using type = uint16_t;
+};
+template <typename T>
+using raw_t = typename Raw<T>::type;
+
+template <typename T>
+raw_t<T>* raw_ptr(const torch::Tensor& t) {
+  return reinterpret_cast<raw_t<T>*>(t.data_ptr<T>());
+}
+
 // ---- argument checks ----------------------------------------------------------------------------
 
 int dtype_code(const torch::Tensor& t, const char* name) {
@@ -321,9 +372,9 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
 #endif
   }
   CHUNKGEN_DISPATCH_MODEL_TYPES(residual.scalar_type(), "add_rms_norm", [&] {
-    add_rms_norm_cpu<scalar_t>(residual.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
-                               weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, residual.stride(0), ds,
-                               out.stride(0), static_cast<float>(eps), offset);
+    add_rms_norm_cpu<raw_t<scalar_t>>(
+        raw_ptr<scalar_t>(residual), delta.has_value() ? raw_ptr<scalar_t>(*delta) : nullptr, raw_ptr<scalar_t>(weight),
+        raw_ptr<scalar_t>(out), rows, n, residual.stride(0), ds, out.stride(0), static_cast<float>(eps), offset);
   });
   (void)dt;
 }
@@ -386,19 +437,20 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
                       " positions)");
   }
   CHUNKGEN_DISPATCH_MODEL_TYPES(qkv.scalar_type(), "rotary", [&] {
-    using T = scalar_t;
+    using S = scalar_t;
+    using T = raw_t<S>;
     CHUNKGEN_DISPATCH_MODEL_TYPES(q_out.scalar_type(), "rotary_q", [&] {
-      using Q = scalar_t;
-      const T* qn = q_norm ? q_norm->data_ptr<T>() : nullptr;
-      const T* kn = k_norm ? k_norm->data_ptr<T>() : nullptr;
+      using Q = raw_t<scalar_t>;
+      const T* qn = q_norm ? raw_ptr<S>(*q_norm) : nullptr;
+      const T* kn = k_norm ? raw_ptr<S>(*k_norm) : nullptr;
       const float e = static_cast<float>(eps);
       if (pos64)
-        rotary_cpu<T, Q>(qkv.data_ptr<T>(), qkv.stride(0), positions.data_ptr<int64_t>(), cos.data_ptr<T>(),
-                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>(), qn, kn, e,
+        rotary_cpu<T, Q>(raw_ptr<S>(qkv), qkv.stride(0), positions.data_ptr<int64_t>(), raw_ptr<S>(cos),
+                         raw_ptr<S>(sin), ts, rows, q_heads, kv_heads, d, raw_ptr<scalar_t>(q_out), qn, kn, e,
                          offset_norm);
       else
-        rotary_cpu<T, Q>(qkv.data_ptr<T>(), qkv.stride(0), positions.data_ptr<int32_t>(), cos.data_ptr<T>(),
-                         sin.data_ptr<T>(), ts, rows, q_heads, kv_heads, d, q_out.data_ptr<Q>(), qn, kn, e,
+        rotary_cpu<T, Q>(raw_ptr<S>(qkv), qkv.stride(0), positions.data_ptr<int32_t>(), raw_ptr<S>(cos),
+                         raw_ptr<S>(sin), ts, rows, q_heads, kv_heads, d, raw_ptr<scalar_t>(q_out), qn, kn, e,
                          offset_norm);
     });
   });
@@ -428,8 +480,9 @@ void gated_mul(const torch::Tensor& gate_up, torch::Tensor& out, bool gelu) {
 #endif
   }
   CHUNKGEN_DISPATCH_MODEL_TYPES(gate_up.scalar_type(), "gated_mul", [&] {
-    (gelu ? gelu_tanh_mul_cpu<scalar_t> : silu_mul_cpu<scalar_t>)(gate_up.data_ptr<scalar_t>(), gate_up.stride(0),
-                                                                  out.data_ptr<scalar_t>(), out.stride(0), rows, n);
+    using T = raw_t<scalar_t>;
+    (gelu ? gelu_tanh_mul_cpu<T> : silu_mul_cpu<T>)(raw_ptr<scalar_t>(gate_up), gate_up.stride(0),
+                                                    raw_ptr<scalar_t>(out), out.stride(0), rows, n);
   });
   (void)dt;
 }

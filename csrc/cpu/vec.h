@@ -57,6 +57,14 @@ inline vf load(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift
   return (vf)u;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// fp32 -> bf16 rounded to nearest even, NaN kept a quiet NaN: torch's rounding, in integer lanes.
+inline void store(uint16_t* p, vf v) {
+  const vu u = (vu)v;
+  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const vu bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : rounded;
+  const vh h = __builtin_convertvector(bits, vh);
+  std::memcpy(p, &h, sizeof h);
+}
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 #if defined(__AVX512F__)
