@@ -7,11 +7,11 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from chunkgen.cache import ChunkPool, KVReservation
+from chunkgen.cache import ChunkPool, KVReservation, kv_shape
 from chunkgen.config import Config
 from chunkgen.device import device_guard, free_bytes
 from chunkgen.engine import Engine, Request, Result, SamplingParams
-from chunkgen.model import LlamaModel, load_hf
+from chunkgen.model import LlamaModel, load_hf, resolve_model
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -101,9 +101,12 @@ class LLM:
         elif model is not None or options:
             raise TypeError("give a resolved config or options, not both")
         dev = config.device
+        self._kv: KVReservation | None = None
         with device_guard(dev):
             if config.dummy_weights is None:
-                hf_model, self.tokenizer, self.model_path = load_hf(config.model, config.dtype or "auto", dev)
+                path = resolve_model(config.model)
+                self._reserve_early(config, path)
+                hf_model, self.tokenizer, self.model_path = load_hf(path, config.dtype or "auto", dev)
                 if not config.chat_template:  # messages as plain text, joined by blank lines (encode_prompt)
                     self.tokenizer.chat_template = None
                 check_chat_template(self.tokenizer, str(self.model_path))
@@ -118,8 +121,24 @@ class LLM:
             self.config = config.loaded(
                 self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None
             )
-        self._kv: KVReservation | None = None
+        if self._kv is not None and self._kv.shape != (self.model.num_layers, self.model.kv_heads, self.model.head_dim):
+            self._kv = None  # the config's K/V shape was not the model's: new_engine reserves anew
         self.engine = self.new_engine()
+
+    def _reserve_early(self, config: Config, path) -> None:
+        """On the CPU, reserve the K/V memory before the weights load, so that the pool's first
+        pages are backed in the background while they do (ChunkPool: a fresh process's first wave
+        would otherwise pay for each page it writes). Everything the pool needs is known by then
+        but the model's K/V shape, which its config gives."""
+        if config.device != "cpu" or config.kv_dtype is None or config.kv_memory is None:
+            return
+        try:
+            from transformers import AutoConfig
+
+            shape = kv_shape(AutoConfig.from_pretrained(path))
+        except Exception:  # load_hf says what is wrong with the model, in its words
+            return
+        self._kv = KVReservation(ChunkPool(*shape, config.chunk_size, config.kv_dtype, config.kv_memory))
 
     @staticmethod
     def _random_weights(spec, dtype: torch.dtype | None, device: str, seed: int):
@@ -143,6 +162,10 @@ class LLM:
         must have finished its requests and loses its cached prefixes. An engine asking for a
         larger budget, another chunk size or K/V dtype gets a pool of its own."""
         cfg = self.config.replace(**options)
+        if self._kv is not None and not self._kv.fits(
+            self.config.chunk_size, self.config.kv_dtype, self.config.kv_memory
+        ):
+            self._kv = None  # reserved before the weights loaded, for a K/V dtype the model did not keep
         if self._kv is None:
             base = self.config
             with device_guard(self.device):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 import weakref
 
 import torch
+
+from chunkgen.cache.pages import advise_huge_pages, populate_in_background
 
 
 class PoolExhausted(RuntimeError):
@@ -30,27 +29,6 @@ def kv_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Ask Linux to back a CPU tensor's untouched memory with 2 MiB pages (transparent huge
-    pages, where the system allows them on request). The decode kernel reads each row's own
-    chunks from slots anywhere in the pool: with 4 KiB pages every chunk of every layer costs
-    TLB misses of its own. Only the whole 2 MiB pages inside the tensor are advised.
-    CHUNKGEN_HUGE_PAGES=0 turns it off. Returns whether the advice was taken."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or os.environ.get("CHUNKGEN_HUGE_PAGES") == "0":
-        return False
-    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
-
-
 class ChunkPool:
     """Slots of `chunk_size` tokens of K and V for all layers, with a free list and a byte budget.
 
@@ -59,7 +37,8 @@ class ChunkPool:
 
     The budget's worth of slots is reserved once as uninitialised memory; slots are handed to the
     free list in slabs, and on the CPU the OS backs a slab's pages only when they are first written,
-    so memory in use follows `capacity`, not the budget. One slot past the budget's, `scratch_slot`,
+    so memory in use follows `capacity`, not the budget (the first two slabs are backed from the
+    start, in the background: see `pages.populate_in_background`). One slot past the budget's, `scratch_slot`,
     is never handed out: padded rows of a decode batch write their K/V there.
     """
 
@@ -95,11 +74,17 @@ class ChunkPool:
         stored = self.max_slots + 1 if storage else 0
         shape_k = (num_layers, stored, kv_heads, head_dim, chunk_size)
         shape_v = (num_layers, stored, kv_heads, chunk_size, head_dim)
+        self.prefault = None  # the thread backing the first slabs' pages (CPU storage of its own)
         if tensors is None:
             self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
             self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
             for t in (self.k, self.v):
                 advise_huge_pages(t)
+            # The slots handed out first (lowest first, see _grow): two slabs, backed ahead of use.
+            first = min(stored, 2 * self.slab_slots)
+            self.prefault = populate_in_background(
+                [t[layer, :first] for t in (self.k, self.v) for layer in range(num_layers)]
+            )
         else:
             self.k, self.v = tensors
             for name, t, shape in (("K", self.k, shape_k), ("V", self.v, shape_v)):
@@ -237,6 +222,11 @@ class KVReservation:
     def __init__(self, pool: ChunkPool) -> None:
         self.base = pool
         self._holder: weakref.ref | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) the storage holds."""
+        return self.base.num_layers, self.base.kv_heads, self.base.head_dim
 
     def fits(self, chunk_size: int, dtype: torch.dtype, budget_bytes: int) -> bool:
         base = self.base

@@ -1,0 +1,79 @@
+"""The pool's pages: backed ahead of the first writes, in the background, contents untouched."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
+import torch
+
+from chunkgen.cache import ChunkPool
+from chunkgen.cache.pages import populate_in_background
+
+PAGE = 4096
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore are Linux's")
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return libc
+
+
+def resident(t: torch.Tensor) -> float:
+    """Share of the whole pages inside t that are in memory (mincore)."""
+    start = -(-t.data_ptr() // PAGE) * PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
+    pages = (end - start) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    assert _libc().mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
+
+
+@pytest.fixture
+def populate_supported():
+    buf = torch.empty(4 * PAGE, dtype=torch.uint8)
+    start = -(-buf.data_ptr() // PAGE) * PAGE
+    if _libc().madvise(start, PAGE, 23) != 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+
+
+def test_populating_backs_the_pages_and_keeps_what_they_hold(populate_supported, monkeypatch):
+    monkeypatch.delenv("CHUNKGEN_PREFAULT", raising=False)
+    t = torch.empty(48 << 20, dtype=torch.uint8)  # fresh anonymous memory: not backed yet
+    t[: 1 << 20] = torch.arange(1 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
+    before = resident(t)
+    thread = populate_in_background([t])
+    assert thread is not None
+    thread.join(timeout=60)
+    assert before < 0.5 and resident(t) == 1.0
+    assert torch.equal(t[: 1 << 20], torch.arange(1 << 20, dtype=torch.int64).remainder(251).to(torch.uint8))
+
+
+def test_a_pool_backs_its_first_two_slabs_and_only_its_own_storage(populate_supported, monkeypatch):
+    monkeypatch.delenv("CHUNKGEN_PREFAULT", raising=False)
+    pool = ChunkPool(3, 2, 64, 64, torch.float32, budget_bytes=256 << 20, slab_slots=16)  # 96 KiB a slot and layer
+    pool.prefault.join(timeout=60)
+    for layer in (0, 2):
+        assert resident(pool.k[layer, :32]) == 1.0 and resident(pool.v[layer, :32]) == 1.0
+        assert resident(pool.k[layer, 64:]) < 0.5  # the rest is backed when written
+    lease = ChunkPool(3, 2, 64, 64, torch.float32, budget_bytes=128 << 20, tensors=(pool.k, pool.v))
+    assert lease.prefault is None
+    monkeypatch.setenv("CHUNKGEN_PREFAULT", "0")
+    assert ChunkPool(3, 2, 64, 64, torch.float32, budget_bytes=1 << 20).prefault is None
+
+
+def test_an_llm_on_the_cpu_reserves_its_kv_memory_before_the_weights(tiny_model):
+    """The reservation made from the model's config (before the weights load) is the one its
+    engines use: its pages were being backed while the weights loaded."""
+    from chunkgen.llm import LLM
+
+    llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="8MiB", max_batch=4)
+    base = llm._kv.base
+    assert base.prefault is not None
+    assert llm._kv.shape == (llm.model.num_layers, llm.model.kv_heads, llm.model.head_dim)
+    out = llm.generate(["hello there"])
+    assert out[0].token_ids
+    assert llm.engine.pool.k.data_ptr() == base.k.data_ptr()
