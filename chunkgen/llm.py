@@ -121,8 +121,12 @@ class LLM:
             self.config = config.loaded(
                 self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None
             )
-        if self._kv is not None and self._kv.shape != (self.model.num_layers, self.model.kv_heads, self.model.head_dim):
-            self._kv = None  # the config's K/V shape was not the model's: new_engine reserves anew
+        kv = self._kv
+        if kv is not None and (
+            kv.shape != (self.model.num_layers, self.model.kv_heads, self.model.head_dim)
+            or not kv.fits(self.config.chunk_size, self.config.kv_dtype, self.config.kv_memory)
+        ):
+            self._kv = None  # reserved before the weights for a shape or K/V dtype the model did not keep
         self.engine = self.new_engine()
 
     def _reserve_early(self, config: Config, path) -> None:
@@ -162,10 +166,6 @@ class LLM:
         must have finished its requests and loses its cached prefixes. An engine asking for a
         larger budget, another chunk size or K/V dtype gets a pool of its own."""
         cfg = self.config.replace(**options)
-        if self._kv is not None and not self._kv.fits(
-            self.config.chunk_size, self.config.kv_dtype, self.config.kv_memory
-        ):
-            self._kv = None  # reserved before the weights loaded, for a K/V dtype the model did not keep
         if self._kv is None:
             base = self.config
             with device_guard(self.device):
