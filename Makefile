@@ -49,6 +49,7 @@ install-test: $(VENV)/.installed-test $(NATIVE)
 
 # A rerun resumes: it answers only what the last run did not (and says so when nothing is left).
 demo: install
+	@mkdir -p $(dir $(OUT))
 	$(PY) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
 test: install-test
