@@ -45,7 +45,7 @@ def populate_in_background(views: list[torch.Tensor]) -> threading.Thread | None
     """Have the OS back the pages under `views` (contiguous CPU tensors) from a background thread,
     before anything writes them. A fresh process pays for every page of the pool it touches first
     (a fault, the page zeroed, on a virtual machine often the host backing it too: about 0.5 s for
-    the 200 MB of K/V a 2,048-token prompt and 32 questions write, in bf16 on a 2-core VM); asked
+    the K/V a 2,048-token prompt and 32 questions write, in bf16 on a 2-core VM); asked
     for while the weights load, which keeps one core busy, it costs the run nothing. The pages'
     contents are not changed (MADV_POPULATE_WRITE), so the thread may run while they are in use.
     CHUNKGEN_PREFAULT=0 turns it off; a kernel without the request (before Linux 5.14) ignores it.

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "bf16_gemm.h"
 #include "vec.h"
 
 #if defined(__clang__)
@@ -32,15 +33,11 @@ namespace chunkgen {
 namespace {
 
 // Storage <-> fp32. bf16 as its raw bits (uint16_t: the loops never see c10::BFloat16, whose
-// struct copies keep them scalar) by integer operations (round to nearest even, NaN kept quiet), so
-// that loops over a row vectorise; fp16 through c10's conversion.
+// struct copies keep them scalar) by integer operations (round to nearest even, NaN made torch's
+// quiet NaN, unlike bf16::from_float, which keeps the payload), so that loops over a row
+// vectorise; fp16 through c10's conversion.
 inline float load(float x) { return x; }
-inline float load(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float load(uint16_t x) { return bf16::to_float(x); }
 inline float load(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
@@ -161,7 +158,8 @@ inline decode::vf vrnd(decode::vf v) {
   }
 }
 
-// Elements [0, i) of a row done a vector at a time: the rest (and every fp16 row) goes element by element.
+// Whether a row's whole vectors go a vector at a time (fp32, bf16); its tail, and every fp16 row,
+// element by element.
 template <typename T>
 constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, uint16_t>;
 

@@ -20,6 +20,20 @@
 namespace chunkgen {
 namespace {
 
+// Rows [r0, r1) of one KV head's item, from its running state (state row (r - r0) * G + g: position
+// r, query head h * G + g): the normalized output and the log-sum-exp.
+template <typename T>
+void write_rows(T* out, float* lse, const float* o, const float* m, const float* l, int r0, int r1, int h, int G,
+                int Hq, int d) {
+  for (int r = r0; r < r1; ++r)
+    for (int g = 0; g < G; ++g) {
+      const int s = (r - r0) * G + g;
+      const size_t row = static_cast<size_t>(r) * Hq + h * G + g;
+      decode::write_normalized(out + row * d, o + static_cast<size_t>(s) * d, l[s], d);
+      lse[row] = m[s] + std::log(l[s]);
+    }
+}
+
 void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
                  const int32_t* slot, int64_t nc, int64_t n_tokens, double scale, torch::Tensor& out,
                  torch::Tensor& lse) {
@@ -51,13 +65,7 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
         decode::attend_chunk<float, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
                                            sc.l.data(), sc.s.data(), sc.alpha.data());
       }
-      for (int r = r0; r < r1; ++r)
-        for (int g = 0; g < G; ++g) {
-          const int s = (r - r0) * G + g;
-          const size_t row = static_cast<size_t>(r) * Hq + h * G + g;
-          decode::write_normalized(op + row * d, sc.o.data() + static_cast<size_t>(s) * d, sc.l[s], d);
-          lp[row] = sc.m[s] + std::log(sc.l[s]);
-        }
+      write_rows(op, lp, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
     }
   }
 }
@@ -114,13 +122,7 @@ void prefix_bf16(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
     for (int it = 0; it < n_items; ++it) {
       const decode::SharedItem& w = items[it];
       decode::attend_item_bf16<uint16_t>(p, ws, w, isa, sc);
-      for (int b = w.begin; b < w.end; ++b)
-        for (int g = 0; g < G; ++g) {
-          const int s = (b - w.begin) * G + g;
-          const size_t row = static_cast<size_t>(b) * Hq + w.head * G + g;
-          decode::write_normalized(op + row * d, sc.o.data() + static_cast<size_t>(s) * d, sc.l[s], d);
-          lp[row] = sc.m[s] + std::log(sc.l[s]);
-        }
+      write_rows(op, lp, sc.o.data(), sc.m.data(), sc.l.data(), w.begin, w.end, w.head, G, Hq, d);
     }
 #if defined(CHUNKGEN_HAVE_AMX)
     if (isa == Isa::Amx) _tile_release();
