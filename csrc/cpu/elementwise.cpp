@@ -151,6 +151,8 @@ template <typename T>
 inline decode::vf vrnd(decode::vf v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    return decode::round_bf16(v);
   } else {
     T tmp[decode::W];
     decode::store(tmp, v);
@@ -254,37 +256,81 @@ inline float exp_u10(float d) {
   return d > 100.f ? INFINITY : u;
 }
 
-template <typename T>
-void silu_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
+// exp_u10 on a vector, the operations of ATen's (SLEEF's) vectorised expf in its order, every
+// fused multiply-add explicit (rint(d / ln 2) as fma(d, 1/ln 2, 1.5 * 2^23) - 1.5 * 2^23).
+inline decode::vf vexp_u10(decode::vf d) {
+  using decode::splat;
+  using decode::vf;
+  using decode::vfma;
+  using decode::vi;
+  const vf lo = splat(-104.f), hi = splat(100.f), magic = splat(12582912.f);
+  const vf dc = d < lo ? lo : (d > hi ? hi : (d == d ? d : vf{}));
+  const vf qf = vfma(dc, splat(1.442695040888963407359924681001892137426645954152985934135449406931f), magic) - magic;
+  const vi q = __builtin_convertvector(qf, vi);
+  vf s = vfma(qf, splat(-0.693145751953125f), d);
+  s = vfma(qf, splat(-1.428606765330187045e-06f), s);
+  vf u = splat(0.000198527617612853646278381f);
+  u = vfma(u, s, splat(0.00139304355252534151077271f));
+  u = vfma(u, s, splat(0.00833336077630519866943359f));
+  u = vfma(u, s, splat(0.0416664853692054748535156f));
+  u = vfma(u, s, splat(0.166666671633720397949219f));
+  u = vfma(u, s, splat(0.5f));
+  u = splat(1.f) + vfma(s * s, u, s);
+  const vi half = q >> 1;
+  u = u * (vf)((half + 127) << 23) * (vf)((q - half + 127) << 23);
+  u = d < lo ? vf{} : u;
+  return d > hi ? splat(INFINITY) : u;
+}
+
+// gate * sigmoid(k * gate) times up, a row at a time: fp32 and bf16 rows a vector at a time, their
+// tail as one more, padded vector (so every element has the vector arithmetic's bits: ATen's kernel
+// treats its tail the same way); fp16 rows element by element.
+template <typename T, typename Vec, typename One>
+inline void gated_rows(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n, Vec vec, One one) {
+  using decode::W;
 #pragma omp parallel for if (rows * n >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gu + r * is;
     const T* u = g + n;
     T* o = out + r * os;
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = load(g[i]);
-      o[i] = store<T>(rnd<T>(x / (1.f + exp_u10(-x))) * load(u[i]));
+    if constexpr (kVectorRows<T>) {
+      const auto gated = [&](const T* gv, const T* uv, T* ov) {
+        decode::store(ov, vrnd<T>(vec(decode::load(gv))) * decode::load(uv));
+      };
+      int64_t i = 0;
+      for (; i + W <= n; i += W) gated(g + i, u + i, o + i);
+      if (i < n) {
+        T gb[W] = {}, ub[W] = {}, ob[W];
+        std::memcpy(gb, g + i, sizeof(T) * (n - i));
+        std::memcpy(ub, u + i, sizeof(T) * (n - i));
+        gated(gb, ub, ob);
+        std::memcpy(o + i, ob, sizeof(T) * (n - i));
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i] = store<T>(rnd<T>(one(load(g[i]))) * load(u[i]));
     }
   }
 }
 
-// GELU with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP) as torch computes
-// it in fp32: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), rounded to T, times up.
+// SiLU as torch computes it in fp32: x / (1 + exp(-x)), rounded to T, times up.
+template <typename T>
+void silu_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
+  gated_rows(
+      gu, is, out, os, rows, n, [](decode::vf x) { return x / (decode::splat(1.f) + vexp_u10(-x)); },
+      [](float x) { return x / (1.f + exp_u10(-x)); });
+}
+
+// GELU with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP): 0.5 x (1 +
+// tanh(y)) with y = sqrt(2/pi) (x + 0.044715 x^3), evaluated as x / (1 + exp(-2y)), which is the
+// same function without 1 + tanh's cancellation for very negative x, rounded to T, times up.
 template <typename T>
 void gelu_tanh_mul_cpu(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n) {
-  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kTwoBeta = 2.f * 0.7978845608028654f;  // 2 sqrt(2 / pi)
   constexpr float kKappa = 0.044715f;
-#pragma omp parallel for if (rows * n >= kParallelElems)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * is;
-    const T* u = g + n;
-    T* o = out + r * os;
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = load(g[i]);
-      const float inner = kBeta * (x + kKappa * x * x * x);
-      o[i] = store<T>(rnd<T>(0.5f * x * (1.f + std::tanh(inner))) * load(u[i]));
-    }
-  }
+  gated_rows(
+      gu, is, out, os, rows, n,
+      [](decode::vf x) { return x / (decode::splat(1.f) + vexp_u10(-kTwoBeta * (x + kKappa * x * x * x))); },
+      [](float x) { return x / (1.f + exp_u10(-kTwoBeta * (x + kKappa * x * x * x))); });
 }
 
 // The storage dtypes the ops take (dtype_code rejects the others first).

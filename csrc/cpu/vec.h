@@ -58,12 +58,29 @@ inline vf load(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // fp32 -> bf16 rounded to nearest even, NaN kept a quiet NaN: torch's rounding, in integer lanes.
-inline void store(uint16_t* p, vf v) {
+inline vu bf16_bits(vf v) {
   const vu u = (vu)v;
   const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const vu bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : rounded;
-  const vh h = __builtin_convertvector(bits, vh);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : rounded;
+}
+inline void store(uint16_t* p, vf v) {
+  const vh h = __builtin_convertvector(bf16_bits(v), vh);
   std::memcpy(p, &h, sizeof h);
+}
+// The fp32 value of v stored as bf16 and loaded back, without the trip through memory.
+inline vf round_bf16(vf v) { return (vf)(bf16_bits(v) << 16); }
+// a * b + c rounded once, where a bitwise match with a scalar std::fma is owed (the compiler's
+// contraction of a * b + c is allowed, not promised).
+inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  vf r;
+  for (int i = 0; i < W; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
 }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }

@@ -126,12 +126,14 @@ def test_rotary_rejects_a_position_outside_the_table():
         rotary(qkv, torch.tensor([1, 4], dtype=torch.int32), cos, sin, 1, 1, torch.empty(2, 1, 16))
 
 
+@pytest.mark.parametrize("n", [1536, 1541])  # 1541: whole vectors, then a tail of 5
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_is_bitwise_the_torch_composition(dtype):
+def test_silu_mul_is_bitwise_the_torch_composition(dtype, n):
     """exp included: the kernel evaluates it as ATen's vectorised kernel does; the ends of its
-    range (overflow, underflow, infinities, NaN) too."""
+    range (overflow, underflow, infinities, NaN) too. A row's last n % 32 elements ATen computes
+    with libm's expf, the kernel with the vector one: there, within a rounding."""
     g = torch.Generator().manual_seed(2)
-    rows, n = 33, 1536
+    rows = 33
     gate_up = (torch.randn(rows, 2 * n, generator=g) * 6).to(dtype)
     gate_up[0, :10] = torch.tensor(
         [float("nan"), float("inf"), -float("inf"), 200, -200, 88.5, -88.5, 0.0, -0.0, 104.5]
@@ -140,16 +142,20 @@ def test_silu_mul_is_bitwise_the_torch_composition(dtype):
     want = F.silu(gate) * up
     out = torch.empty(rows, n, dtype=dtype)
     silu_mul(gate_up, out)
-    assert bits_equal(out, want), int((out != want).sum())
+    body = n - n % 32
+    assert bits_equal(out[:, :body], want[:, :body]), int((out[:, :body] != want[:, :body]).sum())
+    torch.testing.assert_close(out[:, body:], want[:, body:], rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("n", [1536, 1541])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_tanh_mul_is_the_torch_composition(dtype):
-    """Gemma's GeGLU: within a rounding of the torch composition (tanh is libm's here, SLEEF's in
-    ATen; for very negative gates 1 + tanh cancels, so a last-bit difference of tanh shows as an
-    absolute one of a few 1e-6), the ends of the range and NaN included."""
+def test_gelu_tanh_mul_is_the_torch_composition(dtype, n):
+    """Gemma's GeGLU: within a rounding of the torch composition (the kernel evaluates 1 + tanh(y)
+    as 2 / (1 + exp(-2y)); for very negative gates torch's 1 + tanh cancels, so a last-bit
+    difference of its tanh shows as an absolute one of a few 1e-6), the ends of the range and NaN
+    included."""
     g = torch.Generator().manual_seed(3)
-    rows, n = 33, 1536
+    rows = 33
     gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
     gate_up[0, :8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 60, -60, 0.0, -0.0, 3.0])
     gate, up = gate_up.chunk(2, dim=-1)
