@@ -8,6 +8,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from chunkgen.cache import ChunkPool, KVReservation, kv_shape
+from chunkgen.cache.pages import keep_freed_pages
 from chunkgen.config import Config
 from chunkgen.device import device_guard, free_bytes
 from chunkgen.engine import Engine, Request, Result, SamplingParams
@@ -117,6 +118,8 @@ class LLM:
                 own_dtype = "auto: the config's dtype on a GPU"
             self.model = LlamaModel(hf_model)
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
+            if dev == "cpu":
+                keep_freed_pages()  # after the load: its temporaries go back to the OS
             free = free_bytes(dev) if dev.startswith("cuda") else None
             self.config = config.loaded(
                 self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +78,44 @@ def test_an_llm_on_the_cpu_reserves_its_kv_memory_before_the_weights(tiny_model)
     out = llm.generate(["hello there"])
     assert out[0].token_ids
     assert llm.engine.pool.k.data_ptr() == base.k.data_ptr()
+
+
+_FAULTS_OF_A_FRESH_TENSOR = """
+import resource, sys, torch
+from chunkgen.cache.pages import keep_freed_pages
+if sys.argv[1] == "keep":
+    assert keep_freed_pages()
+def faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):  # the second tensor is the one measured: the first may find no freed pages
+    before = faults()
+    t = torch.empty(64 << 20, dtype=torch.uint8)
+    t.fill_(1)
+    del t
+print(faults() - before)
+"""
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_freed_large_tensor_leaves_its_pages_to_the_next_one(keep):
+    """With keep_freed_pages, a 64 MiB tensor allocated and written again after one was freed
+    costs (almost) no page faults; without it, malloc maps fresh pages and every 4 KiB faults."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_OF_A_FRESH_TENSOR, "keep" if keep else "default"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
+    faults, pages = int(out.stdout.split()[-1]), (64 << 20) // PAGE
+    if keep:
+        assert faults < pages // 10, faults
+    else:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if thp.exists() and "[always]" in thp.read_text():
+            pytest.skip("every large mapping on huge pages here: a fresh one faults once per 2 MiB")
+        assert faults > pages // 2, faults  # what the setting is for (were malloc to keep them anyway, it would not be)
