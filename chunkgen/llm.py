@@ -145,7 +145,8 @@ class LLM:
             shape = kv_shape(AutoConfig.from_pretrained(path))
         except Exception:  # load_hf says what is wrong with the model, in its words
             return
-        self._kv = KVReservation(ChunkPool(*shape, config.chunk_size, config.kv_dtype, config.kv_memory))
+        pool = ChunkPool(*shape, config.chunk_size, config.kv_dtype, config.kv_memory, ready_rows=config.max_batch)
+        self._kv = KVReservation(pool)
 
     @staticmethod
     def _random_weights(spec, dtype: torch.dtype | None, device: str, seed: int):
@@ -181,6 +182,7 @@ class LLM:
                         base.kv_dtype,
                         base.kv_memory,
                         device=self.model.device,
+                        ready_rows=base.max_batch,
                     )
                 )
         shared = self._kv if self._kv.fits(cfg.chunk_size, cfg.kv_dtype, cfg.kv_memory) else None

@@ -77,8 +77,10 @@ def keep_freed_pages() -> bool:
     transient tensors every time (the default model's logits at 256 rows: 50 MB; a 5,120-token
     wave's MLP activations: 63 MB); above its own ceiling (32 MiB) glibc maps each one afresh and
     unmaps it when freed, so every step paid a page fault and a zeroed page for each 4 KiB it
-    wrote: 12 of the 84 ms of that 256-row logits product on a 2-core Zen 4 VM. Process-wide, set
-    once (the first CPU model load); what stays mapped is at most the step's own peak plus 1 GiB.
+    wrote: 12 of the 84 ms of that 256-row logits product on a 2-core Zen 4 VM. The cost: freed
+    memory stays with the process, a few times the step's largest tensor (malloc settles after a
+    few steps; about 350 MB at 256 rows of the default model in fp32), never more than 1 GiB free
+    at the heap's top. Process-wide, set once (the first CPU model load).
     CHUNKGEN_KEEP_FREED_PAGES=0 turns it off. Returns whether malloc took it (glibc only)."""
     global _kept
     if _kept:

@@ -37,8 +37,8 @@ class ChunkPool:
 
     The budget's worth of slots is reserved once as uninitialised memory; slots are handed to the
     free list in slabs, and on the CPU the OS backs a slab's pages only when they are first written,
-    so memory in use follows `capacity`, not the budget (the first two slabs are backed from the
-    start, in the background: see `pages.populate_in_background`). One slot past the budget's, `scratch_slot`,
+    so memory in use follows `capacity`, not the budget (the slots a batch of `ready_rows` sequences
+    starts with are backed from the start, in the background: see `pages.populate_in_background`). One slot past the budget's, `scratch_slot`,
     is never handed out: padded rows of a decode batch write their K/V there.
     """
 
@@ -52,12 +52,15 @@ class ChunkPool:
         budget_bytes: int,
         device: torch.device | str = "cpu",
         slab_slots: int = 64,
+        ready_rows: int = 0,
         storage: bool = True,
         tensors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """storage=False keeps only the bookkeeping (for planning, e.g. `inspect-tree`). tensors:
         K and V storage of another pool of the same shape and dtype, with at least this budget's
-        slots plus the scratch slot, to use instead of reserving new memory (see KVReservation)."""
+        slots plus the scratch slot, to use instead of reserving new memory (see KVReservation).
+        ready_rows: the batch the pool expects; the slots its first wave writes (a chunk a row past
+        a shared prompt, two slabs at least) are backed ahead of use."""
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.chunk_size, self.dtype, self.device = chunk_size, dtype, torch.device(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -80,8 +83,9 @@ class ChunkPool:
             self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
             for t in (self.k, self.v):
                 advise_huge_pages(t)
-            # The slots handed out first (lowest first, see _grow): two slabs, backed ahead of use.
-            first = min(stored, 2 * self.slab_slots)
+            # The slots handed out first (lowest first, see _grow), backed ahead of use: a first
+            # wave's private chunk a row and two slabs for what the rows share, in whole slabs.
+            first = min(stored, -(-ready_rows // self.slab_slots) * self.slab_slots + 2 * self.slab_slots)
             self.prefault = populate_in_background(
                 [t[layer, :first] for t in (self.k, self.v) for layer in range(num_layers)]
             )

@@ -79,6 +79,7 @@ class Engine:
                 cfg.kv_dtype or kv_dtype_for(model.device, model.dtype),
                 cfg.kv_memory,
                 device=model.device,
+                ready_rows=cfg.max_batch,
             )
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
         self.runner = ModelRunner(

@@ -139,43 +139,63 @@ struct ChunkMask {
   float cap;
 };
 
-// Online softmax of row r's n scores (nv vectors at sr, the last one's valid lanes `tail`): sr
-// becomes the probabilities against the new max, alpha the old state's rescale factor.
+// Online softmax of R rows' scores of one chunk (row r's nv vectors at s + r C, the last one's
+// valid lanes `tail`): each row's scores become its probabilities against its new running max,
+// alpha[r] the old state's rescale factor. Two passes over the rows, every row's maximum first,
+// so that no row's exponentials wait on its own reduction chain.
 template <bool Masked>
-inline void row_softmax(float* sr, int nv, vi tail, int lo, float cap, float& m, float& l, float& alpha) {
-  vf mx = splat(kNegInf);
-  if constexpr (!Masked) {
-    for (int jv = 0; jv + 1 < nv; ++jv) mx = vmax(mx, load(sr + jv * W));
-    mx = vmax(mx, tail ? load(sr + (nv - 1) * W) : splat(kNegInf));
-  } else {
-    for (int jv = 0; jv < nv; ++jv) {
-      vf x = load(sr + jv * W);
-      if (cap > 0.f) x = soft_cap(x, cap);
-      vi keep = ~lanes_below(lo - jv * W);
-      if (jv + 1 == nv) keep &= tail;
-      x = keep ? x : splat(kNegInf);
-      store(sr + jv * W, x);
-      mx = vmax(mx, x);
+inline void rows_softmax(float* s, int R, int C, int nv, vi tail, ChunkMask mask, float* m, float* l,
+                         float* alpha) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + static_cast<size_t>(r) * C;
+    vf mx;
+    if constexpr (!Masked) {
+      vf a = splat(kNegInf), b = splat(kNegInf);
+      int jv = 0;
+      for (; jv + 2 < nv; jv += 2) a = vmax(a, load(sr + jv * W)), b = vmax(b, load(sr + jv * W + W));
+      if (jv + 1 < nv) a = vmax(a, load(sr + jv * W));
+      mx = vmax(a, vmax(b, tail ? load(sr + (nv - 1) * W) : splat(kNegInf)));
+    } else {
+      const int lo = mask.lo ? mask.lo[r] : 0;
+      mx = splat(kNegInf);
+      for (int jv = 0; jv < nv; ++jv) {
+        vf x = load(sr + jv * W);
+        if (mask.cap > 0.f) x = soft_cap(x, mask.cap);
+        vi keep = ~lanes_below(lo - jv * W);
+        if (jv + 1 == nv) keep &= tail;
+        x = keep ? x : splat(kNegInf);
+        store(sr + jv * W, x);
+        mx = vmax(mx, x);
+      }
     }
+    const float mnew = std::max(m[r], hmax(mx));
+    alpha[r] = mnew == m[r] ? 1.f : std::exp(m[r] - mnew);  // 0 on a row's first chunk (m = -inf)
+    m[r] = mnew;
   }
-  const float mnew = std::max(m, hmax(mx));
-  if (Masked && mnew == kNegInf) {  // nothing of this chunk (or before it) in the row's window
-    for (int jv = 0; jv < nv; ++jv) store(sr + jv * W, vf{});
-    alpha = 1.f;
-    return;
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + static_cast<size_t>(r) * C;
+    const float mnew = m[r];
+    if (Masked && mnew == kNegInf) {  // nothing of this chunk (or before it) in the row's window
+      for (int jv = 0; jv < nv; ++jv) store(sr + jv * W, vf{});
+      continue;
+    }
+    // exp(x - max) as 2^(x log2 e - max log2 e): one fused multiply-add a vector (the max's own
+    // exponent is then a rounding away from 0, which the normalization by l cancels).
+    const vf scale = splat(kLog2e), shift = splat(-mnew * kLog2e);
+    const auto prob = [&](int jv) {  // masked scores (-inf) give 0
+      const vf e = vexp2_nonpos(vfma(load(sr + jv * W), scale, shift));
+      store(sr + jv * W, e);
+      return e;
+    };
+    vf sum0 = {}, sum1 = {};
+    int jv = 0;
+    for (; jv + 2 < nv; jv += 2) sum0 += prob(jv), sum1 += prob(jv + 1);
+    if (jv + 1 < nv) sum0 += prob(jv++);
+    vf e = prob(jv);
+    if (!Masked && !tail[W - 1]) store(sr + jv * W, e = tail ? e : vf{});  // padded lanes carry no weight
+    l[r] = l[r] * alpha[r] + hsum(sum0 + (sum1 + e));
   }
-  const vf mv = splat(mnew);
-  vf sum = {};
-  for (int jv = 0; jv < nv; ++jv) {
-    const vf x = load(sr + jv * W);
-    vf e = vexp2_nonpos((x - mv) * 1.44269504088896341f);  // masked scores (-inf) give 0
-    if (!Masked && jv + 1 == nv) e = tail ? e : vf{};      // padded lanes carry no weight
-    store(sr + jv * W, e);
-    sum += e;
-  }
-  alpha = mnew == m ? 1.f : std::exp(m - mnew);  // 0 on a row's first chunk (m = -inf)
-  l = l * alpha + hsum(sum);
-  m = mnew;
 }
 
 // Online-softmax update of R scaled query rows (q [R, d]) with the first n tokens of one chunk.
@@ -186,10 +206,7 @@ void attend_chunk(const float* q, int R, const T* kt, const T* v, int n, int C, 
   const int nv = (n + W - 1) / W;
   scores_rows<T, kRB>(q, R, kt, nv, C, d, s);
 
-  const vi tail = lanes_below(n - (nv - 1) * W);  // valid lanes of the last vector
-  for (int r = 0; r < R; ++r)
-    row_softmax<Masked>(s + static_cast<size_t>(r) * C, nv, tail, Masked && mask.lo ? mask.lo[r] : 0, mask.cap, m[r],
-                        l[r], alpha[r]);
+  rows_softmax<Masked>(s, R, C, nv, lanes_below(n - (nv - 1) * W), mask, m, l, alpha);
 
   values_rows<T, kRB>(s, R, C, v, n, d, o, alpha);
 }

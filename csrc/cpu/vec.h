@@ -87,6 +87,18 @@ inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 #if defined(__AVX512F__)
 inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
 inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+#elif defined(__AVX__)
+// Halves folded in registers: a lane-by-lane loop becomes a serial chain of extracts.
+inline float hsum(vf v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float hmax(vf v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
 #else
 inline float hsum(vf v) {
   float s = 0.f;
