@@ -121,7 +121,7 @@ inline vi lanes_below(int left) {
 
 // exp on a vector (Cephes polynomial, ~1 ulp in the range softmax uses); scalar expf per score
 // would cost as much as the matrix products themselves.
-inline vf vexp(vf x) {
+__attribute__((always_inline)) inline vf vexp(vf x) {
   x = vmax(vmin(x, splat(88.3762626647949f)), splat(-87.3365447504f));
   vf fx = x * 1.44269504088896341f + 0.5f;
   vi ti = __builtin_convertvector(fx, vi);
@@ -144,7 +144,7 @@ inline vf vexp(vf x) {
 // -inf). Adding 1.5 * 2^23 rounds t to an integer n held in the low mantissa bits, so 2^n is an
 // integer add and a shift away; 2^(t - n) is a degree-5 fit on [-0.5, 0.5] (relative error under
 // 2e-7). About half the instructions of vexp, which softmax pays once per score.
-inline vf vexp2_nonpos(vf t) {
+__attribute__((always_inline)) inline vf vexp2_nonpos(vf t) {
   const vf magic = splat(12582912.f);
   t = vmax(t, splat(-127.f));
   const vf r = t + magic;
