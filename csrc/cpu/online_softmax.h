@@ -144,8 +144,7 @@ struct ChunkMask {
 // alpha[r] the old state's rescale factor. Two passes over the rows, every row's maximum first,
 // so that no row's exponentials wait on its own reduction chain.
 template <bool Masked>
-inline void rows_softmax(float* s, int R, int C, int nv, vi tail, ChunkMask mask, float* m, float* l,
-                         float* alpha) {
+inline void rows_softmax(float* s, int R, int C, int nv, vi tail, ChunkMask mask, float* m, float* l, float* alpha) {
   constexpr float kLog2e = 1.44269504088896341f;
   for (int r = 0; r < R; ++r) {
     float* sr = s + static_cast<size_t>(r) * C;
