@@ -139,6 +139,14 @@ struct ChunkMask {
   float cap;
 };
 
+// A vector of scores x in place as 2^(x scale + shift), returned too; masked scores (-inf) give 0.
+// (Inlined by force: GCC kept it a call, as a lambda, in the softmax's inner loop.)
+__attribute__((always_inline)) inline vf probabilities(float* x, vf scale, vf shift) {
+  const vf e = vexp2_nonpos(vfma(load(x), scale, shift));
+  store(x, e);
+  return e;
+}
+
 // Online softmax of R rows' scores of one chunk (row r's nv vectors at s + r C, the last one's
 // valid lanes `tail`): each row's scores become its probabilities against its new running max,
 // alpha[r] the old state's rescale factor. Two passes over the rows, every row's maximum first,
@@ -182,16 +190,14 @@ inline void rows_softmax(float* s, int R, int C, int nv, vi tail, ChunkMask mask
     // exp(x - max) as 2^(x log2 e - max log2 e): one fused multiply-add a vector (the max's own
     // exponent is then a rounding away from 0, which the normalization by l cancels).
     const vf scale = splat(kLog2e), shift = splat(-mnew * kLog2e);
-    const auto prob = [&](int jv) {  // masked scores (-inf) give 0
-      const vf e = vexp2_nonpos(vfma(load(sr + jv * W), scale, shift));
-      store(sr + jv * W, e);
-      return e;
-    };
     vf sum0 = {}, sum1 = {};
     int jv = 0;
-    for (; jv + 2 < nv; jv += 2) sum0 += prob(jv), sum1 += prob(jv + 1);
-    if (jv + 1 < nv) sum0 += prob(jv++);
-    vf e = prob(jv);
+    for (; jv + 2 < nv; jv += 2) {
+      sum0 += probabilities(sr + jv * W, scale, shift);
+      sum1 += probabilities(sr + jv * W + W, scale, shift);
+    }
+    if (jv + 1 < nv) sum0 += probabilities(sr + W * jv++, scale, shift);
+    vf e = probabilities(sr + jv * W, scale, shift);
     if (!Masked && !tail[W - 1]) store(sr + jv * W, e = tail ? e : vf{});  // padded lanes carry no weight
     l[r] = l[r] * alpha[r] + hsum(sum0 + (sum1 + e));
   }
