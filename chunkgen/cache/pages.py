@@ -79,7 +79,7 @@ def keep_freed_pages() -> bool:
     unmaps it when freed, so every step paid a page fault and a zeroed page for each 4 KiB it
     wrote: 12 of the 84 ms of that 256-row logits product on a 2-core Zen 4 VM. The cost: freed
     memory stays with the process, a few times the step's largest tensor (malloc settles after a
-    few steps; about 350 MB at 256 rows of the default model in fp32), never more than 1 GiB free
+    few steps; about 350 MB in a loop of that logits product alone), never more than 1 GiB free
     at the heap's top. Process-wide, set once (the first CPU model load).
     CHUNKGEN_KEEP_FREED_PAGES=0 turns it off. Returns whether malloc took it (glibc only)."""
     global _kept

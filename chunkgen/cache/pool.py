@@ -37,9 +37,10 @@ class ChunkPool:
 
     The budget's worth of slots is reserved once as uninitialised memory; slots are handed to the
     free list in slabs, and on the CPU the OS backs a slab's pages only when they are first written,
-    so memory in use follows `capacity`, not the budget (the slots a batch of `ready_rows` sequences
-    starts with are backed from the start, in the background: see `pages.populate_in_background`). One slot past the budget's, `scratch_slot`,
-    is never handed out: padded rows of a decode batch write their K/V there.
+    so memory in use follows `capacity`, not the budget (the slots a batch of `ready_rows`
+    sequences starts with are backed from the start, in the background: see
+    `pages.populate_in_background`). One slot past the budget's, `scratch_slot`, is never handed
+    out: padded rows of a decode batch write their K/V there.
     """
 
     def __init__(
@@ -77,7 +78,7 @@ class ChunkPool:
         stored = self.max_slots + 1 if storage else 0
         shape_k = (num_layers, stored, kv_heads, head_dim, chunk_size)
         shape_v = (num_layers, stored, kv_heads, chunk_size, head_dim)
-        self.prefault = None  # the thread backing the first slabs' pages (CPU storage of its own)
+        self.prefault = None  # the thread backing the first wave's slots (CPU storage of its own)
         if tensors is None:
             self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
             self.v = torch.empty(shape_v, dtype=dtype, device=self.device)

@@ -227,7 +227,7 @@ void rotary_cpu(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin
 
 // exp as ATen's vectorised CPU kernels compute it (Vectorized<float>::exp, SLEEF's 1-ulp expf with
 // FMA): Cody-Waite reduction by ln 2 in two parts, a degree-6 polynomial, scaling by 2^q in two
-// halves. The same algorithm here gives the same bits, and the loop over a row vectorises.
+// halves. The scalar form, for fp16 rows; fp32 and bf16 rows take vexp_u10 below, which has its bits.
 inline float exp_u10(float d) {
   // q = rint(d / ln 2) from the input clamped to where the result is finite and nonzero (the ends
   // are selected below, NaN goes through s), rounded half to even by the 1.5 * 2^23 trick, which
@@ -282,9 +282,10 @@ inline decode::vf vexp_u10(decode::vf d) {
   return d > hi ? splat(INFINITY) : u;
 }
 
-// gate * sigmoid(k * gate) times up, a row at a time: fp32 and bf16 rows a vector at a time, their
-// tail as one more, padded vector (so every element has the vector arithmetic's bits: ATen's kernel
-// treats its tail the same way); fp16 rows element by element.
+// An activation of the gate (vec on a vector, one on an element) times up, a row at a time: fp32
+// and bf16 rows a vector at a time, their tail as one more, padded vector (one arithmetic for the
+// whole row; ATen takes its last n % 32 elements through libm instead, a rounding apart); fp16
+// rows element by element.
 template <typename T, typename Vec, typename One>
 inline void gated_rows(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n, Vec vec, One one) {
   using decode::W;
