@@ -23,9 +23,9 @@ from chunkgen.device import human_bytes
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    dtype: Optional[str] = typer.Option(None, metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
                                                    "fp16, bf16 or fp32 on CUDA (default fp16)."),
-    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run)."),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run)."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
     impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
@@ -61,7 +61,7 @@ def bench_kernel(
 # fmt: off
 @bench_app.command("order")
 def bench_order(
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model to run [default: the embedded one]."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="Model to run [default: the embedded one]."),
     docs: int = typer.Option(100, min=1, metavar="D", help="Documents (distinct shared prefixes)."),
     questions: int = typer.Option(4, min=1, metavar="Q", help="Questions on each document (rows sharing its prefix)."),
     doc_tokens: str = typer.Option("300", metavar="T|LO-HI", help="Tokens per document: T, or LO-HI drawn uniformly."),
@@ -70,8 +70,8 @@ def bench_order(
     kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget [default auto: a tenth of the distinct prompt tokens, at least two of the longest prompts]."),
     max_batch: int = typer.Option(16, min=1, metavar="N", help="Sequences decoded together."),
     max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
-    dtype: str = typer.Option("fp32", metavar="DTYPE", help="fp32, bf16 or fp16."),
-    orders: str = typer.Option("input,prefix", metavar="ORDERS", help="Orders to run, in turn: input, prefix."),
+    dtype: str = typer.Option("fp32", "--dtype", metavar="DTYPE", help="fp32, bf16 or fp16."),
+    orders: str = typer.Option("input,prefix", "--orders", metavar="ORDERS", help="Orders to run, in turn: input, prefix."),
     write_workload: Optional[Path] = typer.Option(None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."),
     dump_token_ids: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the rows as JSON here."),
@@ -199,11 +199,11 @@ def step_table(r: dict, ceilings: dict | None) -> Table:
 # fmt: off
 @bench_app.command("step")
 def bench_step(
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
     n_shared: int = typer.Option(2048, metavar="N", help="Shared prompt length in tokens."),
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
-    dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
+    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
     json_out: Optional[Path] = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "

@@ -23,13 +23,13 @@ from chunkgen.device import choose_max_batch, human_bytes
 # fmt: off
 @bench_app.command("e2e")
 def bench_e2e(
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
     n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
     n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
     max_batch: str = typer.Option("auto", metavar="N[,N...]", callback=max_batch_values, help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each."),
-    dtype: str = typer.Option("auto", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
-    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
+    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
     kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
     dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),

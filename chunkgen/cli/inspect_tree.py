@@ -26,9 +26,9 @@ from chunkgen.model.precision import DTYPE_NAMES
 def inspect_tree(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
     chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option("auto", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
+    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
@@ -37,7 +37,7 @@ def inspect_tree(
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
     hit rate a run with --kv-memory reaches in file order and in prefix order."""
-    from transformers import AutoTokenizer
+    from chunkgen.model.loading import load_tokenizer
 
     from chunkgen.cache.forecast import TreeForecast
 
@@ -52,7 +52,7 @@ def inspect_tree(
         check_kv_fits(path, config)
         forecast = TreeForecast(path, config.chunk_size, config.kv_dtype, config.kv_memory, config.max_batch,
                                 config.max_prefill_tokens)
-        _feed(forecast, source, AutoTokenizer.from_pretrained(path), config.chunk_size)
+        _feed(forecast, source, load_tokenizer(path), config.chunk_size)
     tree, st, templates_under = forecast.forest()
     view = Tree(f"[bold]prefix forest[/] ({st.sequences} prompts, chunk {config.chunk_size} tokens)")
     _draw(tree.root, view, templates_under)

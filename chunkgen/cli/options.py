@@ -179,13 +179,14 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
     """Before the weights load: the model's tokenizer loads, it has a usable chat template (unless
     --no-chat-template), and no template's own text (system prompt and user message, before any
     row's values) is longer than the model's context, which would fail every row."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from chunkgen.llm import check_chat_template, encode_prompt
     from chunkgen.model.llama import context_length
+    from chunkgen.model.loading import load_tokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     except Exception as exc:  # transformers raises ValueError, OSError, or a tokenizer library's own
         fail(
             f"{model_dir}: cannot load the model's tokenizer ({type(exc).__name__}: "

@@ -165,12 +165,11 @@ class IdsTokenizer:
 
 def tokenizer_for(config):
     """The default model's tokenizer when all its ids are valid in this vocabulary, else IdsTokenizer."""
-    from transformers import AutoTokenizer
 
-    from chunkgen.model.loading import ModelNotFound, resolve_model
+    from chunkgen.model.loading import ModelNotFound, load_tokenizer, resolve_model
 
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_model(None))
+        tok = load_tokenizer(resolve_model(None))
     except (ModelNotFound, OSError, ValueError):  # no default model installed: ids only
         tok = None
     if tok is not None and len(tok) <= config.vocab_size:

@@ -91,6 +91,36 @@ def resolve_model(spec: str | os.PathLike | None, on_convert: ConvertNotice | No
     )
 
 
+def load_tokenizer(path: str | os.PathLike, **kwargs):
+    """AutoTokenizer.from_pretrained, with a byte-level BPE's decoder made plain ByteLevel.
+
+    Some transformers releases (5.17) convert a GGUF's gpt2 tokenizer with a ByteFallback, Fuse and
+    Replace chain in front of the ByteLevel decoder: the text it decodes is the same, but llguidance
+    reads the chain as a sentencepiece vocabulary and every token that starts with a space ('Ġ')
+    as other bytes, so every constrained row fails. A ByteLevel pre-tokenizer makes every token a
+    ByteLevel string, which the ByteLevel decoder alone maps back to bytes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _uses(backend.pre_tokenizer, "ByteLevel"):
+        decoder = backend.decoder
+        if decoder is None or json.loads(decoder.__getstate__()).get("type") != "ByteLevel":
+            from tokenizers import decoders
+
+            backend.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _uses(component, kind: str) -> bool:
+    """Whether a tokenizers component (a pre-tokenizer, a decoder) is `kind` or a Sequence holding it."""
+    if component is None:
+        return False
+    state = json.loads(component.__getstate__())
+    parts = state.get("pretokenizers") or state.get("decoders") or [state]
+    return any(part.get("type") == kind for part in parts)
+
+
 def hf_hub_cache() -> Path:
     """The Hugging Face hub cache as huggingface_hub finds it, read from the environment now (not
     when huggingface_hub was imported)."""
@@ -165,7 +195,7 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
         return target
     if on_convert:
         on_convert(gguf, target, None)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     try:  # transformers' GGUF reader draws its own progress bar; chunkgen says what happens instead
@@ -176,7 +206,8 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     if bar is not None:
         gguf_utils.tqdm = lambda iterable, **_: iterable
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
+        _special_tokens_of(gguf, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # an architecture transformers cannot read from GGUF, a damaged file
         raise ModelNotFound(f"{gguf}: cannot convert this GGUF file ({type(exc).__name__}: {exc})") from None
@@ -205,6 +236,21 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     if on_convert:
         on_convert(gguf, target, sum(f.stat().st_size for f in target.iterdir()))
     return target
+
+
+def _special_tokens_of(gguf: Path, tokenizer) -> None:
+    """The BOS, EOS, UNK and padding tokens the GGUF file names (tokenizer.ggml.*_token_id): some
+    transformers releases (5.17) save its gpt2 tokenizer with <|im_start|> as the EOS token."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is None or not field.data:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if 0 <= token_id < len(tokenizer) and getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def copy_size(path: Path) -> int:
@@ -259,13 +305,13 @@ def check_model_dir(path: Path):
 
 def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
     """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     path = resolve_model(spec)
     check_model_dir(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except Exception as exc:
         raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
     try:

@@ -153,8 +153,10 @@ __global__ void gelu_tanh_mul_kernel(const T* gu, int64_t is, T* out, int64_t os
   if (idx >= rows * n) return;
   const int64_t r = idx / n, i = idx % n;
   const float x = ld(gu[r * is + i]);
-  const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-  const float gelu = rnd<T>(0.5f * x * (1.f + tanhf(inner)));
+  // 0.5 x (1 + tanh(y)) as x / (1 + exp(-2y)), the CPU kernel's form: 1 + tanh(y) cancels for
+  // negative y and loses the small products' digits.
+  const float two_y = 2.f * 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  const float gelu = rnd<T>(__fdiv_rn(x, __fadd_rn(1.f, expf(-two_y))));
   out[r * os + i] = st<T>(__fmul_rn(gelu, ld(gu[r * is + n + i])));
 }
 

@@ -203,14 +203,14 @@ def test_bench_kernel_quick_rows_and_refusals(tmp_path):
     from chunkgen import native_cuda_available
 
     out = tmp_path / "rows.json"
-    res = run_cli("bench", "kernel", "--quick", "--impls", "paged,chunk_tpp", "--json", str(out))
+    res = run_cli("bench", "kernel", "--quick", "--device", "cpu", "--impls", "paged,chunk_tpp", "--json", str(out))
     assert res.exit_code == 0, res.output
     rows = json.loads(out.read_text())
     assert {(r["impl"], r["n_s"], r["device"]) for r in rows} == {
         (i, s, "cpu") for i in ("paged", "chunk_tpp") for s in (0, 1024)
     }
     assert all(r["us"] > 0 for r in rows)
-    res = runner.invoke(app, ["bench", "kernel", "--quick", "--dtype", "fp16"])
+    res = runner.invoke(app, ["bench", "kernel", "--quick", "--device", "cpu", "--dtype", "fp16"])
     assert res.exit_code == 1 and "fp16 is for --device cuda" in res.output
     if not (torch.cuda.is_available() and native_cuda_available()):
         res = runner.invoke(app, ["bench", "kernel", "--quick", "--device", "cuda"])
@@ -306,6 +306,26 @@ def test_help_and_version():
     text = runner.invoke(app, ["run", "--help"]).output
     assert "--no-share" in text and "--no-no-share" not in text and "--no-resume" not in text
     assert "chunkgen[ray]" in text
+
+
+def test_every_option_is_spelled_from_its_parameters_name():
+    """Each option's flags are its parameter's name in lower case (typer 0.27 turned a metavar
+    that spells the name, DEVICE for device, into the flag --DEVICE), for every command."""
+    import typer.main
+
+    def commands(group, path=()):
+        for name, cmd in group.commands.items():
+            yield from commands(cmd, path + (name,)) if hasattr(cmd, "commands") else [(path + (name,), cmd)]
+
+    found = {
+        (" ".join(path), opt)
+        for path, cmd in commands(typer.main.get_command(app))
+        for param in cmd.params
+        for opt in param.opts + param.secondary_opts
+        if opt.startswith("--") and opt != opt.lower()
+    }
+    assert not found
+    assert "--device" in runner.invoke(app, ["bench", "e2e", "--help"]).output
 
 
 # -- rows that fail alone --------------------------------------------------------------------------

@@ -134,3 +134,77 @@ def test_stale_copies_are_other_keys_of_the_same_file_name(tmp_path):
     for name in ("M.Q4-aaaaaaaaaaaa", "M.Q4-bbbbbbbbbbbb", "M.Q4-extra-cccccccccccc", "Other-dddddddddddd"):
         (models / name).mkdir(parents=True)
     assert stale_copies(models / "M.Q4-aaaaaaaaaaaa") == [models / "M.Q4-bbbbbbbbbbbb"]
+
+
+# -- tokenizers as transformers releases save them -------------------------------------------------
+# The decoder chain transformers 5.17 writes for a GGUF's byte-level (gpt2) tokenizer.
+MIXED_DECODER = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ],
+}
+
+
+def _byte_level_bpe(out: Path) -> Path:
+    """A small byte-level BPE (the gpt2 / SmolLM2 / Llama 3 kind) trained on the shipped prompts,
+    saved with the mixed decoder chain above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([f.read_text() for f in sorted(PROMPTS.glob("*.toml"))], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>").save_pretrained(out)
+    state = json.loads((out / "tokenizer.json").read_text())
+    state["decoder"] = MIXED_DECODER
+    (out / "tokenizer.json").write_text(json.dumps(state))
+    return out
+
+
+def test_a_byte_level_tokenizer_gets_the_byte_level_decoder_llguidance_reads(tmp_path):
+    """Loaded as AutoTokenizer gives it, llguidance takes the mixed chain for a sentencepiece
+    vocabulary and refuses a valid JSON answer at its first token that starts with a space;
+    load_tokenizer gives the plain ByteLevel decoder, the same text, and the answer is accepted."""
+    import llguidance
+    from llguidance.hf import from_tokenizer
+    from transformers import AutoTokenizer
+
+    from chunkgen.engine.params import compile_spec
+    from chunkgen.model.loading import load_tokenizer
+
+    path = _byte_level_bpe(tmp_path / "tok")
+    raw, fixed = AutoTokenizer.from_pretrained(path), load_tokenizer(path)
+    assert json.loads(fixed.backend_tokenizer.decoder.__getstate__())["type"] == "ByteLevel"
+    answer = '{"function": "get_weather", "arguments": {"location": "Oslo"}}'
+    ids = fixed.encode(answer, add_special_tokens=False)
+    assert raw.encode(answer, add_special_tokens=False) == ids and fixed.decode(ids) == raw.decode(ids) == answer
+    assert any(fixed.convert_ids_to_tokens(i).startswith("Ġ") for i in ids)
+    grammar = compile_spec("json_schema", json.dumps({"type": "object"}))
+
+    def accepted(tokenizer) -> bool:
+        matcher = llguidance.LLMatcher(from_tokenizer(tokenizer, n_vocab=len(tokenizer)), grammar, log_level=0)
+        return matcher.consume_tokens(ids) and not matcher.is_error()
+
+    assert not accepted(raw)
+    assert accepted(fixed)
+
+
+def test_conversion_takes_the_special_tokens_the_gguf_names(default_model_dir):
+    """transformers 5.17 saves the default model's tokenizer with <|im_start|> as its EOS; the
+    conversion sets each special token from the file's own tokenizer.ggml.*_token_id."""
+    from chunkgen.model.loading import _special_tokens_of, load_tokenizer
+
+    tok = load_tokenizer(default_model_dir)
+    tok.eos_token = "<|im_start|>"
+    _special_tokens_of(default_gguf(), tok)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)

@@ -9,17 +9,10 @@ from chunkgen.engine import SamplingParams
 from chunkgen.jobs.templates import load_template
 from chunkgen.llm import LLM
 from tests.conftest import PROMPTS
-from tests.helpers import assert_parity
+from tests.helpers import EXACT, assert_parity
 from tests.helpers import QUESTIONS
 
 pytestmark = pytest.mark.real_model
-
-
-# Answers equal to transformers' token for token, of 16, in the model's dtype. bf16 itself moves
-# near ties, and which ones with the thread count (the sums' order): on the Xeon, transformers in
-# bf16 gave its own fp32 answers on 12-13 of these 16, and chunkgen's bf16 gave transformers' bf16
-# answers on 11 (1 thread) to 13 (2 threads).
-EXACT = {"fp32": 14, "bf16": 10}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
