@@ -75,14 +75,14 @@ def _usage_error_text(e: click_exc.ClickException) -> str:
 
 
 def _click_value_text(message: str) -> str | None:
-    """click 8.1's type and range messages (older typer parses with click itself), in the same words
-    as _value_error_text gives newer typer's."""
+    """click's type and range messages (click 8.1 under older typer, typer 0.27's own copy), in the
+    same words as _value_error_text gives newer typer's."""
     import re
 
     message = message.strip().removesuffix(".")
-    m = re.fullmatch(r"'?(.*?)'? is not a valid (integer|float)( range)?", message)
+    m = re.fullmatch(r"'?(.*?)'? is not a valid (integer|int|float)( range)?", message)  # typer 0.27: "int"
     if m:
-        return f"must be {'an integer' if m[2] == 'integer' else 'a number'}, not {m[1]!r}"
+        return f"must be {'a number' if m[2] == 'float' else 'an integer'}, not {m[1]!r}"
     m = re.fullmatch(r"(\S+) is not in the range (?:(\S+)<=)?x(?:<=(\S+))?", message)
     if m:
         value, low, high = m[1], m[2], m[3]
