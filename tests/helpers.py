@@ -182,10 +182,15 @@ def template_prompts(name: str = "arithmetic_cot", n: int = 16):
     return [t.messages({t.fields[0]: q}) for q in TEMPLATE_QUESTIONS[:n]]
 
 
+# transformers' reference attention: eager is the one every release computes Gemma 2's logit
+# soft-capping in (5.17 picks sdpa for it, which leaves the soft-cap out).
+HF_ATTENTION = "eager"
+
+
 def hf_greedy(model_dir, prompts_ids, max_new_tokens):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=HF_ATTENTION)
     outs = []
     for ids in prompts_ids:
         gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)

@@ -33,6 +33,25 @@ def resident(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / pages
 
 
+@pytest.fixture(autouse=True)
+def fresh_mappings():
+    """Large tensors mapped afresh, as in a process that has not loaded a CPU model yet: after one
+    has (an earlier test's), malloc keeps freed pages (keep_freed_pages) and would hand these tests
+    memory that is already resident."""
+    from chunkgen.cache import pages
+
+    if not pages._kept:
+        yield
+        return
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt(pages._M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold
+    try:
+        yield
+    finally:
+        mallopt(pages._M_MMAP_THRESHOLD, pages._KEEP_BYTES)
+
+
 @pytest.fixture
 def populate_supported():
     buf = torch.empty(4 * PAGE, dtype=torch.uint8)

@@ -12,7 +12,7 @@ import torch
 from chunkgen.engine import SamplingParams
 from chunkgen.llm import LLM
 from tests.conftest import _train_tokenizer
-from tests.helpers import assert_parity, hf_greedy, template_prompts
+from tests.helpers import HF_ATTENTION, assert_parity, hf_greedy, template_prompts
 
 CHUNK = 16
 
@@ -218,7 +218,7 @@ def test_prefill_logits_at_every_length(family, family_models):
     path = family_models(family)
     llm = LLM(model=str(path), dtype="fp32", chunk_size=CHUNK, kv_memory="32MiB", max_batch=4)
     ids = llm.encode(template_prompts("document_qa", 1)[0])[:72]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=HF_ATTENTION)
     cuts = range(1, len(ids) + 1)  # every position: inside, at and past each window and chunk boundary
     engine = llm.new_engine()
     from chunkgen.engine.runner import PrefillItem
@@ -247,7 +247,7 @@ def test_greedy_parity_bf16(family, family_models):
     prompts = template_prompts("arithmetic_cot", 4)
     ids = [llm.encode(p) for p in prompts]
     results = llm.generate(prompts, SamplingParams(max_new_tokens=8))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=HF_ATTENTION)
     exact = 0
     for p, r in zip(ids, results):
         theirs = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
