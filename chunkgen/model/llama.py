@@ -244,13 +244,15 @@ class LlamaModel:
         self.norm = inner.norm.weight.detach()
         self.lm_head = Linear(hf_model.lm_head.weight, None)
         windows = layer_windows(cfg)
+        # Gemma 3's local layers have a rotary base of their own: transformers 5 keeps one module
+        # that takes the layer type, transformers 4 a second module (rotary_emb_local).
         per_type_rope = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self._local_rotary = getattr(inner, "rotary_emb_local", None)
         types = getattr(cfg, "layer_types", None) or ["default"] * self.num_layers
+        if not (per_type_rope or self._local_rotary is not None):
+            types = ["default"] * self.num_layers
         with torch.no_grad():
-            self.layers = [
-                _layer_weights(layer, windows[i], types[i] if per_type_rope else "default", gemma)
-                for i, layer in enumerate(inner.layers)
-            ]
+            self.layers = [_layer_weights(layer, windows[i], types[i], gemma) for i, layer in enumerate(inner.layers)]
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
         self._inter = cfg.intermediate_size
@@ -284,8 +286,11 @@ class LlamaModel:
     def _rope(self, key: str, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[tokens, 1, rot_dim]` of these positions from the model's own rotary module (its
         scaling and rounding), for one layer type's table."""
-        extra = () if key == "default" else (key,)
-        cos, sin = self.rotary(x, positions.view(1, -1), *extra)
+        if self._local_rotary is not None:
+            module = self._local_rotary if key == "sliding_attention" else self.rotary
+            cos, sin = module(x, positions.view(1, -1))
+        else:
+            cos, sin = self.rotary(x, positions.view(1, -1), *(() if key == "default" else (key,)))
         return cos[0, :, None, :], sin[0, :, None, :]
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

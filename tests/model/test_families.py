@@ -121,15 +121,16 @@ def _config(family: str, vocab: int):
             },
         )
     if family == "phi3-longrope":  # Phi-3.5 / Phi-4-mini: longrope, frequencies chosen by length
+        # as the checkpoints write it (every transformers release reads this; 4.x allows no more keys)
         return tf.Phi3Config(
             **c,
             tie_word_embeddings=False,
             original_max_position_embeddings=64,
+            rope_theta=10_000.0,
             rope_scaling={
-                "rope_type": "longrope",
+                "type": "longrope",
                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
-                "rope_theta": 10_000.0,
             },
         )
     if family == "llama-dynamic":  # dynamic NTK scaling past the original context
