@@ -207,7 +207,7 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
         gguf_utils.tqdm = lambda iterable, **_: iterable
     try:
         tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
-        _special_tokens_of(gguf, tokenizer)
+        _tokenizer_facts_of(gguf, tokenizer)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # an architecture transformers cannot read from GGUF, a damaged file
         raise ModelNotFound(f"{gguf}: cannot convert this GGUF file ({type(exc).__name__}: {exc})") from None
@@ -238,19 +238,33 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     return target
 
 
-def _special_tokens_of(gguf: Path, tokenizer) -> None:
-    """The BOS, EOS, UNK and padding tokens the GGUF file names (tokenizer.ggml.*_token_id): some
-    transformers releases (5.17) save its gpt2 tokenizer with <|im_start|> as the EOS token."""
+def _tokenizer_facts_of(gguf: Path, tokenizer) -> None:
+    """What the GGUF file says of its tokenizer, over what a transformers release saved: the BOS,
+    EOS, UNK and padding tokens (tokenizer.ggml.*_token_id; 5.17 saves <|im_start|> as EOS),
+    whether BOS and EOS are added (tokenizer.ggml.add_*_token; 4.57 saves a gpt2 tokenizer as a
+    Llama one that adds BOS), and no clean-up of spaces in decoded text, which llama.cpp never does
+    (4.57 and 5.17 turn it on; it also makes streamed text differ from the whole text's decode)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(gguf).fields
+
+    def value(key: str):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        return None if field is None or not field.data else field.parts[field.data[0]][0]
+
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        field = fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is None or not field.data:
+        token_id = value(f"{key}_token_id")
+        if token_id is None:
             continue
-        token_id = int(field.parts[field.data[0]][0])
+        token_id = int(token_id)
         if 0 <= token_id < len(tokenizer) and getattr(tokenizer, f"{role}_token_id") != token_id:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    for role in ("bos", "eos"):
+        added = value(f"add_{role}_token")
+        if added is not None and hasattr(tokenizer, f"add_{role}_token"):
+            if getattr(tokenizer, f"add_{role}_token") != bool(added):
+                setattr(tokenizer, f"add_{role}_token", bool(added))
+    tokenizer.clean_up_tokenization_spaces = False
 
 
 def copy_size(path: Path) -> int:
@@ -303,6 +317,16 @@ def check_model_dir(path: Path):
     return config
 
 
+def _unpickling_error(exc: BaseException | None) -> pickle.UnpicklingError | None:
+    """The safe loader's refusal behind exc, if that is what it is: transformers 5 lets it through,
+    transformers 4 raises an OSError from it."""
+    for _ in range(8):
+        if exc is None or isinstance(exc, pickle.UnpicklingError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
     """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own."""
     from transformers import AutoModelForCausalLM
@@ -316,14 +340,18 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.flo
         raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except pickle.UnpicklingError as exc:
-        # torch's safe loader refused a pickle that would build arbitrary objects (run code); its
-        # own message ends with the offending global and advice we do not want to repeat.
-        why = next((l.strip() for l in str(exc).splitlines() if "GLOBAL" in l), "it holds objects other than tensors")
-        raise ModelNotFound(
-            f"{path}: the weights are a pickle that the safe loader refuses ({why}); use .safetensors weights"
-        ) from None
-    except Exception as exc:  # e.g. a truncated or damaged file
+    except Exception as exc:
+        refused = _unpickling_error(exc)
+        if refused is not None:
+            # torch's safe loader refused a pickle that would build arbitrary objects (run code); its
+            # own message ends with the offending global and advice we do not want to repeat.
+            why = next(
+                (l.strip() for l in str(refused).splitlines() if "GLOBAL" in l), "it holds objects other than tensors"
+            )
+            raise ModelNotFound(
+                f"{path}: the weights are a pickle that the safe loader refuses ({why}); use .safetensors weights"
+            ) from None
+        # e.g. a truncated or damaged file
         raise ModelNotFound(f"{path}: cannot load the weights ({type(exc).__name__}: {exc})") from None
     inner = getattr(model, "model", None)
     for part in ("vision_tower", "multi_modal_projector"):  # prompts are text: these would only hold memory

@@ -199,12 +199,17 @@ def test_a_byte_level_tokenizer_gets_the_byte_level_decoder_llguidance_reads(tmp
     assert accepted(fixed)
 
 
-def test_conversion_takes_the_special_tokens_the_gguf_names(default_model_dir):
-    """transformers 5.17 saves the default model's tokenizer with <|im_start|> as its EOS; the
-    conversion sets each special token from the file's own tokenizer.ggml.*_token_id."""
-    from chunkgen.model.loading import _special_tokens_of, load_tokenizer
+def test_conversion_takes_what_the_gguf_says_of_its_tokenizer(default_model_dir):
+    """transformers 5.17 saves the default model's tokenizer with <|im_start|> as its EOS, 4.57 and
+    5.17 with spaces cleaned up in decoded text; the conversion sets each special token from the
+    file's own tokenizer.ggml.*_token_id, whether BOS is added from tokenizer.ggml.add_bos_token,
+    and no clean-up."""
+    from chunkgen.model.loading import _tokenizer_facts_of, load_tokenizer
 
     tok = load_tokenizer(default_model_dir)
-    tok.eos_token = "<|im_start|>"
-    _special_tokens_of(default_gguf(), tok)
+    tok.eos_token, tok.clean_up_tokenization_spaces = "<|im_start|>", True
+    _tokenizer_facts_of(default_gguf(), tok)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert not tok.clean_up_tokenization_spaces
+    assert tok.decode(tok.encode("'quote' n't", add_special_tokens=False)) == "'quote' n't"
+    assert tok.encode("hi")[0] != tok.bos_token_id  # the GGUF adds no BOS
