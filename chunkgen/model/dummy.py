@@ -165,7 +165,6 @@ class IdsTokenizer:
 
 def tokenizer_for(config):
     """The default model's tokenizer when all its ids are valid in this vocabulary, else IdsTokenizer."""
-
     from chunkgen.model.loading import ModelNotFound, load_tokenizer, resolve_model
 
     try:
