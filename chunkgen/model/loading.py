@@ -261,9 +261,8 @@ def _tokenizer_facts_of(gguf: Path, tokenizer) -> None:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     for role in ("bos", "eos"):
         added = value(f"add_{role}_token")
-        if added is not None and hasattr(tokenizer, f"add_{role}_token"):
-            if getattr(tokenizer, f"add_{role}_token") != bool(added):
-                setattr(tokenizer, f"add_{role}_token", bool(added))
+        if added is not None and getattr(tokenizer, f"add_{role}_token", bool(added)) != bool(added):
+            setattr(tokenizer, f"add_{role}_token", bool(added))
     tokenizer.clean_up_tokenization_spaces = False
 
 
