@@ -209,10 +209,20 @@ def _kv_budget(spec: str | int, device: str):
     budget = _option("--kv-memory", choose_kv_memory, spec, device, suffix=" or auto")
     if budget.bytes <= 0:
         raise OptionError("--kv-memory", f"must be positive, not {spec!r}")
-    if not device.startswith("cuda"):
-        import psutil
+    from chunkgen.device import human_bytes
 
-        from chunkgen.device import human_bytes
+    if device.startswith("cuda"):
+        import torch
+
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        if budget.bytes > total:
+            raise OptionError(
+                "--kv-memory",
+                f"{human_bytes(budget.bytes)} is more than {device}'s memory ({human_bytes(total)}); "
+                "the budget is reserved at load beside the weights, so give less, or auto",
+            )
+    else:
+        import psutil
 
         total = psutil.virtual_memory().total
         if budget.bytes > total:

@@ -1,7 +1,17 @@
 """The prefix-aware KV cache: slots (ChunkPool), the prefix tree, and its kernel-facing view."""
 
 from chunkgen.cache.context import KernelContext
-from chunkgen.cache.pool import ChunkPool, KVReservation, PoolExhausted, kv_shape
+from chunkgen.cache.pool import ChunkPool, KVMemoryError, KVReservation, PoolExhausted, kv_shape
 from chunkgen.cache.tree import Append, Chunk, PrefixTree
 
-__all__ = ["Append", "Chunk", "ChunkPool", "KVReservation", "KernelContext", "PoolExhausted", "PrefixTree", "kv_shape"]
+__all__ = [
+    "Append",
+    "Chunk",
+    "ChunkPool",
+    "KVMemoryError",
+    "KVReservation",
+    "KernelContext",
+    "PoolExhausted",
+    "PrefixTree",
+    "kv_shape",
+]

@@ -13,6 +13,10 @@ class PoolExhausted(RuntimeError):
     """The memory budget has no free slot left; the caller decides (evict, wait, preempt)."""
 
 
+class KVMemoryError(ValueError):
+    """The device cannot give the K/V storage the budget asks for (a --kv-memory too large)."""
+
+
 def language_config(config):
     """The language model's part of a Hugging Face config: the config itself, or the `text_config`
     a multimodal checkpoint (Gemma 3 4B and up) nests it in."""
@@ -80,8 +84,16 @@ class ChunkPool:
         shape_v = (num_layers, stored, kv_heads, chunk_size, head_dim)
         self.prefault = None  # the thread backing the first wave's slots (CPU storage of its own)
         if tensors is None:
-            self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
-            self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
+            try:
+                self.k = torch.empty(shape_k, dtype=dtype, device=self.device)
+                self.v = torch.empty(shape_v, dtype=dtype, device=self.device)
+            except (torch.cuda.OutOfMemoryError, MemoryError):
+                from chunkgen.device import free_bytes, human_bytes
+
+                raise KVMemoryError(
+                    f"the KV memory budget ({human_bytes(budget_bytes)}) does not fit in what {self.device} has "
+                    f"free ({human_bytes(free_bytes(self.device))}): give a smaller --kv-memory, or auto"
+                ) from None
             for t in (self.k, self.v):
                 advise_huge_pages(t)
             # The slots handed out first (lowest first, see _grow), backed ahead of use: a first

@@ -187,6 +187,11 @@ def unexpected_text(e: BaseException) -> str:
             )
         return f"cannot write {e.filename}: {e.strerror}"
     text = " ".join(str(e).split()) or "(no message)"
+    if type(e).__name__ == "OutOfMemoryError":  # torch's, from the GPU: the user's to fix, not a defect
+        return (
+            f"the GPU ran out of memory ({'. '.join(text.split('. ')[:2])}): give a smaller --max-batch or --kv-memory "
+            "(auto leaves room for the activations)"
+        )
     return (
         f"unexpected {type(e).__name__}: {text[:400]} (run again with CHUNKGEN_TRACEBACK=1 for the "
         "traceback, and report it)"

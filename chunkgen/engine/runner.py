@@ -46,6 +46,12 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+# Only the capturing thread is held to what a capture forbids: the constraint worker fills the next
+# step's masks (and may allocate a pinned buffer for them) while a new bucket is captured, which
+# under "global" invalidated the capture and failed the run.
+CAPTURE_ERROR_MODE = "thread_local"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -130,7 +136,7 @@ class ModelRunner:
             run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode=CAPTURE_ERROR_MODE):
             logits = run()
         self._graph_pool = graph.pool()
 

@@ -43,13 +43,16 @@ def fresh_mappings():
     if not pages._kept:
         yield
         return
-    mallopt = ctypes.CDLL(None).mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt(pages._M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold
+    libc = ctypes.CDLL(None)
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    for param in (pages._M_MMAP_THRESHOLD, pages._M_TRIM_THRESHOLD):
+        libc.mallopt(param, 128 << 10)  # glibc's initial thresholds
+    libc.malloc_trim(0)  # and the heap's kept top handed back: a large tensor could be cut from it
     try:
         yield
     finally:
-        mallopt(pages._M_MMAP_THRESHOLD, pages._KEEP_BYTES)
+        for param in (pages._M_MMAP_THRESHOLD, pages._M_TRIM_THRESHOLD):
+            libc.mallopt(param, pages._KEEP_BYTES)
 
 
 @pytest.fixture
@@ -96,7 +99,7 @@ def test_an_llm_on_the_cpu_reserves_its_kv_memory_before_the_weights(tiny_model)
     engines use: its pages were being backed while the weights loaded."""
     from chunkgen.llm import LLM
 
-    llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="8MiB", max_batch=4)
+    llm = LLM(model=str(tiny_model), dtype="fp32", device="cpu", chunk_size=16, kv_memory="8MiB", max_batch=4)
     base = llm._kv.base
     assert base.prefault is not None
     assert llm._kv.shape == (llm.model.num_layers, llm.model.kv_heads, llm.model.head_dim)

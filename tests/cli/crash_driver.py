@@ -94,7 +94,10 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    llm = LLM(model=str(args.model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=args.max_batch)
+    # on the CPU: a forked child cannot use a GPU its parent initialised
+    llm = LLM(
+        model=str(args.model), dtype="fp32", device="cpu", chunk_size=16, kv_memory="64MiB", max_batch=args.max_batch
+    )
     run(llm, args.queries, args.template, args.reference, args.max_batch)  # uninterrupted, for comparison
 
     kinds = ["timer", "mid-job", "mid-job", "mid-copy", "before-rename", "after-rename"]

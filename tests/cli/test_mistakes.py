@@ -455,3 +455,32 @@ def test_two_signals_while_decoding_stop_and_resume_finishes_every_row_once(tiny
     assert res.returncode == 0, res.stderr
     ids = [json.loads(l)["id"] for l in out.read_text().splitlines()]
     assert sorted(ids) == sorted(f"r{i}" for i in range(40))
+
+
+def test_a_device_out_of_memory_is_one_line_that_says_what_to_lower(tiny_model, tmp_path, monkeypatch):
+    """A KV budget the device cannot hold is refused at load with what it has free (the GPU's
+    allocator raises torch's OutOfMemoryError, faked here); an OOM later, as a prefill wave's
+    activations, names the options that lower it rather than asking for a report."""
+    import torch
+
+    from chunkgen.cli.boundary import unexpected_text
+    from tests.helpers import base_args, run_cli
+
+    oom = "CUDA out of memory. Tried to allocate 64.00 GiB. GPU 0 has a total capacity of 79.18 GiB"
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):  # the pool's K and V are the only 5-dimensional tensors
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if len(dims) == 5:
+            raise torch.cuda.OutOfMemoryError(oom)
+        return real_empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    res = run_cli(*base_args(tiny_model, tmp_path / "out.jsonl"))
+    assert res.exit_code == 1
+    lines = _error_lines(res.output)
+    assert len(lines) == 1 and "does not fit" in lines[0] and "--kv-memory" in lines[0], res.output
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
+
+    text = unexpected_text(torch.cuda.OutOfMemoryError(oom + ". Of the allocated memory ..."))
+    assert "Tried to allocate 64.00 GiB" in text and "--max-batch" in text and "report" not in text

@@ -75,7 +75,7 @@ def test_snippet_runs_as_written(snippet: Snippet, tiny_model, tmp_path):
     env = {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "CHUNKGEN_MODEL": str(tiny_model),
     }
     argv = (

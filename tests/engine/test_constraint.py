@@ -78,7 +78,7 @@ def test_permissive_constraint_leaves_greedy_unchanged(tiny_model):
         for i, p in enumerate(pieces)
         if i in set(tok.all_special_ids) | set(tok.added_tokens_decoder) or BYTE_PIECE.fullmatch(p)
     ]
-    bias = torch.zeros(llm.model.vocab_size)
+    bias = torch.zeros(llm.model.vocab_size, device=llm.model.device)
     bias[not_text] = float("-inf")
     logits = llm.model._logits
     llm.model._logits = lambda x: logits(x) + bias

@@ -18,7 +18,7 @@ from tests.helpers import CHUNK, run
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return LLM(model=str(tiny_model), dtype="fp32", chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
+    return LLM(model=str(tiny_model), dtype="fp32", device="cpu", chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
 
 
 def workload(n: int = 16) -> list[Request]:

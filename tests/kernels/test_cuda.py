@@ -99,6 +99,32 @@ def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_mo
     assert got == eager
 
 
+def test_a_capture_survives_another_thread_allocating_pinned_memory(tiny_model, monkeypatch):
+    """The constraint worker fills the next step's masks, and may allocate a pinned buffer for
+    them, while the main thread captures a new bucket's graph: that must not invalidate it."""
+    import threading
+
+    from chunkgen.engine import SamplingParams
+    from chunkgen.llm import LLM
+    from tests.helpers import template_prompts
+
+    llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda", chunk_size=16, kv_memory="64MiB", max_batch=8)
+    decode, beside = llm.model.decode, []
+
+    def decode_beside_a_pinned_allocation(*args):
+        if torch.cuda.is_current_stream_capturing():
+            thread = threading.Thread(target=lambda: beside.append(torch.empty(1 << 20, pin_memory=True)))
+            thread.start()
+            thread.join()
+        return decode(*args)
+
+    monkeypatch.setattr(llm.model, "decode", decode_beside_a_pinned_allocation)
+    params = SamplingParams(max_new_tokens=8, regex="[0-9]{1,3}")
+    answers = llm.generate(template_prompts("document_qa", 6), params)
+    assert len(beside) == llm.engine.runner.captures > 0
+    assert all(r.text.isdigit() for r in answers), [r.text for r in answers]
+
+
 def test_device_auto_picks_the_gpu_and_its_kv_budget_from_free_memory(tiny_model):
     from chunkgen.device import GPU_KV_FRACTION
     from chunkgen.llm import LLM
@@ -122,19 +148,20 @@ def test_device_auto_picks_the_gpu_and_its_kv_budget_from_free_memory(tiny_model
     torch.cuda.empty_cache()  # the other tests' LLMs find the memory free again
 
 
-def test_cuda_0_named_explicitly_gives_the_cpu_engines_answers(tiny_model, tiny_llm):
+def test_cuda_0_named_explicitly_gives_the_cpu_engines_answers(tiny_model):
     """On cuda:0 by name (the guard makes it the current device for every step), greedy fp32
     answers equal the CPU engine's, but for a near tie."""
     from chunkgen.engine import SamplingParams
     from chunkgen.llm import LLM
     from tests.helpers import template_prompts
 
-    llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda:0", chunk_size=16, kv_memory="64MiB", max_batch=16)
+    options = dict(dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=16)
+    llm = LLM(model=str(tiny_model), device="cuda:0", **options)
     assert llm.device == "cuda:0" and llm.config.why["device"] == "as asked"
     prompts = template_prompts("document_qa", 8)
     params = SamplingParams(max_new_tokens=12)
     gpu = [r.token_ids for r in llm.generate(prompts, params)]
-    cpu = [r.token_ids for r in tiny_llm.generate(prompts, params)]
+    cpu = [r.token_ids for r in LLM(model=str(tiny_model), device="cpu", **options).generate(prompts, params)]
     assert sum(a == b for a, b in zip(gpu, cpu)) >= 7
 
 

@@ -40,6 +40,6 @@ def test_auto_keeps_the_models_dtype_on_a_gpu_and_names_are_taken_as_given(monke
 def test_the_llm_says_what_it_chose(tiny_model):
     from chunkgen.llm import LLM
 
-    llm = LLM(model=str(tiny_model), dtype="auto", chunk_size=16, kv_memory="16MiB")
+    llm = LLM(model=str(tiny_model), dtype="auto", device="cpu", chunk_size=16, kv_memory="16MiB")
     assert llm.model.dtype == choose_dtype("auto", "cpu").dtype
     assert llm.config.why["dtype"].startswith("auto: ")
