@@ -48,6 +48,10 @@ def cpu_paths() -> list[str]:
     return [p for p in order[order.index(best) :]] + [fp32] if best in order else [fp32]
 
 
+# Ops that read a tensor's value back to the host (a sync; refused inside a CUDA graph capture).
+HOST_READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero", "aten.equal")
+
+
 class OpLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

@@ -130,7 +130,7 @@ def test_engine_steps_run_under_the_guard_of_the_models_device(tiny_llm, monkeyp
         pass
     steps = engine.stats.decode_steps + 1  # the prefill wave, then the decode steps
     assert len(seen) >= steps + 1  # building the engine's cache, then every step
-    assert set(seen) == {torch.device("cpu")}
+    assert set(seen) == {torch.device(tiny_llm.device)}
 
 
 # -- one KV reservation per LLM -----------------------------------------------------------------
@@ -286,6 +286,8 @@ def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_conf
             "6",
             "--systems",
             "hf,chunkgen",
+            "--device",
+            "cpu",
             "--json",
             str(out),
         ],

@@ -64,16 +64,17 @@ class ModelRunner:
         mirror: bool | None = None,
         compile_backend: str | None = None,
     ) -> None:
-        """enforce_eager: run the forward directly each step (default on the CPU); otherwise one
-        captured graph per bucket is replayed (a CUDA graph on the GPU; on the CPU the same
-        callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
+        """enforce_eager: run the forward directly each step (default on the CPU, and always for a
+        model whose step is not graph_safe); otherwise one captured graph per bucket is replayed
+        (a CUDA graph on the GPU; on the CPU the same callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
         run the decode forward through torch.compile(fullgraph=True) with that backend."""
         native()  # the decode op lives in the compiled extension: a missing build fails here, with the fix
         self.model = model
         self.pool = pool
         self.chunk_first = chunk_first
         self.device = torch.device(model.device)
-        self.enforce_eager = self.device.type == "cpu" if enforce_eager is None else enforce_eager
+        asked = self.device.type == "cpu" if enforce_eager is None else enforce_eager
+        self.enforce_eager = asked or not model.graph_safe
         self.ctx = KernelContext(
             tree,
             chunk_first=chunk_first,

@@ -283,6 +283,13 @@ class LlamaModel:
         kinds = kinds.values() if isinstance(kinds, dict) else [kinds]
         return any(k in _LENGTH_DEPENDENT_ROPE for k in kinds)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a decode step may be captured as a CUDA graph: nothing in it decides on the host.
+        Rope types whose frequencies follow the longest position (dynamic, longrope) read that
+        position back every call, which a capture refuses: their steps run eagerly."""
+        return self.rope_tables is not None
+
     def _rope(self, key: str, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin `[tokens, 1, rot_dim]` of these positions from the model's own rotary module (its
         scaling and rounding), for one layer type's table."""

@@ -12,7 +12,7 @@ import torch
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.engine.runner import ModelRunner, batch_buckets
 from chunkgen.llm import LLM
-from tests.helpers import OpLog
+from tests.helpers import HOST_READS, OpLog
 from tests.helpers import CHUNK, run
 
 
@@ -101,7 +101,7 @@ def test_decode_forward_does_no_host_work(llm):
     assert logits.shape == (8, llm.model.vocab_size)
     names = [str(f) for f, _, _ in log.calls]
     assert any("chunkgen.decode_attention" in n for n in names)
-    syncs = [n for n in names if "_local_scalar_dense" in n or n.startswith("aten.item")]
+    syncs = [n for n in names if any(op in n for op in HOST_READS)]
     from_python = [n for n in names if "lift_fresh" in n or "scalar_tensor" in n]
     moves = [
         n

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkgen.engine import SamplingParams
+from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
 from tests.conftest import _train_tokenizer
-from tests.helpers import HF_ATTENTION, assert_parity, hf_greedy, template_prompts
+from tests.helpers import HF_ATTENTION, HOST_READS, OpLog, assert_parity, hf_greedy, template_prompts
 
 CHUNK = 16
 
@@ -226,10 +226,33 @@ def test_prefill_logits_at_every_length(family, family_models):
 
     for n in cuts:
         item = PrefillItem(tokens=ids[:n], start=0, write_from=0, path_slots=_slots(engine, n), want_logits=True)
-        got = engine.runner.prefill([item])[0].float()
+        got = engine.runner.prefill([item])[0].float().cpu()
         with torch.no_grad():
             ref = hf(torch.tensor([ids[:n]])).logits[0, -1]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=f"{family}: position {n - 1}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_is_captured_only_where_it_decides_nothing_on_the_host(family, family_models):
+    """A CUDA graph replays a step's kernels, not its host decisions: a model is graph_safe only
+    where its decode forward reads nothing back (checked op by op, on the CPU), and a runner asked
+    for graphs runs the others eagerly."""
+    llm = LLM(
+        model=str(family_models(family)), dtype="fp32", device="cpu", chunk_size=CHUNK, kv_memory="32MiB", max_batch=4
+    )
+    engine = llm.new_engine(enforce_eager=False)
+    prompts = template_prompts("arithmetic_cot", 2)
+    engine.add([Request(i, llm.encode(p), SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts)])
+    while engine.num_waiting:
+        engine.step()
+    engine.step()  # a decode step: the forward below is the next one's
+    with OpLog() as log:
+        engine.runner.forward()
+    names = [str(f) for f, _, _ in log.calls]
+    reads_back = [n for n in names if any(op in n for op in HOST_READS)]
+    assert any("chunkgen.decode_attention" in n for n in names)
+    assert not (llm.model.graph_safe and reads_back), reads_back  # (a rope reading nothing back may stay eager)
+    assert engine.runner.enforce_eager == (not llm.model.graph_safe)
 
 
 def _slots(engine, n: int) -> list[int]:
