@@ -465,8 +465,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefix_attention", &chunkgen::prefix_attention,
         "(o [R, Hq, d], lse [R, Hq]) of softmax(q K^T * scale) V for CPU q [R, Hq, d] against a prefix of "
         "n_tokens read in place from one pool layer of q's dtype (k_layer [S, Hk, d, C], v_layer [S, Hk, C, d]) "
-        "along slots (int32); float32, or bfloat16 on the amx or avx512_bf16 path (cpu_kernel_isa())",
-        py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n_tokens"), py::arg("scale"));
+        "along slots (int32); float32, or bfloat16 on the amx or avx512_bf16 path (cpu_kernel_isa()). first >= 0 "
+        "(float32): causal, query r at position first + r reads positions [0, first + r] only",
+        py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n_tokens"), py::arg("scale"),
+        py::arg("first") = -1);
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
         "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "

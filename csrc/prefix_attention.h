@@ -12,9 +12,10 @@ namespace chunkgen {
 // [S, Hk, C, d], one layer of the pool, q's dtype: float32, or bfloat16 on the AVX512_BF16 or AMX
 // path (bf16 products, fp32 softmax and sums); slots int32: the prefix's chunks in order, all full
 // but the last, n_tokens in all. Returns softmax(q K^T * scale) V [R, Hq, d] in q's dtype and its
-// natural-log log-sum-exp [R, Hq], float32.
+// natural-log log-sum-exp [R, Hq], float32. first >= 0 (float32 only): causal, query r at position
+// first + r reads positions [0, first + r] only (a lone sequence's whole path, its new tokens stored).
 std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
                                                           const torch::Tensor& v_layer, const torch::Tensor& slots,
-                                                          int64_t n_tokens, double scale);
+                                                          int64_t n_tokens, double scale, int64_t first = -1);
 
 }  // namespace chunkgen

@@ -34,8 +34,12 @@ void write_rows(T* out, float* lse, const float* o, const float* m, const float*
     }
 }
 
+// first < 0: every row reads all n_tokens. first >= 0: causal, row r sits at position first + r and
+// reads positions [0, first + r] (a lone sequence's whole path, its new tokens already stored):
+// the chunks before a block's first position are read by all its rows at once, the one or two
+// chunks its positions end in by each position's rows alone, up to that position.
 void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
-                 const int32_t* slot, int64_t nc, int64_t n_tokens, double scale, torch::Tensor& out,
+                 const int32_t* slot, int64_t nc, int64_t n_tokens, int64_t first, double scale, torch::Tensor& out,
                  torch::Tensor& lse) {
   const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
   const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3));
@@ -52,19 +56,33 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
     thread_local decode::Scratch sc;
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < items; ++it) {
-      const int h = it % Hk, r0 = it / Hk * per_block, r1 = std::min(R, r0 + per_block), rows = (r1 - r0) * G;
+      // Causal blocks grow with their position: the last (longest) first, for the dynamic schedule.
+      const int blk = first < 0 ? it / Hk : blocks - 1 - it / Hk, h = it % Hk;
+      const int r0 = blk * per_block, r1 = std::min(R, r0 + per_block), rows = (r1 - r0) * G;
       sc.reserve(rows, d, C);
       for (int r = r0; r < r1; ++r)  // state row (r - r0) * G + g: position r, query head h * G + g
         for (int i = 0; i < G * d; ++i)
           sc.q[static_cast<size_t>(r - r0) * G * d + i] =
               qp[(static_cast<size_t>(r) * Hq + h * G) * d + i] * static_cast<float>(scale);
       sc.reset_state(rows, d);
-      for (int64_t c = 0; c < nc; ++c) {
+      const int64_t whole = first < 0 ? nc : (first + r0 + 1) / C;  // chunks every row reads whole
+      for (int64_t c = 0; c < whole; ++c) {
         const int n = static_cast<int>(std::min<int64_t>(C, n_tokens - c * C));
         const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
         decode::attend_chunk<float, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
                                            sc.l.data(), sc.s.data(), sc.alpha.data());
       }
+      if (first >= 0)
+        for (int r = r0; r < r1; ++r) {
+          const int64_t pos = first + r;
+          const size_t s0 = static_cast<size_t>(r - r0) * G;
+          for (int64_t c = whole; c <= pos / C; ++c) {
+            const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
+            decode::attend_chunk<float, false>(
+                sc.q.data() + s0 * d, G, K + off, V + off, static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C,
+                d, sc.o.data() + s0 * d, sc.m.data() + s0, sc.l.data() + s0, sc.s.data(), sc.alpha.data());
+          }
+        }
       write_rows(op, lp, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
     }
   }
@@ -135,7 +153,7 @@ void prefix_bf16(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
 
 std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
                                                           const torch::Tensor& v_layer, const torch::Tensor& slots,
-                                                          int64_t n_tokens, double scale) {
+                                                          int64_t n_tokens, double scale, int64_t first) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k_layer.dim() == 4 && v_layer.dim() == 4 && slots.dim() == 1,
                     "prefix_attention: q [R, Hq, d], k_layer [S, Hk, d, C], v_layer [S, Hk, C, d], slots [n], got ",
                     q.sizes(), ", ", k_layer.sizes(), ", ", v_layer.sizes(), ", ", slots.sizes());
@@ -145,6 +163,9 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
                    "prefix_attention: q, k_layer, v_layer all float32 or all bfloat16, and slots int32, got ",
                    q.scalar_type(), ", ", k_layer.scalar_type(), ", ", v_layer.scalar_type(), ", ",
                    slots.scalar_type());
+  TORCH_CHECK_VALUE(first < 0 || (dtype == torch::kFloat && first + q.size(0) <= n_tokens),
+                    "prefix_attention: a causal product (first >= 0) is float32 only, and its last query (position ",
+                    first + q.size(0) - 1, ") must be inside the ", n_tokens, " tokens");
   // bf16 products need AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA lowering).
   const Isa isa = dtype == torch::kBFloat16 ? current_isa() : Isa::Fp32;
   TORCH_CHECK_VALUE(dtype == torch::kFloat || isa != Isa::Fp32,
@@ -174,7 +195,7 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
   auto lse = torch::empty({R, Hq}, q.options().dtype(torch::kFloat));
   if (R == 0) return {out, lse};
   if (q.scalar_type() == torch::kFloat) {
-    prefix_fp32(qc, k_layer, v_layer, slot, nc, n_tokens, scale, out, lse);
+    prefix_fp32(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
     return {out, lse};
   }
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)

@@ -32,6 +32,15 @@ def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) 
     return out
 
 
+def store_new_tokens(pool: ChunkPool, spans: list[PrefillSpan], k: torch.Tensor, v: torch.Tensor) -> None:
+    """The wave's new K/V into layer 0 of the pool along each sequence's path."""
+    C = pool.chunk_size
+    for sp in spans:
+        pos = torch.arange(sp.start, sp.start + sp.count)
+        slots = torch.tensor(sp.path_slots)[pos // C]
+        pool.write(0, slots, pos % C, k[sp.row : sp.row + sp.count], v[sp.row : sp.row + sp.count])
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -49,6 +58,7 @@ def test_prefill_attention_matches_naive(seed, n_seqs, chunk, heads, head_dim, d
     k = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
     v = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
+    store_new_tokens(pool, spans, k, v)  # as the model does before attention
     out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
     prefill_attention(plan_groups(spans, chunk, dtype, q.device), 0, q, k, v, pool, scale, out)
     want = reference(q, k, v, pool, spans, scale)
@@ -122,6 +132,44 @@ def test_the_prefix_product_reads_the_pool_in_place(path, seed, rows, n_tokens, 
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1).t(), atol=lse_tol, rtol=lse_tol)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 150),
+    first=st.integers(0, 200),
+    chunk=st.sampled_from([16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    head_dim=st.sampled_from([32, 64]),
+)
+def test_the_causal_path_product_sees_each_position_up_to_itself(seed, rows, first, chunk, heads, head_dim):
+    """native prefix_attention with first >= 0 (a lone sequence's whole path, fp32): query r at
+    position first + r against positions [0, first + r] of a path held in scattered slots, blocks
+    of queries crossing chunk boundaries, NaN past the last token; against float64."""
+    from chunkgen._native import native
+
+    hq, hk = heads
+    n_tokens = first + rows
+    gen = torch.Generator().manual_seed(seed)
+    n_chunks = -(-n_tokens // chunk)
+    k_layer = torch.randn(n_chunks + 3, hk, head_dim, chunk, generator=gen)
+    v_layer = torch.randn(n_chunks + 3, hk, chunk, head_dim, generator=gen)
+    slots = torch.randperm(n_chunks + 3, generator=gen)[:n_chunks].to(torch.int32)
+    tail = n_tokens - (n_chunks - 1) * chunk
+    k_layer[slots[-1].long(), :, :, tail:] = float("nan")
+    v_layer[slots[-1].long(), :, tail:] = float("nan")
+    q = torch.randn(rows, hq, head_dim, generator=gen) * 2
+    scale = head_dim**-0.5
+    o, _ = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale, first)
+    keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
+    values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
+    group = hq // hk
+    s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
+    visible = torch.arange(n_tokens)[None, :] <= first + torch.arange(rows)[:, None]  # [rows, n]
+    s = s.masked_fill(~visible[None], float("-inf"))
+    want = torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0))
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
+
+
 def test_the_prefix_product_refuses_what_does_not_fit():
     from chunkgen._native import native
 
@@ -139,5 +187,9 @@ def test_the_prefix_product_refuses_what_does_not_fit():
         op(*bf16)  # the fp32 path (on every CPU)
     with pytest.raises(ValueError, match="shapes do not fit"):
         op(torch.zeros(3, 3, 32), k_layer, v_layer, slots, 20, 1.0)
+    with pytest.raises(ValueError, match="must be inside the 20 tokens"):
+        op(q, k_layer, v_layer, slots, 20, 1.0, 18)  # positions 18..20: one past the path
+    with pytest.raises(ValueError, match="float32 only"):
+        op(*bf16, 0)
     with pytest.raises(ValueError, match="multiples of 16"):
         op(q, torch.zeros(4, 2, 32, 8), torch.zeros(4, 2, 8, 32), torch.tensor([0, 1, 2], dtype=torch.int32), 20, 1.0)
