@@ -289,6 +289,16 @@ def run(engine, requests) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
     return out, rows
 
 
+def store_new_tokens(pool, spans, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A wave's new K/V into layer 0 of the pool along each sequence's path, as the model stores
+    them before attention (a lone sequence's product reads them there)."""
+    C = pool.chunk_size
+    for sp in spans:
+        pos = torch.arange(sp.start, sp.start + sp.count)
+        slots = torch.tensor(sp.path_slots)[pos // C]
+        pool.write(0, slots, pos % C, k[sp.row : sp.row + sp.count], v[sp.row : sp.row + sp.count])
+
+
 def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """A pool holding a shared system prompt's chunks and each sequence's own cached chunks
     (random K/V, NaN where no token is), and a wave of new tokens per sequence. Most sequences

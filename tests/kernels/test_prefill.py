@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
-from tests.helpers import PATHS, forced, random_wave
+from tests.helpers import PATHS, forced, random_wave, store_new_tokens
 
 
 def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:
@@ -30,15 +30,6 @@ def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) 
         s = s.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("htn,nhd->thd", s.softmax(-1), values)
     return out
-
-
-def store_new_tokens(pool: ChunkPool, spans: list[PrefillSpan], k: torch.Tensor, v: torch.Tensor) -> None:
-    """The wave's new K/V into layer 0 of the pool along each sequence's path."""
-    C = pool.chunk_size
-    for sp in spans:
-        pos = torch.arange(sp.start, sp.start + sp.count)
-        slots = torch.tensor(sp.path_slots)[pos // C]
-        pool.write(0, slots, pos % C, k[sp.row : sp.row + sp.count], v[sp.row : sp.row + sp.count])
 
 
 @settings(max_examples=40, deadline=None)

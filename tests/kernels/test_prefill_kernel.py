@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from chunkgen._native import native
 from chunkgen.kernels import prefill
 from tests.helpers import PATHS, forced
-from tests.helpers import random_wave
+from tests.helpers import random_wave, store_new_tokens
 
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
 needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")
@@ -210,6 +210,7 @@ def test_prefill_windows_and_softcap_match_reference(seed, n_seqs, chunk, heads,
     k = torch.randn(rows, hk, 32, generator=gen).to(dtype)
     v = torch.randn(rows, hk, 32, generator=gen).to(dtype)
     want = windowed_reference(q, k, v, pool, spans, 32**-0.5, window, softcap)
+    store_new_tokens(pool, spans, k, v)  # as the model does before attention
     groups = prefill.plan_groups(spans, chunk, dtype, q.device)
     if window:  # NaN into the chunks no new token's window reaches
         needed = {
