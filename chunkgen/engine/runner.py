@@ -66,8 +66,9 @@ class ModelRunner:
     ) -> None:
         """enforce_eager: run the forward directly each step (default on the CPU, and always for a
         model whose step is not graph_safe); otherwise one captured graph per bucket is replayed
-        (a CUDA graph on the GPU; on the CPU the same callable over the same buffers, for tests). mirror: see KernelContext. compile_backend:
-        run the decode forward through torch.compile(fullgraph=True) with that backend."""
+        (a CUDA graph on the GPU; on the CPU the same callable over the same buffers, for tests).
+        mirror: see KernelContext. compile_backend: run the decode forward through
+        torch.compile(fullgraph=True) with that backend."""
         native()  # the decode op lives in the compiled extension: a missing build fails here, with the fix
         self.model = model
         self.pool = pool
