@@ -76,6 +76,32 @@ def test_a_shared_prefix_is_one_group_read_once():
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]  # the prefix product's bf16 paths
 
 
+def scattered_path(gen, n_tokens: int, chunk: int, hk: int, head_dim: int, dtype: torch.dtype):
+    """One pool layer (k_layer [S, Hk, d, C], v_layer [S, Hk, C, d]) holding a path of n_tokens in
+    scattered slots (int32), the last one partly filled: NaN past its tokens, so reading them fails."""
+    n_chunks = -(-n_tokens // chunk)
+    k_layer = torch.randn(n_chunks + 5, hk, head_dim, chunk, generator=gen).to(dtype)
+    v_layer = torch.randn(n_chunks + 5, hk, chunk, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(n_chunks + 5, generator=gen)[:n_chunks].to(torch.int32)
+    tail = n_tokens - (n_chunks - 1) * chunk
+    k_layer[slots[-1].long(), :, :, tail:] = float("nan")
+    v_layer[slots[-1].long(), :, tail:] = float("nan")
+    return k_layer, v_layer, slots
+
+
+def path_reference(q, k_layer, v_layer, slots, n_tokens: int, scale: float, visible=None):
+    """(softmax(q K^T * scale) V [R, Hq, d], the scores [Hq, R, n]) over the path's first n_tokens
+    in float64; visible [R, n] masks keys per query."""
+    hk, head_dim = k_layer.shape[1], k_layer.shape[2]
+    keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
+    values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
+    group = q.shape[1] // hk
+    s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
+    if visible is not None:
+        s = s.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0)), s
+
+
 @pytest.mark.parametrize("path", ["fp32"] + BF16_PATHS)
 @settings(max_examples=40, deadline=None)
 @given(
@@ -96,13 +122,7 @@ def test_the_prefix_product_reads_the_pool_in_place(path, seed, rows, n_tokens, 
     hq, hk = heads
     dtype = torch.float32 if path == "fp32" else torch.bfloat16
     gen = torch.Generator().manual_seed(seed)
-    n_chunks = -(-n_tokens // chunk)
-    k_layer = torch.randn(n_chunks + 5, hk, head_dim, chunk, generator=gen).to(dtype)
-    v_layer = torch.randn(n_chunks + 5, hk, chunk, head_dim, generator=gen).to(dtype)
-    slots = torch.randperm(n_chunks + 5, generator=gen)[:n_chunks].to(torch.int32)
-    tail = n_tokens - (n_chunks - 1) * chunk
-    k_layer[slots[-1].long(), :, :, tail:] = float("nan")
-    v_layer[slots[-1].long(), :, tail:] = float("nan")
+    k_layer, v_layer, slots = scattered_path(gen, n_tokens, chunk, hk, head_dim, dtype)
     q = (torch.randn(rows, hq, head_dim, generator=gen) * 2).to(dtype)
     scale = head_dim**-0.5
     if path == "fp32":
@@ -111,11 +131,7 @@ def test_the_prefix_product_reads_the_pool_in_place(path, seed, rows, n_tokens, 
         with forced(path):
             o, lse = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale)
     assert o.dtype == dtype and lse.dtype == torch.float32
-    keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
-    values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
-    group = hq // hk
-    s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
-    want = torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0))
+    want, s = path_reference(q, k_layer, v_layer, slots, n_tokens, scale)
     # bf16: the probabilities are rounded to bf16 for the P.V product (relative 2^-9 each) and the
     # output once more.
     o_tol, lse_tol = (2e-5, 1e-5) if dtype == torch.float32 else (2e-2, 4e-3)
@@ -141,23 +157,12 @@ def test_the_causal_path_product_sees_each_position_up_to_itself(seed, rows, fir
     hq, hk = heads
     n_tokens = first + rows
     gen = torch.Generator().manual_seed(seed)
-    n_chunks = -(-n_tokens // chunk)
-    k_layer = torch.randn(n_chunks + 3, hk, head_dim, chunk, generator=gen)
-    v_layer = torch.randn(n_chunks + 3, hk, chunk, head_dim, generator=gen)
-    slots = torch.randperm(n_chunks + 3, generator=gen)[:n_chunks].to(torch.int32)
-    tail = n_tokens - (n_chunks - 1) * chunk
-    k_layer[slots[-1].long(), :, :, tail:] = float("nan")
-    v_layer[slots[-1].long(), :, tail:] = float("nan")
+    k_layer, v_layer, slots = scattered_path(gen, n_tokens, chunk, hk, head_dim, torch.float32)
     q = torch.randn(rows, hq, head_dim, generator=gen) * 2
     scale = head_dim**-0.5
     o, _ = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale, first)
-    keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
-    values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
-    group = hq // hk
-    s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
     visible = torch.arange(n_tokens)[None, :] <= first + torch.arange(rows)[:, None]  # [rows, n]
-    s = s.masked_fill(~visible[None], float("-inf"))
-    want = torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0))
+    want, _ = path_reference(q, k_layer, v_layer, slots, n_tokens, scale, visible)
     torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
 
 
