@@ -141,8 +141,8 @@ inline void load_lines(const T* x, size_t n, uint32_t (&a)[4]) {
 // every 256 bytes in fp32, the next pass a line over), which keep few misses in flight; these
 // independent loads put all of the chunks' misses in flight at once, beside what the prefetch of
 // the row before already brought. Their values only feed an empty asm: nothing is computed.
-// (AVX2 build, 256 rows 58 tokens into their answers on 2,048 shared: the phase 103-109 ms a
-// step without, 85-89 with; level in bf16 on AVX-512, where the phase is closer to its arithmetic.)
+// (AVX2 build, 256 rows 58 tokens into their answers on 2,048 shared: the phase 102-109 ms a
+// step without, 85-92 with; level in bf16 on AVX-512, where the phase is closer to its arithmetic.)
 template <typename T>
 inline void load_chunks(const DecodeProblem& p, const Workspace& ws, const PoolView& pool, int lo, int hi, int h) {
   const int C = p.chunk, d = p.head_dim;
