@@ -46,6 +46,14 @@ def kv_dtype_for(device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _on_off(option: str, value: bool | str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value in ("on", "off"):
+        return value == "on"
+    raise OptionError(option, f"must be on or off, not {value!r}")
+
+
 def read_ahead_window(max_batch: int) -> int:
     """Rows a job reads, validates and tokenizes ahead of the engine: enough to refill the batch
     several times over between two reads, never so many that memory grows with the file."""
@@ -72,6 +80,9 @@ class Config:
     enforce_eager: bool | None = None  # None: CUDA graphs on the GPU, plain eager steps on the CPU
     chat_template: bool = True  # off: chat messages joined by blank lines as plain text
     order: str = "prefix"  # a job's processing order: rows sharing a prompt prefix together, or file order
+    # A row's numbers do not depend on the rows run beside it (docs/batch-invariance.md); off: each
+    # kernel call's fastest plan.
+    batch_invariant: bool = True
     why: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
 
@@ -91,6 +102,7 @@ class Config:
         enforce_eager: bool | None = None,
         chat_template: bool = True,
         order: str = "prefix",
+        batch_invariant: bool | str = True,
         dummy_weights: str | None = None,
         seed: int = 0,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
@@ -103,6 +115,7 @@ class Config:
             raise OptionError("--order", f"must be prefix or input, not {order!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size % 16:
             raise OptionError("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
+        invariant = _on_off("--batch-invariant", batch_invariant)
         batch = _option("--max-batch", choose_max_batch, max_batch)
         dev = _device(device, found)
         dtype_choice = _option("--dtype", choose_dtype, dtype, dev.device, suffix=" or auto")
@@ -128,6 +141,7 @@ class Config:
             enforce_eager=enforce_eager,
             chat_template=chat_template,
             order=order,
+            batch_invariant=invariant,
             notes=notes,
             why={
                 "device": dev.reason,
@@ -174,6 +188,8 @@ class Config:
             and not isinstance(options["kv_dtype"], torch.dtype)
         ):
             options["kv_dtype"] = _option("--kv-dtype", choose_dtype, options["kv_dtype"], self.device).dtype
+        if "batch_invariant" in options:
+            options["batch_invariant"] = _on_off("--batch-invariant", options["batch_invariant"])
         return dataclasses.replace(self, **options, why=why)
 
     @property

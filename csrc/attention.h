@@ -46,6 +46,9 @@ struct DecodeProblem {
 
   // false: the "paged" baseline: every sequence reads its shared chunks itself.
   bool chunk_first;
+  // Batch-invariant (csrc/invariant.h; the CPU kernel sets it from batch_invariant()): one partial
+  // per chunk, merged in path order, no segments.
+  bool invariant = false;
 
   // The step's new K/V for the CPU kernel to store (null: the caller stored them): row b's k, v
   // [kv_heads, head_dim] in the pool's dtype (strides in elements) go to the pool layer at

@@ -19,6 +19,7 @@
 #include "attention.h"
 #include "cpu/kv_write.h"
 #include "elementwise.h"
+#include "invariant.h"
 #include "linear.h"
 #include "prefill_attention.h"
 #include "prefix_attention.h"
@@ -470,6 +471,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n_tokens"), py::arg("scale"),
         py::arg("first") = -1);
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
+  m.def("batch_invariant", &chunkgen::batch_invariant,
+        "whether the CPU kernels give each row the same reduction order whatever the batch (csrc/invariant.h)");
+  m.def("set_batch_invariant", &chunkgen::set_batch_invariant,
+        "turn batch-invariant numerics of the CPU kernels on (the default) or off", py::arg("on"));
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
         "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "
         "CHUNKGEN_CPU_ISA forces a lower one");

@@ -7,7 +7,8 @@
 
 namespace chunkgen {
 
-// Rows of x the packed product takes; more rows go to the general GEMM.
+// Rows of x the packed product takes in one pass (more go in panels of these; the model sends
+// more to the general GEMM unless its numerics are batch-invariant, csrc/invariant.h).
 constexpr int64_t kPackedLinearMaxRows = 32;
 // fp32: the product keeps its rate at every decode batch (x stays in L2 while the blocks pass).
 constexpr int64_t kPackedLinearFp32MaxRows = 256;
@@ -18,7 +19,7 @@ constexpr int64_t kPackedLinearFp32MaxRows = 256;
 // the build's width): block b holds output columns [C b, C b + C) along k, zero past n.
 torch::Tensor pack_linear_op(const torch::Tensor& w);
 
-// x [rows <= kPackedLinearMaxRows, k], packed from pack_linear_op of a W with n rows, in x's
+// x [rows, k], packed from pack_linear_op of a W with n rows, in x's
 // dtype -> [rows, n] in x's dtype, fp32 accumulation. bf16 needs the amx or avx512_bf16 path
 // (cpu_kernel_isa()); fp32 runs on any CPU.
 torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n);

@@ -39,6 +39,7 @@ def bench_e2e(
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    batch_invariant: str = typer.Option("on", "--batch-invariant", metavar="on|off", help="As for run: on, each row's numbers independent of the batch; off, each kernel call's fastest plan."),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e
@@ -53,7 +54,7 @@ def bench_e2e(
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=seed, dtype=dtype, device=device,
-                            kv_memory=kv_memory, max_batch=max(batches.values()))
+                            kv_memory=kv_memory, max_batch=max(batches.values()), batch_invariant=batch_invariant)
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
     llm = load_llm(config)
     dtype = dtype_line(llm.config)

@@ -71,6 +71,7 @@ def run(
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise)."),
+    batch_invariant: str = typer.Option("on", "--batch-invariant", metavar="on|off", help="on: a row's answer and logprobs do not depend on the rows run beside it (--max-batch, --resume, --shard, cache); off: a few percent faster, answers may differ near ties (docs/batch-invariance.md)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
     shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
@@ -91,7 +92,7 @@ def run(
         check_out(out, queries)
         config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                                 max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
-                                enforce_eager=True if enforce_eager else None,
+                                enforce_eager=True if enforce_eager else None, batch_invariant=batch_invariant,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
         defaults = sampling_defaults(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                           top_k=top_k, seed=seed, stop=stop or None, logprobs=logprobs,

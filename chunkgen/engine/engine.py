@@ -83,7 +83,13 @@ class Engine:
             )
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
         self.runner = ModelRunner(
-            model, self.pool, self.tree, cfg.max_batch, chunk_first=cfg.chunk_first, enforce_eager=cfg.enforce_eager
+            model,
+            self.pool,
+            self.tree,
+            cfg.max_batch,
+            chunk_first=cfg.chunk_first,
+            enforce_eager=cfg.enforce_eager,
+            batch_invariant=cfg.batch_invariant,
         )
         self.scheduler = Scheduler(
             self.tree, cfg.max_batch, cfg.max_prefill_tokens, group_prefix_tokens=4 * cfg.chunk_size

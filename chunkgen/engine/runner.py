@@ -24,6 +24,7 @@ import torch
 from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import workspace_for
+from chunkgen.kernels import invariant
 from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, plan_groups
 from chunkgen.model.llama import LlamaModel
 
@@ -63,16 +64,19 @@ class ModelRunner:
         enforce_eager: bool | None = None,
         mirror: bool | None = None,
         compile_backend: str | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         """enforce_eager: run the forward directly each step (default on the CPU, and always for a
         model whose step is not graph_safe); otherwise one captured graph per bucket is replayed
         (a CUDA graph on the GPU; on the CPU the same callable over the same buffers, for tests).
         mirror: see KernelContext. compile_backend: run the decode forward through
-        torch.compile(fullgraph=True) with that backend."""
+        torch.compile(fullgraph=True) with that backend. batch_invariant: the numerics every step
+        runs with (kernels/invariant.py)."""
         native()  # the decode op lives in the compiled extension: a missing build fails here, with the fix
         self.model = model
         self.pool = pool
         self.chunk_first = chunk_first
+        self.batch_invariant = batch_invariant
         self.device = torch.device(model.device)
         asked = self.device.type == "cpu" if enforce_eager is None else enforce_eager
         self.enforce_eager = asked or not model.graph_safe
@@ -151,12 +155,14 @@ class ModelRunner:
     def decode(self, tokens: list[int], positions: list[int], write_rows: list[tuple[int, int]]) -> torch.Tensor:
         """One step for the sequences in `ctx.order` (the caller refreshed the context): logits
         [batch, vocab] on the model's device."""
+        invariant.set_enabled(self.batch_invariant)
         self.prepare(tokens, positions, write_rows)
         return self.forward()[: len(tokens)]
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, items: list[PrefillItem]) -> list[torch.Tensor | None]:
         """Run a wave: last-position logits [vocab] for the items that want them, None for the others."""
+        invariant.set_enabled(self.batch_invariant)
         step = self.prepare_prefill(items)
         logits = self.model.prefill(step, self.pool)
         picked = iter(logits if logits is not None else ())
@@ -186,6 +192,6 @@ class ModelRunner:
             write_offsets=torch.tensor(w_offs, dtype=torch.long),
             write_rows=None if every_row else torch.tensor(w_rows, dtype=torch.long, device=dev),
             writes=bool(w_rows),
-            groups=plan_groups(spans, C, self.model.dtype, dev),
+            groups=plan_groups(spans, C, self.model.dtype, dev, alone=self.batch_invariant and dev.type == "cpu"),
             logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
         )

@@ -29,6 +29,7 @@ import torch
 
 from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.pool import ChunkPool
+from chunkgen.kernels import invariant
 
 MAX_GROUP_TOKENS = 512  # new tokens per group: bounds the padded own-part batch
 
@@ -79,14 +80,20 @@ class PrefillStep:
     logit_rows: list[int]
 
 
-def plan_groups(spans: list[PrefillSpan], chunk: int, dtype: torch.dtype, device: torch.device) -> list[Group]:
-    """Everything about a wave's attention that is the same in every layer."""
+def plan_groups(
+    spans: list[PrefillSpan], chunk: int, dtype: torch.dtype, device: torch.device, alone: bool = False
+) -> list[Group]:
+    """Everything about a wave's attention that is the same in every layer. alone: every sequence
+    its own group, attended over its whole path (batch-invariant numerics: what a sequence reads
+    and in which order does not depend on the wave's other members)."""
+    if alone:
+        return [_lone(sp, chunk, device) for sp in spans]
     by_prefix: dict[tuple[int, ...], list[PrefillSpan]] = {}
-    alone: list[PrefillSpan] = []
+    alone_spans: list[PrefillSpan] = []
     for sp in spans:
         full = tuple(sp.path_slots[: sp.start // chunk])
-        (by_prefix.setdefault(full, []) if full else alone).append(sp)
-    groups = [_lone(sp, chunk, device) for sp in alone]
+        (by_prefix.setdefault(full, []) if full else alone_spans).append(sp)
+    groups = [_lone(sp, chunk, device) for sp in alone_spans]
     groups += _grouped(by_prefix, chunk, dtype, device)
     return groups
 
@@ -192,16 +199,30 @@ def _prefix_in_place(q: torch.Tensor, pool: ChunkPool) -> bool:
     code (csrc/cpu/prefix_attention.cpp), where it outruns a gather and torch's fused kernel: on the
     CPU, queries in the pool's dtype, fp32 or bf16 with bf16 products (AVX512_BF16 or AMX), chunks
     and heads of whole vectors (multiples of 16, as the decode kernel takes)."""
-    if not (
+    if not _pool_readable(q, pool):
+        return False
+    return q.dtype == torch.float32 or native().cpu_kernel_isa() in ("amx", "avx512_bf16")
+
+
+def _pool_readable(q: torch.Tensor, pool: ChunkPool) -> bool:
+    """Whether the prefix product's kernel can read this pool for these queries."""
+    return (
         q.device.type == "cpu"
         and q.dtype == pool.dtype
         and q.dtype in (torch.float32, torch.bfloat16)
         and pool.chunk_size % 16 == 0
         and pool.head_dim % 16 == 0
         and native_cpu_available()
-    ):
-        return False
-    return q.dtype == torch.float32 or native().cpu_kernel_isa() in ("amx", "avx512_bf16")
+    )
+
+
+def _causal_in_place(q: torch.Tensor, pool: ChunkPool) -> bool:
+    """Whether a lone sequence's whole path is read in place, causally, by the prefix product's fp32
+    arithmetic: in fp32, and in bf16 with batch-invariant numerics (the decode kernel's per-chunk
+    fold, whatever the wave and the CPU's bf16 products)."""
+    if q.dtype == torch.float32:
+        return _prefix_in_place(q, pool)
+    return q.dtype == torch.bfloat16 and invariant.enabled() and _pool_readable(q, pool)
 
 
 def attention_lse(
@@ -271,7 +292,7 @@ def prefill_attention(
         qg = q[a_b[0] : a_b[1]] if a_b else q[g.rows]
         kg = k[a_b[0] : a_b[1]] if a_b else k[g.rows]
         vg = v[a_b[0] : a_b[1]] if a_b else v[g.rows]
-        if g.key_idx is None and q.dtype == torch.float32 and _prefix_in_place(q, pool):
+        if g.key_idx is None and _causal_in_place(q, pool):
             # One sequence in fp32: its whole path (cached and new, stored before attention) read in
             # place, causally, by the prefix product's kernel: one product, no merge.
             n = g.prefix_len + a_b[1] - a_b[0]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.context import ContextArrays
 from chunkgen.cache.pool import ChunkPool, kv_shape, language_config
-from chunkgen.kernels import decode_step_attention
+from chunkgen.kernels import decode_step_attention, invariant
 from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillStep, prefill_attention
 
@@ -74,7 +74,8 @@ class Linear:
     them from memory faster than oneDNN's does, with the same results); in fp32 on any CPU (FMA
     vectors of the build's width, where oneDNN's AVX2 kernels reach about half the FMA peak at
     these row counts; sums in another order, equal within fp32 rounding).
-    CHUNKGEN_DECODE_LINEAR=0 turns it off."""
+    With batch-invariant numerics (kernels/invariant.py) every call where that product runs takes
+    it, whatever its rows, bias or weight size. CHUNKGEN_DECODE_LINEAR=0 turns it off."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.detach().contiguous()
@@ -91,11 +92,13 @@ class Linear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
             except (RuntimeError, AttributeError):  # e.g. bf16 without AVX-512: plain path
                 self.packed = None
+        # chunkgen's product: for decode batches (weights without bias, not tiny), and for every
+        # call with batch-invariant numerics, where it is the one product whose sums for a row are
+        # the same at any row count (oneDNN and torch choose their blocking, and split k, by rows).
         self.decode_packed = None
+        self.decode_fast = bias is None and weight.numel() >= _ONEDNN_MIN_WEIGHT
         if (
-            bias is None
-            and weight.numel() >= _ONEDNN_MIN_WEIGHT
-            and weight.device.type == "cpu"
+            weight.device.type == "cpu"
             and (weight.dtype == torch.float32 and native_cpu_available() or decode_product_available())
             and weight.dtype in (torch.float32, torch.bfloat16)
             and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"
@@ -106,8 +109,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Inductor cannot lower the prepacked weights; a compiled forward packs weights itself.
         if not torch.compiler.is_compiling():
-            if self.decode_packed is not None and x.shape[0] <= _DECODE_PACKED_ROWS[self.weight.dtype]:
-                return torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
+            if self.decode_packed is not None and (
+                invariant.enabled() or self.decode_fast and x.shape[0] <= _DECODE_PACKED_ROWS[self.weight.dtype]
+            ):
+                y = torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
+                return y if self.bias is None else y.add_(self.bias)
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # x is [rows, in] here: F.linear's own path for it, without its nested transpose and views

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../attention.h"
+#include "../invariant.h"
 #include "bf16_gemm.h"
 #include "decode_chunk_first_bf16.h"
 #include "decode_plan.h"
@@ -38,15 +39,34 @@ struct PoolView {
 // One chunk into the running state of R query rows; with a window or soft-capping, each row's
 // first token inside its window (lo) and the cap go with it.
 template <typename T>
-inline void attend(const DecodeProblem& p, Scratch& sc, int R, const T* k, const T* v, int n, const int* lo) {
+inline void attend(const DecodeProblem& p, Scratch& sc, int R, const T* k, const T* v, int n, const int* lo, float* o,
+                   float* m, float* l) {
   const int C = p.chunk, d = p.head_dim;
   if (p.window <= 0 && p.softcap <= 0.f) {
-    attend_chunk<T, false>(sc.q.data(), R, k, v, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(), sc.s.data(),
-                           sc.alpha.data());
+    attend_chunk<T, false>(sc.q.data(), R, k, v, n, C, d, o, m, l, sc.s.data(), sc.alpha.data());
     return;
   }
-  attend_chunk<T, true>(sc.q.data(), R, k, v, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(), sc.s.data(),
-                        sc.alpha.data(), ChunkMask{p.window > 0 ? lo : nullptr, p.softcap});
+  attend_chunk<T, true>(sc.q.data(), R, k, v, n, C, d, o, m, l, sc.s.data(), sc.alpha.data(),
+                        ChunkMask{p.window > 0 ? lo : nullptr, p.softcap});
+}
+template <typename T>
+inline void attend(const DecodeProblem& p, Scratch& sc, int R, const T* k, const T* v, int n, const int* lo) {
+  attend<T>(p, sc, R, k, v, n, lo, sc.o.data(), sc.m.data(), sc.l.data());
+}
+
+// Batch-invariant: the chunk's partial from an empty state, merged into the running one, so that a
+// row's result is the same fold of per-chunk partials in path order whichever phase read a chunk.
+template <typename T>
+inline void attend_merged(const DecodeProblem& p, Scratch& sc, int R, const T* k, const T* v, int n, const int* lo) {
+  const int d = p.head_dim;
+  sc.reserve_chunk_state(R, d);
+  std::fill_n(sc.co.data(), static_cast<size_t>(R) * d, 0.f);
+  std::fill_n(sc.cm.data(), R, kNegInf);
+  std::fill_n(sc.cl.data(), R, 0.f);
+  attend<T>(p, sc, R, k, v, n, lo, sc.co.data(), sc.cm.data(), sc.cl.data());
+  for (int r = 0; r < R; ++r)
+    merge_partial(sc.o.data() + static_cast<size_t>(r) * d, sc.m[r], sc.l[r], sc.co.data() + static_cast<size_t>(r) * d,
+                  sc.cm[r], sc.cl[r], d);
 }
 
 // Query rows of sequences [b0, b1), head h's GQA group, scaled, as fp32 rows of sc.q.
@@ -198,7 +218,10 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Scratch& 
       if (n <= 0) continue;
       const size_t off = pool.at(ws.chunk_slot[i], h);
       if (p.window > 0) std::fill_n(sc.lo.data(), G, ws.chunk_lo[i]);
-      attend<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
+      if (p.invariant)
+        attend_merged<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
+      else
+        attend<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
     }
     for (int g = 0; g < G; ++g) {
       const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
@@ -270,6 +293,8 @@ inline void count_flop(const DecodeProblem& p, const Workspace& ws) {
 template <typename T, typename Q>
 void run(const DecodeProblem& p, Isa isa) {
   const double t0 = omp_get_wtime();
+  // Batch-invariant: phase 1 on the fp32 path, whose per-row arithmetic is phase 2's.
+  if (p.invariant) isa = Isa::Fp32;
   const int nthreads = omp_get_max_threads();
   Workspace& ws = workspace();
   int block = 1;  // chunks the bf16 path multiplies at once
@@ -333,7 +358,9 @@ DecodeClock decode_clock(bool reset) {
   return now;
 }
 
-void decode_attention_cpu(const DecodeProblem& p) {
+void decode_attention_cpu(const DecodeProblem& problem) {
+  DecodeProblem p = problem;
+  p.invariant = batch_invariant();
   const bool q32 = p.q_type == KVType::F32;
   if (p.kv_type == KVType::F32) {
     decode::run<float, float>(p, Isa::Fp32);

@@ -153,7 +153,8 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
     const int nch = g1 - g0, cover = end - begin;
     const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;
     const int blocks = (nch + block - 1) / block;
-    const int chunk_pieces = static_cast<int>(std::min<int64_t>(blocks, pieces));
+    // Batch-invariant: one item per chunk, so each chunk leaves its own partial whatever the tree.
+    const int chunk_pieces = p.invariant ? blocks : static_cast<int>(std::min<int64_t>(blocks, pieces));
     const int row_pieces = static_cast<int>(std::max<int64_t>(1, (pieces + chunk_pieces - 1) / chunk_pieces));
     const int rows_per = (cover + row_pieces - 1) / row_pieces;
     const auto cut = [&](int cp) { return g0 + std::min(nch, cp * blocks / chunk_pieces * block); };
@@ -213,7 +214,9 @@ inline void plan_own_chunks(const DecodeProblem& p, Workspace& ws) {
 inline void plan_seq_items(const DecodeProblem& p, Workspace& ws, int target_items) {
   const int B = p.batch, Hk = p.kv_heads;
   const int base_items = B * Hk;
-  const int max_seg = base_items >= target_items ? 1 : (target_items + base_items - 1) / base_items;
+  // Batch-invariant: no segments, whose merge order would follow the thread count.
+  const int max_seg =
+      p.invariant || base_items >= target_items ? 1 : (target_items + base_items - 1) / base_items;
   grow(ws.seq_nseg, B);
   grow(ws.seg_row, B + 1);
   ws.seg_row[0] = 0;

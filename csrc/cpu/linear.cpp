@@ -164,8 +164,6 @@ namespace {
 
 torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   const int64_t rows = x.size(0), k = x.size(1), cols = packed_linear_fp32_cols();
-  TORCH_CHECK_VALUE(rows <= kPackedLinearFp32MaxRows, "packed_linear: at most ", kPackedLinearFp32MaxRows,
-                    " float32 rows, got ", rows);
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) == (n + cols - 1) / cols &&
                         packed.size(1) == k && packed.size(2) == cols,
                     "packed_linear: packed must come from pack_linear of a [", n, ", ", k, "] float32 weight, got ",
@@ -173,8 +171,11 @@ torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor&
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();
-  packed_linear_fp32(xc.data_ptr<float>(), xc.stride(0), static_cast<int>(rows), packed.data_ptr<float>(), k, n,
-                     y.data_ptr<float>());
+  // Panels of rows that keep x in L2 while the blocks pass; a row's sums are the same in any panel.
+  for (int64_t r0 = 0; r0 < rows; r0 += kPackedLinearFp32MaxRows)
+    packed_linear_fp32(xc.data_ptr<float>() + r0 * xc.stride(0), xc.stride(0),
+                       static_cast<int>(std::min(kPackedLinearFp32MaxRows, rows - r0)), packed.data_ptr<float>(), k,
+                       n, y.data_ptr<float>() + r0 * n);
   return y;
 }
 
@@ -185,11 +186,16 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
                     " on ", x.device());
   if (x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat)
     return packed_linear_fp32_op(x, packed, n);
+  if (x.size(0) > kPackedLinearMaxRows) {  // panels of rows: a row's sums are the same in any panel
+    std::vector<torch::Tensor> parts;
+    for (int64_t r0 = 0; r0 < x.size(0); r0 += kPackedLinearMaxRows)
+      parts.push_back(packed_linear_op(x.slice(0, r0, std::min(x.size(0), r0 + kPackedLinearMaxRows)), packed, n));
+    return torch::cat(parts);
+  }
   TORCH_CHECK_TYPE(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
                    "packed_linear: x and packed must be both bfloat16 or both float32, got ", x.scalar_type(), " and ",
                    packed.scalar_type());
   const int64_t rows = x.size(0), k = x.size(1), kp = (k + 31) / 32 * 32;
-  TORCH_CHECK_VALUE(rows <= kPackedLinearMaxRows, "packed_linear: at most ", kPackedLinearMaxRows, " rows, got ", rows);
   TORCH_CHECK_VALUE(packed.dim() == 4 && packed.is_contiguous() && packed.size(0) == (n + 31) / 32 &&
                         packed.size(1) == kp / 2 && packed.size(2) == 32 && packed.size(3) == 2,
                     "packed_linear: packed must come from pack_linear of a [", n, ", ", k, "] weight, got ",

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <vector>
 
+#include "../invariant.h"
 #include "decode_chunk_first_bf16.h"
 #include "isa.h"
 #include "online_softmax.h"
@@ -34,20 +35,43 @@ void write_rows(T* out, float* lse, const float* o, const float* m, const float*
     }
 }
 
+// One chunk into rows' running state: attended into it directly, or (batch-invariant) its own
+// partial from an empty state merged in, as the decode kernel folds a row's chunks.
+template <typename T>
+inline void attend_into(decode::Scratch& sc, const float* q, int rows, const T* k, const T* v, int n, int C, int d,
+                        float* o, float* m, float* l, bool invariant) {
+  if (!invariant) {
+    decode::attend_chunk<T, false>(q, rows, k, v, n, C, d, o, m, l, sc.s.data(), sc.alpha.data());
+    return;
+  }
+  sc.reserve_chunk_state(rows, d);
+  std::fill_n(sc.co.data(), static_cast<size_t>(rows) * d, 0.f);
+  std::fill_n(sc.cm.data(), rows, decode::kNegInf);
+  std::fill_n(sc.cl.data(), rows, 0.f);
+  decode::attend_chunk<T, false>(q, rows, k, v, n, C, d, sc.co.data(), sc.cm.data(), sc.cl.data(), sc.s.data(),
+                                 sc.alpha.data());
+  for (int r = 0; r < rows; ++r)
+    decode::merge_partial(o + static_cast<size_t>(r) * d, m[r], l[r], sc.co.data() + static_cast<size_t>(r) * d,
+                          sc.cm[r], sc.cl[r], d);
+}
+
 // first < 0: every row reads all n_tokens. first >= 0: causal, row r sits at position first + r and
 // reads positions [0, first + r] (a lone sequence's whole path, its new tokens already stored):
 // the chunks before a block's first position are read by all its rows at once, the one or two
-// chunks its positions end in by each position's rows alone, up to that position.
+// chunks its positions end in by each position's rows alone, up to that position. The products in
+// fp32 (Q: q and out float or bf16, T: the pool's float or bf16 K/V).
+template <typename T, typename Q>
 void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
                  const int32_t* slot, int64_t nc, int64_t n_tokens, int64_t first, double scale, torch::Tensor& out,
                  torch::Tensor& lse) {
   const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
   const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3));
-  const float* qp = q.data_ptr<float>();
-  const float* K = k_layer.data_ptr<float>();
-  const float* V = v_layer.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const Q* qp = static_cast<const Q*>(q.data_ptr());
+  const T* K = static_cast<const T*>(k_layer.data_ptr());
+  const T* V = static_cast<const T*>(v_layer.data_ptr());
+  Q* op = static_cast<Q*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
+  const bool invariant = batch_invariant();
   const int G = Hq / Hk, per_block = std::max(1, decode::kRowBlock / G);
   const int blocks = (R + per_block - 1) / per_block, items = blocks * Hk;
   const size_t head_elems = static_cast<size_t>(d) * C;
@@ -63,14 +87,14 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
       for (int r = r0; r < r1; ++r)  // state row (r - r0) * G + g: position r, query head h * G + g
         for (int i = 0; i < G * d; ++i)
           sc.q[static_cast<size_t>(r - r0) * G * d + i] =
-              qp[(static_cast<size_t>(r) * Hq + h * G) * d + i] * static_cast<float>(scale);
+              decode::to_f32(qp[(static_cast<size_t>(r) * Hq + h * G) * d + i]) * static_cast<float>(scale);
       sc.reset_state(rows, d);
       const int64_t whole = first < 0 ? nc : (first + r0 + 1) / C;  // chunks every row reads whole
       for (int64_t c = 0; c < whole; ++c) {
         const int n = static_cast<int>(std::min<int64_t>(C, n_tokens - c * C));
         const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
-        decode::attend_chunk<float, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
-                                           sc.l.data(), sc.s.data(), sc.alpha.data());
+        attend_into<T>(sc, sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(),
+                       invariant);
       }
       if (first >= 0)
         for (int r = r0; r < r1; ++r) {
@@ -78,9 +102,9 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
           const size_t s0 = static_cast<size_t>(r - r0) * G;
           for (int64_t c = whole; c <= pos / C; ++c) {
             const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
-            decode::attend_chunk<float, false>(
-                sc.q.data() + s0 * d, G, K + off, V + off, static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C,
-                d, sc.o.data() + s0 * d, sc.m.data() + s0, sc.l.data() + s0, sc.s.data(), sc.alpha.data());
+            attend_into<T>(sc, sc.q.data() + s0 * d, G, K + off, V + off,
+                           static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C, d, sc.o.data() + s0 * d,
+                           sc.m.data() + s0, sc.l.data() + s0, invariant);
           }
         }
       write_rows(op, lp, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
@@ -163,13 +187,14 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
                    "prefix_attention: q, k_layer, v_layer all float32 or all bfloat16, and slots int32, got ",
                    q.scalar_type(), ", ", k_layer.scalar_type(), ", ", v_layer.scalar_type(), ", ",
                    slots.scalar_type());
-  TORCH_CHECK_VALUE(first < 0 || (dtype == torch::kFloat && first + q.size(0) <= n_tokens),
-                    "prefix_attention: a causal product (first >= 0) is float32 only, and its last query (position ",
-                    first + q.size(0) - 1, ") must be inside the ", n_tokens, " tokens");
-  // bf16 products need AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA lowering).
+  TORCH_CHECK_VALUE(first < 0 || first + q.size(0) <= n_tokens, "prefix_attention: the last query (position ",
+                    first + q.size(0) - 1, ") of a causal product (first >= 0) must be inside the ", n_tokens,
+                    " tokens");
+  // bf16 K/V: bf16 products on AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA
+  // lowering) for a group's prefix; the fp32 products (bf16 read, fp32 arithmetic) for a causal
+  // product, batch-invariant numerics, or where the CPU has no bf16 products.
   const Isa isa = dtype == torch::kBFloat16 ? current_isa() : Isa::Fp32;
-  TORCH_CHECK_VALUE(dtype == torch::kFloat || isa != Isa::Fp32,
-                    "prefix_attention: bfloat16 needs the AVX512_BF16 or AMX path, this one is ", isa_name(isa));
+  const bool bf16_products = dtype == torch::kBFloat16 && isa != Isa::Fp32 && first < 0 && !batch_invariant();
   TORCH_CHECK_VALUE(q.device().is_cpu() && k_layer.device().is_cpu() && v_layer.device().is_cpu() &&
                         slots.device().is_cpu() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
                         slots.is_contiguous(),
@@ -195,12 +220,18 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
   auto lse = torch::empty({R, Hq}, q.options().dtype(torch::kFloat));
   if (R == 0) return {out, lse};
   if (q.scalar_type() == torch::kFloat) {
-    prefix_fp32(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
+    prefix_fp32<float, float>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
     return {out, lse};
   }
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
-  prefix_bf16(qc, k_layer, v_layer, slot, nc, n_tokens, scale, isa, out, lse);
+  if (bf16_products) {
+    prefix_bf16(qc, k_layer, v_layer, slot, nc, n_tokens, scale, isa, out, lse);
+    return {out, lse};
+  }
+#else
+  (void)bf16_products;
 #endif
+  prefix_fp32<uint16_t, uint16_t>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
   return {out, lse};
 }
 

@@ -1,0 +1,24 @@
+"""Batch-invariant numerics: one switch, read by the CPU kernels (csrc/invariant.h), the model's
+linear layers and the prefill's attention plan. On (the default), a row's logits do not depend on
+the rows run beside it: each linear layer sums a row's products in one order at any row count,
+attention folds one partial per chunk in the row's path order, and a prefill wave attends each
+sequence over its own whole path. See docs/batch-invariance.md."""
+
+from __future__ import annotations
+
+from chunkgen._native import native, native_cpu_available
+
+_on = True
+
+
+def enabled() -> bool:
+    return _on
+
+
+def set_enabled(on: bool) -> None:
+    """Set for the whole process (an engine sets its config's choice before each step)."""
+    global _on
+    if on != _on or (native_cpu_available() and native().batch_invariant() != on):
+        _on = on
+        if native_cpu_available():
+            native().set_batch_invariant(on)

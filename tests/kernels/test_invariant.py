@@ -1,0 +1,98 @@
+"""Batch-invariant numerics at the kernel level: a row's output bits do not depend on the other rows
+of the call (how many, which, how they share chunks), on the decode kernel's phase (chunk-first or
+paged), on the thread count, or (linear layers) on the row count."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from chunkgen._native import native
+from chunkgen.cache import KernelContext
+from chunkgen.kernels import decode_attention, invariant
+from chunkgen.model.llama import Linear
+from tests.helpers import build_tree
+
+
+@pytest.fixture(autouse=True)
+def invariant_on():
+    invariant.set_enabled(True)
+    yield
+    invariant.set_enabled(True)
+
+
+def _decode(pool, tree, queries: dict, chunk_first: bool) -> dict:
+    ctx = KernelContext(tree, chunk_first=chunk_first)
+    q = torch.stack([queries[s] for s in ctx.order])
+    out = decode_attention(q, pool.k[0], pool.v[0], ctx, q.shape[-1] ** -0.5)
+    return {s: out[i] for i, s in enumerate(ctx.order)}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(2, 14),
+    shared_len=st.integers(0, 300),
+    chunk=st.sampled_from([16, 32, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    q_dtype=st.sampled_from(["float32", "pool"]),
+    decode_steps=st.integers(0, 3),
+)
+def test_a_rows_decode_attention_is_the_same_in_any_batch(
+    seed, n_seqs, shared_len, chunk, heads, dtype, q_dtype, decode_steps
+):
+    q_heads, kv_heads = heads
+    d = 64
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, decode_steps=decode_steps)
+    gen = torch.Generator().manual_seed(seed + 1)
+    qd = torch.float32 if q_dtype == "float32" else dtype
+    queries = {s: torch.randn(q_heads, d, generator=gen).to(qd) for s in range(n_seqs)}
+    full = _decode(pool, tree, queries, chunk_first=True)
+    rnd = random.Random(seed)
+    # The paged kernel reads the same chunks in the same order: the same bits.
+    for s, o in _decode(pool, tree, queries, chunk_first=False).items():
+        assert torch.equal(o, full[s]), s
+    # Fewer threads (no segments to merge in another order) and fewer rows (other sharing).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s, o in _decode(pool, tree, queries, chunk_first=True).items():
+            assert torch.equal(o, full[s]), s
+    finally:
+        torch.set_num_threads(threads)
+    gone = rnd.sample(range(n_seqs), rnd.randrange(1, n_seqs))
+    for s in gone:
+        tree.remove(s)
+    for s, o in _decode(pool, tree, queries, chunk_first=rnd.random() < 0.5).items():
+        assert torch.equal(o, full[s]), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (1728, 576), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rows_linear_output_is_the_same_at_any_row_count(dtype, shape, bias):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    lin = Linear(w, b)
+    x = torch.randn(600, k, generator=gen).to(dtype)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+    for rows in (2, 7, 32, 33, 256, 257, 600):
+        y = lin(x[:rows])
+        assert torch.equal(y[: min(rows, 40)], alone[: min(rows, 40)]), rows
+    # and the product is the layer's: y = x W^T + b within the dtype's rounding
+    ref = x[:40].double() @ w.double().t() + (0 if b is None else b.double())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(alone.double(), ref, atol=tol, rtol=tol)
+
+
+def test_the_switch_reaches_the_kernels():
+    invariant.set_enabled(False)
+    assert not native().batch_invariant() and not invariant.enabled()
+    invariant.set_enabled(True)
+    assert native().batch_invariant() and invariant.enabled()
