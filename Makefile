@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test lint bench-kernel cuda-check clean-venv
+.PHONY: install install-test demo test lint bench-kernel cuda-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -89,3 +89,12 @@ cuda-check: $(VENV)/.installed
 	  rm -rf $$shim; \
 	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi
+
+# The GPU regression guard, for a machine with a CUDA GPU and a CUDA build of torch (no venv: the
+# python that has them, GPU_PYTHON): builds the CUDA extension in place, runs the CUDA tests, times
+# bench kernel and bench e2e (32 and 256 rows) in under 6 minutes, and compares every cell with
+# this GPU model's baseline in benchmarks/gpu-baselines/ (writing one when there is none). Result:
+# benchmarks/results/<date>-gpu-check-<gpu>.md/.json, also copied to $OUT when set. docs/gpu-check.md.
+GPU_PYTHON ?= python3
+gpu-check:
+	COMMIT=$(COMMIT) $(GPU_PYTHON) -m chunkgen.bench.gpu_check $(GPU_CHECK_ARGS)
