@@ -95,7 +95,7 @@ def kernel_cells(rows: Sequence[dict]) -> dict[str, Cell]:
 
 def e2e_cells(rows: Sequence[dict], model: str) -> dict[str, Cell]:
     """`bench e2e --json` rows: per (model, dtype, rows, n_shared, system), the decode ms a step,
-    the prefill s and the generated tokens/s."""
+    the prefill s, the generated tokens/s and, where counted, the kernels a decode step launches."""
     cells = {}
     for r in rows:
         base = f"e2e {model} {r['dtype']} rows={r['n_queries']} n_shared={r['n_shared']} {r['system']}"
@@ -104,6 +104,8 @@ def e2e_cells(rows: Sequence[dict], model: str) -> dict[str, Cell]:
         cells[f"{base} decode_ms_step"] = Cell(1e3 * float(r["decode_s"]) / steps, "ms", control=control)
         cells[f"{base} prefill_s"] = Cell(float(r["prefill_s"]), "s", control=control)
         cells[f"{base} gen_tok_s"] = Cell(float(r["gen_tokens_per_s"]), "tok/s", True, control)
+        if r.get("decode_kernels_per_step") is not None:  # more kernels a step: slower, whatever the clock says
+            cells[f"{base} decode_kernels_step"] = Cell(float(r["decode_kernels_per_step"]), "kernels")
     return cells
 
 

@@ -37,6 +37,9 @@ def test_cells_are_keyed_by_shape_and_say_which_way_is_better():
     base = "e2e smollm2-135m bf16 rows=256 n_shared=2048 chunkgen"
     assert e[f"{base} decode_ms_step"].value == pytest.approx(4.0)  # 0.256 s over 64 steps
     assert e[f"{base} gen_tok_s"].higher_is_better and not e[f"{base} prefill_s"].higher_is_better
+    assert f"{base} decode_kernels_step" not in e  # not counted (the CPU, an eager step)
+    counted = gc.e2e_cells([{**e2e_row("chunkgen", 0.3, 0.2, 4000.0), "decode_kernels_per_step": 515}], "m")
+    assert counted["e2e m bf16 rows=32 n_shared=2048 chunkgen decode_kernels_step"] == gc.Cell(515.0, "kernels")
 
 
 def test_compare_flags_cells_slower_than_the_threshold_in_either_direction():
