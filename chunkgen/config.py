@@ -22,7 +22,14 @@ import torch
 from chunkgen.device import AUTO_MAX_BATCH, Accelerator, choose_device, choose_kv_memory, choose_max_batch, detect
 from chunkgen.model.precision import DTYPE_NAMES, choose_dtype
 
+# What each option is when not given, for the command line and `LLM(...)` alike.
+DEFAULT_MODEL: str | None = None  # the embedded default model
+DEFAULT_DEVICE = "auto"
+DEFAULT_DTYPE = "auto"
+DEFAULT_KV_MEMORY = "auto"
+DEFAULT_MAX_BATCH = "auto"
 DEFAULT_CHUNK_SIZE = 64
+DEFAULT_BATCH_INVARIANT = "on"
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # new tokens computed in one batched prefill wave
 ORDERS = ("prefix", "input")
 
@@ -84,6 +91,7 @@ class Config:
     # kernel call's fastest plan.
     batch_invariant: bool = True
     why: Mapping[str, str] = field(default_factory=dict)
+    auto: frozenset[str] = frozenset()  # the options among device, dtype, kv_memory, max_batch asked as auto
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
 
     @classmethod
@@ -91,10 +99,10 @@ class Config:
         cls,
         model: str | None = None,
         *,
-        device: str = "auto",
-        dtype: str | torch.dtype = "auto",
-        kv_memory: str | int = "auto",
-        max_batch: str | int = "auto",
+        device: str = DEFAULT_DEVICE,
+        dtype: str | torch.dtype = DEFAULT_DTYPE,
+        kv_memory: str | int = DEFAULT_KV_MEMORY,
+        max_batch: str | int = DEFAULT_MAX_BATCH,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         kv_dtype: str | torch.dtype | None = None,
         share_prefix: bool = True,
@@ -102,7 +110,7 @@ class Config:
         enforce_eager: bool | None = None,
         chat_template: bool = True,
         order: str = "prefix",
-        batch_invariant: bool | str = True,
+        batch_invariant: bool | str = DEFAULT_BATCH_INVARIANT,
         dummy_weights: str | None = None,
         seed: int = 0,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
@@ -143,6 +151,11 @@ class Config:
             order=order,
             batch_invariant=invariant,
             notes=notes,
+            auto=frozenset(
+                k
+                for k, v in (("device", device), ("dtype", dtype), ("kv_memory", kv_memory), ("max_batch", max_batch))
+                if _is_auto(v)
+            ),
             why={
                 "device": dev.reason,
                 "dtype": dtype_choice.reason,
@@ -173,6 +186,12 @@ class Config:
         """This configuration with some options asked anew: raw values (`max_batch="auto"`,
         `kv_memory="2GiB"`) go through the same checks and rules as in `resolve`."""
         why = dict(self.why)
+        auto = set(self.auto)
+        for name in ("max_batch", "kv_memory"):
+            if name in options:
+                auto.discard(name)
+                if _is_auto(options[name]):
+                    auto.add(name)
         if "max_batch" in options:
             batch = _option("--max-batch", choose_max_batch, options["max_batch"])
             options["max_batch"], why["max_batch"] = batch.rows, batch.reason
@@ -190,7 +209,7 @@ class Config:
             options["kv_dtype"] = _option("--kv-dtype", choose_dtype, options["kv_dtype"], self.device).dtype
         if "batch_invariant" in options:
             options["batch_invariant"] = _on_off("--batch-invariant", options["batch_invariant"])
-        return dataclasses.replace(self, **options, why=why)
+        return dataclasses.replace(self, **options, why=why, auto=frozenset(auto))
 
     @property
     def window(self) -> int:
@@ -199,6 +218,10 @@ class Config:
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES.get(self.dtype, str(self.dtype)) if self.dtype is not None else "the model's own"
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def _option(option: str, rule, value, *args, suffix: str = ""):
