@@ -215,8 +215,7 @@ inline void plan_seq_items(const DecodeProblem& p, Workspace& ws, int target_ite
   const int B = p.batch, Hk = p.kv_heads;
   const int base_items = B * Hk;
   // Batch-invariant: no segments, whose merge order would follow the thread count.
-  const int max_seg =
-      p.invariant || base_items >= target_items ? 1 : (target_items + base_items - 1) / base_items;
+  const int max_seg = p.invariant || base_items >= target_items ? 1 : (target_items + base_items - 1) / base_items;
   grow(ws.seq_nseg, B);
   grow(ws.seg_row, B + 1);
   ws.seg_row[0] = 0;

@@ -174,8 +174,8 @@ torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor&
   // Panels of rows that keep x in L2 while the blocks pass; a row's sums are the same in any panel.
   for (int64_t r0 = 0; r0 < rows; r0 += kPackedLinearFp32MaxRows)
     packed_linear_fp32(xc.data_ptr<float>() + r0 * xc.stride(0), xc.stride(0),
-                       static_cast<int>(std::min(kPackedLinearFp32MaxRows, rows - r0)), packed.data_ptr<float>(), k,
-                       n, y.data_ptr<float>() + r0 * n);
+                       static_cast<int>(std::min(kPackedLinearFp32MaxRows, rows - r0)), packed.data_ptr<float>(), k, n,
+                       y.data_ptr<float>() + r0 * n);
   return y;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "../attention.h"
@@ -228,8 +229,10 @@ inline void merge_partial(float* o, float& m, float& l, const float* po, float p
   if (pl == 0.f) return;
   const float mn = std::max(m, pm);
   const float a = std::exp(m - mn), b = std::exp(pm - mn);
-  for (int i = 0; i < d; ++i) o[i] = o[i] * a + po[i] * b;
-  l = l * a + pl * b;
+  // One rounding order wherever this is inlined: two products summed could contract to an FMA
+  // either way round, and batch-invariant numerics need the same bits from every call site.
+  for (int i = 0; i < d; ++i) o[i] = std::fma(po[i], b, o[i] * a);
+  l = std::fma(pl, b, l * a);
   m = mn;
 }
 

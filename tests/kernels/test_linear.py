@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from chunkgen.kernels import invariant
 from chunkgen.model import llama
 from tests.helpers import PATHS, forced
 
@@ -63,8 +64,8 @@ def test_bad_arguments_are_refused():
     w = torch.randn(40, 64).bfloat16()
     packed = torch.ops.chunkgen.pack_linear.default(w)
     op = torch.ops.chunkgen.packed_linear.default
-    with pytest.raises(ValueError, match="at most 32 rows"):
-        op(torch.randn(33, 64).bfloat16(), packed, 40)
+    x = torch.randn(70, 64).bfloat16()  # more than one pass's rows: panels, each row as alone
+    assert torch.equal(op(x, packed, 40)[40:41], op(x[40:41], packed, 40))
     with pytest.raises(TypeError, match="bfloat16"):
         op(torch.randn(4, 64), packed, 40)
     with pytest.raises(ValueError, match="pack_linear of a"):
@@ -73,8 +74,16 @@ def test_bad_arguments_are_refused():
         torch.ops.chunkgen.pack_linear.default(w.half())
 
 
+@pytest.fixture
+def invariant_off():
+    """The fast plan of each call (batch-invariant numerics off), as the default was before them."""
+    invariant.set_enabled(False)
+    yield
+    invariant.set_enabled(True)
+
+
 @needs_bf16
-def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
+def test_the_model_uses_it_for_up_to_32_rows(monkeypatch, invariant_off):
     w = torch.randn(600, 512).bfloat16()  # above the size oneDNN and the AMX product are used for
     lin = llama.Linear(w, None)
     assert lin.decode_packed is not None
@@ -89,7 +98,7 @@ def test_the_model_uses_it_for_up_to_32_rows(monkeypatch):
         want = x.double() @ w.double().t()
         assert y.shape == (rows, 600) and ((y.double() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
     assert calls == [1, 32]
-    assert llama.Linear(w, torch.zeros(600).bfloat16()).decode_packed is None  # biased: oneDNN's path
+    assert not llama.Linear(w, torch.zeros(600).bfloat16()).decode_fast  # biased: oneDNN's path
     monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "0")
     assert llama.Linear(w, None).decode_packed is None
     monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "1")
@@ -123,15 +132,15 @@ def test_the_fp32_product_keeps_a_nan_in_its_own_column_and_refuses_bad_argument
     assert got[:, 33].isnan().all() and not got[:, :33].isnan().any() and not got[:, 34:].isnan().any()
     packed = torch.ops.chunkgen.pack_linear.default(w)
     op = torch.ops.chunkgen.packed_linear.default
-    with pytest.raises(ValueError, match="at most 256 float32 rows"):
-        op(torch.randn(257, 64), packed, 40)
+    x = torch.randn(600, 64)  # more than one pass's rows: panels, each row as alone
+    torch.testing.assert_close(op(x, packed, 40)[300:301], op(x[300:301], packed, 40), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="pack_linear of a"):
         op(torch.randn(4, 32), packed, 40)
     with pytest.raises(TypeError, match="both bfloat16 or both float32"):
         op(torch.randn(4, 64).bfloat16(), packed, 40)
 
 
-def test_the_model_uses_the_fp32_product_for_up_to_256_rows(monkeypatch):
+def test_the_model_uses_the_fp32_product_for_up_to_256_rows(monkeypatch, invariant_off):
     w = torch.randn(600, 512)
     lin = llama.Linear(w, None)
     assert lin.decode_packed is not None
@@ -145,6 +154,24 @@ def test_the_model_uses_the_fp32_product_for_up_to_256_rows(monkeypatch):
         want = x.double() @ w.double().t()
         assert ((lin(x).double() - want).abs() <= (x.double().abs() @ w.double().abs().t()) * 512 * 2**-23).all()
     assert calls == [1, 256]
-    assert llama.Linear(w, torch.zeros(600)).decode_packed is None  # biased: oneDNN's path
+    assert not llama.Linear(w, torch.zeros(600)).decode_fast  # biased: oneDNN's path
     monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "0")
     assert llama.Linear(w, None).decode_packed is None
+
+
+def test_with_batch_invariant_numerics_every_call_takes_the_packed_product(monkeypatch):
+    w = torch.randn(600, 512)
+    calls = []
+    real = torch.ops.chunkgen.packed_linear.default
+    monkeypatch.setattr(
+        llama.torch.ops.chunkgen.packed_linear, "default", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    for lin in (llama.Linear(w, None), llama.Linear(w, torch.randn(600)), llama.Linear(torch.randn(8, 16), None)):
+        k = lin.weight.shape[1]
+        for rows in (1, 257, 700):
+            x = torch.randn(rows, k)
+            want = x.double() @ lin.weight.double().t() + (0 if lin.bias is None else lin.bias.double())
+            assert (
+                (lin(x).double() - want).abs() <= (x.double().abs() @ lin.weight.double().abs().t()) * k * 2**-23 + 1e-5
+            ).all()
+    assert calls == [1, 257, 700] * 3
