@@ -57,6 +57,10 @@ class SamplingParams:
     # temperature, as vLLM returns by default): None for none, k for the chosen token's plus the
     # k most likely alternatives at every step.
     logprobs: int | None = None
+    # Log-probabilities of the prompt's own tokens (vLLM's prompt_logprobs), computed while the
+    # prompt is prefilled: None for none, k for each prompt token's plus its k likeliest
+    # alternatives. The first token has none (nothing precedes it).
+    prompt_logprobs: int | None = None
     # Subtracted from the logit of every token already generated (prompt tokens do not count):
     # presence once per token seen, frequency once per occurrence, as vLLM and OpenAI apply them.
     presence_penalty: float = 0.0
@@ -71,15 +75,17 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1))
+        # 0: the prompt is only scored (prompt_logprobs), nothing is generated.
+        put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 0))
         put("temperature", _number("temperature", self.temperature, ">= 0", lambda v: v >= 0))
         put("top_p", _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
         put("top_k", _integer("top_k", self.top_k, 0))
         if self.seed is not None:
             put("seed", _integer("seed", self.seed, 0, MAX_SEED, "2**63 - 1"))
         put("n", _integer("n", self.n, 1, MAX_N))
-        if self.logprobs is not None:
-            put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                put(name, _integer(name, getattr(self, name), 0, MAX_LOGPROBS))
         for name in ("presence_penalty", "frequency_penalty"):
             put(
                 name,
@@ -140,6 +146,7 @@ _OPTIONAL = {
     "regex": None,
     "grammar": None,
     "logprobs": None,
+    "prompt_logprobs": None,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
 }
