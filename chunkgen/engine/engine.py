@@ -308,6 +308,7 @@ class Engine:
             top = [TokenLogprob(i, *text(i), v) for i, v in alts[:k]]
             out.append(TokenLogprob(tokens[p], *text(tokens[p]), lp, top))
         seq.prompt_logprobs = out
+        seq.prompt_token_texts = [text(t)[0] for t in tokens]
 
     # -- decode -------------------------------------------------------------------------------
     def _decode(self, batch: Batch, done: list[Sequence]) -> None:
@@ -401,6 +402,7 @@ class Engine:
                         error=failed and failed.error,
                         error_field=failed and failed.error_field,
                         prompt_logprobs=None if failed else first.prompt_logprobs,
+                        prompt_token_texts=None if failed else first.prompt_token_texts,
                     )
                 )
         return results

@@ -41,6 +41,7 @@ class Result:
     error_field: str | None = None  # "constraint" when its constraint could not be compiled, else the prompt
     # With params.prompt_logprobs: one entry per prompt token, None before the request's score_from.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_texts: list[str] | None = None  # each prompt token decoded alone, with prompt_logprobs
 
     @property
     def completion_tokens(self) -> int:
@@ -94,6 +95,7 @@ class Sequence:
         self.matched: bool | None = None  # set when a constrained sequence finishes
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set at its first prefill when asked
+        self.prompt_token_texts: list[str] | None = None
 
     @property
     def params(self) -> SamplingParams:

@@ -193,7 +193,7 @@ def answer(
                 index, job = item
                 taken += 1
                 try:
-                    tokens = encode(job.messages, job.data)
+                    tokens = encode(job.source, job.data)
                 except Exception as exc:  # e.g. the model's chat template rejects these messages
                     err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
                     yield Answer(index, fmt.error_record(err, job.request_hash))

@@ -239,7 +239,7 @@ def test_seeds_span_63_bits():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("max_new_tokens", 0),
+        ("max_new_tokens", -1),
         ("max_new_tokens", 5.0),
         ("max_new_tokens", "5"),
         ("max_new_tokens", True),
