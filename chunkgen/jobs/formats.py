@@ -46,6 +46,11 @@ def _extras(c: Completion) -> dict[str, Any]:
     return out
 
 
+def _prompt_logprobs(res: Result) -> list[dict | None]:
+    """Each prompt token's entry (None for the first), in the Chat Completions logprobs shape."""
+    return [None if e is None else e.as_openai() for e in res.prompt_logprobs or []]
+
+
 class RecordFormat:
     """Turns results and errors into output records: chunkgen's own lines, or OpenAI batch output.
     Separate from the writer so remote workers can format what the driver writes."""
@@ -84,6 +89,8 @@ class RecordFormat:
                     "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
                 },
             }
+            if res.prompt_logprobs is not None:  # vLLM's extension of the body
+                body["prompt_logprobs"] = _prompt_logprobs(res)
             return self._openai_record(job, body)
         rec: dict[str, Any] = {
             "id": job.id,
@@ -101,6 +108,8 @@ class RecordFormat:
             "chunkgen": FORMAT_VERSION,
             **_extras(res.completions[0]),
         }
+        if res.prompt_logprobs is not None:
+            rec["prompt_logprobs"] = _prompt_logprobs(res)
         if len(res.completions) > 1:
             rec["completions"] = [
                 {"text": c.text, "finish_reason": c.finish_reason, **_extras(c)} for c in res.completions
