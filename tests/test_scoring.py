@@ -66,7 +66,9 @@ def test_context_prefilled_once(tiny_model):
     results = {r.id: r for r in score_stream(llm.engine, jobs, max_jobs=2)}
     assert sorted(results) == list(range(6))
     # Each context once, each continuation its own tokens (its leading tokens shared with another once).
-    minimum = sum(len(c) + len({tuple(t[:n]) for t in k for n in range(1, len(t) + 1)}) for c, k in zip(contexts, conts))
+    minimum = sum(
+        len(c) + len({tuple(t[:n]) for t in k for n in range(1, len(t) + 1)}) for c, k in zip(contexts, conts)
+    )
     assert minimum <= llm.engine.stats.prefill_rows <= minimum + sum(len(k) - 1 for k in conts)
     hf = _hf(tiny_model)
     for i, r in results.items():

@@ -31,7 +31,9 @@ def _tree_prompts(seed: int, vocab: int, n: int = 10) -> list[list[int]]:
         elif prompts and r < 0.3:
             p = rnd.choice(prompts) + [rnd.randrange(3, vocab) for _ in range(rnd.randrange(1, 20))]
         else:
-            p = system[: rnd.randrange(1, len(system) + 1)] + [rnd.randrange(3, vocab) for _ in range(rnd.randrange(0, 30))]
+            p = system[: rnd.randrange(1, len(system) + 1)] + [
+                rnd.randrange(3, vocab) for _ in range(rnd.randrange(0, 30))
+            ]
         prompts.append(p)
     return prompts
 

@@ -39,7 +39,10 @@ def test_completions_rows_parsed_and_refused():
     assert got["ids"].prompt == [1, 5, 9] and got["ids"].params.prompt_logprobs == 0  # echo needs the texts
     errors = {k: (v.field, v.message) for k, v in got.items() if isinstance(v, ErrorRecord)}
     assert errors["suffix"][0] == "body.suffix" and "\n" not in errors["suffix"][1]
-    assert errors["many"] == ("body.prompt", "holds 2 prompts; give one prompt per row (each row gets its own custom_id)")
+    assert errors["many"] == (
+        "body.prompt",
+        "holds 2 prompts; give one prompt per row (each row gets its own custom_id)",
+    )
     assert errors["zero"][0] == "body.max_tokens"
     assert errors["top"][0] == "body.logprobs"
     assert errors["empty"][0] == "body.prompt"
