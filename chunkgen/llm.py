@@ -235,8 +235,8 @@ class LLM:
 
 
 def prefix_token(tokenizer) -> int:
-    """What stands before a text scored from its first token: EOS, as lm-evaluation-harness."""
-    for t in (tokenizer.eos_token_id, tokenizer.bos_token_id):
+    """What stands before a text scored from its first token: BOS, else EOS (as lm-evaluation-harness's hf backend)."""
+    for t in (tokenizer.bos_token_id, tokenizer.eos_token_id):
         if t is not None:
             return t
     raise ValueError("the tokenizer has neither an EOS nor a BOS token to score a text's first token after")
@@ -246,7 +246,7 @@ def encode_pair(tokenizer, context: str | list[int], continuation: str | list[in
     """(context ids, continuation ids), split as lm-evaluation-harness's HF backend splits them:
     trailing spaces of the context go with the continuation; the continuation's ids are what
     encoding context + continuation adds after the context's own encoding; an empty context is
-    the prefix token (EOS)."""
+    the prefix token (BOS, else EOS)."""
     if isinstance(context, str) and not context:
         cont = (
             tokenizer(continuation, add_special_tokens=False)["input_ids"]

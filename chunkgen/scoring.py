@@ -23,7 +23,7 @@ from chunkgen.engine.engine import Engine
 @dataclass
 class ChoiceJob:
     """A context and the continuations to score after it, as token ids (the context non-empty:
-    begin it with BOS, or with EOS as lm-evaluation-harness does for an empty one)."""
+    begin it with BOS, or EOS where the model has none, as lm-evaluation-harness does for an empty one)."""
 
     id: Any
     context: list[int]

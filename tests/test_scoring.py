@@ -8,7 +8,7 @@ import random
 import torch
 
 from chunkgen.engine import SamplingParams
-from chunkgen.llm import LLM, encode_pair
+from chunkgen.llm import LLM, encode_pair, prefix_token
 from chunkgen.scoring import ChoiceJob, rolling_windows, score_stream
 from tests.helpers import HF_ATTENTION
 
@@ -92,8 +92,8 @@ def test_score_rolling_equals_transformers(tiny_llm, tiny_model):
     text = "What triggers an incident? A pressure drop below the range. " * 4
     ids = tiny_llm.tokenizer(text, add_special_tokens=False)["input_ids"]
     whole = tiny_llm.score_rolling([text])[0].choices[0]
-    ref, _ = _loglikelihood(hf, [tiny_llm.tokenizer.eos_token_id], ids)
+    ref, _ = _loglikelihood(hf, [prefix_token(tiny_llm.tokenizer)], ids)
     assert whole.num_tokens == len(ids) and abs(whole.logprob - ref) <= 1e-4 * len(ids)
     windowed = tiny_llm.score_rolling([text], max_length=24)[0].choices[0]
-    ref = sum(_loglikelihood(hf, c, t)[0] for c, t in rolling_windows(ids, tiny_llm.tokenizer.eos_token_id, 24))
+    ref = sum(_loglikelihood(hf, c, t)[0] for c, t in rolling_windows(ids, prefix_token(tiny_llm.tokenizer), 24))
     assert windowed.num_tokens == len(ids) and abs(windowed.logprob - ref) <= 1e-4 * len(ids)
