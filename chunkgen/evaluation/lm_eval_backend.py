@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lm_eval.models  # noqa: F401  # lm-eval's own models first: it loads them only into an empty registry
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
