@@ -142,14 +142,20 @@ def constraint_options(json_schema: Optional[Path], regex: Optional[str], gramma
     option, path = ("--json-schema", json_schema) if json_schema is not None else ("--grammar", grammar)
     if path is None:
         return {}
+    from chunkgen.bounded import DuplicateKey, NotText, TooLarge, read_text, unique_keys
+
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        usage(option, f"cannot read {path} ({getattr(exc, 'strerror', None) or exc})")
+        text = read_text(path, what="JSON schema" if option == "--json-schema" else "grammar")
+    except (TooLarge, NotText) as exc:
+        usage(option, str(exc))
+    except OSError as exc:
+        usage(option, f"cannot read {path} ({exc.strerror or exc})")
     if option == "--grammar":
         return {"grammar": text}
     try:
-        return {"json_schema": json.loads(text)}
+        return {"json_schema": json.loads(text, object_pairs_hook=unique_keys)}
+    except DuplicateKey as exc:
+        usage(option, f"{path}: {exc}")
     except json.JSONDecodeError as exc:
         usage(option, f"{path} is not valid JSON: {exc}")
 
@@ -179,11 +185,9 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
     """Before the weights load: the model's tokenizer loads, it has a usable chat template (unless
     --no-chat-template), and no template's own text (system prompt and user message, before any
     row's values) is longer than the model's context, which would fail every row."""
-    from transformers import AutoConfig
-
     from chunkgen.llm import check_chat_template, encode_prompt
     from chunkgen.model.llama import context_length
-    from chunkgen.model.loading import load_tokenizer
+    from chunkgen.model.loading import load_tokenizer, model_config
 
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -207,7 +211,7 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
         fail(str(exc))
     if not templates:
         return
-    context = context_length(AutoConfig.from_pretrained(model_dir))
+    context = context_length(model_config(model_dir))
     for t in templates.values():
         n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
         if n >= context:
