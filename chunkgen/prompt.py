@@ -90,9 +90,9 @@ def check_chat_template(tokenizer, where: str, seconds: float | None = RENDER_SE
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _facts(tokenizer) -> tuple[re.Pattern | None, int]:
+def _facts(tokenizer) -> tuple[re.Pattern | None, int, frozenset[int]]:
     """(a pattern finding every control string, longest first at each place; the longest token's
-    length in characters), worked out once per tokenizer."""
+    length in characters; the control tokens' ids), worked out once per tokenizer."""
     try:
         return _cache[tokenizer]
     except (KeyError, TypeError):
@@ -105,7 +105,8 @@ def _facts(tokenizer) -> tuple[re.Pattern | None, int]:
     )
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     longest = max((len(t) for t in vocab), default=16)
-    facts = (pattern, max(longest, 1))
+    ids = frozenset(i for i in tokenizer.convert_tokens_to_ids(list(controls)) if isinstance(i, int))
+    facts = (pattern, max(longest, 1), ids)
     try:
         _cache[tokenizer] = facts
     except TypeError:
@@ -217,10 +218,22 @@ def encode_prompt(
         if isinstance(p, str):
             ids += tokenizer(p, add_special_tokens=False)["input_ids"]
         else:
-            ids += tokenizer(data[p], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += _text_ids(tokenizer, data[p])
         if limit is not None and len(ids) > limit:
             return ids[:limit]
     return ids
+
+
+def _text_ids(tokenizer, text: str) -> list[int]:
+    """`text` tokenized as text: control strings in it split into plain tokens, also those of
+    added tokens that split_special_tokens leaves whole (added, but not marked special)."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    pattern, _, controls = _facts(tokenizer)
+    found = pattern.search(text) if pattern is not None and controls.intersection(ids) else None
+    if found is None:
+        return ids
+    cut = found.start() + 1  # inside the control string: neither side can spell it
+    return _text_ids(tokenizer, text[:cut]) + _text_ids(tokenizer, text[cut:])
 
 
 def _overlaps(tokenizer, text: str, spans: list[tuple[int, int]]) -> bool:

@@ -24,9 +24,7 @@ def planning_pool(model_dir: Path | str, chunk_size: int, kv_dtype: torch.dtype,
     """A ChunkPool with bookkeeping only, shaped like the model's KV cache (for sizes and plans)."""
     from chunkgen.model.loading import model_config
 
-    return ChunkPool.for_config(
-        model_config(model_dir), chunk_size, kv_dtype, budget_bytes=budget, storage=False
-    )
+    return ChunkPool.for_config(model_config(model_dir), chunk_size, kv_dtype, budget_bytes=budget, storage=False)
 
 
 @dataclass
