@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test lint bench-kernel cuda-check clean-venv
+.PHONY: install install-test demo test lint bench-kernel cuda-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,11 +52,15 @@ demo: install
 	@mkdir -p $(dir $(OUT))
 	$(PY) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
+# -rs: the summary ends with one line per skipped test and why it was skipped.
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
 
-# Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA.
+# Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA; and the
+# documentation's links (README, docs/, benchmarks/: every relative link resolves, every docs page
+# is linked from the README; no network).
 lint: $(VENV)/.installed-test
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs_links.py
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/kernels/cuda_emu/*.h' 'tests/kernels/cuda_emu/*.cpp')
@@ -89,3 +93,12 @@ cuda-check: $(VENV)/.installed
 	  rm -rf $$shim; \
 	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi
+
+# The GPU regression guard, for a machine with a CUDA GPU and a CUDA build of torch (no venv: the
+# python that has them, GPU_PYTHON): builds the CUDA extension in place, runs the CUDA tests, times
+# bench kernel and bench e2e (32 and 256 rows) in under 6 minutes, and compares every cell with
+# this GPU model's baseline in benchmarks/gpu-baselines/ (writing one when there is none). Result:
+# benchmarks/results/<date>-gpu-check-<gpu>.md/.json, also copied to $OUT when set. docs/gpu-check.md.
+GPU_PYTHON ?= python3
+gpu-check:
+	COMMIT=$(COMMIT) $(GPU_PYTHON) -m chunkgen.bench.gpu_check $(GPU_CHECK_ARGS)

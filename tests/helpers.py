@@ -330,3 +330,37 @@ def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int
     v.masked_fill_(~written[:, None, :, None], float("nan"))
     pool.k[0, : pool.capacity], pool.v[0, : pool.capacity] = k.to(dtype), v.to(dtype)
     return pool, spans, row
+
+
+def prefill_reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:
+    """Prefill attention's naive reference: each sequence's new queries over its cached tokens (read one by one) and its new tokens,
+    causally, in float64."""
+    C, group = pool.chunk_size, q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for sp in spans:
+        slots = torch.tensor([sp.path_slots[p // C] for p in range(sp.start)], dtype=torch.long)
+        offs = torch.tensor([p % C for p in range(sp.start)], dtype=torch.long)
+        rows = slice(sp.row, sp.row + sp.count)
+        keys = torch.cat([pool.k[0, slots, :, :, offs].double(), k[rows].double()])  # [n, Hk, d]
+        values = torch.cat([pool.v[0, slots, :, offs].double(), v[rows].double()])
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        s = torch.einsum("thd,nhd->htn", q[rows].double(), keys) * scale
+        n = sp.start + sp.count
+        visible = torch.arange(n)[None, :] <= sp.start + torch.arange(sp.count)[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        out[rows] = torch.einsum("htn,nhd->thd", s.softmax(-1), values)
+    return out
+
+
+def dense_lse_reference(q, k, v, scale, causal=False, mask=None):
+    """(o, lse) in float64: q [B, Hq, T, d], k, v [B, Hk, S, d], causality aligned to the last rows."""
+    group = q.shape[1] // k.shape[1]
+    kd, vd = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = torch.einsum("bhtd,bhsd->bhts", q.double(), kd) * scale
+    T, S = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(torch.ones(T, S, dtype=torch.bool).triu(S - T + 1), float("-inf"))
+    if mask is not None:
+        s = s + mask.double()
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhts,bhsd->bhtd", torch.exp(s - lse[..., None]), vd), lse

@@ -198,6 +198,7 @@ def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides
         wall = time.perf_counter() - t0
     s = engine.stats
     n_gen = sum(len(g) for g in gen)
+    kernels, kernels_note = decode_kernels_per_step(engine)
     row = dict(
         peak_batch=max(s.batch_sizes, default=0),
         wall_s=wall,
@@ -209,8 +210,45 @@ def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides
         decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
         kv_peak_bytes=engine.pool.peak_bytes,
         rss_peak_bytes=rss.peak,
+        decode_kernels_per_step=kernels,
+        decode_kernels_note=kernels_note,
     )
     return row, gen
+
+
+def is_kernel(name: str) -> bool:
+    """A profiler's device event that is a kernel, not a copy or a fill."""
+    return not name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
+
+
+def decode_kernels_per_step(engine, replays: int = 3) -> tuple[int | None, str]:
+    """GPU kernels in one decode step's captured graph (the forward: attention, linear layers,
+    norms, the logits; sampling and the step's input copy are outside it), counted by torch's
+    profiler over replays of the largest bucket's graph after the timed run, so the timing is
+    untouched. (None, why) where there is no such graph: the CPU, or a model stepped eagerly."""
+    runner = engine.runner
+    if runner.device.type != "cuda":
+        return None, "counted on CUDA only (the CPU step is not a kernel graph)"
+    replay = runner.largest_capture()
+    if replay is None:
+        return None, "no captured decode graph (an eagerly stepped model)"
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        replay()
+        torch.cuda.synchronize(runner.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                replay()
+            torch.cuda.synchronize(runner.device)
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = sum(is_kernel(e.name) for e in events)
+    except Exception as exc:  # a profiler that cannot trace here must not cost the run its figures
+        return None, f"not counted: the profiler failed ({type(exc).__name__}: {exc})"
+    if kernels == 0:
+        return None, "not counted: the profiler saw no kernel in the graph's replays"
+    note = f"torch profiler over {replays} replays of the largest bucket's captured step"
+    return round(kernels / replays), note
 
 
 ENGINE_SETTINGS = {

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
-from chunkgen.kernels import decode_attention
+from chunkgen.kernels import decode_attention, workspace_for
 
 IMPLS = ("naive", "sdpa", "paged", "paged_shared", "chunk_tpp")
 KERNEL_IMPLS = ("paged", "paged_shared", "chunk_tpp")  # chunkgen's own op
@@ -119,7 +119,11 @@ def _tree(
         tree.mark_ready(b)
     pool.k[:, : pool.capacity].uniform_(-1, 1)
     pool.v[:, : pool.capacity].uniform_(-1, 1)
-    return pool, tree, KernelContext(tree)
+    # The arrays on the kernel's device, uploaded once, as the engine keeps them: a host context
+    # would be copied to the GPU on every call, inside the timing.
+    ctx = KernelContext(tree, device=device)
+    ctx.upload()
+    return pool, tree, ctx
 
 
 def run_shape(
@@ -130,9 +134,9 @@ def run_shape(
     G = Hq // Hk
     scale = d**-0.5
     q = torch.randn(B, Hq, d, device=device)
-    # The kernel takes q and out in the pool's dtype on the CPU (the model's decode step passes them
-    # so), fp32 on CUDA; naive and sdpa always compute in the pool's dtype.
-    kernel_q = q.to(dtype) if device.type == "cpu" and dtype == torch.bfloat16 else q
+    # q and out in the pool's dtype, as the model's decode step passes them (CPU and CUDA); naive
+    # and sdpa compute in the pool's dtype too.
+    kernel_q = q.to(dtype)
     rows = []
 
     def time_us(fn):
@@ -181,7 +185,10 @@ def run_shape(
     out = torch.empty_like(kernel_q)
 
     def kernel(pool, ctx, chunk_first):
-        return lambda: decode_attention(kernel_q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out)
+        ws = workspace_for(ctx, Hq, d, device)
+        return lambda: decode_attention(
+            kernel_q, pool.k[0], pool.v[0], ctx, scale, chunk_first=chunk_first, out=out, workspace=ws
+        )
 
     if "paged" in impls:
         pool, tree, ctx = _tree(shape, dtype, False, device)

@@ -146,6 +146,13 @@ class KernelContext:
             )
         return self._device_views[1]
 
+    def arrays_on(self, device: torch.device | str) -> ContextArrays:
+        """The op's arguments on another device than the context's (a host context driving a GPU
+        kernel in tests): the whole buffer in one copy, not one copy per array. Code that calls
+        the op repeatedly (the engine, the benches) builds its context on the device instead."""
+        buf = self.host.to(device)
+        return ContextArrays(*(self._view(buf, n, self.rows) for n in ContextArrays._fields))
+
     def _rows_for(self, batch: int) -> int:
         if self.buckets is None:
             return batch

@@ -117,6 +117,12 @@ class ModelRunner:
             graph = self._graphs[key] = self._capture()
         return graph()
 
+    def largest_capture(self) -> Callable[[], torch.Tensor] | None:
+        """The replay of the largest bucket's captured step, None before any capture. Replaying it
+        recomputes the last step prepared for that bucket (its K/V written again to the same
+        slots): for counting what a step launches once a run is over, not for decoding."""
+        return self._graphs[max(self._graphs)] if self._graphs else None
+
     def _decode(self, *args) -> torch.Tensor:
         return (self._compiled or self.model.decode)(*args)
 

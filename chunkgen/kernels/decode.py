@@ -121,20 +121,25 @@ def decode_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole path in the tree, nothing written.
 
     q `[rows, q_heads, head_dim]` (fp32 or the pool's dtype) in `ctx.order` (rows: the batch,
     padded to its bucket);
     k, v one layer of the pool (`pool.k[layer]`, `pool.v[layer]`) on the CPU or a CUDA device.
-    chunk_first=False runs the paged baseline; window and softcap as in `decode_step_attention`. For kernel tests and benchmarks: the model's decode
-    step calls the op through `decode_step_attention` with the K/V write.
+    chunk_first=False runs the paged baseline; window and softcap as in `decode_step_attention`;
+    workspace from `workspace_for` (default: allocated here). For kernel tests and benchmarks: the
+    model's decode step calls the op through `decode_step_attention` with the K/V write.
+
+    A timed caller builds `ctx` on q's device and passes a workspace: a host context costs a copy
+    of its arrays every call, which lands inside any timing of the kernel.
     """
     if checks_enabled():
         ctx.validate()
     arrays = ctx.arrays()
-    if arrays.shared_slot.device != q.device:  # a host context driving a GPU kernel (tests, bench)
-        arrays = ContextArrays(*(t.to(q.device) for t in arrays))
+    if arrays.shared_slot.device != q.device:  # a host context driving a GPU kernel (tests)
+        arrays = ctx.arrays_on(q.device)
     out = torch.empty_like(q) if out is None else out
     hk, d = k.shape[1], k.shape[2]
     none = torch.empty(0, hk, d, dtype=q.dtype, device=q.device)
@@ -147,7 +152,7 @@ def decode_attention(
         v.unsqueeze(0),
         0,
         arrays._replace(write_slot=no_rows, write_offset=no_rows),
-        workspace_for(ctx, q.shape[1], q.shape[2], q.device),
+        workspace_for(ctx, q.shape[1], q.shape[2], q.device) if workspace is None else workspace,
         out,
         scale,
         ctx.chunk_first if chunk_first is None else chunk_first,

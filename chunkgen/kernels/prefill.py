@@ -5,15 +5,20 @@ Sequences of a wave whose cached paths start with the same full chunks form a gr
 tokens attend to those shared chunks in one product (the chunks are read once, as in the decode
 kernel's chunk-first phase), then each to the rest of its own path in one padded, masked batch;
 the two normalized parts merge by their log-sum-exp. Both products are fused (flash) attention
-on the CPU, in the model's dtype with fp32 softmax state: chunkgen's own kernel in bf16 on AMX or
-AVX512_BF16 (csrc/cpu/prefill_attention.cpp), torch's otherwise. A group's shared prefix is read
-in place from the pool by the decode kernel's chunk-first code (csrc/cpu/prefix_attention.cpp) in
-fp32, and in bf16 on the same paths; in fp32 a lone sequence (a long shared prompt's first wave)
-reads its whole path there too, causally, new tokens included (they are stored before attention),
-in one product: on an AVX2 build 71% of the FMA peak against torch's kernel's 57% on a 6,144-token
-prompt (7.9 against 9.9 s for its 30 layers, Zen 4). No score matrix is materialized, no K/V is
-expanded to every query head, and everything that depends only on the wave's shape is planned
-once, not once per layer.
+in the model's dtype with fp32 softmax state.
+
+On a GPU both go through torch's memory-efficient kernel, which returns the log-sum-exp
+(`fused_attention_lse`). The shared prefix's product folds the GQA group into the query rows, so
+the prefix K/V are read once per KV head.
+
+On the CPU: chunkgen's own kernel in bf16 on AMX or AVX512_BF16 (csrc/cpu/prefill_attention.cpp),
+torch's otherwise. A group's shared prefix is read in place from the pool by the decode kernel's
+chunk-first code (csrc/cpu/prefix_attention.cpp) in fp32, and in bf16 on the same paths; in fp32 a
+lone sequence (a long shared prompt's first wave) reads its whole path there too, causally, new
+tokens included (they are stored before attention), in one product: on an AVX2 build 71% of the
+FMA peak against torch's kernel's 57% on a 6,144-token prompt (7.9 against 9.9 s for its 30
+layers, Zen 4). No score matrix is materialized, no K/V is expanded to every query head, and
+everything that depends only on the wave's shape is planned once, not once per layer.
 
 Sliding-window layers and attention soft-capping take a plain torch path instead of the fused
 kernels (neither torch's flash kernel nor chunkgen's bf16 one caps scores): scores in fp32 by
@@ -224,16 +229,71 @@ def attention_lse(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale
         )
-    group = q.shape[1] // k.shape[1]  # other devices: the plain product in fp32
-    s = torch.matmul(q.float(), k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scale
-    if causal:
-        t, n = s.shape[-2:]
-        s = s.masked_fill(torch.ones(t, n, dtype=torch.bool, device=s.device).triu(n - t + 1), float("-inf"))
-    if mask is not None:
-        s = s + mask.float()
-    lse = torch.logsumexp(s, -1)
-    o = torch.matmul(torch.exp(s - lse[..., None]), v.float().repeat_interleave(group, 1))
-    return o.to(q.dtype), lse
+    return fused_attention_lse(q, k, v, scale, causal, mask)
+
+
+def fused_attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_lse through torch's fused kernels that return the log-sum-exp (the GPU's path): in
+    q's dtype, no score matrix in memory, no fp32 product for a 16-bit model.
+
+    Those kernels want one KV head per query head. A product with neither mask nor causality (a
+    group's shared prefix) folds the GQA group into the query rows instead: query head h reads KV
+    head h // G, so [B, Hq, T, d] is [B, Hk, G * T, d] against the K/V as they are, read once. A
+    masked or causal product expands K/V to Hq heads (its K/V are one group's own tokens)."""
+    B, Hq, T, d = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    if causal and T != S:  # the kernels align causality top-left; this contract aligns the last rows
+        hidden = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(S - T + 1)
+        causal_mask = torch.zeros(T, S, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+        mask = causal_mask if mask is None else mask + causal_mask
+        causal = False
+    if G > 1 and not causal and mask is None:
+        o, lse = _fused_lse(q.reshape(B, Hk, G * T, d), k, v, scale, False, None)
+        return o.reshape(B, Hq, T, d), lse.reshape(B, Hq, T)
+    if G > 1:
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    return _fused_lse(q, k, v, scale, causal, mask)
+
+
+def aligned_bias(mask: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """An additive mask `[B or 1, 1 or H, T, S]` as torch's memory-efficient kernel reads a bias:
+    rows 16-element aligned (padded, then viewed back to S columns), broadcast by strides (no copy
+    per head)."""
+    T, S = mask.shape[-2:]
+    pad = -S % 16
+    if pad or mask.stride(-1) != 1 or mask.stride(-2) % 16:
+        wide = mask.new_zeros(*mask.shape[:-1], S + pad)
+        wide[..., :S] = mask
+        mask = wide[..., :S]
+    return mask.expand(batch, heads, T, S)
+
+
+def _fused_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused product with equal head counts: (o [B, H, T, d] in q's dtype, lse [B, H, T] fp32).
+    CUDA: torch's memory-efficient kernel (every dtype, a bias, causal; its LSE comes padded to 32
+    rows); the CPU (where the tests run this path): torch's flash kernel, the same contract."""
+    T = q.shape[2]
+    if q.device.type == "cuda":
+        bias = aligned_bias(mask, q.shape[0], q.shape[1]) if mask is not None else None
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)[
+            :2
+        ]
+        return o, lse[..., :T]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )[:2]
+    return o, lse
 
 
 def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

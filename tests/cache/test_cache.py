@@ -266,6 +266,22 @@ def test_context_updates_in_place_until_structure_changes():
     assert ctx.rebuilds == rebuilds + 1 and ctx.batch_size == 3
 
 
+def test_arrays_on_another_device_are_views_of_one_buffer():
+    """A host context driving a kernel elsewhere: every array equal to the context's own view, all
+    of them views of one buffer (one copy, not a copy per array)."""
+    pool = make_pool(16)
+    tree = PrefixTree(pool)
+    for i in range(3):
+        tree.insert(i, [1] * 40 + [i] * (i + 1))
+        tree.mark_ready(i)
+    ctx = KernelContext(tree)
+    moved = ctx.arrays_on("cpu")
+    for name, got, want in zip(moved._fields, moved, ctx.arrays()):
+        assert torch.equal(got, want), name
+    base = {t.untyped_storage().data_ptr() for t in moved if t.numel()}
+    assert len(base) == 1  # views of one buffer
+
+
 def test_chunks_being_prefilled_are_not_matched_until_ready():
     pool = make_pool(16)
     tree = PrefixTree(pool)

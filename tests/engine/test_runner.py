@@ -202,3 +202,14 @@ def test_step_profile_counts_the_work_done(llm):
     )
     assert r["prefill_attention_gflop"] * 1e9 == pytest.approx(per_key * prefill_keys)
     assert 0 < r["prefill_attention_s"] + r["prefill_linear_s"] <= r["prefill_s"]
+
+
+def test_largest_capture_replays_the_biggest_buckets_step(llm):
+    """After a run whose batch passed through several buckets, the capture kept for counting a
+    step's kernels is the largest bucket's, and replaying it recomputes a full step of that bucket."""
+    engine = with_runner(llm, enforce_eager=False)
+    assert engine.runner.largest_capture() is None
+    _, rows = run(engine, workload(10))
+    largest = max(set(rows))
+    logits = engine.runner.largest_capture()()
+    assert logits.shape == (largest[0], llm.model.vocab_size) and torch.isfinite(logits).all()

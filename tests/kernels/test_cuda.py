@@ -255,3 +255,53 @@ def test_cuda_elementwise_ops_equal_the_cpu_ones(dtype):
             op(gate_up.to(device), out)
             outs.append(out.cpu())
         torch.testing.assert_close(outs[1], outs[0], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["prefix", "causal", "causal_longer_keys", "mask"])
+def test_cuda_fused_attention_lse_matches_float64(dtype, kind):
+    """The GPU prefill's products through torch's memory-efficient kernel (its LSE padded to 32 rows,
+    a 16-aligned bias), against float64 on the same inputs: GQA folded, expanded, masked, causal."""
+    from chunkgen.kernels.prefill import fused_attention_lse
+    from tests.helpers import dense_lse_reference
+
+    gen = torch.Generator().manual_seed(7)
+    hq, hk, t, d = 9, 3, 45, 64
+    s = t if kind == "causal" else t + 83
+    q, k, v = (torch.randn(2, h, n, d, generator=gen).to(dtype) for h, n in ((hq, t), (hk, s), (hk, s)))
+    mask = None
+    if kind == "mask":
+        limit = torch.randint(0, s, (2, 1, t, 1), generator=gen)
+        mask = torch.zeros(2, 1, t, s, dtype=dtype).masked_fill_(torch.arange(s) > limit, float("-inf"))
+    causal = kind.startswith("causal")
+    o, lse = fused_attention_lse(
+        q.cuda(), k.cuda(), v.cuda(), d**-0.5, causal=causal, mask=None if mask is None else mask.cuda()
+    )
+    want_o, want_lse = dense_lse_reference(q, k, v, d**-0.5, causal, mask)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert o.dtype == dtype and lse.shape == (2, hq, t)
+    torch.testing.assert_close(o.cpu().double(), want_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_prefill_wave_matches_naive(dtype):
+    """A randomized wave (shared prefixes, own chunks, lone sequences) prefilled on the GPU: the
+    prefix gathered from a GPU pool, every product fused, parts merged by their LSE."""
+    from chunkgen.cache import ChunkPool
+    from chunkgen.kernels.prefill import plan_groups, prefill_attention
+    from tests.helpers import prefill_reference, random_wave, store_new_tokens
+
+    for seed in range(4):
+        cpu_pool, spans, rows = random_wave(seed, 6, 16, 3, 64, dtype)
+        gen = torch.Generator().manual_seed(seed + 1)
+        q, k, v = (torch.randn(rows, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+        store_new_tokens(cpu_pool, spans, k, v)
+        pool = ChunkPool(1, 3, 64, 16, dtype, budget_bytes=1 << 26, device="cuda",
+                         tensors=(cpu_pool.k.cuda(), cpu_pool.v.cuda()))  # fmt: skip
+        out = torch.full((rows, 9, 64), float("nan"), dtype=dtype, device="cuda")
+        groups = plan_groups(spans, 16, dtype, torch.device("cuda"))
+        prefill_attention(groups, 0, q.cuda(), k.cuda(), v.cuda(), pool, 64**-0.5, out)
+        want = prefill_reference(q, k, v, cpu_pool, spans, 64**-0.5)
+        tol = 1e-3 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)

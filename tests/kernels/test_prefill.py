@@ -9,27 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
-from tests.helpers import PATHS, forced, random_wave, store_new_tokens
-
-
-def reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:
-    """Each sequence's new queries over its cached tokens (read one by one) and its new tokens,
-    causally, in float64."""
-    C, group = pool.chunk_size, q.shape[1] // k.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for sp in spans:
-        slots = torch.tensor([sp.path_slots[p // C] for p in range(sp.start)], dtype=torch.long)
-        offs = torch.tensor([p % C for p in range(sp.start)], dtype=torch.long)
-        rows = slice(sp.row, sp.row + sp.count)
-        keys = torch.cat([pool.k[0, slots, :, :, offs].double(), k[rows].double()])  # [n, Hk, d]
-        values = torch.cat([pool.v[0, slots, :, offs].double(), v[rows].double()])
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        s = torch.einsum("thd,nhd->htn", q[rows].double(), keys) * scale
-        n = sp.start + sp.count
-        visible = torch.arange(n)[None, :] <= sp.start + torch.arange(sp.count)[:, None]
-        s = s.masked_fill(~visible, float("-inf"))
-        out[rows] = torch.einsum("htn,nhd->thd", s.softmax(-1), values)
-    return out
+from tests.helpers import PATHS, dense_lse_reference, forced, prefill_reference, random_wave, store_new_tokens
 
 
 @settings(max_examples=40, deadline=None)
@@ -52,7 +32,7 @@ def test_prefill_attention_matches_naive(seed, n_seqs, chunk, heads, head_dim, d
     store_new_tokens(pool, spans, k, v)  # as the model does before attention
     out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
     prefill_attention(plan_groups(spans, chunk, dtype, q.device), 0, q, k, v, pool, scale, out)
-    want = reference(q, k, v, pool, spans, scale)
+    want = prefill_reference(q, k, v, pool, spans, scale)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
 
@@ -189,3 +169,93 @@ def test_the_prefix_product_refuses_what_does_not_fit():
         op(*bf16, 0)
     with pytest.raises(ValueError, match="multiples of 16"):
         op(q, torch.zeros(4, 2, 32, 8), torch.zeros(4, 2, 8, 32), torch.tensor([0, 1, 2], dtype=torch.int32), 20, 1.0)
+
+
+# -- the GPU's path (torch's fused kernels that return the log-sum-exp), run here on the CPU --------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.integers(1, 3),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1), (8, 2)]),
+    t=st.integers(1, 40),
+    extra=st.integers(0, 50),
+    head_dim=st.sampled_from([32, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kind=st.sampled_from(["prefix", "causal", "causal_longer_keys", "mask"]),
+)
+def test_fused_attention_lse_matches_float64(seed, batch, heads, t, extra, head_dim, dtype, kind):
+    """Every shape of product the GPU path asks for: a prefix (GQA folded into the query rows), a
+    causal one (K/V expanded), causal with more keys than queries (aligned to the last rows), and an
+    additive mask; the output in q's dtype and the log-sum-exp in fp32."""
+    from chunkgen.kernels.prefill import fused_attention_lse
+
+    hq, hk = heads
+    gen = torch.Generator().manual_seed(seed)
+    s = t + (0 if kind == "causal" else extra)
+    q = torch.randn(batch, hq, t, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, hk, s, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, hk, s, head_dim, generator=gen).to(dtype)
+    mask = None
+    if kind == "mask":  # each query sees a random non-empty prefix of the keys
+        limit = torch.randint(0, s, (batch, 1, t, 1), generator=gen)
+        mask = torch.zeros(batch, 1, t, s, dtype=dtype).masked_fill_(torch.arange(s) > limit, float("-inf"))
+    causal = kind.startswith("causal")
+    scale = head_dim**-0.5
+    o, lse = fused_attention_lse(q, k, v, scale, causal=causal, mask=mask)
+    want_o, want_lse = dense_lse_reference(q, k, v, scale, causal, mask)
+    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(o.double(), want_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+
+
+def test_a_bias_is_aligned_for_the_memory_efficient_kernel():
+    """Rows padded to 16 elements and viewed back (values unchanged), heads broadcast by stride."""
+    from chunkgen.kernels.prefill import aligned_bias
+
+    mask = torch.randn(3, 1, 5, 37).to(torch.bfloat16)
+    bias = aligned_bias(mask, 3, 9)
+    assert bias.shape == (3, 9, 5, 37) and bias.stride(-2) % 16 == 0 and bias.stride(1) == 0
+    assert torch.equal(bias[:, 4], mask[:, 0])
+    aligned = torch.randn(2, 1, 4, 32)
+    assert aligned_bias(aligned, 2, 3).data_ptr() == aligned.data_ptr()  # already aligned: no copy
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 8),
+    chunk=st.sampled_from([8, 16, 64]),
+    heads=st.sampled_from([(4, 4), (4, 2), (9, 3), (6, 1)]),
+    head_dim=st.sampled_from([32, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_prefill_on_the_fused_path_matches_naive(seed, n_seqs, chunk, heads, head_dim, dtype):
+    """The whole wave as the GPU runs it (every product through fused_attention_lse, the prefix
+    gathered rather than read in place, parts merged by their log-sum-exp) against naive dense
+    attention per sequence, on randomized trees."""
+    from unittest import mock
+
+    from chunkgen.kernels import prefill
+
+    hq, hk = heads
+    pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, head_dim, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(rows, hq, head_dim, generator=gen).to(dtype)
+    k = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
+    v = torch.randn(rows, hk, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    store_new_tokens(pool, spans, k, v)
+    out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
+    fused = mock.Mock(wraps=prefill.fused_attention_lse)
+    with (
+        mock.patch.object(prefill, "attention_lse", fused),
+        mock.patch.object(prefill, "_prefix_in_place", lambda *a: False),
+    ):
+        prefill_attention(plan_groups(spans, chunk, dtype, q.device), 0, q, k, v, pool, scale, out)
+    assert fused.call_count >= len(plan_groups(spans, chunk, dtype, q.device))
+    want = prefill_reference(q, k, v, pool, spans, scale)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()

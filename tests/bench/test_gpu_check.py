@@ -1,0 +1,163 @@
+"""The GPU regression guard's logic on synthetic results (no GPU): cells from the benches' JSON rows,
+the comparison with a baseline of the same GPU model only, the first run writing the baseline,
+stages under time limits and a budget."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from chunkgen.bench import gpu_check as gc
+
+H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
+META = {"torch": "2.11.0+cu130", "cuda": "13.0", "arch": "9.0", "date": "2026-11-26", "commit": "abc1234",
+        "command": "make gpu-check"}  # fmt: skip
+
+
+def kernel_row(impl: str, us: float, n_s: int = 2048) -> dict:
+    return dict(n_p=2048, n_s=n_s, batch=32, q_heads=9, kv_heads=3, head_dim=64, chunk=64, dtype="bfloat16",
+                device="cuda", impl=impl, us=us, q_dtype="bfloat16", cpu_path=None)  # fmt: skip
+
+
+def e2e_row(system: str, decode_s: float, prefill_s: float, tok_s: float, rows: int = 32) -> dict:
+    return dict(system=system, n_shared=2048, n_queries=rows, max_new_tokens=64, dtype="bf16", max_batch=str(rows),
+                wall_s=decode_s + prefill_s, prefill_s=prefill_s, decode_s=decode_s, gen_tokens_per_s=tok_s,
+                outputs_equal_to_hf=None, round=1)  # fmt: skip
+
+
+def test_cells_are_keyed_by_shape_and_say_which_way_is_better():
+    k = gc.kernel_cells([kernel_row("chunk_tpp", 255.0), kernel_row("sdpa", 127.0)])
+    key = "kernel bfloat16 b32 h9/3 d64 c64 n_p=2048 n_s=2048 chunk_tpp"
+    assert k[key] == gc.Cell(255.0, "us")
+    assert k[key.replace("chunk_tpp", "sdpa")].control
+    e = gc.e2e_cells([e2e_row("chunkgen", 0.256, 0.6, 12_000.0, rows=256)], "smollm2-135m")
+    base = "e2e smollm2-135m bf16 rows=256 n_shared=2048 chunkgen"
+    assert e[f"{base} decode_ms_step"].value == pytest.approx(4.0)  # 0.256 s over 64 steps
+    assert e[f"{base} gen_tok_s"].higher_is_better and not e[f"{base} prefill_s"].higher_is_better
+    assert f"{base} decode_kernels_step" not in e  # not counted (the CPU, an eager step)
+    counted = gc.e2e_cells([{**e2e_row("chunkgen", 0.3, 0.2, 4000.0), "decode_kernels_per_step": 515}], "m")
+    assert counted["e2e m bf16 rows=32 n_shared=2048 chunkgen decode_kernels_step"] == gc.Cell(515.0, "kernels")
+
+
+def test_compare_flags_cells_slower_than_the_threshold_in_either_direction():
+    base = {
+        "t_ok": gc.Cell(100.0, "us"),
+        "t_slow": gc.Cell(100.0, "us"),
+        "tput_slow": gc.Cell(1000.0, "tok/s", True),
+        "tput_ok": gc.Cell(1000.0, "tok/s", True),
+        "gone": gc.Cell(1.0, "s"),
+    }
+    now = {
+        "t_ok": gc.Cell(114.0, "us"),  # 1.14x: within the threshold
+        "t_slow": gc.Cell(116.0, "us"),
+        "tput_slow": gc.Cell(860.0, "tok/s", True),  # 1000/860 = 1.163x slower
+        "tput_ok": gc.Cell(2000.0, "tok/s", True),  # twice as fast
+        "new": gc.Cell(1.0, "s"),
+    }
+    c = gc.compare(base, now)
+    assert [v.key for v in c.slower()] == ["t_slow", "tput_slow"]
+    assert [v.key for v in c.faster()] == ["tput_ok"]
+    assert c.missing == ["gone"] and c.new == ["new"]
+    assert gc.slowdown(gc.Cell(5.0, "tok/s", True), gc.Cell(0.0, "tok/s", True)) == float("inf")
+
+
+def test_control_median_separates_a_slower_card_from_a_slower_chunkgen():
+    base = {"sdpa": gc.Cell(100.0, "us", control=True), "ours": gc.Cell(100.0, "us")}
+    c = gc.compare(base, {"sdpa": gc.Cell(130.0, "us", control=True), "ours": gc.Cell(130.0, "us")})
+    assert c.control_median() == pytest.approx(1.3)
+    assert gc.compare({"ours": base["ours"]}, {"ours": base["ours"]}).control_median() is None
+
+
+def test_device_slug_and_a_baseline_of_another_gpu_is_refused(tmp_path):
+    assert gc.device_slug(H100) == "nvidia-h100-80gb-hbm3"
+    with pytest.raises(ValueError):
+        gc.device_slug("  ")
+    path = gc.baseline_path(tmp_path, H100)
+    path.write_text(json.dumps(gc.baseline_record("NVIDIA H100 80GB HBM3 ", META, {})))  # same slug, other name
+    with pytest.raises(ValueError, match="not of this GPU"):
+        gc.load_baseline(path, H100)
+    assert gc.load_baseline(gc.baseline_path(tmp_path, H200), H200) is None
+
+
+def _stages_with(tmp_path, kernel_rows, e2e_rows) -> tuple[list[gc.Stage], list[gc.StageResult]]:
+    k, e = tmp_path / "k.json", tmp_path / "e.json"
+    k.write_text(json.dumps(kernel_rows))
+    e.write_text(json.dumps(e2e_rows))
+    stages = [gc.Stage("kernel", [], 1, k, kind="kernel"), gc.Stage("e2e", [], 1, e, kind="e2e", label="m")]
+    return stages, [gc.StageResult("kernel", "ok", 1.0), gc.StageResult("e2e", "ok", 1.0)]
+
+
+def test_first_run_writes_the_baseline_then_a_later_run_is_held_to_it(tmp_path):
+    results_dir, baseline_dir = tmp_path / "results", tmp_path / "baselines"
+    work = tmp_path / "w1"
+    work.mkdir()
+    stages, results = _stages_with(work, [kernel_row("chunk_tpp", 250.0), kernel_row("sdpa", 125.0)],
+                                   [e2e_row("chunkgen", 0.3, 0.2, 4000.0)])  # fmt: skip
+    status, files = gc.finish(H100, META, stages, results, results_dir, baseline_dir)
+    assert status == 0
+    assert gc.baseline_path(baseline_dir, H100) in files
+    report = (results_dir / "2026-11-26-gpu-check-nvidia-h100-80gb-hbm3.md").read_text()
+    assert "No baseline for NVIDIA H100 80GB HBM3 existed" in report and "commit it" in report
+    assert json.loads(gc.baseline_path(baseline_dir, H100).read_text())["device"] == H100
+
+    # The kernel 1.3x slower, the engine's throughput the same: one cell flagged, status 1.
+    work = tmp_path / "w2"
+    work.mkdir()
+    stages, results = _stages_with(work, [kernel_row("chunk_tpp", 325.0), kernel_row("sdpa", 126.0)],
+                                   [e2e_row("chunkgen", 0.3, 0.2, 4000.0)])  # fmt: skip
+    status, files = gc.finish(H100, META, stages, results, results_dir, baseline_dir)
+    assert status == 1
+    assert gc.baseline_path(baseline_dir, H100) not in files  # an existing baseline is kept
+    report = files[0].read_text()
+    assert "**1 of 5 cells slower than 1.15x the baseline**" in report
+    assert "| kernel bfloat16 b32 h9/3 d64 c64 n_p=2048 n_s=2048 chunk_tpp | 250 us | 325 us | 1.30x |" in report
+    record = json.loads(files[1].read_text())
+    assert [v["key"] for v in record["slower"]] == ["kernel bfloat16 b32 h9/3 d64 c64 n_p=2048 n_s=2048 chunk_tpp"]
+    assert "1.30x" in gc.summary(results, files)
+
+    # Another GPU model is never compared with the H100's figures: it gets a baseline of its own.
+    status, files = gc.finish(H200, META, stages, results, results_dir, baseline_dir)
+    assert status == 0 and gc.baseline_path(baseline_dir, H200) in files
+
+
+def test_an_incomplete_run_writes_no_baseline_and_fails(tmp_path):
+    stages, results = _stages_with(tmp_path, [kernel_row("chunk_tpp", 250.0)], [])
+    results[1] = gc.StageResult("e2e", "timed out after 120 s", 120.0, "last lines")
+    status, files = gc.finish(H100, META, stages, results, tmp_path / "r", tmp_path / "b")
+    assert status == 1
+    assert not gc.baseline_path(tmp_path / "b", H100).exists()
+    report = files[0].read_text()
+    assert "this run is incomplete: none was written" in report and "## e2e: timed out after 120 s" in report
+
+
+def test_stages_run_under_their_limits_and_the_budget(tmp_path):
+    py = sys.executable
+    stages = [
+        gc.Stage("build", [py, "-c", "print('built')"], 30),
+        gc.Stage("hangs", [py, "-c", "import time; print('started', flush=True); time.sleep(30)"], 1.0),
+        gc.Stage("fails", [py, "-c", "raise SystemExit(3)"], 30),
+        gc.Stage("late", [py, "-c", "print('x')"], 30),
+    ]
+    lines: list[str] = []
+    results = gc.run_stages(stages, budget_s=60.0, cwd=tmp_path, log=lines.append)
+    assert [r.status for r in results] == ["ok", "timed out after 1 s", "failed (rc 3)", "ok"]
+    assert "started" in results[1].tail  # what a hung stage printed is kept for the report
+    spent = gc.run_stages(stages[:1], budget_s=4.0, cwd=tmp_path, log=lines.append)
+    assert spent[0].status == "skipped: the time budget is spent"
+    broken = gc.run_stages([gc.Stage("build", [py, "-c", "raise SystemExit(1)"], 30), stages[3]], 60, tmp_path,
+                           lines.append)  # fmt: skip
+    assert broken[1].status == "skipped: the build failed"
+
+
+def test_default_stages_cover_the_issue_grid(tmp_path):
+    stages = gc.default_stages("python3", tmp_path, "9.0")
+    names = [s.name for s in stages]
+    assert names == ["build", "tests/kernels/test_cuda.py", "bench kernel bf16", "bench e2e 32 rows",
+                     "bench e2e 256 rows"]  # fmt: skip
+    assert stages[0].env["TORCH_CUDA_ARCH_LIST"] == "9.0" and stages[0].env["CHUNKGEN_CUDA"] == "1"
+    e2e = stages[-1].argv
+    assert e2e[e2e.index("--n-queries") + 1] == "256" and e2e[e2e.index("--max-batch") + 1] == "256"
+    assert all("--device" in s.argv and "cuda" in s.argv for s in stages[2:])
