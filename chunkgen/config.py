@@ -22,6 +22,12 @@ import torch
 from chunkgen.device import AUTO_MAX_BATCH, Accelerator, choose_device, choose_kv_memory, choose_max_batch, detect
 from chunkgen.model.precision import DTYPE_NAMES, choose_dtype
 
+# What each option is when not given, for the command line and `LLM(...)` alike.
+DEFAULT_MODEL: str | None = None  # the embedded default model
+DEFAULT_DEVICE = "auto"
+DEFAULT_DTYPE = "auto"
+DEFAULT_KV_MEMORY = "auto"
+DEFAULT_MAX_BATCH = "auto"
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # new tokens computed in one batched prefill wave
 ORDERS = ("prefix", "input")
@@ -73,6 +79,7 @@ class Config:
     chat_template: bool = True  # off: chat messages joined by blank lines as plain text
     order: str = "prefix"  # a job's processing order: rows sharing a prompt prefix together, or file order
     why: Mapping[str, str] = field(default_factory=dict)
+    auto: frozenset[str] = frozenset()  # the options among device, dtype, kv_memory, max_batch asked as auto
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
 
     @classmethod
@@ -80,10 +87,10 @@ class Config:
         cls,
         model: str | None = None,
         *,
-        device: str = "auto",
-        dtype: str | torch.dtype = "auto",
-        kv_memory: str | int = "auto",
-        max_batch: str | int = "auto",
+        device: str = DEFAULT_DEVICE,
+        dtype: str | torch.dtype = DEFAULT_DTYPE,
+        kv_memory: str | int = DEFAULT_KV_MEMORY,
+        max_batch: str | int = DEFAULT_MAX_BATCH,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         kv_dtype: str | torch.dtype | None = None,
         share_prefix: bool = True,
@@ -129,6 +136,11 @@ class Config:
             chat_template=chat_template,
             order=order,
             notes=notes,
+            auto=frozenset(
+                k
+                for k, v in (("device", device), ("dtype", dtype), ("kv_memory", kv_memory), ("max_batch", max_batch))
+                if _is_auto(v)
+            ),
             why={
                 "device": dev.reason,
                 "dtype": dtype_choice.reason,
@@ -159,6 +171,12 @@ class Config:
         """This configuration with some options asked anew: raw values (`max_batch="auto"`,
         `kv_memory="2GiB"`) go through the same checks and rules as in `resolve`."""
         why = dict(self.why)
+        auto = set(self.auto)
+        for name in ("max_batch", "kv_memory"):
+            if name in options:
+                auto.discard(name)
+                if _is_auto(options[name]):
+                    auto.add(name)
         if "max_batch" in options:
             batch = _option("--max-batch", choose_max_batch, options["max_batch"])
             options["max_batch"], why["max_batch"] = batch.rows, batch.reason
@@ -174,7 +192,7 @@ class Config:
             and not isinstance(options["kv_dtype"], torch.dtype)
         ):
             options["kv_dtype"] = _option("--kv-dtype", choose_dtype, options["kv_dtype"], self.device).dtype
-        return dataclasses.replace(self, **options, why=why)
+        return dataclasses.replace(self, **options, why=why, auto=frozenset(auto))
 
     @property
     def window(self) -> int:
@@ -183,6 +201,10 @@ class Config:
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES.get(self.dtype, str(self.dtype)) if self.dtype is not None else "the model's own"
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def _option(option: str, rule, value, *args, suffix: str = ""):

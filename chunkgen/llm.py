@@ -145,8 +145,7 @@ class LLM:
             shape = kv_shape(AutoConfig.from_pretrained(path))
         except Exception:  # load_hf says what is wrong with the model, in its words
             return
-        pool = ChunkPool(*shape, config.chunk_size, config.kv_dtype, config.kv_memory, ready_rows=config.max_batch)
-        self._kv = KVReservation(pool)
+        self._kv = KVReservation(ChunkPool.for_run(shape, config))
 
     @staticmethod
     def _random_weights(spec, dtype: torch.dtype | None, device: str, seed: int):
@@ -171,18 +170,12 @@ class LLM:
         larger budget, another chunk size or K/V dtype gets a pool of its own."""
         cfg = self.config.replace(**options)
         if self._kv is None:
-            base = self.config
             with device_guard(self.device):
                 self._kv = KVReservation(
-                    ChunkPool(
-                        self.model.num_layers,
-                        self.model.kv_heads,
-                        self.model.head_dim,
-                        base.chunk_size,
-                        base.kv_dtype,
-                        base.kv_memory,
-                        device=self.model.device,
-                        ready_rows=base.max_batch,
+                    ChunkPool.for_run(
+                        (self.model.num_layers, self.model.kv_heads, self.model.head_dim),
+                        self.config,
+                        self.model.device,
                     )
                 )
         shared = self._kv if self._kv.fits(cfg.chunk_size, cfg.kv_dtype, cfg.kv_memory) else None

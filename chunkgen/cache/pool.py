@@ -124,6 +124,26 @@ class ChunkPool:
         self.peak = 0
 
     @classmethod
+    def for_run(
+        cls,
+        shape: tuple[int, int, int],
+        config,
+        device: torch.device | str = "cpu",
+        kv_dtype: torch.dtype | None = None,
+    ) -> "ChunkPool":
+        """The pool a run's `Config` asks for, for a model's (layers, kv_heads, head_dim): its chunk
+        size, K/V dtype (`kv_dtype` where the config has none yet) and budget, with the slots of a
+        full batch backed from the start."""
+        return cls(
+            *shape,
+            config.chunk_size,
+            config.kv_dtype or kv_dtype,
+            config.kv_memory,
+            device=device,
+            ready_rows=config.max_batch,
+        )
+
+    @classmethod
     def for_config(
         cls,
         config,

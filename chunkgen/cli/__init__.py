@@ -7,7 +7,7 @@ from chunkgen.cli import run  # noqa: F401  # isort: skip
 from chunkgen.cli import inspect_tree  # noqa: F401  # isort: skip
 from chunkgen.cli import bench, bench_e2e  # noqa: F401  # isort: skip
 from chunkgen.cli.boundary import EXIT_BAD_INPUT_LINES, EXIT_ERROR, app
-from chunkgen.cli.options import SAMPLING_OPTIONS
+from chunkgen.cli.option_types import SAMPLING_OPTIONS
 
 __all__ = ["EXIT_BAD_INPUT_LINES", "EXIT_ERROR", "SAMPLING_OPTIONS", "app", "main"]
 

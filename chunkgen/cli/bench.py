@@ -13,7 +13,9 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout, usage
 from chunkgen.cli.loading import device_text, dtype_line, load_llm
+from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL
 from chunkgen.cli.options import resolve_config
+from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL
 from chunkgen.config import ORDERS
 from chunkgen.device import human_bytes
 
@@ -23,9 +25,9 @@ from chunkgen.device import human_bytes
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE", help="KV dtype: fp32 or bf16 on the CPU (default fp32); "
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", metavar="DTYPE", help="K/V dtype: fp32 or bf16 on the CPU (default fp32); "
                                                    "fp16, bf16 or fp32 on CUDA (default fp16)."),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run)."),
+    device: DEVICE = DEFAULT_DEVICE,
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
     impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
@@ -44,7 +46,7 @@ def bench_kernel(
     device = config.device
     err.print(f"device {device_text(config)}", highlight=False)
     on_cuda = device.startswith("cuda")
-    kv_dtype = parse_dtype(dtype or ("fp16" if on_cuda else "fp32"))
+    kv_dtype = parse_dtype(kv_dtype or ("fp16" if on_cuda else "fp32"))
     if not on_cuda and kv_dtype == torch.float16:
         fail("the CPU kernel takes fp32 or bf16 K/V; fp16 is for --device cuda")
     with device_guard(device):
@@ -61,16 +63,16 @@ def bench_kernel(
 # fmt: off
 @bench_app.command("order")
 def bench_order(
-    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="Model to run [default: the embedded one]."),
+    model: MODEL = DEFAULT_MODEL,
     docs: int = typer.Option(100, min=1, metavar="D", help="Documents (distinct shared prefixes)."),
     questions: int = typer.Option(4, min=1, metavar="Q", help="Questions on each document (rows sharing its prefix)."),
     doc_tokens: str = typer.Option("300", metavar="T|LO-HI", help="Tokens per document: T, or LO-HI drawn uniformly."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
     seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle."),
-    kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget [default auto: a tenth of the distinct prompt tokens, at least two of the longest prompts]."),
-    max_batch: int = typer.Option(16, min=1, metavar="N", help="Sequences decoded together."),
+    kv_budget: str = typer.Option("tenth", metavar="SIZE", help="KV cache budget of the runs, e.g. 64MiB, or tenth: a tenth of the distinct prompt tokens, at least two of the longest prompts (small, so the order matters)."),
+    max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
     max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
-    dtype: str = typer.Option("fp32", "--dtype", metavar="DTYPE", help="fp32, bf16 or fp16."),
+    dtype: DTYPE = DEFAULT_DTYPE,
     orders: str = typer.Option("input,prefix", "--orders", metavar="ORDERS", help="Orders to run, in turn: input, prefix."),
     write_workload: Optional[Path] = typer.Option(None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."),
     dump_token_ids: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
@@ -89,15 +91,16 @@ def bench_order(
     except ValueError as exc:
         usage("--doc-tokens", str(exc))
     llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB"))
+    max_batch = llm.config.max_batch
     rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, seed)
     if dump_token_ids:
         dump(llm, rows, max_new_tokens, dump_token_ids)
         err.print(f"{len(rows)} prompts written to {dump_token_ids}", highlight=False)
         return
     try:
-        budget = None if kv_memory == "auto" else parse_bytes(kv_memory)
+        budget = None if kv_budget == "tenth" else parse_bytes(kv_budget)
     except ValueError as exc:
-        usage("--kv-memory", str(exc))
+        usage("--kv-budget", str(exc) + " or tenth")
     report = run_order_bench(llm, rows, chosen, budget, max_batch, max_new_tokens, write_workload,
                              on_row=lambda r: err.print(f"  {r['order']:>6}: {r['prefilled_tokens']} tokens prefilled, "
                                                         f"wall {r['wall_s']:.1f} s, {r['gen_tokens_per_s']:.1f} tok/s",
@@ -105,7 +108,7 @@ def bench_order(
     budget = report["kv_memory"]
     table = Table(title=f"docqa: {len(rows)} rows, {docs} documents of {doc_tokens} tokens, {questions} questions each, "
                         f"{'shuffled' if shuffle else 'in document order'}; KV {human_bytes(budget)}, batch {max_batch}, "
-                        f"{max_new_tokens} new tokens, {dtype}; minimum prefill {report['minimum_prefill_tokens']} of "
+                        f"{max_new_tokens} new tokens, {llm.config.dtype_name}; minimum prefill {report['minimum_prefill_tokens']} of "
                         f"{report['prompt_tokens']} prompt tokens")
     for col in ("order", "prefilled tokens", "x minimum", "hit rate", "wall s", "ordering s", "prefill s",
                 "decode s", "gen tok/s", "RSS peak", "answers = first"):
@@ -119,7 +122,7 @@ def bench_order(
     if json_out:
         json_out.write_text(json.dumps({"docs": docs, "questions": questions, "doc_tokens": doc_tokens,
                                         "shuffle": shuffle, "max_batch": max_batch,
-                                        "max_new_tokens": max_new_tokens, "dtype": dtype, **report}, indent=2) + "\n")
+                                        "max_new_tokens": max_new_tokens, "dtype": llm.config.dtype_name, **report}, indent=2) + "\n")
 # fmt: on
 
 
@@ -199,11 +202,11 @@ def step_table(r: dict, ceilings: dict | None) -> Table:
 # fmt: off
 @bench_app.command("step")
 def bench_step(
-    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    model: MODEL = DEFAULT_MODEL,
     n_shared: int = typer.Option(2048, metavar="N", help="Shared prompt length in tokens."),
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
-    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="fp32, bf16 or auto (as for run)."),
+    dtype: DTYPE = DEFAULT_DTYPE,
     json_out: Optional[Path] = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "

@@ -13,24 +13,28 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout
 from chunkgen.cli.loading import dtype_line, load_llm
-from chunkgen.cli.options import max_batch_values, resolve_config
+from chunkgen.cli.option_types import DEVICE, DTYPE, KV_MEMORY, MAX_BATCHES, MODEL
+from chunkgen.cli.options import resolve_config
 from chunkgen.cli.progress import PROGRESS_EVERY_S, Ticker
-from chunkgen.config import Config
+from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_KV_MEMORY, DEFAULT_MAX_BATCH, DEFAULT_MODEL, Config
 from chunkgen.device import choose_max_batch, human_bytes
+
+
+HF_BESIDE_KV = "8GiB"  # chunkgen's KV budget on a GPU when transformers' generate runs beside it
 
 
 # One line per option: the signature reads like the --help it makes.
 # fmt: off
 @bench_app.command("e2e")
 def bench_e2e(
-    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="As for run [default: the embedded SmolLM2-135M-Instruct]."),
+    model: MODEL = DEFAULT_MODEL,
     n_shared: str = typer.Option("1024,2048", metavar="N[,N...]", help="Shared prompt lengths in tokens, comma-separated."),
     n_queries: int = typer.Option(32, metavar="N", help="Queries per run, each the shared prompt plus its own question."),
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
-    max_batch: str = typer.Option("auto", metavar="N[,N...]", callback=max_batch_values, help="Sequences decoded together by chunkgen's engines: a number or auto (as for run); several, comma-separated, give a row each."),
-    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="fp32, bf16, fp16 (GPU) or auto (as for run)."),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (as for run); transformers' hf system runs there too."),
-    kv_memory: str = typer.Option("8GiB", metavar="SIZE", help="KV budget of chunkgen's engines, e.g. 8GiB, or auto (as for run; on a GPU it leaves no room for the hf system)."),
+    max_batch: MAX_BATCHES = DEFAULT_MAX_BATCH,
+    dtype: DTYPE = DEFAULT_DTYPE,
+    device: DEVICE = DEFAULT_DEVICE,
+    kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
@@ -54,6 +58,10 @@ def bench_e2e(
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=seed, dtype=dtype, device=device,
                             kv_memory=kv_memory, max_batch=max(batches.values()))
+    if config.kv_memory is None and "hf" in chosen:  # auto on a GPU would leave the hf system no memory
+        config = config.replace(kv_memory=HF_BESIDE_KV)
+        err.print(f"--kv-memory auto on a GPU beside the hf system: {HF_BESIDE_KV} (give a size to change it)",
+                  highlight=False)
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
     llm = load_llm(config)
     dtype = dtype_line(llm.config)

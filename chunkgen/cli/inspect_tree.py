@@ -14,7 +14,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from chunkgen.cli.boundary import app, stdout
-from chunkgen.cli.options import check_kv_fits, max_batch_values, resolve_config, resolve_model, said_as_mistakes
+from chunkgen.cli.option_types import CHUNK_SIZE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL
+from chunkgen.cli.options import check_kv_fits, resolve_config, resolve_model, said_as_mistakes
+from chunkgen.config import DEFAULT_CHUNK_SIZE, DEFAULT_DTYPE, DEFAULT_KV_MEMORY, DEFAULT_MAX_BATCH, DEFAULT_MODEL
 from chunkgen.device import human_bytes
 from chunkgen.jobs.source import JobSource, check_format, check_queries_path
 from chunkgen.model.precision import DTYPE_NAMES
@@ -26,24 +28,25 @@ from chunkgen.model.precision import DTYPE_NAMES
 def inspect_tree(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="Model whose tokenizer and KV shape are used [default: the embedded one]."),
-    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
-    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="KV dtype the figures assume: fp32, bf16, fp16 or auto (as for run: the dtype a run here would use)."),
+    model: MODEL = DEFAULT_MODEL,
+    chunk_size: CHUNK_SIZE = DEFAULT_CHUNK_SIZE,
+    dtype: DTYPE = DEFAULT_DTYPE,
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
-    kv_memory: str = typer.Option("4GiB", metavar="SIZE", help="KV cache budget of the run to foresee: the cache hit rate it reaches in each --order."),
-    max_batch: str = typer.Option("auto", metavar="N", callback=max_batch_values, help="Sequences decoded together in the run to foresee (a number, or auto as for run)."),
+    kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
+    max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
-    hit rate a run with --kv-memory reaches in file order and in prefix order."""
+    hit rate a run here with these options (--dtype, --kv-memory, --max-batch, --chunk-size) reaches in
+    file order and in prefix order."""
     from chunkgen.model.loading import load_tokenizer
 
     from chunkgen.cache.forecast import TreeForecast
 
     with said_as_mistakes():
         check_format(fmt)
-        config = resolve_config(device="cpu", dtype=dtype, kv_dtype=dtype, chunk_size=chunk_size,
+        config = resolve_config(device="cpu", dtype=dtype, chunk_size=chunk_size,
                                 kv_memory=kv_memory, max_batch=max_batch)
         check_queries_path(queries)
         source = JobSource.open(queries, template, fmt, {}, id_field, prefix_order=True)

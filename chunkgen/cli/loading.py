@@ -21,7 +21,7 @@ def load_llm(config: Config, announce: str = "line"):
         what = f"random weights of {config.dummy_weights}"
     else:
         what = display_name(Path(config.model)) if config.model else "the default model"
-    asked = "auto" if config.why.get("dtype", "").startswith("auto") else config.dtype_name
+    asked = "auto" if "dtype" in config.auto else config.dtype_name
     detail = f"{asked}, {config.device}"
     t0 = time.perf_counter()
     try:

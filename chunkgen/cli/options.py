@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
 from chunkgen.cli.boundary import err, fail, usage
+from chunkgen.cli.option_types import SAMPLING_OPTIONS
 from chunkgen.config import Config, OptionError
 from chunkgen.device import human_bytes
+from chunkgen.engine.params import KINDS
 
 
 def refuse(exc: OptionError) -> NoReturn:
@@ -38,18 +40,6 @@ def resolve_config(**options: Any) -> Config:
     for note in config.notes:
         err.print(f"[yellow]warning:[/] {note}", highlight=False)
     return config
-
-
-def max_batch_values(value: str) -> str:
-    """Checks --max-batch (one value or several, comma-separated) while the options are parsed."""
-    from chunkgen.device import choose_max_batch
-
-    for part in value.split(","):
-        try:
-            choose_max_batch(part)
-        except ValueError as exc:
-            usage("--max-batch", str(exc))
-    return value
 
 
 def check_kv_fits(model_dir: Path, config: Config) -> None:
@@ -114,53 +104,39 @@ def check_out(out: Path, queries: str) -> None:
             usage("--out", f"{out} is the queries file; results go to a file of their own")
 
 
-SAMPLING_OPTIONS = {
-    "max_new_tokens": "--max-new-tokens",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "seed": "--seed",
-    "stop": "--stop",
-    "logprobs": "--logprobs",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
-    "json_schema": "--json-schema",
-    "regex": "--regex",
-    "grammar": "--grammar",
-}
-
-
-def constraint_options(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]) -> dict[str, Any]:
-    """--json-schema / --regex / --grammar as sampling defaults (files read, not yet compiled)."""
-    given = [
-        o for o, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v is not None
-    ]
-    if len(given) > 1:
-        usage(given[1], f"cannot be combined with {given[0]} (give at most one constraint)")
-    if regex is not None:
-        return {"regex": regex}
-    option, path = ("--json-schema", json_schema) if json_schema is not None else ("--grammar", grammar)
-    if path is None:
+def constraint_options(given: dict[str, Any]) -> dict[str, Any]:
+    """The constraint among the sampling options (at most one), its file read when the option
+    takes a file: --json-schema's parsed, --grammar's as text (compiled later, with the rest)."""
+    kinds = [k for k in KINDS if k in given]
+    if len(kinds) > 1:
+        usage(
+            SAMPLING_OPTIONS[kinds[1]],
+            f"cannot be combined with {SAMPLING_OPTIONS[kinds[0]]} (give at most one constraint)",
+        )
+    if not kinds:
         return {}
+    kind = kinds[0]
+    value = given[kind]
+    if not isinstance(value, Path):
+        return {kind: value}
+    option = SAMPLING_OPTIONS[kind]
     try:
-        text = path.read_text(encoding="utf-8")
+        text = value.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        usage(option, f"cannot read {path} ({getattr(exc, 'strerror', None) or exc})")
-    if option == "--grammar":
-        return {"grammar": text}
+        usage(option, f"cannot read {value} ({getattr(exc, 'strerror', None) or exc})")
+    if kind != "json_schema":
+        return {kind: text}
     try:
-        return {"json_schema": json.loads(text)}
+        return {kind: json.loads(text)}
     except json.JSONDecodeError as exc:
-        usage(option, f"{path} is not valid JSON: {exc}")
+        usage(option, f"{value} is not valid JSON: {exc}")
 
 
-def sampling_defaults(
-    given: dict[str, Any], json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path]
-) -> dict[str, Any]:
-    """The sampling options and constraint given on the command line, checked: the defaults every
-    row's own values are laid over."""
-    defaults = {k: v for k, v in given.items() if v is not None}
-    defaults.update(constraint_options(json_schema, regex, grammar))
+def sampling_defaults(given: dict[str, Any]) -> dict[str, Any]:
+    """The sampling options and constraint given on the command line (by field), checked: the
+    defaults every row's own values are laid over."""
+    defaults = {k: v for k, v in given.items() if k not in KINDS and v is not None}
+    defaults.update(constraint_options(given))
     check_defaults(defaults)
     return defaults
 

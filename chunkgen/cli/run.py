@@ -18,11 +18,11 @@ import typer
 
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
+from chunkgen.cli.option_types import CHUNK_SIZE, DEVICE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL, sampling_options
 from chunkgen.cli.options import (
     check_kv_fits,
     check_out,
     check_tokenizer,
-    max_batch_values,
     resolve_config,
     resolve_model,
     said_as_mistakes,
@@ -30,7 +30,16 @@ from chunkgen.cli.options import (
 )
 from chunkgen.cli.progress import progress_printer
 from chunkgen.cli.summary import report
-from chunkgen.config import ORDERS, Config
+from chunkgen.config import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DEFAULT_KV_MEMORY,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MODEL,
+    ORDERS,
+    Config,
+)
 from chunkgen.jobs.source import JobSource, check_format, check_queries_path
 from chunkgen.jobs.stop import EXIT_SIGNAL, StopFlag
 
@@ -40,28 +49,18 @@ OUTPUT_ORDERS = ("completion", "input")
 # One line per option: the signature reads like the --help it makes.
 # fmt: off
 @app.command()
+@sampling_options
 def run(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
     template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
-    model: Optional[str] = typer.Option(None, "--model", metavar="MODEL", help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face cache; never downloaded [default: the embedded SmolLM2-135M-Instruct]."),
-    dtype: str = typer.Option("auto", "--dtype", metavar="DTYPE", help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU."),
-    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda or cuda:N; auto: the GPU when torch sees one and chunkgen's CUDA kernels are built, else the CPU."),
-    max_new_tokens: Optional[int] = typer.Option(None, metavar="N", help="Tokens to generate at most per answer [default: 64]."),
-    temperature: Optional[float] = typer.Option(None, metavar="X", help="Sampling temperature; 0 is greedy [default: 0]."),
-    top_p: Optional[float] = typer.Option(None, metavar="X", help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1] [default: 1]."),
-    top_k: Optional[int] = typer.Option(None, metavar="N", help="Sample among the k most likely tokens; 0 is off [default: 0]."),
-    seed: Optional[int] = typer.Option(None, metavar="N", help="Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch [default: random]."),
-    stop: Optional[list[str]] = typer.Option(None, metavar="TEXT", help="Stop string, repeatable: the answer ends before it [default: none]."),
-    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N", help="Return each generated token's log-probability and its N most likely alternatives, N in [0, 20] [default: none]."),
-    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", metavar="X", help="Subtracted from the logit of every token already generated, in [-2, 2] [default: 0]."),
-    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", metavar="X", help="Subtracted from a token's logit once per time it was generated, in [-2, 2] [default: 0]."),
-    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE", help="Constrain answers to this JSON schema (a .json file) [default: none]."),
-    regex: Optional[str] = typer.Option(None, "--regex", metavar="REGEX", help="Constrain answers to match this regex [default: none]."),
-    grammar: Optional[Path] = typer.Option(None, "--grammar", metavar="FILE", help="Constrain answers to this Lark grammar (a file) [default: none]."),
-    max_batch: str = typer.Option("auto", metavar="N", callback=max_batch_values, help="Sequences decoded together, or auto: as many as the KV budget holds, at most 256."),
-    kv_memory: str = typer.Option("auto", metavar="SIZE", help="KV cache budget, e.g. 2GiB, or auto: on a GPU 85% of the memory the weights leave free (reserved at once), on the CPU 4GiB (used as chunks fill)."),
-    chunk_size: int = typer.Option(64, metavar="N", help="Tokens per KV chunk (a multiple of 16)."),
+    model: MODEL = DEFAULT_MODEL,
+    dtype: DTYPE = DEFAULT_DTYPE,
+    device: DEVICE = DEFAULT_DEVICE,
+    sampling: dict[str, Any] = ...,  # one option per SamplingParams field (sampling_options)
+    max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
+    kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
+    chunk_size: CHUNK_SIZE = DEFAULT_CHUNK_SIZE,
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
     output_order: str = typer.Option("completion", "--output-order", metavar="ORDER", help="completion: each result is written as soon as it finishes; input: results in input order (finished ones wait for those before them)."),
@@ -86,17 +85,14 @@ def run(
     the default shown here. A constraint counts as one setting whatever its kind: a row's regex
     replaces a template's JSON schema."""
     with said_as_mistakes():  # everything a user can get wrong is checked here, before the model loads
-        _check_choices(fmt, order, output_order, max_new_tokens, rerun_changed and not resume)
+        _check_choices(fmt, order, output_order, sampling.get("max_new_tokens"), rerun_changed and not resume)
         check_queries_path(queries)
         check_out(out, queries)
         config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
                                 max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
                                 enforce_eager=True if enforce_eager else None,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
-        defaults = sampling_defaults(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, seed=seed, stop=stop or None, logprobs=logprobs,
-                                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
-                                     json_schema, regex, grammar)
+        defaults = sampling_defaults(sampling)
         part = _shard(shard, queries)
         if use_ray:
             _check_ray()

@@ -71,15 +71,11 @@ class Engine:
         if self.kv is not None:
             self.pool = self.kv.lease(self, cfg.kv_memory)
         else:
-            self.pool = ChunkPool(
-                model.num_layers,
-                model.kv_heads,
-                model.head_dim,
-                cfg.chunk_size,
-                cfg.kv_dtype or kv_dtype_for(model.device, model.dtype),
-                cfg.kv_memory,
-                device=model.device,
-                ready_rows=cfg.max_batch,
+            self.pool = ChunkPool.for_run(
+                (model.num_layers, model.kv_heads, model.head_dim),
+                cfg,
+                model.device,
+                kv_dtype=kv_dtype_for(model.device, model.dtype),
             )
         self.tree = PrefixTree(self.pool, share=cfg.share_prefix)
         self.runner = ModelRunner(

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from functools import lru_cache
 from numbers import Integral, Real
 from typing import Any, Callable
@@ -42,30 +43,67 @@ def _number(name: str, v: Any, rule: str, ok: Callable[[float], bool]) -> float:
     return float(v)
 
 
+def _knob(default: Any, help: str, metavar: str = "X", *, shown: str | None = None, file: bool = False, later=False):
+    """A SamplingParams field with what the command line says of it: `help` (its `[default: ...]`
+    is added from `default`, or `shown`), `metavar`; `file`: the command line takes a file holding
+    the value; `later`: added after the first release, so left out of `as_dict` while unset
+    (request hashes and records of requests that do not use it stay what they were)."""
+    meta = {"help": help, "metavar": metavar, "shown": shown, "file": file, "later": later}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # below GREEDY_BELOW: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1
+    """What a request asks for. Each field is reachable, by its own name, from the command line
+    (`--max-new-tokens`), a template's [sampling] (constraints: [output]) and a row; OpenAI batch
+    rows name a few differently (jobs/requests.py OPENAI_RENAMES). Adding a parameter is adding a
+    field here."""
+
+    max_new_tokens: int = _knob(64, "Tokens to generate at most per answer.", "N")
+    temperature: float = _knob(0.0, "Sampling temperature; 0 is greedy.")  # below GREEDY_BELOW: greedy
+    top_p: float = _knob(
+        1.0, "Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1]."
+    )
+    top_k: int = _knob(0, "Sample among the k most likely tokens; 0 is off.", "N")
+    seed: int | None = _knob(
+        None,
+        "Seed for sampling, in [0, 2^63): the same seed gives the same answer in any batch.",
+        "N",
+        shown="random",
+    )
+    stop: tuple[str, ...] = _knob((), "Stop string, repeatable: the answer ends before it.", "TEXT", shown="none")
+    stop_token_ids: tuple[int, ...] = _knob(
+        (), "Token id that ends an answer (kept in it), repeatable.", "ID", shown="none"
+    )
+    ignore_eos: bool = _knob(False, "Generate past the end-of-sequence token, up to --max-new-tokens.")
+    n: int = _knob(1, f"Answers (samples) per row, at most {MAX_N}.", "N")
     # Log-probabilities of the model's own distribution (before penalties, constraints and
     # temperature, as vLLM returns by default): None for none, k for the chosen token's plus the
     # k most likely alternatives at every step.
-    logprobs: int | None = None
+    logprobs: int | None = _knob(
+        None,
+        f"Return each generated token's log-probability and its N most likely alternatives, N in [0, {MAX_LOGPROBS}].",
+        "N",
+        shown="none",
+        later=True,
+    )
     # Subtracted from the logit of every token already generated (prompt tokens do not count):
     # presence once per token seen, frequency once per occurrence, as vLLM and OpenAI apply them.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = _knob(
+        0.0, "Subtracted from the logit of every token already generated, in [-2, 2].", later=True
+    )
+    frequency_penalty: float = _knob(
+        0.0, "Subtracted from a token's logit once per time it was generated, in [-2, 2].", later=True
+    )
     # Constrained decoding (engine/constraint.py), at most one: a JSON schema (kept as its JSON
     # text so the dataclass stays hashable; a dict is accepted), a regex, a Lark grammar.
-    json_schema: str | None = None
-    regex: str | None = None
-    grammar: str | None = None
+    json_schema: str | None = _knob(
+        None, "Constrain answers to this JSON schema (a .json file).", "FILE", shown="none", file=True, later=True
+    )
+    regex: str | None = _knob(None, "Constrain answers to match this regex.", "REGEX", shown="none", later=True)
+    grammar: str | None = _knob(
+        None, "Constrain answers to this Lark grammar (a file).", "FILE", shown="none", file=True, later=True
+    )
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -131,18 +169,13 @@ class SamplingParams:
         # Fields added after the first release are left out while unset: request hashes and records
         # of requests that do not use them stay what they were (resume compares those hashes).
         return {
-            k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if _OPTIONAL.get(k, ...) != v
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if _UNSET.get(k, ...) != v
         }
 
 
-_OPTIONAL = {
-    "json_schema": None,
-    "regex": None,
-    "grammar": None,
-    "logprobs": None,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
+SAMPLING_FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(SamplingParams)
+SAMPLING_NAMES = tuple(f.name for f in SAMPLING_FIELDS)
+_UNSET = {f.name: f.default for f in SAMPLING_FIELDS if f.metadata["later"]}  # as_dict leaves these out
 
 
 KINDS = ("json_schema", "regex", "grammar")  # SamplingParams fields, at most one set

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from chunkgen.engine.params import KINDS
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES
 from chunkgen.engine.params import ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
 
@@ -298,24 +298,7 @@ def check_defaults(defaults: dict[str, Any]) -> None:
 
 
 # -- template rows ---------------------------------------------------------------------------------
-TEMPLATE_OVERRIDES = {
-    k: k
-    for k in (
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop",
-        "n",
-        "logprobs",
-        "presence_penalty",
-        "frequency_penalty",
-        "json_schema",
-        "regex",
-        "grammar",
-    )
-}
+TEMPLATE_OVERRIDES = {k: k for k in SAMPLING_NAMES}  # a row sets any SamplingParams field by its name
 
 
 def template_jobs(
@@ -392,16 +375,19 @@ def template_jobs(
 
 
 # -- OpenAI batch rows -----------------------------------------------------------------------------
-OPENAI_OVERRIDES = {
+# Body fields whose name is not the SamplingParams field's (the Chat Completions API's and vLLM's
+# names); every other field is taken by its own name, as vLLM takes top_k, ignore_eos, ... .
+OPENAI_RENAMES = {
     "max_tokens": "max_new_tokens",
     "max_completion_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "seed": "seed",
-    "stop": "stop",
-    "n": "n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
+    "top_logprobs": "logprobs",  # with `logprobs: true` (_logprobs)
+    "response_format": "json_schema",  # {"type": "json_schema", ...} (_response_format)
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+}
+OPENAI_OVERRIDES = {
+    **{k: k for k in SAMPLING_NAMES if k not in OPENAI_RENAMES.values()},
+    **OPENAI_RENAMES,
 }
 # Accepted and without effect on a local model, as the Batch API accepts them.
 OPENAI_IGNORED = {
@@ -531,10 +517,18 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             params = _params(
                 base,
                 {**body, "response_format": schema, "top_logprobs": _logprobs(body)},
-                {**OPENAI_OVERRIDES, "response_format": "json_schema", "top_logprobs": "logprobs"},
+                OPENAI_OVERRIDES,
                 prefix="body.",
             )
-            source = _constraint_source(params, [("", defaults), ("body.response_format", {"json_schema": schema})])
+            body_constraints = {
+                "response_format": schema,
+                "guided_regex": body.get("guided_regex"),
+                "guided_grammar": body.get("guided_grammar"),
+            }
+            source = _constraint_source(
+                params,
+                [("", defaults), *((f"body.{k}", {OPENAI_RENAMES[k]: v}) for k, v in body_constraints.items())],
+            )
             job = Job(
                 rid, number, clean, params, None, data=tuple(m["content"] for m in clean), constraint_field=source
             )

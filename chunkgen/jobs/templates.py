@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chunkgen.engine.params import KINDS
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES
 from chunkgen.engine.params import ParamError, SamplingParams
 
 
@@ -57,18 +57,7 @@ def _placeholders(text: str, path: Path) -> tuple[str, ...]:
     return tuple(names)
 
 
-SAMPLING_KEYS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "n",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-}
+SAMPLING_KEYS = set(SAMPLING_NAMES) - set(KINDS)  # constraints go in [output]
 TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling", "output"}
 
 

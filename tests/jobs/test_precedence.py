@@ -23,6 +23,9 @@ VALUES = {
     "top_k": (5, 7, 9),
     "seed": (5, 7, 9),
     "stop": (["tpl"], ["cli"], ["row"]),
+    "stop_token_ids": ([5], [6], [7]),
+    "ignore_eos": (True, True, False),  # one value differs from the default: the row's says no
+    "n": (2, 3, 4),
     "logprobs": (1, 2, 3),
     "presence_penalty": (0.5, 0.75, 1.0),
     "frequency_penalty": (0.5, 0.75, 1.0),
@@ -52,8 +55,10 @@ def _template(tmp_path: Path, option: str | None, value=None) -> Path:
 
 def _cli_args(tmp_path: Path, option: str, value) -> list[str]:
     flag = SAMPLING_OPTIONS[option]
-    if option == "stop":
-        return [a for v in value for a in (flag, v)]
+    if isinstance(value, list):
+        return [a for v in value for a in (flag, str(v))]
+    if isinstance(value, bool):
+        return [flag]
     if option in ("json_schema", "grammar"):
         path = tmp_path / f"cli.{option}"
         path.write_text(json.dumps(value) if option == "json_schema" else value)

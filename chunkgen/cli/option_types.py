@@ -1,0 +1,174 @@
+"""The options several commands share, each declared once: the engine's (MODEL, DEVICE, DTYPE,
+KV_MEMORY, MAX_BATCH, CHUNK_SIZE, as typer `Annotated` types whose defaults are config.py's) and the
+sampling options, one per SamplingParams field (`sampling_options`). A command that means another
+thing by a similar option gives it another name (`--kv-dtype` is the K/V dtype, `--dtype` the
+model's)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from chunkgen.cli.boundary import usage
+from chunkgen.config import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_DTYPE,
+    DEFAULT_KV_MEMORY,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MODEL,
+)
+from chunkgen.engine.params import SAMPLING_FIELDS, SamplingParams
+
+
+def max_batch_values(value: str) -> str:
+    """Checks --max-batch (one value or several, comma-separated) while the options are parsed."""
+    from chunkgen.device import choose_max_batch
+
+    for part in value.split(","):
+        try:
+            choose_max_batch(part)
+        except ValueError as exc:
+            usage("--max-batch", str(exc))
+    return value
+
+
+MODEL = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model",
+        metavar="MODEL",
+        help="A Hugging Face model directory, a .gguf file, or a repo id (org/name) in the local Hugging Face "
+        "cache; never downloaded [default: the embedded SmolLM2-135M-Instruct].",
+    ),
+]
+DEVICE = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        metavar="DEVICE",
+        help="auto, cpu, cuda or cuda:N; auto: the GPU when torch sees one and chunkgen's CUDA kernels are "
+        "built, else the CPU.",
+    ),
+]
+DTYPE = Annotated[
+    str,
+    typer.Option(
+        "--dtype",
+        metavar="DTYPE",
+        help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 "
+        "arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU; the K/V cache "
+        "keeps the same dtype (fp32 for an fp16 model on the CPU).",
+    ),
+]
+KV_MEMORY = Annotated[
+    str,
+    typer.Option(
+        "--kv-memory",
+        metavar="SIZE",
+        help="KV cache budget, e.g. 2GiB, or auto: on a GPU 85% of the memory the weights leave free "
+        "(reserved at once), on the CPU 4GiB (used as chunks fill).",
+    ),
+]
+MAX_BATCH = Annotated[
+    str,
+    typer.Option(
+        "--max-batch",
+        metavar="N",
+        callback=max_batch_values,
+        help="Sequences decoded together, or auto: as many as the KV budget holds, at most 256.",
+    ),
+]
+MAX_BATCHES = Annotated[  # the benches' form: several values give a row each
+    str,
+    typer.Option(
+        "--max-batch",
+        metavar="N[,N...]",
+        callback=max_batch_values,
+        help="Sequences decoded together: a number or auto (as for run); several, comma-separated, give a row each.",
+    ),
+]
+CHUNK_SIZE = Annotated[int, typer.Option("--chunk-size", metavar="N", help="Tokens per KV chunk (a multiple of 16).")]
+
+# The defaults of the types above, by option: every command that takes one of these options
+# declares it with its type and this default (tests/cli/test_option_types.py checks every command).
+ENGINE_DEFAULTS = {
+    "--model": DEFAULT_MODEL,
+    "--device": DEFAULT_DEVICE,
+    "--dtype": DEFAULT_DTYPE,
+    "--kv-memory": DEFAULT_KV_MEMORY,
+    "--max-batch": DEFAULT_MAX_BATCH,
+    "--chunk-size": DEFAULT_CHUNK_SIZE,
+}
+
+
+# -- sampling options -------------------------------------------------------------------------------
+def flag(name: str) -> str:
+    """A SamplingParams field's command-line option: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+SAMPLING_OPTIONS = {f.name: flag(f.name) for f in SAMPLING_FIELDS}  # field -> option
+
+
+def _cli_type(f) -> Any:
+    """The type typer parses a field's option as: a file's path, a repeatable list, or the field's
+    own scalar type, always Optional (None: not given, so the template's or chunkgen's default)."""
+    if f.metadata["file"]:
+        return Optional[Path]
+    hint = typing.get_type_hints(SamplingParams)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return Optional[list[args[0]]]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = args[0]
+    return Optional[hint]
+
+
+def _help(f) -> str:
+    shown = f.metadata["shown"]
+    if shown is None:
+        shown = str(f.default).lower() if isinstance(f.default, bool) else f"{f.default:g}"
+    return f"{f.metadata['help']} [default: {shown}]"
+
+
+def _parameter(f) -> inspect.Parameter:
+    cli_type = _cli_type(f)
+    if cli_type == Optional[bool]:
+        option = typer.Option(flag(f.name), help=_help(f))
+    else:
+        option = typer.Option(flag(f.name), metavar=f.metadata["metavar"], help=_help(f))
+    return inspect.Parameter(
+        f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[cli_type, option]
+    )
+
+
+def sampling_options(command: Callable) -> Callable:
+    """Puts one option per SamplingParams field where `command` has its `sampling` parameter, and
+    calls it with `sampling`: the options given, by field (lists as given; files as paths)."""
+    signature = inspect.signature(command, eval_str=True)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("sampling")
+    added = [_parameter(f) for f in SAMPLING_FIELDS]
+    names = {p.name for p in added}
+    clash = names & {p.name for p in params}
+    if clash:
+        raise TypeError(f"{command.__name__} already has parameters {sorted(clash)}")
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params]
+    new_params = params[:at] + added + params[at + 1 :]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {k: kwargs.pop(k) for k in names}
+        return command(**kwargs, sampling={k: v for k, v in given.items() if v not in (None, [])})
+
+    wrapper.__signature__ = signature.replace(parameters=new_params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in new_params}
+    del wrapper.__wrapped__  # typer reads the signature above, not the command's own
+    return wrapper
