@@ -1,0 +1,187 @@
+"""Quantized weights kept as shipped: GGUF blocks repacked once, at load, into the layouts the CPU
+kernel (csrc/cpu/quant_linear.cpp) streams, and per-output-channel int8 made from float weights.
+
+Every type becomes blocks of 32 values along k with fp32 block scales (and mins where the type has
+them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nibbles, wider ones
+(Q5_K, Q6_K, Q8_0, int8) as int8. Nothing is expanded to floats, except by `dequantize` where a
+caller needs floats (the GPU, which runs bf16, and the embedding rows a batch looks up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+U4, S8, S8_HALF = 0, 1, 2  # the kernel's layouts (csrc/cpu/quant_linear.cpp)
+BLOCK = 32
+QK_K = 256
+
+# The GGUF types the kernel runs as shipped, by the names --quantize and the load line use.
+GGUF_TYPES = {
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q4_k": GGMLQuantizationType.Q4_K,
+    "q5_k": GGMLQuantizationType.Q5_K,
+    "q6_k": GGMLQuantizationType.Q6_K,
+}
+TYPE_NAMES = {v: k for k, v in GGUF_TYPES.items()}
+
+
+@dataclass
+class QuantWeight:
+    """W [n, k] as the kernel reads it: qs bytes ([n, k/2] nibbles for U4, else [n, k] int8),
+    scales [n, k/32] ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous."""
+
+    kind: int
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    n: int
+    k: int
+    source: str  # what it was made from: a GGUF type name ("q4_1") or "int8"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as floats (fp32 arithmetic, then `dtype`): for the GPU and for tests."""
+        q = _values(self).float().view(self.n, -1, 16 if self.kind == S8_HALF else BLOCK)
+        w = q * self.scales.view(self.n, -1, 1)
+        if self.mins is not None:
+            w = w.view(self.n, -1, BLOCK) + self.mins.view(self.n, -1, 1)
+        return w.reshape(self.n, self.k).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The rows `index` of W (an embedding lookup's rows, a permutation of output channels)."""
+        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
+        return QuantWeight(
+            self.kind, pick(self.qs), pick(self.scales), pick(self.mins), len(index), self.k, self.source
+        )
+
+
+def _values(w: QuantWeight) -> torch.Tensor:
+    """The integer values of W [n, k] (int16: nibbles unsigned, bytes signed)."""
+    if w.kind == U4:
+        b = w.qs.view(w.n, -1, 16)
+        return torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(w.n, w.k).to(torch.int16)
+    return w.qs.view(torch.int8).to(torch.int16)
+
+
+def quantized_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [rows, k] times W^T, x quantized per row to int8 blocks of 32 -> [rows, n] in x's dtype."""
+    return torch.ops.chunkgen.quant_linear.default(x, w.qs, w.scales, w.mins, w.kind, w.n)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 6-bit sub-block scales and mins (8 of each in 12 bytes)."""
+    from gguf.quants import Q4_K
+
+    return Q4_K.get_scale_min(scales)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Values 0..15 [..., 32] -> 16 bytes a block: value j low, value j + 16 high."""
+    return (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+
+
+def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int) -> QuantWeight:
+    """A GGUF tensor's bytes (W [n, k] in ggml's row order, n rows of k values) repacked."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in TYPE_NAMES:
+        raise ValueError(f"GGUF type {qtype.name} is not one chunkgen runs quantized ({', '.join(GGUF_TYPES)})")
+    block, size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise ValueError(f"a {qtype.name} row of {k} values is not whole blocks of {block}")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * (k // block), size)
+    nb = k // BLOCK
+    mins = None
+    if qtype == GGMLQuantizationType.Q8_0:
+        kind, qs, scales = S8, b[:, 2:], _f16(b[:, :2])
+    elif qtype == GGMLQuantizationType.Q4_0:
+        d = _f16(b[:, :2])
+        kind, qs, scales, mins = U4, b[:, 2:], d, -8.0 * d
+    elif qtype == GGMLQuantizationType.Q4_1:
+        kind, qs, scales, mins = U4, b[:, 4:], _f16(b[:, :2]), _f16(b[:, 2:4])
+    elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, m = _k_scale_min(b[:, 4:16])
+        scales = d * sc.astype(np.float32)  # [blocks, 8]
+        mins = -dmin * m.astype(np.float32)
+        if qtype == GGMLQuantizationType.Q4_K:
+            # 32 bytes per 64 values: the low nibbles are the first 32, the high ones the next
+            ql = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+            kind, qs = U4, _nibbles((ql & 0x0F).reshape(-1, 8, 32))
+        else:
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            ql = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+            q = ((ql & 0x0F).reshape(-1, 8, 32) | ((qh & 1) << 4)).astype(np.int16)
+            # 0..31 stored as -16..15, the 16 scales moved into the min
+            kind, qs = S8, (q - 16).astype(np.int8)
+            mins = mins + 16.0 * scales
+    else:  # Q6_K: 16 sub-blocks of 16, signed 6-bit values
+        ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        q = (ql & 0x0F).reshape(-1, 2, 4, 32) | ((qh & 3) << 4).reshape(-1, 2, 4, 32)
+        kind, qs = S8_HALF, (q.astype(np.int16) - 32).astype(np.int8)
+        scales = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+    qs = torch.from_numpy(np.ascontiguousarray(qs).view(np.uint8).reshape(n, -1))
+    scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(n, -1))
+    if mins is not None:
+        mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(n, nb))
+    return QuantWeight(kind, qs, scales, mins, n, k, TYPE_NAMES[qtype])
+
+
+def int8_per_channel(w: torch.Tensor) -> QuantWeight:
+    """Symmetric int8 per output channel (vLLM-CPU's and SGLang's W8A8 weights) of a float W
+    [n, k]: q = round(w / s), s = max|row| / 127; one scale a row, repeated per block for the
+    kernel. Rows are converted one slice at a time: no fp32 copy of the whole W."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"int8 weights need k a multiple of {BLOCK}, got {k}")
+    qs = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    step = max(1, (1 << 22) // k)
+    for i in range(0, n, step):
+        rows = w[i : i + step].float()
+        s = rows.abs().amax(dim=1) / 127.0
+        scale[i : i + step] = s
+        qs[i : i + step] = torch.round(rows / torch.where(s > 0, s, 1.0)[:, None]).to(torch.int8)
+    scales = scale[:, None].expand(n, k // BLOCK).contiguous()
+    return QuantWeight(S8, qs.view(torch.uint8), scales, None, n, k, "int8")
+
+
+def random_gguf(qtype: GGMLQuantizationType | int, n: int, k: int, scale: float, generator: np.random.Generator):
+    """Bytes of a GGUF tensor [n, k] of `qtype` with random values whose dequantized weights are of
+    order `scale`: every bit pattern of the values and sub-block scales, the fp16 super-block
+    scales set (random bytes there could be inf or NaN). For tests and --dummy-weights."""
+    qtype = GGMLQuantizationType(qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    b = generator.integers(0, 256, size=(n * (k // block), size), dtype=np.uint8)
+    count = len(b)
+
+    def f16(lo: float, hi: float) -> np.ndarray:
+        return generator.uniform(lo, hi, size=(count, 1)).astype(np.float16).view(np.uint8)
+
+    if qtype == GGMLQuantizationType.Q8_0:
+        b[:, :2] = f16(scale / 127, 2 * scale / 127)
+    elif qtype == GGMLQuantizationType.Q4_0:
+        b[:, :2] = f16(scale / 8, 2 * scale / 8)
+    elif qtype == GGMLQuantizationType.Q4_1:
+        b[:, :2] = f16(scale / 8, 2 * scale / 8)
+        b[:, 2:4] = f16(-scale, 0)
+    elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        levels = 15 if qtype == GGMLQuantizationType.Q4_K else 31
+        b[:, :2] = f16(scale / (63 * levels), 2 * scale / (63 * levels))
+        b[:, 2:4] = f16(scale / 63, 2 * scale / 63)
+    else:
+        b[:, 208:210] = f16(scale / (127 * 32), 2 * scale / (127 * 32))
+    return b.reshape(n, -1)

@@ -1,0 +1,167 @@
+"""Quantized linear layers against an independent reference: every GGUF type's repacked weights
+equal gguf's own dequantizer, and the kernel's product equals dequantize(W) @ x in float64 within
+the bound the int8 quantization of x allows, on both paths (AVX2 and the scalar reference)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunkgen._native import native_cpu_available
+from chunkgen.model import quant
+
+pytestmark = pytest.mark.skipif(
+    not native_cpu_available() or not hasattr(torch.ops.chunkgen, "quant_linear"),
+    reason="chunkgen's CPU kernels are not built (or built before csrc/cpu/quant_linear.cpp: rebuild)",
+)
+
+TYPES = list(quant.GGUF_TYPES.values())
+K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+
+
+def _paths() -> list[str]:
+    """The kernel's paths this machine runs (CHUNKGEN_QUANT_ISA=scalar forces the reference)."""
+    best = torch.ops.chunkgen.quant_isa()
+    return [best, "scalar"] if best != "scalar" else ["scalar"]
+
+
+@pytest.fixture(params=_paths())
+def path(request, monkeypatch):
+    if request.param == "scalar":
+        monkeypatch.setenv("CHUNKGEN_QUANT_ISA", "scalar")
+    else:
+        monkeypatch.delenv("CHUNKGEN_QUANT_ISA", raising=False)
+    assert torch.ops.chunkgen.quant_isa() == request.param
+    return request.param
+
+
+def _weight(qtype, n: int, k: int, seed: int) -> tuple[quant.QuantWeight, np.ndarray]:
+    raw = quant.random_gguf(qtype, n, k, 0.05, np.random.default_rng(seed))
+    reference = dequantize(raw, qtype).astype(np.float64).reshape(n, k)
+    return quant.from_gguf(raw, qtype, n, k), reference
+
+
+def _check_product(w: quant.QuantWeight, reference: np.ndarray, x: torch.Tensor) -> None:
+    """y within the bound of the activations' quantization: each x value is off by at most half its
+    block's step (max|block| / 254), so |y - W x| <= |W| (step / 2), plus fp32 rounding."""
+    y = quant.quantized_linear(x, w).double().numpy()
+    xd = x.double().numpy()
+    step = np.abs(xd).reshape(len(xd), -1, 32).max(-1) / 127.0
+    half = np.repeat(step / 2, 32, axis=1)
+    exact = xd @ reference.T
+    bound = half @ np.abs(reference).T + 1e-5 * (np.abs(xd) @ np.abs(reference).T) + 1e-30
+    excess = np.abs(y - exact) / bound
+    assert excess.max() <= 1.0, f"{w.source}: error {excess.max():.3f} of its bound"
+    # and not a trivial pass: the bound is a small part of the product
+    assert np.median(bound) < 0.05 * np.median(np.abs(xd) @ np.abs(reference).T)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repacked_weights_equal_gguf_dequantize(qtype):
+    for n, k in ((3, 256), (5, 768)):
+        w, reference = _weight(qtype, n, k, seed=n * k)
+        np.testing.assert_allclose(w.dequantize().double().numpy(), reference, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_product_matches_dequantized_weights(qtype, path):
+    w, reference = _weight(qtype, 37, 512, seed=1)
+    x = torch.randn(9, 512)
+    x[0] = 0.0  # an all-zero row: scale 0, no division by it
+    x[1, :32] *= 1e3  # one loud block does not drown the others (scales are per block)
+    _check_product(w, reference, x)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    qtype=st.sampled_from(TYPES),
+    n=st.integers(1, 41),
+    blocks=st.integers(1, 3),
+    rows=st.integers(1, 20),
+    seed=st.integers(0, 2**31),
+    scalar=st.booleans(),
+)
+def test_product_on_random_shapes(qtype, n, blocks, rows, seed, scalar):
+    k = blocks * (256 if qtype in K_QUANTS else 64)
+    w, reference = _weight(qtype, n, k, seed)
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32))
+    old = os.environ.pop("CHUNKGEN_QUANT_ISA", None)
+    try:
+        if scalar:
+            os.environ["CHUNKGEN_QUANT_ISA"] = "scalar"
+        _check_product(w, reference, x)
+    finally:
+        os.environ.pop("CHUNKGEN_QUANT_ISA", None)
+        if old is not None:
+            os.environ["CHUNKGEN_QUANT_ISA"] = old
+
+
+def test_paths_agree_within_fp32_rounding():
+    """Both paths quantize x to the same int8 values; only the order of fp32 sums differs."""
+    w, _ = _weight(GGMLQuantizationType.Q4_K, 64, 1024, seed=3)
+    x = torch.randn(17, 1024)
+    fast = quant.quantized_linear(x, w)
+    os.environ["CHUNKGEN_QUANT_ISA"] = "scalar"
+    try:
+        slow = quant.quantized_linear(x, w)
+    finally:
+        del os.environ["CHUNKGEN_QUANT_ISA"]
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 8), blocks=st.integers(1, 6), seed=st.integers(0, 2**31), scalar=st.booleans())
+def test_activation_quantization_error_bound(rows, blocks, seed, scalar):
+    """Each value within half a step of its block's int8 grid, the step max|block| / 127; the
+    block sums the kernel keeps for mins are scale * sum(q)."""
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 32 * blocks)).astype(np.float32))
+    x *= torch.rand(rows, blocks).repeat_interleave(32, 1) * 10
+    old = os.environ.pop("CHUNKGEN_QUANT_ISA", None)
+    try:
+        if scalar:
+            os.environ["CHUNKGEN_QUANT_ISA"] = "scalar"
+        q, scale, qsum = torch.ops.chunkgen.quantize_rows(x)
+    finally:
+        os.environ.pop("CHUNKGEN_QUANT_ISA", None)
+        if old is not None:
+            os.environ["CHUNKGEN_QUANT_ISA"] = old
+    step = x.abs().view(rows, blocks, 32).amax(-1) / 127
+    torch.testing.assert_close(scale, step)
+    back = q.float().view(rows, blocks, 32) * scale[..., None]
+    assert ((back - x.view(rows, blocks, 32)).abs() <= step[..., None] / 2 * (1 + 1e-5) + 1e-12).all()
+    assert q.abs().max() <= 127
+    torch.testing.assert_close(qsum, scale * q.float().view(rows, blocks, 32).sum(-1))
+
+
+def test_int8_per_channel_weights():
+    w = torch.randn(48, 160) * torch.rand(48, 1)
+    q = quant.int8_per_channel(w)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(5, 160)
+    _check_product(q, q.dequantize().double().numpy(), x)
+    assert q.nbytes < w.numel() * 1.2  # bytes, plus one fp32 scale a block
+
+
+def test_bf16_input_gives_bf16_output():
+    w, reference = _weight(GGMLQuantizationType.Q8_0, 8, 64, seed=5)
+    x = torch.randn(3, 64).bfloat16()
+    y = quant.quantized_linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), quant.quantized_linear(x.float(), w), rtol=1e-2, atol=1e-2)
+
+
+def test_bad_shapes_are_refused():
+    w, _ = _weight(GGMLQuantizationType.Q8_0, 8, 64, seed=5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantized_linear(torch.randn(2, 48), w)
+    with pytest.raises(ValueError, match="qs must hold"):
+        quant.quantized_linear(torch.randn(2, 96), w)
+    with pytest.raises(ValueError, match="not one chunkgen runs"):
+        quant.from_gguf(np.zeros((1, 64), np.uint8), GGMLQuantizationType.Q2_K, 1, 256)
