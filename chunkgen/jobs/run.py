@@ -19,11 +19,12 @@ from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
 from chunkgen.jobs.writer import ResultWriter
+from chunkgen.prompt import PromptTooLong
 
 if TYPE_CHECKING:
     from chunkgen.jobs.order import PrefixOrder
 
-Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
+Encode = Callable[[list[dict[str, str]], tuple[str, ...], "tuple | None"], list[int]]
 
 
 def never() -> bool:
@@ -193,7 +194,12 @@ def answer(
                 index, job = item
                 taken += 1
                 try:
-                    tokens = encode(job.messages, job.data)
+                    tokens = encode(job.messages, job.data, job.layout)
+                except PromptTooLong as exc:  # refused before it was tokenized
+                    yield Answer(
+                        index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
+                    )
+                    continue
                 except Exception as exc:  # e.g. the model's chat template rejects these messages
                     err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
                     yield Answer(index, fmt.error_record(err, job.request_hash))
