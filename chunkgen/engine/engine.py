@@ -36,6 +36,7 @@ class EngineStats:
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
     prefill_rows: int = 0  # positions run through the model at prefill: prefilled_tokens plus those computed again
     generated_tokens: int = 0
+    queued_prompt_tokens: int = 0  # prompt tokens of every sequence given to the engine (prompt_tokens: admitted)
     preemptions: int = 0
     held_back_steps: int = 0  # steps in which sequences waited below max_batch for KV memory
     finished: int = 0
@@ -121,6 +122,7 @@ class Engine:
                     continue
                 self._num_constrained += len(samples)
             self._pending[id(req)] = samples
+            self.stats.queued_prompt_tokens += len(req.prompt_tokens) * len(samples)
             seqs.extend(samples)
         self.scheduler.add(seqs)
 
