@@ -52,11 +52,15 @@ demo: install
 	@mkdir -p $(dir $(OUT))
 	$(PY) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
+# -rs: the summary ends with one line per skipped test and why it was skipped.
 test: install-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
 
-# Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA.
+# Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA; and the
+# documentation's links (README, docs/, benchmarks/: every relative link resolves, every docs page
+# is linked from the README; no network).
 lint: $(VENV)/.installed-test
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs_links.py
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/kernels/cuda_emu/*.h' 'tests/kernels/cuda_emu/*.cpp')

@@ -1,7 +1,10 @@
-"""Every bash and python snippet of the README runs as written, from the repository's root, on the
-tiny model (CHUNKGEN_MODEL stands for the default model). A comment just above a snippet may say
-`<!-- readme-test: skip: WHY -->` or `<!-- readme-test: stop after N s ... -->` (a run meant to be
-stopped: it must still be running then, and end cleanly on SIGTERM)."""
+"""Every bash and python snippet of the README and of docs/*.md runs as written, from a copy of the
+repository's prompts/, on the tiny model (CHUNKGEN_MODEL stands for the default model); every
+`chunkgen` synopsis (a `text` block) names only options its command has. A comment just above a
+snippet may say `<!-- readme-test: skip: WHY -->`, `<!-- readme-test: stop after N s ... -->` (a run
+meant to be stopped: it must still be running then, and end cleanly on SIGTERM) or
+`<!-- readme-test: setup: ... -->` (it writes files that the later snippets of its page read: it is
+run, as written, before each of them too)."""
 
 from __future__ import annotations
 
@@ -12,26 +15,38 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
+import click
 import pytest
+import typer
 
-from tests.conftest import ROOT
+from chunkgen.cli import app
 
-README = ROOT / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SYNOPSIS_PAGES = [*PAGES, ROOT / "benchmarks" / "README.md"]  # commands shown there are checked, not run
 TIMEOUT_S = 300
 
 
 @dataclass
 class Snippet:
+    page: Path
     line: int
     lang: str
     code: str
     skip: str | None = None
     stop_after_s: float | None = None
+    setup: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)} line {self.line}"
 
 
-def snippets() -> list[Snippet]:
-    lines = README.read_text().splitlines()
+def page_snippets(page: Path) -> list[Snippet]:
+    lines = page.read_text().splitlines()
     found, i = [], 0
     while i < len(lines):
         m = re.match(r"^```(\w+)\s*$", lines[i])
@@ -41,28 +56,68 @@ def snippets() -> list[Snippet]:
         start, lang = i, m.group(1)
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         note = lines[start - 1] if start else ""
-        s = Snippet(start + 1, lang, "\n".join(lines[start + 1 : end]) + "\n")
+        s = Snippet(page, start + 1, lang, "\n".join(lines[start + 1 : end]) + "\n")
         if (skip := re.match(r"<!-- readme-test: skip: (.+?) -->", note)) is not None:
             s.skip = skip.group(1)
         if (stop := re.match(r"<!-- readme-test: stop after (\d+) s", note)) is not None:
             s.stop_after_s = float(stop.group(1))
-        if lang in ("bash", "python"):
-            found.append(s)
+        s.setup = note.startswith("<!-- readme-test: setup:")
+        found.append(s)
         i = end + 1
     return found
 
 
-def test_the_readme_has_snippets_and_marks_usage_lines_as_text():
-    found = snippets()
-    assert sum(s.lang == "python" for s in found) >= 2 and sum(s.lang == "bash" for s in found) >= 3
-    for s in found:  # a synopsis with [optional] parts is text, not a snippet that could run
-        assert s.skip or not re.search(r" \[--", s.code), f"README line {s.line}: a synopsis tagged {s.lang}"
+def snippets(langs: tuple[str, ...] = ("bash", "python")) -> list[Snippet]:
+    return [s for page in PAGES for s in page_snippets(page) if s.lang in langs]
 
 
-@pytest.mark.parametrize("snippet", snippets(), ids=lambda s: f"README:{s.line}:{s.lang}")
-def test_snippet_runs_as_written(snippet: Snippet, tiny_model, tmp_path):
-    if snippet.skip:
-        pytest.skip(snippet.skip)
+def synopses() -> list[Snippet]:
+    """Usage lines, and the commands of snippets that are not run: their options are checked."""
+    blocks = [s for page in SYNOPSIS_PAGES for s in page_snippets(page) if s.lang in ("text", "bash")]
+    return [
+        s
+        for s in blocks
+        if (s.lang == "text" or s.skip or s.page not in PAGES) and re.search(r"^chunkgen ", s.code, re.M)
+    ]
+
+
+def test_the_pages_have_snippets_and_mark_usage_lines_as_text():
+    readme = [s for s in snippets() if s.page.name == "README.md"]
+    assert sum(s.lang == "python" for s in readme) >= 1 and sum(s.lang == "bash" for s in readme) >= 3
+    assert len(snippets()) >= 10 and len(synopses()) >= 4
+    for s in snippets():  # a synopsis with [optional] parts is text, not a snippet that could run
+        assert s.skip or not re.search(r" \[--", s.code), f"{s.where}: a synopsis tagged {s.lang}"
+
+
+@cache
+def command_options() -> dict[str, set[str]]:
+    """Every command's path (`run`, `bench e2e`) and the flags it takes, from the app itself."""
+    found: dict[str, set[str]] = {}
+
+    def walk(cmd: click.Command, path: str) -> None:
+        flags = {o for p in cmd.params for o in [*p.opts, *p.secondary_opts] if o.startswith("-")}
+        found[path] = flags | {"--help"}
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
+
+    walk(typer.main.get_command(app), "")
+    return found
+
+
+@pytest.mark.parametrize("synopsis", synopses(), ids=lambda s: f"{s.page.name}:{s.line}:synopsis")
+def test_a_synopsis_names_only_options_its_command_has(synopsis: Snippet):
+    known = command_options()
+    for line in synopsis.code.replace("\\\n", " ").splitlines():
+        words = line.split("#")[0].split()
+        if words[:1] != ["chunkgen"]:
+            continue
+        path = max((p for p in known if p and words[1 : 1 + len(p.split())] == p.split()), key=len, default=None)
+        assert path, f"{synopsis.where}: no command `{' '.join(words[:3])}`"
+        unknown = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line.split("#")[0])) - known[path])
+        assert not unknown, f"{synopsis.where}: `chunkgen {path}` has no option {', '.join(unknown)}"
+
+
+def _environment(tmp_path: Path, tiny_model) -> tuple[Path, dict[str, str]]:
     work = tmp_path / "repo"  # a copy of what the snippets read, so their outputs land in tmp
     work.mkdir()
     shutil.copytree(ROOT / "prompts", work / "prompts")
@@ -78,18 +133,37 @@ def test_snippet_runs_as_written(snippet: Snippet, tiny_model, tmp_path):
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "CHUNKGEN_MODEL": str(tiny_model),
     }
-    argv = (
-        ["bash", "-euo", "pipefail", "-c", snippet.code]
-        if snippet.lang == "bash"
-        else [sys.executable, "-c", snippet.code]
-    )
+    return work, env
+
+
+def _argv(snippet: Snippet) -> list[str]:
+    if snippet.lang == "bash":
+        return ["bash", "-euo", "pipefail", "-c", snippet.code]
+    return [sys.executable, "-c", snippet.code]
+
+
+@pytest.mark.parametrize("snippet", snippets(), ids=lambda s: f"{s.page.name}:{s.line}:{s.lang}")
+def test_snippet_runs_as_written(snippet: Snippet, tiny_model, tmp_path):
+    if snippet.skip:
+        pytest.skip(snippet.skip)
+    work, env = _environment(tmp_path, tiny_model)
+    for before in page_snippets(snippet.page):
+        if before.setup and before.line < snippet.line:
+            done = subprocess.run(_argv(before), cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            assert done.returncode == 0, f"{before.where} (set-up of line {snippet.line}):\n{done.stdout}{done.stderr}"
     proc = subprocess.Popen(
-        argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        _argv(snippet),
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     if snippet.stop_after_s is not None:
         try:
             out, _ = proc.communicate(timeout=snippet.stop_after_s)
-            pytest.fail(f"README line {snippet.line}: ended before it was to be stopped:\n{out[-3000:]}")
+            pytest.fail(f"{snippet.where}: ended before it was to be stopped:\n{out[-3000:]}")
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)
             out, _ = proc.communicate(timeout=60)
@@ -100,5 +174,12 @@ def test_snippet_runs_as_written(snippet: Snippet, tiny_model, tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"README line {snippet.line}: still running after {TIMEOUT_S} s:\n{out[-3000:]}")
-    assert proc.returncode == 0, f"README line {snippet.line} exited {proc.returncode}:\n{out[-3000:]}"
+        pytest.fail(f"{snippet.where}: still running after {TIMEOUT_S} s:\n{out[-3000:]}")
+    assert proc.returncode == 0, f"{snippet.where} exited {proc.returncode}:\n{out[-3000:]}"
+
+
+def test_the_bash_snippets_are_valid_shell():
+    # bash -n parses without running: a quoting slip in a snippet that is not run is caught too
+    for s in snippets(("bash",)):
+        done = subprocess.run(["bash", "-n", "-c", s.code], capture_output=True, text=True)
+        assert done.returncode == 0, f"{s.where}: {done.stderr}"
