@@ -126,13 +126,39 @@ class LLM:
         return self.engine.stream(requests)
 
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
     ) -> list[Result]:
-        """Results in input order."""
+        """Results in input order. `progress`: a bar on stderr (rows, prefill until the first
+        answers, recent tok/s, time left); None shows it when stderr is a terminal, False never."""
+        from chunkgen.progress import GenerateBar, Snapshot
+
         params = params or SamplingParams()
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, per))]
         results: list[Result | None] = [None] * len(requests)
-        for res in self.stream(requests):
-            results[res.id] = res
+        engine = self.engine
+        bar = GenerateBar(len(requests), enabled=progress)
+        done = 0
+        try:
+            engine.add(requests)
+            while engine.has_work:
+                for res in engine.step():
+                    results[res.id] = res
+                    done += 1
+                s = engine.stats
+                bar.update(
+                    Snapshot(
+                        done,
+                        len(requests),
+                        s.generated_tokens,
+                        s.prompt_tokens,
+                        s.queued_prompt_tokens,
+                        engine.num_running,
+                    )
+                )
+        finally:
+            bar.close()
         return results  # type: ignore[return-value]

@@ -19,6 +19,7 @@ from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
 from chunkgen.jobs.writer import ResultWriter
+from chunkgen.progress import Snapshot
 from chunkgen.prompt import PromptTooLong
 
 if TYPE_CHECKING:
@@ -62,6 +63,18 @@ class JobProgress:
     running: int
     kv_used_bytes: int
     cache_hit_rate: float  # prompt tokens served from the cache / prompt tokens admitted
+    prompt_tokens_done: int = 0  # admitted (from the cache or computed)
+    prompt_tokens_queued: int = 0  # of every row given to the engine so far
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            self.done,
+            self.total,
+            self.generated_tokens,
+            self.prompt_tokens_done,
+            self.prompt_tokens_queued,
+            self.running,
+        )
 
 
 @dataclass
@@ -250,6 +263,8 @@ def run_job(
                     running=engine.num_running,
                     kv_used_bytes=engine.pool.used_bytes,
                     cache_hit_rate=cache_hit_rate(s),
+                    prompt_tokens_done=s.prompt_tokens,
+                    prompt_tokens_queued=s.queued_prompt_tokens,
                 )
             )
 
