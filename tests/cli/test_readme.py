@@ -1,11 +1,12 @@
 """Every bash and python snippet of the README and of docs/*.md runs as written, from a copy of the
 repository's prompts/, on the tiny model (CHUNKGEN_MODEL stands for the default model); every
 `chunkgen` synopsis (a `text` block) and `chunkgen` command in the text names only options its
-command has. A comment just above a
-snippet may say `<!-- readme-test: skip: WHY -->`, `<!-- readme-test: stop after N s ... -->` (a run
-meant to be stopped: it must still be running then, and end cleanly on SIGTERM) or
-`<!-- readme-test: setup: ... -->` (it writes files that the later snippets of its page read: it is
-run, as written, before each of them too)."""
+command has. A comment just above a snippet may say
+- `<!-- readme-test: skip: WHY -->`,
+- `<!-- readme-test: stop after N s ... -->`: a run meant to be stopped; it must still be running
+  then, and end cleanly on SIGTERM,
+- `<!-- readme-test: setup: ... -->`: it writes files that the later snippets of its page read; it
+  is run, as written, before each of them too."""
 
 from __future__ import annotations
 
