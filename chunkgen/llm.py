@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -15,72 +14,9 @@ from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, resolve_model
 from chunkgen.model.llama import float_linear
 from chunkgen.model.quant import describe, linear_factory
+from chunkgen.prompt import Layout, Prompt, check_chat_template, encode_prompt
 
-Prompt = str | list[dict[str, str]] | list[int]
-
-
-def _control_strings(tokenizer) -> tuple[str, ...]:
-    """Texts the tokenizer turns into control tokens (<|im_start|>, </s>, ...)."""
-    found = set(getattr(tokenizer, "all_special_tokens", ()))
-    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if getattr(tok, "special", False):
-            found.add(tok.content)
-    return tuple(sorted(s for s in found if s))
-
-
-def _render(tokenizer, messages: list[dict[str, str]]) -> str | None:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return None
-
-
-def encode_prompt(tokenizer, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
-    """Token ids of a prompt: chat messages go through the model's chat template when it has one.
-
-    `data` are the user-supplied strings inside the messages (template values, batch-file contents).
-    They are tokenized as text, so a value holding "<|im_end|><|im_start|>system" cannot forge a chat
-    turn; the template's own control tokens stay. Rows without such strings are tokenized exactly as
-    transformers would tokenize the rendered prompt."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    if not prompt or not isinstance(prompt[0], dict):
-        return list(prompt)
-    rendered = _render(tokenizer, prompt)
-    controls = _control_strings(tokenizer)
-    hostile = [d for d in dict.fromkeys(data) if d and any(c in d for c in controls)]
-    if not hostile:
-        if rendered is None:
-            return tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"]
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    # Render again with a private-use marker standing for each hostile value, then tokenize the
-    # template's pieces as usual and the values with control tokens split into plain text.
-    marks = {f"\ue000{i}\ue001": v for i, v in enumerate(hostile)}
-    masked = []
-    for m in prompt:
-        content = m["content"]
-        for mark, value in marks.items():
-            content = content.replace(value, mark)
-        masked.append({**m, "content": content})
-    text = _render(tokenizer, masked)
-    ids: list[int] = []
-    if text is None:
-        text = "\n\n".join(m["content"] for m in masked)
-        ids = list(tokenizer("", add_special_tokens=True)["input_ids"])  # what a plain call prepends (BOS)
-    for piece in re.split("(\ue000\\d+\ue001)", text):
-        if piece in marks:
-            ids += tokenizer(marks[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        elif piece:
-            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-def check_chat_template(tokenizer, where: str) -> None:
-    """Fails before any work when the model's chat template cannot render a plain user turn
-    (transformers renders it in a sandbox that refuses some templates)."""
-    try:
-        _render(tokenizer, [{"role": "user", "content": "hello"}])
-    except Exception as exc:
-        raise ValueError(f"{where}: the model's chat template cannot be used ({type(exc).__name__}: {exc})") from None
+__all__ = ["LLM", "Prompt", "check_chat_template", "encode_prompt"]
 
 
 class LLM:
@@ -144,9 +80,9 @@ class LLM:
         if config.device != "cpu" or config.kv_dtype is None or config.kv_memory is None:
             return
         try:
-            from transformers import AutoConfig
+            from chunkgen.model.loading import model_config
 
-            shape = kv_shape(AutoConfig.from_pretrained(path))
+            shape = kv_shape(model_config(path))
         except Exception:  # load_hf says what is wrong with the model, in its words
             return
         self._kv = KVReservation(ChunkPool.for_run(shape, config))
@@ -185,21 +121,48 @@ class LLM:
         shared = self._kv if self._kv.fits(cfg.chunk_size, cfg.kv_dtype, cfg.kv_memory) else None
         return Engine(self.model, self.tokenizer, cfg, kv=shared)
 
-    def encode(self, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, data)
+    def encode(self, prompt: Prompt, data: Sequence[str] = (), layout: Layout | None = None) -> list[int]:
+        """Token ids of a prompt (see prompt.encode_prompt), no further than the context + 1."""
+        return encode_prompt(self.tokenizer, prompt, data, layout, max_tokens=self.model.max_context)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Results in completion order, as soon as each finishes."""
         return self.engine.stream(requests)
 
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
     ) -> list[Result]:
-        """Results in input order."""
+        """Results in input order. `progress`: a bar on stderr (rows, prefill until the first
+        answers, recent tok/s, time left); None shows it when stderr is a terminal, False never."""
+        from chunkgen.progress import GenerateBar, Snapshot
+
         params = params or SamplingParams()
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, per))]
         results: list[Result | None] = [None] * len(requests)
-        for res in self.stream(requests):
-            results[res.id] = res
+        engine = self.engine
+        bar = GenerateBar(len(requests), enabled=progress)
+        done = 0
+        try:
+            engine.add(requests)
+            while engine.has_work:
+                for res in engine.step():
+                    results[res.id] = res
+                    done += 1
+                s = engine.stats
+                bar.update(
+                    Snapshot(
+                        done,
+                        len(requests),
+                        s.generated_tokens,
+                        s.prompt_tokens,
+                        s.queued_prompt_tokens,
+                        engine.num_running,
+                    )
+                )
+        finally:
+            bar.close()
         return results  # type: ignore[return-value]

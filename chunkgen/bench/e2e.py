@@ -111,7 +111,9 @@ def transformers_model(llm: LLM):
 
         hf = random_model(llm.model.config, llm.model.dtype, llm.device, llm.config.seed, attn_implementation="sdpa")
     else:
-        hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(
+            llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa", trust_remote_code=False
+        )
     return hf.to(llm.device).eval()
 
 

@@ -79,7 +79,7 @@ def _feed(forecast, source: JobSource, tokenizer, chunk_size: int) -> None:
             if isinstance(item, ErrorRecord):
                 forecast.bad_rows += 1
                 continue
-            tokens = tokens_of[index] = encode_prompt(tokenizer, item.messages, item.data)
+            tokens = tokens_of[index] = encode_prompt(tokenizer, item.messages, item.data, item.layout)
             template_of[index] = item.template or "OpenAI rows"
             forecast.add_in_file_order(tokens)
             yield index, item

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import typer
 
+from rich.markup import escape
+
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
 from chunkgen.cli.option_types import CHUNK_SIZE, DEVICE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL, QUANTIZE, sampling_options
@@ -98,7 +100,7 @@ def run(
         if use_ray:
             _check_ray()
         source = JobSource.open(queries, template, fmt, defaults, id_field, prefix_order=config.order == "prefix",
-                                shard=part)
+                                shard=part, on_note=None if quiet else _json_note if json_log else _note)
     with source:
         if part is not None and not source.plan.rows(part.index):
             return _write_empty_shard(out, queries, part, source.plan.loads, resume, json_log)
@@ -107,7 +109,7 @@ def run(
         check_kv_fits(model_dir, config)
         check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
         writing = dict(model_dir=model_dir, resume=resume, ordered=ordered or output_order == "input",
-                       rerun_changed=rerun_changed)
+                       rerun_changed=rerun_changed, id_field=id_field)
         summary, signum = _answer(source, config, out, writing, quiet, json_log,
                                   ray=dict(workers=workers, address=ray_address) if use_ray else None)
     if queries == "-" and part is None and not summary.interrupted and \
@@ -115,6 +117,16 @@ def run(
         fail("standard input held no rows; nothing was run")
     report(summary, out, quiet, json_log, signum)
 # fmt: on
+
+
+def _note(text: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(text)}", highlight=False)
+
+
+def _json_note(text: str) -> None:
+    from chunkgen.cli.progress import json_event
+
+    json_event({"event": "warning", "message": text})
 
 
 def _check_choices(
@@ -180,6 +192,7 @@ def _answer(
                 resume=writing["resume"],
                 ordered=writing["ordered"],
                 rerun_changed=writing["rerun_changed"],
+                id_field=writing["id_field"],
             )
         except (OutputLocked, OutputExists, OutputError) as exc:
             fail(str(exc))
@@ -207,6 +220,13 @@ def _answer(
         if writer is not None:
             writer.close()  # after an error: releases the lock (a no-op when the run closed it)
         stop_flag.restore()
+    if writer.rekeyed and not quiet:
+        err.print(
+            f"[yellow]warning:[/] {writer.rekeyed} row(s) were answered by an earlier run under another key (an id "
+            f"added since): the same line and request, so those answers were kept as they are in {out}, with the "
+            "ids they were written with",
+            highlight=False,
+        )
     # A signal that came after every row had its record (during the final rewrite) stopped nothing.
     return summary, stop_flag.signum if summary.interrupted else None
 

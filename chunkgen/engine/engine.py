@@ -34,6 +34,7 @@ class EngineStats:
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
     generated_tokens: int = 0
+    queued_prompt_tokens: int = 0  # prompt tokens of every sequence given to the engine (prompt_tokens: admitted)
     preemptions: int = 0
     held_back_steps: int = 0  # steps in which sequences waited below max_batch for KV memory
     finished: int = 0
@@ -119,6 +120,7 @@ class Engine:
                     continue
                 self._num_constrained += len(samples)
             self._pending[id(req)] = samples
+            self.stats.queued_prompt_tokens += len(req.prompt_tokens) * len(samples)
             seqs.extend(samples)
         self.scheduler.add(seqs)
 

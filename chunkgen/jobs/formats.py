@@ -50,9 +50,10 @@ class RecordFormat:
     """Turns results and errors into output records: chunkgen's own lines, or OpenAI batch output.
     Separate from the writer so remote workers can format what the driver writes."""
 
-    def __init__(self, fmt: str, model_name: str) -> None:
+    def __init__(self, fmt: str, model_name: str, id_field: str = "id") -> None:
         self.fmt = fmt
         self.model_name = model_name
+        self.id_field = id_field  # recorded when not `id`: a resume reading ids from another field is refused
 
     def result_record(self, job: Job, res: Result) -> dict[str, Any]:
         if res.error is not None:
@@ -113,11 +114,13 @@ class RecordFormat:
             ]
         return self._keyed(rec, job)
 
-    @staticmethod
-    def _keyed(rec: dict[str, Any], job: Job) -> dict[str, Any]:
-        """A row without an id: its record also names the request and occurrence it answers."""
+    def _keyed(self, rec: dict[str, Any], job: Job) -> dict[str, Any]:
+        """A row without an id: its record also names the request and occurrence it answers; a row
+        whose id came from a field other than `id`: its record names the field."""
         if job.occurrence is not None:
             rec["row_key"] = job.key
+        elif self.id_field != "id" and self.fmt != "openai":
+            rec["id_field"] = self.id_field
         return rec
 
     def error_record(self, err: ErrorRecord, request_hash: str | None = None) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
+from chunkgen import bounded
 from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
 
 KEY_CHUNKS = 16  # pieces of the prompt the key tells apart: rows agreeing on more stay in file order
@@ -135,15 +136,17 @@ class RowFile:
     def lines(self) -> Iterator[bytes]:
         """Every line in order (what read_rows takes), noting where each non-blank one starts."""
         offset = 0
-        for number, raw in enumerate(self._source, start=1):
-            if self._spool is not None:
-                try:
-                    self._spool.write(raw)
-                except OSError as exc:
-                    raise _temp_failure(exc, "spooling standard input", max(len(raw), offset)) from None
+
+        def spool(raw: bytes) -> None:
+            try:
+                self._spool.write(raw)
+            except OSError as exc:
+                raise _temp_failure(exc, "spooling standard input", max(len(raw), offset)) from None
+
+        for number, raw in enumerate(bounded.lines(self._source, sink=spool if self._spool else None), start=1):
             if raw.strip():
                 self._pending[number] = (offset, zlib.crc32(raw))
-            offset += len(raw)
+            offset += getattr(raw, "size", len(raw))  # an Overlong line: its whole length, skipped unread
             yield raw
 
     def follow(self, items: Iterable[Job | ErrorRecord]) -> Iterator[Job | ErrorRecord]:

@@ -16,8 +16,10 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
+from chunkgen.bounded import ROW_BYTES, DuplicateKey, Overlong, encoding_name, lines, unique_keys
+from chunkgen.device import human_bytes
 from chunkgen.engine.params import KINDS, SAMPLING_NAMES
 from chunkgen.engine.params import ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
@@ -34,6 +36,7 @@ class Job:
     params: SamplingParams
     template: str | None = None  # template name, or None for OpenAI batch rows
     data: tuple[str, ...] = ()  # user-supplied text inside `messages`: tokenized as text, never as control tokens
+    layout: tuple[tuple[str | int, ...], ...] | None = None  # where `messages` holds `data` (prompt.Layout)
     constraint_field: str | None = None  # what set the constraint (a row's field, "template", an option's kind)
     # For a row without an id: how many earlier id-less rows of the file ask the same request. Its
     # `line-N` id moves when lines are inserted above it; (request, occurrence) does not.
@@ -62,7 +65,7 @@ class Job:
         """What an answer is matched to its row by on --resume: the row's own id, or for a row
         without one its request and occurrence (`line-N` is only what the record shows)."""
         if self.occurrence is None:
-            return self.id
+            return id_key(self.id)
         return row_key(self.request_hash, self.occurrence)
 
 
@@ -94,8 +97,14 @@ def _params_json(params: SamplingParams) -> str:
 
 
 def row_key(request_hash: str, occurrence: int) -> str:
-    """The key of a row without an id; never equal to an id, which a row's `id` field sets."""
+    """The key of a row without an id: in a namespace of its own, apart from `id_key`'s."""
     return f"request:{request_hash}#{occurrence}"
+
+
+def id_key(rid: str) -> str:
+    """The key of a row with an id: whatever the id spells (even `request:...#0`), it cannot equal
+    a generated row_key."""
+    return f"id:{rid}"
 
 
 @dataclass
@@ -148,14 +157,25 @@ def open_queries(path: str | Path) -> BinaryIO:
 
 
 def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
+    if isinstance(raw, Overlong):
+        return RowError(
+            None,
+            f"the row is {human_bytes(raw.size)} long; rows are read up to {human_bytes(ROW_BYTES)} "
+            "(far more than any model's context holds), and this one was skipped unread",
+        )
     if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
         raw = raw[3:]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
+        kind = encoding_name(raw)
+        if kind is not None and not kind.startswith("binary"):
+            return RowError(None, f"is {kind} text, not UTF-8; save the file as UTF-8")
         return RowError(None, f"invalid UTF-8 at byte {exc.start}")
     try:
-        obj = json.loads(text, parse_int=_parse_int)
+        obj = json.loads(text, parse_int=_parse_int, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        return RowError(exc.key, "appears twice in this row (which value is meant?); give each key once")
     except json.JSONDecodeError as exc:
         return RowError(None, f"not valid JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
@@ -203,7 +223,7 @@ def _unencodable(obj: dict[str, Any]) -> str | None | bool:
 def read_rows(stream: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
     """(line number, parsed object or RowError) for each non-blank line; bytes are decoded per line so
     one bad line cannot spoil the file."""
-    for number, raw in enumerate(stream, start=1):
+    for number, raw in enumerate(lines(stream) if hasattr(stream, "readline") else stream, start=1):
         if raw.strip():
             yield number, _parse(number, raw)
 
@@ -240,6 +260,18 @@ def _text(v: Any, field: str) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         raise RowError(field, f"must be a finite number, got {v}")
     return str(v)
+
+
+def few(names: Iterable[str], near: str | None = None, shown: int = 5) -> str:
+    """Choices as an error can list them: the closest to `near` first, at most `shown`, and how
+    many there are in all (a folder of 10,000 templates is not one error line)."""
+    import difflib
+
+    names = list(names)
+    close = difflib.get_close_matches(near, names, n=shown) if near is not None and len(names) < 100_000 else []
+    picked = close + [n for n in sorted(names) if n not in close][: shown - len(close)]
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return ", ".join(map(repr, picked)) + more
 
 
 def _kind(v: Any) -> str:
@@ -302,9 +334,17 @@ TEMPLATE_OVERRIDES = {k: k for k in SAMPLING_NAMES}  # a row sets any SamplingPa
 
 
 def template_jobs(
-    rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any], id_field: str = "id"
+    rows: Iterable[tuple[int, Any]],
+    templates: dict[str, Template],
+    defaults: dict[str, Any],
+    id_field: str = "id",
+    on_note: Callable[[str], None] | None = None,
 ) -> Iterator[Job | ErrorRecord]:
-    """Rows of a template query file. With several templates, each row names one in `template`."""
+    """Rows of a template query file. With several templates, each row names one in `template`.
+    A field a row carries that nothing reads (a typo, an OpenAI option such as logit_bias) is
+    said to `on_note` once per job and template."""
+    noted: set[tuple[str, str]] = set()
+    read = {t.name: frozenset((id_field, "template", *t.fields, *TEMPLATE_OVERRIDES)) for t in templates.values()}
     seen: set[str] = set()  # explicit ids only: a generated `line-N` never collides with a row's own id
     occurrences: dict[str, int] = {}  # request hash -> id-less rows with it so far
     only = next(iter(templates.values())) if len(templates) == 1 else None
@@ -330,14 +370,22 @@ def template_jobs(
             if "template" in obj or template is None:
                 name = obj.get("template")
                 if not isinstance(name, str):
-                    raise RowError("template", f"must name one of {sorted(templates)}, got {_kind(name)}")
+                    raise RowError("template", f"must name one of {few(templates)}, got {_kind(name)}")
                 if name not in templates:
-                    raise RowError("template", f"unknown template {name!r}; known: {sorted(templates)}")
+                    raise RowError("template", f"unknown template {name[:80]!r}; known: {few(templates, name)}")
                 template = templates[name]
+            if on_note is not None:
+                for key in obj:
+                    if (template.name, key) not in noted and key not in read[template.name]:
+                        noted.add((template.name, key))
+                        on_note(
+                            f"line {number}: field {key[:80]!r} is not used (template {template.name!r} has no "
+                            "such placeholder and it is no sampling field); rows that carry it run without it"
+                        )
             values: dict[str, str] = {}
             for name in template.fields:
                 if name not in obj:
-                    raise RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
+                    raise RowError(name, f"missing (template {template.name!r} needs {few(template.fields)})")
                 values[name] = _text(obj[name], name)
             if template.name in plain and not any(obj.get(k) is not None for k in TEMPLATE_OVERRIDES):
                 params, source = plain[template.name]  # most rows set no sampling field: checked once
@@ -356,6 +404,7 @@ def template_jobs(
                 params,
                 template.name,
                 data=tuple(values.values()),
+                layout=template.layout,
                 constraint_field=source,
             )
             # A row without an id is matched on resume by its request's hash (and occurrence), so it
@@ -506,7 +555,7 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                     raise RowError(field, f"must be an object, got {_kind(m)}")
                 role = m.get("role")
                 if role not in ROLES:
-                    raise RowError(f"{field}.role", f"must be one of {sorted(ROLES)}, got {role!r}")
+                    raise RowError(f"{field}.role", f"must be one of {sorted(ROLES)}, got {str(role)[:80]!r}")
                 clean.append({"role": ROLES[role], "content": _content(m.get("content"), f"{field}.content")})
             schema = _response_format(body.get("response_format"))
             base = defaults
@@ -530,7 +579,14 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 [("", defaults), *((f"body.{k}", {OPENAI_RENAMES[k]: v}) for k, v in body_constraints.items())],
             )
             job = Job(
-                rid, number, clean, params, None, data=tuple(m["content"] for m in clean), constraint_field=source
+                rid,
+                number,
+                clean,
+                params,
+                None,
+                data=tuple(m["content"] for m in clean),
+                layout=tuple((i,) for i in range(len(clean))),
+                constraint_field=source,
             )
             job.request_hash  # computed here, so a row it fails on fails alone
         except RowError as err:

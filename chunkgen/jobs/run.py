@@ -19,11 +19,13 @@ from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
 from chunkgen.jobs.writer import ResultWriter
+from chunkgen.progress import Snapshot
+from chunkgen.prompt import PromptTooLong
 
 if TYPE_CHECKING:
     from chunkgen.jobs.order import PrefixOrder
 
-Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
+Encode = Callable[[list[dict[str, str]], tuple[str, ...], "tuple | None"], list[int]]
 
 
 def never() -> bool:
@@ -61,6 +63,18 @@ class JobProgress:
     running: int
     kv_used_bytes: int
     cache_hit_rate: float  # prompt tokens served from the cache / prompt tokens admitted
+    prompt_tokens_done: int = 0  # admitted (from the cache or computed)
+    prompt_tokens_queued: int = 0  # of every row given to the engine so far
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            self.done,
+            self.total,
+            self.generated_tokens,
+            self.prompt_tokens_done,
+            self.prompt_tokens_queued,
+            self.running,
+        )
 
 
 @dataclass
@@ -193,7 +207,12 @@ def answer(
                 index, job = item
                 taken += 1
                 try:
-                    tokens = encode(job.messages, job.data)
+                    tokens = encode(job.messages, job.data, job.layout)
+                except PromptTooLong as exc:  # refused before it was tokenized
+                    yield Answer(
+                        index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
+                    )
+                    continue
                 except Exception as exc:  # e.g. the model's chat template rejects these messages
                     err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
                     yield Answer(index, fmt.error_record(err, job.request_hash))
@@ -244,6 +263,8 @@ def run_job(
                     running=engine.num_running,
                     kv_used_bytes=engine.pool.used_bytes,
                     cache_hit_rate=cache_hit_rate(s),
+                    prompt_tokens_done=s.prompt_tokens,
+                    prompt_tokens_queued=s.queued_prompt_tokens,
                 )
             )
 

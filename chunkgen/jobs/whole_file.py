@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from chunkgen import bounded
 from chunkgen.jobs.requests import TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
 from chunkgen.jobs.templates import Template
 
@@ -26,14 +27,26 @@ class FileMistake(ValueError):
 
 
 def _first_lines(path: Path, n: int = SAMPLE_ROWS) -> list[bytes]:
+    """The first `n` non-blank lines, each bounded (bounded.lines): an endless line stops at the limit."""
     out: list[bytes] = []
     with path.open("rb") as f:
-        for raw in f:
+        for raw in bounded.lines(f, skip=False):
             if raw.strip():
                 out.append(raw)
                 if len(out) >= n:
                     break
     return out
+
+
+def check_encoding(path: Path, first: bytes) -> None:
+    """A file that is not UTF-8 text at all (UTF-16 from a Windows editor, a sparse or binary file),
+    named as such by its first line, not echoed as bytes in one error record per row."""
+    kind = bounded.encoding_name(first)
+    if kind is None:
+        return
+    if kind.startswith("binary"):
+        raise FileMistake(f"{path} is not a text file: {kind}")
+    raise FileMistake(f"{path} is {kind} text; save it as UTF-8 (one JSON object per line)")
 
 
 def _looks_like(lines: list[bytes]) -> str:
@@ -61,6 +74,7 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
     lines = _first_lines(path)
     if not lines:
         return
+    check_encoding(path, lines[0])
     rows = [obj for _, obj in read_rows(lines)]
     objects = [r for r in rows if isinstance(r, dict)]
     if not objects and not any(isinstance(r, RowError) and r.row is not None for r in rows):

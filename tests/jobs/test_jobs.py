@@ -260,7 +260,7 @@ def test_an_error_record_never_stands_for_an_answer(tmp_path):
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(r["line"], r["id"], "error" in r) for r in recs] == [(1, "a", False), (3, "a", True)]  # compacted
     w = ResultWriter(out, "template", "m", resume=True)
-    assert w.answered(job(1, "a")) and w.answers == {"a": (1, job(1, "a").request_hash)}
+    assert w.answered(job(1, "a")) and w.answers == {"id:a": (1, job(1, "a").request_hash)}
     w.close()
 
 

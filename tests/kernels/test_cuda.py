@@ -305,3 +305,25 @@ def test_cuda_prefill_wave_matches_naive(dtype):
         want = prefill_reference(q, k, v, cpu_pool, spans, 64**-0.5)
         tol = 1e-3 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kv_write_matches_indexing(pool_dtype, src_dtype):
+    """The binding's K/V write on the GPU (one kernel, csrc/cuda/kv_write.cu): rows from strided
+    views of one qkv product, bit for bit what torch's indexing stores."""
+    from chunkgen._native import native
+
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, d, chunk, slots = 37, 3, 64, 64, 80
+    k_layer = torch.randn(slots, heads, d, chunk, generator=gen).to(pool_dtype).cuda()
+    v_layer = torch.randn(slots, heads, chunk, d, generator=gen).to(pool_dtype).cuda()
+    qkv = torch.randn(rows, 9 + 2 * heads, d, generator=gen).to(src_dtype).cuda()
+    k, v = qkv[:, 9 : 9 + heads], qkv[:, 9 + heads :]
+    slot = torch.randperm(slots, generator=gen)[:rows].to(torch.int32).cuda()
+    offset = torch.randint(0, chunk, (rows,), generator=gen, dtype=torch.int32).cuda()
+    want_k, want_v = k_layer.clone(), v_layer.clone()
+    want_k[slot.long(), :, :, offset.long()] = k.to(pool_dtype)
+    want_v[slot.long(), :, offset.long()] = v.to(pool_dtype)
+    native().write_kv(k, v, k_layer, v_layer, slot, offset)
+    assert torch.equal(k_layer, want_k) and torch.equal(v_layer, want_v)
