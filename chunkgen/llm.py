@@ -13,6 +13,8 @@ from chunkgen.config import Config
 from chunkgen.device import device_guard, free_bytes
 from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, resolve_model
+from chunkgen.model.llama import float_linear
+from chunkgen.model.quant import describe, linear_factory
 from chunkgen.prompt import Layout, Prompt, check_chat_template, encode_prompt
 
 __all__ = ["LLM", "Prompt", "check_chat_template", "encode_prompt"]
@@ -53,7 +55,9 @@ class LLM:
                 hf_model, self.tokenizer = self._random_weights(config.dummy_weights, config.dtype, dev, config.seed)
                 self.model_path = None
                 own_dtype = "auto: the config's dtype on a GPU"
-            self.model = LlamaModel(hf_model)
+            make = linear_factory(config.quantize, dev, hf_model, self.model_path, config.seed)
+            self.model = LlamaModel(hf_model, make or float_linear)
+            self.quantized = describe(make)  # what runs on quantized weights, for the load line
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
             if dev == "cpu":
                 keep_freed_pages()  # after the load: its temporaries go back to the OS

@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
-from chunkgen.cli.option_types import CHUNK_SIZE, DEVICE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL, sampling_options
+from chunkgen.cli.option_types import CHUNK_SIZE, DEVICE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL, QUANTIZE, sampling_options
 from chunkgen.cli.options import (
     check_kv_fits,
     check_out,
@@ -57,6 +57,7 @@ def run(
     template: Path | None = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: MODEL = DEFAULT_MODEL,
     dtype: DTYPE = DEFAULT_DTYPE,
+    quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     sampling: dict[str, Any] = ...,  # one option per SamplingParams field (sampling_options)
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
@@ -89,7 +90,7 @@ def run(
         _check_choices(fmt, order, output_order, sampling.get("max_new_tokens"), rerun_changed and not resume)
         check_queries_path(queries)
         check_out(out, queries)
-        config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
+        config = resolve_config(device=device, dtype=dtype, quantize=quantize, chunk_size=chunk_size, kv_memory=kv_memory,
                                 max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
                                 enforce_eager=True if enforce_eager else None,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
