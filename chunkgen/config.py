@@ -14,8 +14,9 @@ model/precision.py: dtype); this module composes them and holds the defaults, ea
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Hashable, Iterator, Sequence
 
 from chunkgen.cache.pool import ChunkPool, PoolExhausted
 
@@ -32,8 +32,8 @@ REFINE_CANDIDATES = 4
 class Chunk:
     slot: int
     tokens: list[int]
-    parent: "Chunk | None"
-    children: list["Chunk"] = field(default_factory=list)
+    parent: Chunk | None
+    children: list[Chunk] = field(default_factory=list)
     ref: int = 0
     last_used: int = 0
     ready: bool = False  # K/V written; only ready chunks are matched by later prompts

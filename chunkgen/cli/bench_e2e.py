@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -18,7 +18,6 @@ from chunkgen.cli.options import resolve_config
 from chunkgen.cli.progress import PROGRESS_EVERY_S, Ticker
 from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_KV_MEMORY, DEFAULT_MAX_BATCH, DEFAULT_MODEL, Config
 from chunkgen.device import choose_max_batch, human_bytes
-
 
 HF_BESIDE_KV = "8GiB"  # chunkgen's KV budget on a GPU when transformers' generate runs beside it
 
@@ -36,14 +35,14 @@ def bench_e2e(
     quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
-    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e

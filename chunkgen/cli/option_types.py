@@ -10,8 +10,9 @@ import functools
 import inspect
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -40,7 +41,7 @@ def max_batch_values(value: str) -> str:
 
 
 MODEL = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--model",
         metavar="MODEL",
@@ -132,14 +133,14 @@ def _cli_type(f) -> Any:
     """The type typer parses a field's option as: a file's path, a repeatable list, or the field's
     own scalar type, always Optional (None: not given, so the template's or chunkgen's default)."""
     if f.metadata["file"]:
-        return Optional[Path]
+        return Path | None
     hint = typing.get_type_hints(SamplingParams)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is tuple:
-        return Optional[list[args[0]]]
+        return list[args[0]] | None
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = args[0]
-    return Optional[hint]
+    return hint | None
 
 
 def _help(f) -> str:
@@ -151,7 +152,7 @@ def _help(f) -> str:
 
 def _parameter(f) -> inspect.Parameter:
     cli_type = _cli_type(f)
-    if cli_type == Optional[bool]:
+    if cli_type == bool | None:
         option = typer.Option(flag(f.name), help=_help(f))
     else:
         option = typer.Option(flag(f.name), metavar=f.metadata["metavar"], help=_help(f))

@@ -4,9 +4,9 @@ step for every running sequence, and returns the requests that finished in it.""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 
@@ -19,8 +19,8 @@ from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
 from chunkgen.engine.params import ParamError, spec_of
 from chunkgen.engine.prompt_scores import first_missing, read_stored, store, stored_width
-from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.runner import ModelRunner, PrefillItem
+from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel

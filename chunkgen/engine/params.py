@@ -5,13 +5,14 @@ by a constraint is constraint.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from numbers import Integral, Real
-from typing import Any, Callable
+from typing import Any
 
 MAX_N = 128
 MAX_STOP = 16

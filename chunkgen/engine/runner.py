@@ -16,8 +16,8 @@ so the buffer refresh a replay depends on is exercised everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

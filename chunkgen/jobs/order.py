@@ -26,8 +26,9 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 from chunkgen import bounded
 from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
@@ -287,7 +288,7 @@ class PrefixOrder:
     @classmethod
     def reading(
         cls, row_file: RowFile, rows: Iterable[tuple[int, Any]], to_jobs: ToJobs, **kwargs: Any
-    ) -> "tuple[PrefixOrder, Iterator[Job | ErrorRecord]]":
+    ) -> tuple[PrefixOrder, Iterator[Job | ErrorRecord]]:
         """(the order, the job's rows in file order) for rows parsed from `row_file.lines()`;
         `to_jobs` turns parsed rows into jobs, the first time and when a line is read again."""
 

@@ -14,14 +14,14 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 from chunkgen.bounded import ROW_BYTES, DuplicateKey, Overlong, encoding_name, lines, unique_keys
 from chunkgen.device import human_bytes
-from chunkgen.engine.params import KINDS, SAMPLING_NAMES
-from chunkgen.engine.params import ParamError, SamplingParams
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES, ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
 
 OPENAI_URL = "/v1/chat/completions"
@@ -105,7 +105,7 @@ def _long_message_json(role: str, content: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _hash_of_head(first_message_json: str) -> "hashlib._Hash":
+def _hash_of_head(first_message_json: str) -> hashlib._Hash:
     return hashlib.sha256(('{"messages": [' + first_message_json).encode())
 
 
@@ -615,7 +615,7 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 layout=tuple((i,) for i in range(len(clean))),
                 constraint_field=source,
             )
-            job.request_hash  # computed here, so a row it fails on fails alone
+            _ = job.request_hash  # computed here, so a row it fails on fails alone
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)
             continue

@@ -8,16 +8,18 @@ refused, into a record. A local run chains the two; on Ray the driver triages an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from chunkgen.engine import Engine, Request, Result
 from chunkgen.engine.engine import EngineStats
-from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
+from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.writer import ResultWriter
 from chunkgen.progress import Snapshot
 from chunkgen.prompt import PromptTooLong
@@ -278,7 +280,7 @@ def run_job(
         else:
             counts.answered += 1
         if a.result is not None and a.result.error is None:
-            counts.add_usage(lambda name: getattr(a.result, name))
+            counts.add_usage(functools.partial(getattr, a.result))
     interrupted = should_stop()
     writer.close(complete=not interrupted)
     summary = summarize(counts, [engine.stats], len(writer.changed), time.perf_counter() - t0, interrupted)

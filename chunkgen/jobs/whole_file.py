@@ -12,8 +12,9 @@ import csv
 import difflib
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from chunkgen import bounded
 from chunkgen.jobs.requests import OPENAI_URLS, TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-
 from chunkgen.engine import sampler
 from chunkgen.engine.logits import Penalties, StepLogprobs
 from chunkgen.engine.params import MAX_SEED, ParamError, SamplingParams
@@ -22,8 +21,7 @@ from chunkgen.engine.sampler import (
     sample,
     sample_seed,
 )
-from tests.helpers import OpLog
-from tests.helpers import copies_into, host_work
+from tests.helpers import OpLog, copies_into, host_work
 
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -331,7 +329,7 @@ def test_a_step_reads_the_device_once_and_never_waits_on_it_before(greedy):
     pen = penalties.plan([_Seq(i, p) for i, p in enumerate(params)])
     reader = StepReader()
     reader.read(torch.zeros(4096, dtype=torch.float64))  # its buffer exists before the logged steps
-    for step in range(3):
+    for _ in range(3):
         x = logits.clone()
         with OpLog() as log:
             lp = StepLogprobs(x, batch)
