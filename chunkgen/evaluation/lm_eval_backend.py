@@ -31,7 +31,7 @@ class ChunkgenLM(TemplateLM):
         self, pretrained: str | None = None, max_length: int | None = None, batch_size: Any = None, **options: Any
     ) -> None:
         super().__init__()
-        unknown = sorted(set(options) - set(_OPTIONS) - {"trust_remote_code", "device_map"})
+        unknown = sorted(set(options) - set(_OPTIONS) - {"trust_remote_code", "device_map", "max_batch_size"})
         if unknown:
             raise ValueError(
                 f"chunkgen model_args: unknown {', '.join(unknown)}; known: pretrained, max_length, {', '.join(_OPTIONS)}"

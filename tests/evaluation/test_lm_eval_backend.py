@@ -36,6 +36,7 @@ def _evaluate(model: str, model_args: str, include: Path) -> dict:
         tasks=TASKS,
         num_fewshot=None,
         batch_size=1,
+        device="cpu",
         log_samples=True,
         task_manager=TaskManager(include_path=str(include)),
         random_seed=0,
