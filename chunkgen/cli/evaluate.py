@@ -28,6 +28,8 @@ def eval_command(ctx: typer.Context) -> None:
     args = list(ctx.args)
     if "--model" not in args and not any(a.startswith("--model=") for a in args) and "-h" not in args:
         args = ["--model", "chunkgen", *args]
+    if "--device" not in args and not any(a.startswith("--device=") for a in args):
+        args += ["--device", "auto"]  # lm_eval's default is cuda:0; chunkgen picks the GPU itself when there is one
     saved = sys.argv
     sys.argv = ["lm_eval", *args]
     try:
