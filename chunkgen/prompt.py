@@ -16,8 +16,8 @@ import re
 import signal
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 Prompt = str | list[dict[str, str]] | list[int]
 # Per message: its content's pieces, literal text (str) or the index of a value in `data` (int).

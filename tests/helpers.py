@@ -4,22 +4,23 @@ decode step."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-from pathlib import Path
-import torch
-from typer.testing import CliRunner
-from chunkgen.cli import app
-import io
-from chunkgen.jobs.requests import read_rows
-from chunkgen.jobs.templates import load_template
-import contextlib
 import random
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from typer.testing import CliRunner
+
 from chunkgen._native import native
 from chunkgen.cache import ChunkPool, PrefixTree
+from chunkgen.cli import app
+from chunkgen.jobs.requests import read_rows
+from chunkgen.jobs.templates import load_template
 from chunkgen.kernels.prefill import PrefillSpan
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from tests.conftest import PROMPTS
 
 

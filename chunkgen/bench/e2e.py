@@ -12,9 +12,9 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import torch
@@ -67,7 +67,7 @@ def _random_ids_workload(vocab: int, n_shared: int, n_queries: int, max_new_toke
 class PeakRSS:
     """Peak resident memory of this process while the block runs (sampled every 10 ms)."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._proc = psutil.Process()
         self.peak = self._proc.memory_info().rss
         self._stop = threading.Event()

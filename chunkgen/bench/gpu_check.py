@@ -30,9 +30,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 THRESHOLD = 1.15  # a cell this much slower than its baseline is a regression
 BUDGET_S = 360.0  # the whole run: one lent-GPU call
@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     device, meta = gpu_identity()
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     meta = {
         **meta,
         "date": now.strftime("%Y-%m-%d"),

@@ -11,8 +11,8 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from chunkgen.bench.e2e import PeakRSS
 from chunkgen.llm import LLM
@@ -195,9 +195,9 @@ def run_order(
     """One `chunkgen run` of the file in `order`, on a fresh engine (empty cache) of the given budget."""
     from chunkgen.jobs.order import PrefixOrder, RowFile
     from chunkgen.jobs.requests import open_queries, read_rows, template_jobs
-    from chunkgen.jobs.writer import ResultWriter
     from chunkgen.jobs.run import run_job
     from chunkgen.jobs.templates import load_templates
+    from chunkgen.jobs.writer import ResultWriter
 
     templates = load_templates(template)
     defaults = {"max_new_tokens": max_new_tokens, "ignore_eos": True}  # every answer full length, as vLLM's bench

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -27,22 +26,21 @@ from chunkgen.model.precision import DTYPE_NAMES
 @app.command("inspect-tree")
 def inspect_tree(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    template: Path | None = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: MODEL = DEFAULT_MODEL,
     chunk_size: CHUNK_SIZE = DEFAULT_CHUNK_SIZE,
     dtype: DTYPE = DEFAULT_DTYPE,
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
     hit rate a run here with these options (--dtype, --kv-memory, --max-batch, --chunk-size) reaches in
     file order and in prefix order."""
-    from chunkgen.model.loading import load_tokenizer
-
     from chunkgen.cache.forecast import TreeForecast
+    from chunkgen.model.loading import load_tokenizer
 
     with said_as_mistakes():
         check_format(fmt)

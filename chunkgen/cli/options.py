@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, NoReturn
 
 from chunkgen.cli.boundary import err, fail, usage
 from chunkgen.cli.option_types import SAMPLING_OPTIONS
@@ -198,7 +199,7 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
             )
 
 
-def resolve_model(model: Optional[str]) -> Path:
+def resolve_model(model: str | None) -> Path:
     """The model's directory, checked (architecture, weights) without loading any weights."""
     from chunkgen.model import ModelNotFound, check_model_dir, resolve_model, stale_copies
     from chunkgen.model.loading import copy_size

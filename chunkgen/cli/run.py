@@ -12,15 +12,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
-
 from rich.markup import escape
 
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
-from chunkgen.cli.option_types import CHUNK_SIZE, DEVICE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL, sampling_options
+from chunkgen.cli.option_types import CHUNK_SIZE, DEVICE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL, QUANTIZE, sampling_options
 from chunkgen.cli.options import (
     check_kv_fits,
     check_out,
@@ -55,9 +54,10 @@ OUTPUT_ORDERS = ("completion", "input")
 def run(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    template: Path | None = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: MODEL = DEFAULT_MODEL,
     dtype: DTYPE = DEFAULT_DTYPE,
+    quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     sampling: dict[str, Any] = ...,  # one option per SamplingParams field (sampling_options)
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
@@ -73,10 +73,10 @@ def run(
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
-    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
+    shard: str | None = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
-    workers: Optional[int] = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
-    ray_address: Optional[str] = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
+    workers: int | None = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
+    ray_address: str | None = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -90,7 +90,7 @@ def run(
         _check_choices(fmt, order, output_order, sampling.get("max_new_tokens"), rerun_changed and not resume)
         check_queries_path(queries)
         check_out(out, queries)
-        config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
+        config = resolve_config(device=device, dtype=dtype, quantize=quantize, chunk_size=chunk_size, kv_memory=kv_memory,
                                 max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
                                 enforce_eager=True if enforce_eager else None,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
@@ -129,7 +129,7 @@ def _json_note(text: str) -> None:
 
 
 def _check_choices(
-    fmt: str, order: str, output_order: str, max_new_tokens: Optional[int], rerun_without_resume: bool
+    fmt: str, order: str, output_order: str, max_new_tokens: int | None, rerun_without_resume: bool
 ) -> None:
     check_format(fmt)
     if order not in ORDERS:
@@ -142,7 +142,7 @@ def _check_choices(
         usage("--rerun-changed", "goes with --resume")
 
 
-def _shard(shard: Optional[str], queries: str):
+def _shard(shard: str | None, queries: str):
     if shard is None:
         return None
     from chunkgen.jobs.shard import Shard
@@ -174,9 +174,9 @@ def _answer(
 ):
     """(summary, the signal that stopped the run or None): the rows answered into a writer on --out.
     From here on a signal is never a traceback: the writer may be repairing the file."""
+    from chunkgen.jobs.ledger import OutputError
     from chunkgen.jobs.lock import OutputLocked
     from chunkgen.jobs.order import QueryFileChanged, TempSpaceError
-    from chunkgen.jobs.ledger import OutputError
     from chunkgen.jobs.writer import OutputExists, ResultWriter
     from chunkgen.model import display_name
 
@@ -220,7 +220,7 @@ def _answer(
             "same command with --resume to continue",
             highlight=False,
         )
-        raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT])
+        raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT]) from None
     finally:
         if writer is not None:
             writer.close()  # after an error: releases the lock (a no-op when the run closed it)
@@ -268,9 +268,7 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
     return summary
 
 
-def _run_ray(
-    source: JobSource, writer, config: Config, stop_flag: StopFlag, workers: Optional[int], address: Optional[str]
-):
+def _run_ray(source: JobSource, writer, config: Config, stop_flag: StopFlag, workers: int | None, address: str | None):
     from chunkgen.scale.ray import run_on_ray
 
     def started(shape) -> None:

@@ -7,8 +7,9 @@ writer's end-of-run rewrite both go by it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from chunkgen.jobs.requests import id_key, row_key
 

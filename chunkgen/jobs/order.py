@@ -26,8 +26,9 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
 from chunkgen import bounded
 from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
@@ -287,7 +288,7 @@ class PrefixOrder:
     @classmethod
     def reading(
         cls, row_file: RowFile, rows: Iterable[tuple[int, Any]], to_jobs: ToJobs, **kwargs: Any
-    ) -> "tuple[PrefixOrder, Iterator[Job | ErrorRecord]]":
+    ) -> tuple[PrefixOrder, Iterator[Job | ErrorRecord]]:
         """(the order, the job's rows in file order) for rows parsed from `row_file.lines()`;
         `to_jobs` turns parsed rows into jobs, the first time and when a line is read again."""
 
@@ -317,7 +318,7 @@ class PrefixOrder:
                     return
                 offset, crc = self.rows.claim(job.line)
                 occurrence = -1 if job.occurrence is None else job.occurrence
-                sorter.add(prompt_key(job.messages, chunk_size), index, job.line, offset, crc, occurrence)
+                sorter.add(prompt_key(_keyed_messages(job), chunk_size), index, job.line, offset, crc, occurrence)
             merged = iter(sorter)
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
             for _, index, line, offset, crc, occurrence in merged:
@@ -334,3 +335,11 @@ class PrefixOrder:
                 yield index, item
         finally:
             sorter.close()
+
+
+def _keyed_messages(job) -> list[dict[str, str]]:
+    """A completions row's prompt keyed as one message (its text; token ids as their numbers)."""
+    if job.prompt is None:
+        return job.messages
+    text = job.prompt if isinstance(job.prompt, str) else " ".join(map(str, job.prompt))
+    return [{"role": "user", "content": text}]

@@ -8,17 +8,20 @@ refused, into a record. A local run chains the two; on Ray the driver triages an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from chunkgen.engine import Engine, Request, Result
 from chunkgen.engine.engine import EngineStats
-from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
+from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.writer import ResultWriter
+from chunkgen.progress import Snapshot
 from chunkgen.prompt import PromptTooLong
 
 if TYPE_CHECKING:
@@ -62,6 +65,18 @@ class JobProgress:
     running: int
     kv_used_bytes: int
     cache_hit_rate: float  # prompt tokens served from the cache / prompt tokens admitted
+    prompt_tokens_done: int = 0  # admitted (from the cache or computed)
+    prompt_tokens_queued: int = 0  # of every row given to the engine so far
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            self.done,
+            self.total,
+            self.generated_tokens,
+            self.prompt_tokens_done,
+            self.prompt_tokens_queued,
+            self.running,
+        )
 
 
 @dataclass
@@ -213,7 +228,7 @@ def answer(
                 index, job = item
                 taken += 1
                 try:
-                    tokens = encode(job.messages, job.data, job.layout)
+                    tokens = encode(job.source, job.data, job.layout)
                 except PromptTooLong as exc:  # refused before it was tokenized
                     yield Answer(
                         index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
@@ -273,6 +288,8 @@ def run_job(
                     running=engine.num_running,
                     kv_used_bytes=engine.pool.used_bytes,
                     cache_hit_rate=cache_hit_rate(s),
+                    prompt_tokens_done=s.prompt_tokens,
+                    prompt_tokens_queued=s.queued_prompt_tokens,
                 )
             )
 
@@ -286,7 +303,7 @@ def run_job(
         else:
             counts.answered += 1
         if a.result is not None and a.result.error is None:
-            counts.add_usage(lambda name: getattr(a.result, name))
+            counts.add_usage(functools.partial(getattr, a.result))
     interrupted = should_stop()
     writer.close(complete=not interrupted)
     summary = summarize(counts, [engine.stats], len(writer.changed), time.perf_counter() - t0, interrupted)

@@ -12,9 +12,10 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from chunkgen.bounded import TooLarge, check_regular, not_utf8
 from chunkgen.bounded import lines as bounded_lines
@@ -22,9 +23,9 @@ from chunkgen.config import OptionError
 from chunkgen.device import human_bytes
 from chunkgen.jobs.order import PrefixOrder, RowFile, sort_bytes_needed
 from chunkgen.jobs.requests import ErrorRecord, Job, detect_format, open_queries, openai_jobs, read_rows, template_jobs
+from chunkgen.jobs.shard import Shard, ShardPlan, plan_items
 from chunkgen.jobs.templates import Template, TemplateError, load_templates
 from chunkgen.jobs.whole_file import FileMistake, check_encoding, check_sample, csv_to_jsonl
-from chunkgen.jobs.shard import Shard, ShardPlan, plan_items
 
 FORMATS = ("auto", "template", "openai")
 

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkgen.bounded import DuplicateKey, NotText, TooLarge, read_text, unique_keys
-from chunkgen.engine.params import KINDS, SAMPLING_NAMES
-from chunkgen.engine.params import ParamError, SamplingParams
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES, ParamError, SamplingParams
 
 
 class TemplateError(ValueError):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from chunkgen.jobs.formats import RecordFormat, encode_record
 from chunkgen.jobs.ledger import Ledger, OutputError, is_record, legacy_keys, parse_line, read_records

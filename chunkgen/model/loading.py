@@ -18,8 +18,8 @@ import pickle
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # Set before transformers is imported anywhere: weights come from disk only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch
 
-from chunkgen.model.folder import FolderRefused, read_json, refuse_custom_code, check_folder, check_loaded
+from chunkgen.model.folder import FolderRefused, check_folder, check_loaded, read_json, refuse_custom_code
 
 
 def _quiet_transformers() -> None:

@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkgen.engine import Completion, Result, SamplingParams
+from chunkgen.jobs.formats import RecordFormat, encode_record
+from chunkgen.jobs.ledger import OutputError
 from chunkgen.jobs.lock import OutputLock, OutputLocked
 from chunkgen.jobs.requests import (
     TEMPLATE_OVERRIDES,
@@ -25,10 +27,8 @@ from chunkgen.jobs.requests import (
     read_rows,
     template_jobs,
 )
-from chunkgen.jobs.formats import RecordFormat, encode_record
-from chunkgen.jobs.ledger import OutputError
-from chunkgen.jobs.writer import OutputExists, ResultWriter
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
+from chunkgen.jobs.writer import OutputExists, ResultWriter
 from tests.conftest import PROMPTS
 from tests.helpers import openai_row, rows_of
 
@@ -642,7 +642,7 @@ def test_fuzzed_rows_each_become_a_job_or_an_error_record_and_a_writable_record(
         assert [i.line for i in items] == numbered  # one each, in order, none lost
         for item in items:
             if isinstance(item, Job):
-                item.request_hash  # hashing and encoding a job's own record cannot fail
+                _ = item.request_hash  # hashing and encoding a job's own record cannot fail
                 record = fmt.result_record(
                     item, Result(0, 1, 0, [Completion(item.messages[-1]["content"], [1], "stop")])
                 )

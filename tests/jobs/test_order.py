@@ -8,7 +8,8 @@ import random
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, key_cuts, prompt_key
 from chunkgen.jobs.requests import read_rows, template_jobs

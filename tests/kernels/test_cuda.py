@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen import native_cuda_available
 from tests.helpers import TOLERANCE
@@ -55,8 +56,7 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
     from chunkgen.engine import SamplingParams
     from chunkgen.jobs.templates import load_template
     from chunkgen.llm import LLM
-    from tests.helpers import EXACT, assert_parity
-    from tests.helpers import PROMPTS, QUESTIONS
+    from tests.helpers import EXACT, PROMPTS, QUESTIONS, assert_parity
 
     llm = LLM(model=str(default_model_dir), dtype=dtype, device="cuda", kv_memory="1GiB")
     t = load_template(PROMPTS / "document_qa.toml")
@@ -79,10 +79,9 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
 def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_model):
     """CUDA graphs (one per bucket, replayed every step) against eager steps on the same workload
     as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving."""
-    from chunkgen.llm import LLM
-    from tests.helpers import CHUNK, run
-    from tests.helpers import template_prompts
     from chunkgen.engine import Request, SamplingParams
+    from chunkgen.llm import LLM
+    from tests.helpers import CHUNK, run, template_prompts
 
     llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda", chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
     prompts = [llm.encode(p) for p in template_prompts("tool_dispatcher", 12)]
@@ -228,7 +227,7 @@ def test_cuda_elementwise_ops_equal_the_cpu_ones(dtype):
         for device in ("cpu", "cuda"):
             mine, q = qkv.clone().to(device), torch.empty(rows, hq, d, dtype=dtype, device=device)
 
-            def on(t):
+            def on(t, device=device):
                 return None if t is None else t.to(device)
 
             rotary(

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels.reference import reference_decode_attention
-from tests.helpers import build_tree, nan_outside_windows
-from tests.helpers import TOLERANCE
+from tests.helpers import TOLERANCE, build_tree, nan_outside_windows
 
 HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
