@@ -652,8 +652,9 @@ def test_fuzzed_rows_each_become_a_job_or_an_error_record_and_a_writable_record(
 
 
 def test_a_kv_budget_too_small_for_a_rows_samples_is_said_once(tiny_model, tmp_path):
-    from chunkgen.cli import app
     from typer.testing import CliRunner
+
+    from chunkgen.cli import app
 
     template = tmp_path / "t.toml"
     template.write_text('system = "S"\nuser = "{q}"\n')
