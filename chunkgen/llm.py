@@ -15,6 +15,7 @@ from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, resolve_model
 from chunkgen.model.llama import float_linear
 from chunkgen.model.quant import describe, linear_factory
+from chunkgen.scoring import ChoiceJob, ChoiceResult, ContinuationScore, rolling_windows, score_stream
 from chunkgen.prompt import Layout, Prompt, check_chat_template, encode_prompt
 
 __all__ = ["LLM", "Prompt", "check_chat_template", "encode_prompt"]
@@ -167,3 +168,96 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+
+    # -- scoring (chunkgen/scoring.py) ----------------------------------------------------------
+    def score(
+        self, contexts: Sequence[str | list[int]], continuations: Sequence[Sequence[str | list[int]]]
+    ) -> list[ChoiceResult]:
+        """Each context's continuations scored (lm-evaluation-harness's loglikelihood), in input
+        order: per continuation its total logprob, token count and whether it is greedy; `best`
+        is the likeliest. A context is prefilled once for all its continuations. Text is split as
+        lm-evaluation-harness splits it: the context encoded alone (with BOS where the tokenizer
+        adds one), the continuation as the tokens that encoding context + continuation adds."""
+        jobs = []
+        for i, (ctx, conts) in enumerate(zip(contexts, continuations, strict=True)):
+            pairs = [encode_pair(self.tokenizer, ctx, c) for c in conts]
+            context = pairs[0][0] if pairs else []
+            if any(p[0] != context for p in pairs):  # a trailing space moved: each pair on its own
+                jobs += [ChoiceJob((i, j), p[0], [p[1]]) for j, p in enumerate(pairs)]
+            else:
+                jobs.append(ChoiceJob(i, context, [p[1] for p in pairs]))
+        return [_joined(i, p) for i, p in enumerate(_gathered(score_stream(self.engine, jobs), len(contexts)))]
+
+    def score_rolling(self, texts: Sequence[str | list[int]], max_length: int | None = None) -> list[ChoiceResult]:
+        """The loglikelihood of each whole text (perplexity: exp(-logprob / num_tokens)), scored
+        in windows of at most max_length tokens (default: the model's context), each conditioned
+        on the text just before it: one ChoiceResult per text with one ContinuationScore."""
+        max_length = max_length or self.model.max_context
+        prefix = prefix_token(self.tokenizer)
+        jobs = []
+        for i, text in enumerate(texts):
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else list(text)
+            windows = rolling_windows(ids, prefix, max_length)
+            jobs += [ChoiceJob((i, j), ctx, [cont]) for j, (ctx, cont) in enumerate(windows)]
+        return [_summed(i, p) for i, p in enumerate(_gathered(score_stream(self.engine, jobs), len(texts)))]
+
+
+def prefix_token(tokenizer) -> int:
+    """What stands before a text scored from its first token: BOS, else EOS (as lm-evaluation-harness's hf backend)."""
+    for t in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if t is not None:
+            return t
+    raise ValueError("the tokenizer has neither an EOS nor a BOS token to score a text's first token after")
+
+
+def encode_pair(tokenizer, context: str | list[int], continuation: str | list[int]) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids), split as lm-evaluation-harness's HF backend splits them:
+    trailing spaces of the context go with the continuation; the continuation's ids are what
+    encoding context + continuation adds after the context's own encoding; an empty context is
+    the prefix token (BOS, else EOS)."""
+    if isinstance(context, str) and not context:
+        cont = (
+            tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            if isinstance(continuation, str)
+            else list(continuation)
+        )
+        return [prefix_token(tokenizer)], cont
+    if not isinstance(context, str) or not isinstance(continuation, str):
+        ctx = tokenizer(context)["input_ids"] if isinstance(context, str) else list(context)
+        cont = (
+            tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            if isinstance(continuation, str)
+            else list(continuation)
+        )
+        return ctx, cont
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        continuation, context = context[-spaces:] + continuation, context[:-spaces]
+    whole = tokenizer(context + continuation)["input_ids"]
+    ctx = tokenizer(context)["input_ids"]
+    return ctx, whole[len(ctx) :]
+
+
+def _gathered(results: Iterable[ChoiceResult], n: int) -> list[list[ChoiceResult]]:
+    """Results of jobs keyed i or (i, j), gathered per input i in j order."""
+    parts: list[list[tuple[int, ChoiceResult]]] = [[] for _ in range(n)]
+    for r in results:
+        i, j = r.id if isinstance(r.id, tuple) else (r.id, 0)
+        parts[i].append((j, r))
+    return [[r for _, r in sorted(got, key=lambda t: t[0])] for got in parts]
+
+
+def _joined(i: int, parts: list[ChoiceResult]) -> ChoiceResult:
+    failed = next((r for r in parts if r.error), None)
+    if failed is not None:
+        return ChoiceResult(i, [], error=failed.error)
+    return ChoiceResult(i, [c for r in parts for c in r.choices])
+
+
+def _summed(i: int, parts: list[ChoiceResult]) -> ChoiceResult:
+    """The windows of one text as one score."""
+    joined = _joined(i, parts)
+    if joined.error or not joined.choices:
+        return joined
+    lps = [lp for c in joined.choices for lp in c.token_logprobs]
+    return ChoiceResult(i, [ContinuationScore(sum(lps), len(lps), all(c.greedy for c in joined.choices), lps)])

@@ -318,7 +318,7 @@ class PrefixOrder:
                     return
                 offset, crc = self.rows.claim(job.line)
                 occurrence = -1 if job.occurrence is None else job.occurrence
-                sorter.add(prompt_key(job.messages, chunk_size), index, job.line, offset, crc, occurrence)
+                sorter.add(prompt_key(_keyed_messages(job), chunk_size), index, job.line, offset, crc, occurrence)
             merged = iter(sorter)
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
             for _, index, line, offset, crc, occurrence in merged:
@@ -335,3 +335,11 @@ class PrefixOrder:
                 yield index, item
         finally:
             sorter.close()
+
+
+def _keyed_messages(job) -> list[dict[str, str]]:
+    """A completions row's prompt keyed as one message (its text; token ids as their numbers)."""
+    if job.prompt is None:
+        return job.messages
+    text = job.prompt if isinstance(job.prompt, str) else " ".join(map(str, job.prompt))
+    return [{"role": "user", "content": text}]

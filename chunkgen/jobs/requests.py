@@ -25,6 +25,8 @@ from chunkgen.engine.params import KINDS, SAMPLING_NAMES, ParamError, SamplingPa
 from chunkgen.jobs.templates import Template
 
 OPENAI_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"  # a plain prompt, scored (echo, logprobs) and/or continued
+OPENAI_URLS = (OPENAI_URL, COMPLETIONS_URL)
 STDIN = "-"
 
 
@@ -41,6 +43,15 @@ class Job:
     # For a row without an id: how many earlier id-less rows of the file ask the same request. Its
     # `line-N` id moves when lines are inserted above it; (request, occurrence) does not.
     occurrence: int | None = None
+    # A /v1/completions row: its prompt (text, or token ids) instead of messages, and whether the
+    # answer repeats the prompt (with its tokens' logprobs when logprobs are asked).
+    prompt: str | list[int] | None = None
+    echo: bool = False
+
+    @property
+    def source(self) -> str | list[int] | list[dict[str, str]]:
+        """What is tokenized: the prompt of a completions row, else the messages."""
+        return self.messages if self.prompt is None else self.prompt
 
     @functools.cached_property
     def request_hash(self) -> str:
@@ -48,6 +59,13 @@ class Job:
         one: the sha256 of `json.dumps({"messages", "params", "template"}, sort_keys=True,
         ensure_ascii=False)`, assembled from the JSON of its parts, since every row of a template
         repeats the same long system prompt and parameters (see _long_message_json)."""
+        if self.prompt is not None:  # a completions row: short enough to hash whole
+            text = json.dumps(
+                {"prompt": self.prompt, "echo": self.echo, "params": self.params.as_dict(), "template": None},
+                sort_keys=True,
+                ensure_ascii=False,
+            )
+            return hashlib.sha256(text.encode()).hexdigest()[:16]
         parts = [_message_json(m) for m in self.messages]
         # The digest of the text up to the first message's end, kept while the next rows repeat it.
         head = _hash_of_head(parts[0]).copy() if parts else hashlib.sha256(b'{"messages": [')
@@ -537,11 +555,17 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             seen.add(rid)
             if obj.get("method", "POST") != "POST":
                 raise RowError("method", "must be POST")
-            if obj.get("url", OPENAI_URL) != OPENAI_URL:
-                raise RowError("url", f"only {OPENAI_URL} is supported, got {obj.get('url')!r}")
+            url = obj.get("url", OPENAI_URL)
+            if url not in OPENAI_URLS:
+                raise RowError("url", f"only {' and '.join(OPENAI_URLS)} are served, got {url!r}")
             body = obj.get("body")
             if not isinstance(body, dict):
                 raise RowError("body", f"must be an object, got {_kind(body)}")
+            if url == COMPLETIONS_URL:
+                job = _completions_job(rid, number, body, defaults)
+                job.request_hash  # computed here, so a row it fails on fails alone
+                yield job
+                continue
             bad = _unsupported(body)
             if bad is not None:
                 raise RowError(f"body.{bad}", "is not supported by chunkgen")
@@ -569,6 +593,9 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 OPENAI_OVERRIDES,
                 prefix="body.",
             )
+            if params.max_new_tokens == 0:  # only a completions row may ask for none (to score its prompt)
+                key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+                raise RowError(f"body.{key}", "must be an integer >= 1, got 0")
             body_constraints = {
                 "response_format": schema,
                 "guided_regex": body.get("guided_regex"),
@@ -596,3 +623,69 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             yield ErrorRecord(rid if isinstance(rid, str) else None, number, None, _unreadable(exc))
             continue
         yield job
+
+
+# -- OpenAI /v1/completions rows -------------------------------------------------------------------
+COMPLETIONS_OVERRIDES = {
+    **{k: k for k in SAMPLING_NAMES if k not in ("max_new_tokens", "logprobs", "prompt_logprobs", *KINDS)},
+    "max_tokens": "max_new_tokens",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+}
+COMPLETIONS_OWN = ("prompt", "echo", "logprobs", "suffix", "best_of")
+COMPLETIONS_MAX_TOKENS = 16  # the API's default when a row sets none
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A completions prompt: a string, token ids, or a list holding one of those."""
+    field = "body.prompt"
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise RowError(field, "must not be empty")
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
+        return [int(t) for t in value]
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise RowError(field, f"holds {len(value)} prompts; give one prompt per row (each row gets its own custom_id)")
+    raise RowError(field, f"must be a string or a list of token ids, got {_kind(value)}")
+
+
+def _completions_job(rid: str, number: int, body: dict[str, Any], defaults: dict[str, Any]) -> Job:
+    """A /v1/completions row: prompt, max_tokens (0: score only), echo, logprobs (top-k per token),
+    and the sampling fields chat rows take."""
+    if body.get("suffix") is not None:
+        raise RowError(
+            "body.suffix", "is not supported: chunkgen continues a prompt, it does not fill in before a suffix"
+        )
+    best_of = body.get("best_of")
+    if best_of not in (None, 1) and best_of != body.get("n", 1):
+        raise RowError("body.best_of", "is not supported (use n)")
+    for key, value in body.items():
+        if key not in COMPLETIONS_OVERRIDES and key not in OPENAI_IGNORED and key not in COMPLETIONS_OWN:
+            harmless = (key == "stream" and value in (False, None)) or (key == "logit_bias" and not value)
+            if not harmless:
+                raise RowError(f"body.{key}", "is not supported by chunkgen")
+    prompt = _prompt(body.get("prompt"))
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RowError("body.echo", f"must be true or false, got {_kind(echo)}")
+    top = body.get("logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise RowError("body.logprobs", f"must be an integer (alternatives per token), got {_kind(top)}")
+    values = {"max_new_tokens": COMPLETIONS_MAX_TOKENS}
+    values.update((k, v) for k, v in defaults.items() if k not in ("logprobs", *KINDS))
+    # Echo shows the prompt's tokens: scored when logprobs are asked (their entries), and for a
+    # prompt of token ids also without (their texts come with the entries).
+    scored = top if top is not None else (0 if echo and isinstance(prompt, list) else None)
+    row = {**body, "logprobs": top, "prompt_logprobs": scored if echo else None}
+    names = {**COMPLETIONS_OVERRIDES, "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
+    params = _params(values, row, names, prefix="body.")
+    if params.max_new_tokens == 0 and not echo:
+        raise RowError("body.max_tokens", "is 0 without echo: nothing would be returned")
+    return Job(rid, number, [], params, None, data=(), prompt=prompt, echo=echo)

@@ -209,7 +209,7 @@ def answer(
                 index, job = item
                 taken += 1
                 try:
-                    tokens = encode(job.messages, job.data, job.layout)
+                    tokens = encode(job.source, job.data, job.layout)
                 except PromptTooLong as exc:  # refused before it was tokenized
                     yield Answer(
                         index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkgen import bounded
-from chunkgen.jobs.requests import TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
+from chunkgen.jobs.requests import OPENAI_URLS, TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
 from chunkgen.jobs.templates import Template
 
 SAMPLE_ROWS = 20  # rows read to judge the file: enough that one odd row decides nothing
@@ -82,6 +82,13 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
         what = "the first row" if len(rows) == 1 else f"none of the first {len(rows)} rows"
         raise FileMistake(f"{path}: {what} is a JSON object; the file looks like {_looks_like(lines)}")
     if fmt == "openai" or not templates or any(_looks_openai(o) for o in objects):
+        urls = [o.get("url") for o in objects if _looks_openai(o)]
+        if urls and all(u is not None and u not in OPENAI_URLS for u in urls):
+            shown = ", ".join(map(repr, dict.fromkeys(map(str, urls))))
+            raise FileMistake(
+                f"{path}: the first {len(urls)} rows ask for {shown}, which chunkgen does not serve; "
+                f"it answers {' and '.join(OPENAI_URLS)}"
+            )
         return
     only = next(iter(templates.values())) if len(templates) == 1 else None
     for t in templates.values():

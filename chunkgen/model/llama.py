@@ -426,6 +426,13 @@ class LlamaModel:
         batch of tokens). Linear layers see all new tokens at once; attention (kernels/prefill.py)
         reads each sequence's cached path from the pool and its new tokens causally. Returns the
         logits of `step.logit_rows`, or None when no row wants them."""
+        h = self.prefill_hidden(step, pool)
+        return self._logits(h[step.logit_rows]) if step.logit_rows else None
+
+    @torch.inference_mode()
+    def prefill_hidden(self, step: PrefillStep, pool: ChunkPool) -> torch.Tensor:
+        """The wave's final-normed hidden states, every row: a scored prompt reads its tokens'
+        logprobs off them (`_logits` of the rows it wants, a slice at a time)."""
         rows = step.tokens.numel()
         x = self._embed(step.tokens)
         attn = torch.empty(rows, self.q_heads, self.head_dim, dtype=x.dtype, device=x.device)
@@ -440,8 +447,7 @@ class LlamaModel:
             )
             return attn.view(rows, -1)
 
-        h = self._layers(x, step.positions, q, attend)
-        return self._logits(h[step.logit_rows]) if step.logit_rows else None
+        return self._layers(x, step.positions, q, attend)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -237,7 +237,7 @@ def test_seeds_span_63_bits():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("max_new_tokens", 0),
+        ("max_new_tokens", -1),
         ("max_new_tokens", 5.0),
         ("max_new_tokens", "5"),
         ("max_new_tokens", True),
@@ -280,7 +280,7 @@ def test_each_bad_value_is_a_param_error_naming_its_field(field, value):
 def test_param_messages_read_well_and_good_values_are_normalised():
     with pytest.raises(ParamError, match=r"^temperature must be a number >= 0, got nan$"):
         SamplingParams(temperature=math.nan)
-    with pytest.raises(ParamError, match=r"^max_new_tokens must be an integer >= 1, got 5\.0$"):
+    with pytest.raises(ParamError, match=r"^max_new_tokens must be an integer >= 0, got 5\.0$"):
         SamplingParams(max_new_tokens=5.0)
     p = SamplingParams(temperature=1, top_p=1, stop="###", stop_token_ids=[5], seed=0, n=128)
     assert p.stop == ("###",) and p.stop_token_ids == (5,) and isinstance(p.temperature, float)
