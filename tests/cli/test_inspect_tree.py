@@ -8,7 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from chunkgen.cli import app
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 runner = CliRunner()
 
