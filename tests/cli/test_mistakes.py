@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROMPTS, ROOT
+from tests.helpers import PROMPTS, ROOT
 
 USAGE, ERROR, INTERRUPTED = 2, 1, 130
 QUESTIONS = '{"id": "a", "question": "What is 2 + 2?"}\n{"id": "b", "question": "Is 7 prime?"}\n'

@@ -29,8 +29,7 @@ from chunkgen.jobs.requests import (
 )
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
 from chunkgen.jobs.writer import OutputExists, ResultWriter
-from tests.conftest import PROMPTS
-from tests.helpers import openai_row, rows_of
+from tests.helpers import PROMPTS, openai_row, rows_of
 
 
 def templates():
