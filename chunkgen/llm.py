@@ -15,8 +15,8 @@ from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, resolve_model
 from chunkgen.model.llama import float_linear
 from chunkgen.model.quant import describe, linear_factory
-from chunkgen.scoring import ChoiceJob, ChoiceResult, ContinuationScore, rolling_windows, score_stream
 from chunkgen.prompt import Layout, Prompt, check_chat_template, encode_prompt
+from chunkgen.scoring import ChoiceJob, ChoiceResult, ContinuationScore, rolling_windows, score_stream
 
 __all__ = ["LLM", "Prompt", "check_chat_template", "encode_prompt"]
 

@@ -13,8 +13,9 @@ first token); the context's earlier tokens are never computed twice.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.engine.engine import Engine

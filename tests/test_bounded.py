@@ -16,8 +16,7 @@ from chunkgen.bounded import ROW_BYTES, Overlong, TooLarge, lines, read_text
 from chunkgen.jobs.requests import ErrorRecord, Job, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.cli.test_mistakes import _env
-from tests.conftest import PROMPTS
-from tests.helpers import rows_of
+from tests.helpers import PROMPTS, rows_of
 
 
 def test_a_device_or_an_endless_file_is_refused_not_read():

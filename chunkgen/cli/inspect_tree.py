@@ -106,8 +106,7 @@ def _print_figures(forecast, st, config) -> None:
         "'from cache' count; a run with more prompts than --max-batch may differ by a few tokens), while its "
         "peak KV memory counts only the sequences running at once, with their answers\n"
         f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
-        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
-        "a smaller --chunk-size lowers it",
+        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored",
         highlight=False,
     )
     hits = Table(
@@ -124,6 +123,15 @@ def _print_figures(forecast, st, config) -> None:
             f"{100 * r.hit_rate:.1f}%",
         )
     stdout.print(hits)
+    if budget < st.bytes_shared:
+        stdout.print(
+            f"--kv-memory {human_bytes(budget)} is below the {human_bytes(st.bytes_shared)} the prompts need at once "
+            "(with sharing): a run holds fewer of them together, so rows wait for others to finish, cached "
+            "prefixes are evicted and computed again (the hit rates above count this), and a sequence whose "
+            "answer outgrows the memory is preempted and recomputed; "
+            f"--kv-memory {human_bytes(st.bytes_shared)} plus room for the answers would hold them all",
+            highlight=False,
+        )
     if forecast.too_long:
         stdout.print(
             f"{forecast.too_long} prompt(s) do not fit in --kv-memory {human_bytes(budget)} at all: a run refuses them"

@@ -42,7 +42,7 @@ from chunkgen.config import (
     Config,
 )
 from chunkgen.jobs.source import JobSource, check_format, check_queries_path
-from chunkgen.jobs.stop import EXIT_SIGNAL, StopFlag
+from chunkgen.jobs.stop import EXIT_SIGNAL, Interrupted, StopFlag
 
 OUTPUT_ORDERS = ("completion", "input")
 
@@ -205,6 +205,12 @@ def _answer(
             summary = _run_local(source, writer, config, stop_flag, quiet, json_log)
     except (OutputError, QueryFileChanged, TempSpaceError) as exc:
         fail(str(exc))
+    except Interrupted as exc:  # during the model load: nothing was answered, nothing to keep
+        if writer is not None:
+            writer.close()
+        name = signal.Signals(exc.signum).name
+        err.print(f"interrupted ({name}) while the model loaded; nothing was answered", highlight=False)
+        raise typer.Exit(EXIT_SIGNAL[exc.signum]) from None
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
         stop_flag.settle()
         if writer is not None:
@@ -233,7 +239,8 @@ def _answer(
 def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, quiet: bool, json_log: bool):
     from chunkgen.jobs.run import run_job
 
-    llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line")
+    with stop_flag.at_once():  # a signal during the load ends the run now, not after the load
+        llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line")
     if source.prefix_order is not None and not (quiet or json_log):
         err.print(
             "--order prefix: every row is read and keyed by its prompt's text before the first is answered, so rows "
@@ -251,6 +258,7 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
             should_stop=stop_flag,
             on_progress=on_progress,
             order=source.prefix_order,
+            on_note=None if quiet else _json_note if json_log else _note,
         )
     finally:
         stop_progress()

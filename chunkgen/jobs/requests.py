@@ -563,7 +563,7 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 raise RowError("body", f"must be an object, got {_kind(body)}")
             if url == COMPLETIONS_URL:
                 job = _completions_job(rid, number, body, defaults)
-                job.request_hash  # computed here, so a row it fails on fails alone
+                _ = job.request_hash  # computed here, so a row it fails on fails alone
                 yield job
                 continue
             bad = _unsupported(body)

@@ -180,6 +180,23 @@ class Answer:
     result: Result | None = None
 
 
+def kv_shortfall(engine: Engine, tokens: int, job: Job) -> str | None:
+    """Why the KV budget cannot hold this row's samples at once (each sample's answer in chunks of
+    its own beside the shared prompt), with the budget that would; None when it can."""
+    pool, chunk = engine.pool, engine.config.chunk_size
+    n, new = job.params.n, job.params.max_new_tokens
+    slots = tokens // chunk + n * -(-(tokens % chunk + new) // chunk)
+    if slots <= pool.max_slots:
+        return None
+    from chunkgen.device import human_bytes
+
+    return (
+        f"the KV budget ({human_bytes(pool.max_slots * pool.bytes_per_slot)}) cannot hold line {job.line}'s {n} "
+        f"sample(s) of up to {new} tokens beside its {tokens}-token prompt at once, so such rows run a few "
+        f"samples at a time, many times slower; --kv-memory {human_bytes(slots * pool.bytes_per_slot)} would hold them"
+    )
+
+
 def answer(
     engine: Engine,
     encode: Encode,
@@ -188,6 +205,7 @@ def answer(
     window: int = 256,
     should_stop: Callable[[], bool] = never,
     on_step: Callable[[], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
@@ -196,6 +214,7 @@ def answer(
     source = iter(jobs)
     pending: dict[int, Job] = {}
     exhausted = False
+    warned = False
     while not should_stop():
         if not exhausted and engine.num_waiting < window:
             batch: list[Request] = []
@@ -219,6 +238,9 @@ def answer(
                     err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
                     yield Answer(index, fmt.error_record(err, job.request_hash))
                     continue
+                if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
+                    on_note(why)  # once a job: every such row is slow for the same reason
+                    warned = True
                 batch.append(Request(index, tokens, job.params))
                 pending[index] = job
             exhausted = taken < want and not idle
@@ -244,6 +266,7 @@ def run_job(
     should_stop: Callable[[], bool] = never,
     on_progress: Callable[[JobProgress], None] | None = None,
     order: PrefixOrder | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> JobSummary:
     """A whole local job: rows in, records out, nothing held but the window in flight. With an
     `order`, the rows still to answer are answered in prefix order (bad rows and rows answered
@@ -273,7 +296,7 @@ def run_job(
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
-    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report):
+    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note):
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1

@@ -29,6 +29,17 @@ class Template:
     description: str = ""
     output: dict[str, Any] = field(default_factory=dict)  # [output]: one constraint (json_schema as loaded)
 
+    @classmethod
+    def from_file(cls, path: str | Path) -> Template:
+        """A template file read as `chunkgen run --template` reads it (the same checks, the system
+        prompt stripped as the command line strips it), so the Python API builds the same prompts:
+        `llm.generate([t.messages(row) for row in rows], t.params())`."""
+        return load_template(path)
+
+    def params(self, **overrides: Any) -> SamplingParams:
+        """The template's [sampling] and [output] as SamplingParams, with `overrides` on top."""
+        return SamplingParams(**{**self.sampling, **self.output, **overrides})
+
     def messages(self, values: dict[str, str]) -> list[dict[str, str]]:
         """Chat messages for one query. Values are inserted as plain text: braces inside them are
         never expanded, because only the template string is parsed."""

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from chunkgen.cli import EXIT_BAD_INPUT_LINES, app
-from tests.conftest import PROMPTS, ROOT
-from tests.helpers import base_args, records, run_cli, runner
+from tests.helpers import PROMPTS, ROOT, base_args, records, run_cli, runner
 
 
 def test_run_writes_one_record_per_query_and_refuses_overwrite(tiny_model, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")  # the `eval` extra; `make test` installs it
 
-from tests.conftest import ROOT  # noqa: E402
+from tests.helpers import ROOT  # noqa: E402
 
 TASKS = ["water_mc", "water_rolling", "water_gen"]
 

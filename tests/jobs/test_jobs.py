@@ -29,8 +29,7 @@ from chunkgen.jobs.requests import (
 )
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
 from chunkgen.jobs.writer import OutputExists, ResultWriter
-from tests.conftest import PROMPTS
-from tests.helpers import openai_row, rows_of
+from tests.helpers import PROMPTS, openai_row, rows_of
 
 
 def templates():
@@ -649,3 +648,21 @@ def test_fuzzed_rows_each_become_a_job_or_an_error_record_and_a_writable_record(
             else:
                 record = fmt.error_record(item)
             assert json.loads(encode_record(record))["line"] == item.line
+
+
+def test_a_kv_budget_too_small_for_a_rows_samples_is_said_once(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    template = tmp_path / "t.toml"
+    template.write_text('system = "S"\nuser = "{q}"\n')
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"id": f"r{i}", "q": f"Is {i} odd?", "n": 8}) + "\n" for i in range(3)))
+    args = ["run", "-t", str(template), "-q", str(queries), "-o", str(tmp_path / "out.jsonl"), "--model"]
+    args += [str(tiny_model), "--chunk-size", "16", "--kv-memory", "96KiB", "--max-new-tokens", "40", "--dtype", "fp32"]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    warnings = [l for l in res.output.splitlines() if "cannot hold line" in l]
+    assert len(warnings) == 1, res.output
+    assert "8 sample(s)" in warnings[0] and "KiB would hold them" in warnings[0]

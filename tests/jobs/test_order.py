@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, key_cuts, prompt_key
 from chunkgen.jobs.requests import read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 
 @settings(max_examples=80, deadline=None)

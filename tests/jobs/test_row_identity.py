@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 from chunkgen.cli import app
 from chunkgen.jobs.requests import ErrorRecord, read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.conftest import PROMPTS
-from tests.helpers import base_args, records
+from tests.helpers import PROMPTS, base_args, records
 
 runner = CliRunner()
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from chunkgen.model import ModelNotFound, check_model_dir, load_hf
 from chunkgen.model.folder import FolderRefused, check_folder, check_loaded, check_sizes
 from tests.cli.test_mistakes import _env
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 MARKER_CODE = """
 import os

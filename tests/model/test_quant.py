@@ -198,7 +198,7 @@ def test_default_gguf_weights_as_shipped(default_model_dir):
     from transformers import AutoModelForCausalLM
 
     from chunkgen.model.loading import SOURCE_FILE, load_tokenizer
-    from tests.conftest import PROMPTS
+    from tests.helpers import PROMPTS
 
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     gguf_file = json.loads((default_model_dir / SOURCE_FILE).read_text())["gguf"]

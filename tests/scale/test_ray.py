@@ -212,7 +212,7 @@ def test_a_killed_driver_leaves_no_process_of_its_cluster(tiny_model, tmp_path):
 
     import psutil
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     queries = tmp_path / "q.jsonl"
     queries.write_text("".join(json.dumps({"id": f"r{i}", "question": f"{i} + {i}?"}) + "\n" for i in range(200)))
@@ -277,7 +277,7 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
 
     import psutil
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     ray_cli = str(Path(sys.executable).with_name("ray"))
     env = {
