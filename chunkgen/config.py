@@ -14,8 +14,9 @@ model/precision.py: dtype); this module composes them and holds the defaults, ea
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -61,6 +62,22 @@ def _on_off(option: str, value: bool | str) -> bool:
     raise OptionError(option, f"must be on or off, not {value!r}")
 
 
+def _quantize(value: str, device: str, dummy: bool) -> str:
+    """--quantize checked: none, auto, int8, or (random weights only) a GGUF type the kernel runs."""
+    from chunkgen.model.quant import GGUF_TYPES
+
+    value = str(value).lower()
+    if value in GGUF_TYPES and not dummy:
+        raise OptionError("--quantize", f"{value} is for --dummy-weights; a GGUF file runs its own types (auto)")
+    if value not in ("none", "auto", "int8", *GGUF_TYPES):
+        raise OptionError("--quantize", f"must be auto, none or int8 (or {', '.join(GGUF_TYPES)}), not {value!r}")
+    if value not in ("none", "auto") and device.startswith("cuda"):
+        raise OptionError(
+            "--quantize", f"{value} runs on the CPU; on a GPU quantized weights are dequantized to floats at load"
+        )
+    return value
+
+
 def read_ahead_window(max_batch: int) -> int:
     """Rows a job reads, validates and tokenizes ahead of the engine: enough to refill the batch
     several times over between two reads, never so many that memory grows with the file."""
@@ -90,6 +107,7 @@ class Config:
     # A row's numbers do not depend on the rows run beside it (docs/batch-invariance.md); off: each
     # kernel call's fastest plan.
     batch_invariant: bool = True
+    quantize: str = "none"  # linear weights: none, auto (a GGUF's own types), int8, or a GGUF type (random weights)
     why: Mapping[str, str] = field(default_factory=dict)
     auto: frozenset[str] = frozenset()  # the options among device, dtype, kv_memory, max_batch asked as auto
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
@@ -114,6 +132,7 @@ class Config:
         dummy_weights: str | None = None,
         seed: int = 0,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        quantize: str = "none",
         found: Accelerator | None = None,
     ) -> Config:
         """Every option checked and every `auto` decided; raises OptionError naming the option."""
@@ -126,6 +145,7 @@ class Config:
         invariant = _on_off("--batch-invariant", batch_invariant)
         batch = _option("--max-batch", choose_max_batch, max_batch)
         dev = _device(device, found)
+        quantize = _quantize(quantize, dev.device, dummy_weights is not None)
         dtype_choice = _option("--dtype", choose_dtype, dtype, dev.device, suffix=" or auto")
         budget = _kv_budget(kv_memory, dev.device)
         notes = ()
@@ -150,6 +170,7 @@ class Config:
             chat_template=chat_template,
             order=order,
             batch_invariant=invariant,
+            quantize=quantize,
             notes=notes,
             auto=frozenset(
                 k

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -176,7 +178,7 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
-def device_guard(device: str | torch.device) -> ContextManager[Any]:
+def device_guard(device: str | torch.device) -> AbstractContextManager[Any]:
     """Makes `device` the current CUDA device while the block runs, so what reads the current device
     (new streams, graph capture, the kernels' launches) lands on it; nothing on the CPU."""
     dev = torch.device(device)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -13,72 +13,12 @@ from chunkgen.config import Config
 from chunkgen.device import device_guard, free_bytes
 from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, resolve_model
+from chunkgen.model.llama import float_linear
+from chunkgen.model.quant import describe, linear_factory
+from chunkgen.prompt import Layout, Prompt, check_chat_template, encode_prompt
+from chunkgen.scoring import ChoiceJob, ChoiceResult, ContinuationScore, rolling_windows, score_stream
 
-Prompt = str | list[dict[str, str]] | list[int]
-
-
-def _control_strings(tokenizer) -> tuple[str, ...]:
-    """Texts the tokenizer turns into control tokens (<|im_start|>, </s>, ...)."""
-    found = set(getattr(tokenizer, "all_special_tokens", ()))
-    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if getattr(tok, "special", False):
-            found.add(tok.content)
-    return tuple(sorted(s for s in found if s))
-
-
-def _render(tokenizer, messages: list[dict[str, str]]) -> str | None:
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return None
-
-
-def encode_prompt(tokenizer, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
-    """Token ids of a prompt: chat messages go through the model's chat template when it has one.
-
-    `data` are the user-supplied strings inside the messages (template values, batch-file contents).
-    They are tokenized as text, so a value holding "<|im_end|><|im_start|>system" cannot forge a chat
-    turn; the template's own control tokens stay. Rows without such strings are tokenized exactly as
-    transformers would tokenize the rendered prompt."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    if not prompt or not isinstance(prompt[0], dict):
-        return list(prompt)
-    rendered = _render(tokenizer, prompt)
-    controls = _control_strings(tokenizer)
-    hostile = [d for d in dict.fromkeys(data) if d and any(c in d for c in controls)]
-    if not hostile:
-        if rendered is None:
-            return tokenizer("\n\n".join(m["content"] for m in prompt))["input_ids"]
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    # Render again with a private-use marker standing for each hostile value, then tokenize the
-    # template's pieces as usual and the values with control tokens split into plain text.
-    marks = {f"\ue000{i}\ue001": v for i, v in enumerate(hostile)}
-    masked = []
-    for m in prompt:
-        content = m["content"]
-        for mark, value in marks.items():
-            content = content.replace(value, mark)
-        masked.append({**m, "content": content})
-    text = _render(tokenizer, masked)
-    ids: list[int] = []
-    if text is None:
-        text = "\n\n".join(m["content"] for m in masked)
-        ids = list(tokenizer("", add_special_tokens=True)["input_ids"])  # what a plain call prepends (BOS)
-    for piece in re.split("(\ue000\\d+\ue001)", text):
-        if piece in marks:
-            ids += tokenizer(marks[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        elif piece:
-            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
-    return ids
-
-
-def check_chat_template(tokenizer, where: str) -> None:
-    """Fails before any work when the model's chat template cannot render a plain user turn
-    (transformers renders it in a sandbox that refuses some templates)."""
-    try:
-        _render(tokenizer, [{"role": "user", "content": "hello"}])
-    except Exception as exc:
-        raise ValueError(f"{where}: the model's chat template cannot be used ({type(exc).__name__}: {exc})") from None
+__all__ = ["LLM", "Prompt", "check_chat_template", "encode_prompt"]
 
 
 class LLM:
@@ -116,7 +56,9 @@ class LLM:
                 hf_model, self.tokenizer = self._random_weights(config.dummy_weights, config.dtype, dev, config.seed)
                 self.model_path = None
                 own_dtype = "auto: the config's dtype on a GPU"
-            self.model = LlamaModel(hf_model)
+            make = linear_factory(config.quantize, dev, hf_model, self.model_path, config.seed)
+            self.model = LlamaModel(hf_model, make or float_linear)
+            self.quantized = describe(make)  # what runs on quantized weights, for the load line
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
             if dev == "cpu":
                 keep_freed_pages()  # after the load: its temporaries go back to the OS
@@ -140,9 +82,9 @@ class LLM:
         if config.device != "cpu" or config.kv_dtype is None or config.kv_memory is None:
             return
         try:
-            from transformers import AutoConfig
+            from chunkgen.model.loading import model_config
 
-            shape = kv_shape(AutoConfig.from_pretrained(path))
+            shape = kv_shape(model_config(path))
         except Exception:  # load_hf says what is wrong with the model, in its words
             return
         self._kv = KVReservation(ChunkPool.for_run(shape, config))
@@ -181,21 +123,141 @@ class LLM:
         shared = self._kv if self._kv.fits(cfg.chunk_size, cfg.kv_dtype, cfg.kv_memory) else None
         return Engine(self.model, self.tokenizer, cfg, kv=shared)
 
-    def encode(self, prompt: Prompt, data: Sequence[str] = ()) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, data)
+    def encode(self, prompt: Prompt, data: Sequence[str] = (), layout: Layout | None = None) -> list[int]:
+        """Token ids of a prompt (see prompt.encode_prompt), no further than the context + 1."""
+        return encode_prompt(self.tokenizer, prompt, data, layout, max_tokens=self.model.max_context)
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Results in completion order, as soon as each finishes."""
         return self.engine.stream(requests)
 
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
     ) -> list[Result]:
-        """Results in input order."""
+        """Results in input order. `progress`: a bar on stderr (rows, prefill until the first
+        answers, recent tok/s, time left); None shows it when stderr is a terminal, False never."""
+        from chunkgen.progress import GenerateBar, Snapshot
+
         params = params or SamplingParams()
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         requests = [Request(i, self.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, per))]
         results: list[Result | None] = [None] * len(requests)
-        for res in self.stream(requests):
-            results[res.id] = res
+        engine = self.engine
+        bar = GenerateBar(len(requests), enabled=progress)
+        done = 0
+        try:
+            engine.add(requests)
+            while engine.has_work:
+                for res in engine.step():
+                    results[res.id] = res
+                    done += 1
+                s = engine.stats
+                bar.update(
+                    Snapshot(
+                        done,
+                        len(requests),
+                        s.generated_tokens,
+                        s.prompt_tokens,
+                        s.queued_prompt_tokens,
+                        engine.num_running,
+                    )
+                )
+        finally:
+            bar.close()
         return results  # type: ignore[return-value]
+
+    # -- scoring (chunkgen/scoring.py) ----------------------------------------------------------
+    def score(
+        self, contexts: Sequence[str | list[int]], continuations: Sequence[Sequence[str | list[int]]]
+    ) -> list[ChoiceResult]:
+        """Each context's continuations scored (lm-evaluation-harness's loglikelihood), in input
+        order: per continuation its total logprob, token count and whether it is greedy; `best`
+        is the likeliest. A context is prefilled once for all its continuations. Text is split as
+        lm-evaluation-harness splits it: the context encoded alone (with BOS where the tokenizer
+        adds one), the continuation as the tokens that encoding context + continuation adds."""
+        jobs = []
+        for i, (ctx, conts) in enumerate(zip(contexts, continuations, strict=True)):
+            pairs = [encode_pair(self.tokenizer, ctx, c) for c in conts]
+            context = pairs[0][0] if pairs else []
+            if any(p[0] != context for p in pairs):  # a trailing space moved: each pair on its own
+                jobs += [ChoiceJob((i, j), p[0], [p[1]]) for j, p in enumerate(pairs)]
+            else:
+                jobs.append(ChoiceJob(i, context, [p[1] for p in pairs]))
+        return [_joined(i, p) for i, p in enumerate(_gathered(score_stream(self.engine, jobs), len(contexts)))]
+
+    def score_rolling(self, texts: Sequence[str | list[int]], max_length: int | None = None) -> list[ChoiceResult]:
+        """The loglikelihood of each whole text (perplexity: exp(-logprob / num_tokens)), scored
+        in windows of at most max_length tokens (default: the model's context), each conditioned
+        on the text just before it: one ChoiceResult per text with one ContinuationScore."""
+        max_length = max_length or self.model.max_context
+        prefix = prefix_token(self.tokenizer)
+        jobs = []
+        for i, text in enumerate(texts):
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) else list(text)
+            windows = rolling_windows(ids, prefix, max_length)
+            jobs += [ChoiceJob((i, j), ctx, [cont]) for j, (ctx, cont) in enumerate(windows)]
+        return [_summed(i, p) for i, p in enumerate(_gathered(score_stream(self.engine, jobs), len(texts)))]
+
+
+def prefix_token(tokenizer) -> int:
+    """What stands before a text scored from its first token: BOS, else EOS (as lm-evaluation-harness's hf backend)."""
+    for t in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if t is not None:
+            return t
+    raise ValueError("the tokenizer has neither an EOS nor a BOS token to score a text's first token after")
+
+
+def encode_pair(tokenizer, context: str | list[int], continuation: str | list[int]) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids), split as lm-evaluation-harness's HF backend splits them:
+    trailing spaces of the context go with the continuation; the continuation's ids are what
+    encoding context + continuation adds after the context's own encoding; an empty context is
+    the prefix token (BOS, else EOS)."""
+    if isinstance(context, str) and not context:
+        cont = (
+            tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            if isinstance(continuation, str)
+            else list(continuation)
+        )
+        return [prefix_token(tokenizer)], cont
+    if not isinstance(context, str) or not isinstance(continuation, str):
+        ctx = tokenizer(context)["input_ids"] if isinstance(context, str) else list(context)
+        cont = (
+            tokenizer(continuation, add_special_tokens=False)["input_ids"]
+            if isinstance(continuation, str)
+            else list(continuation)
+        )
+        return ctx, cont
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        continuation, context = context[-spaces:] + continuation, context[:-spaces]
+    whole = tokenizer(context + continuation)["input_ids"]
+    ctx = tokenizer(context)["input_ids"]
+    return ctx, whole[len(ctx) :]
+
+
+def _gathered(results: Iterable[ChoiceResult], n: int) -> list[list[ChoiceResult]]:
+    """Results of jobs keyed i or (i, j), gathered per input i in j order."""
+    parts: list[list[tuple[int, ChoiceResult]]] = [[] for _ in range(n)]
+    for r in results:
+        i, j = r.id if isinstance(r.id, tuple) else (r.id, 0)
+        parts[i].append((j, r))
+    return [[r for _, r in sorted(got, key=lambda t: t[0])] for got in parts]
+
+
+def _joined(i: int, parts: list[ChoiceResult]) -> ChoiceResult:
+    failed = next((r for r in parts if r.error), None)
+    if failed is not None:
+        return ChoiceResult(i, [], error=failed.error)
+    return ChoiceResult(i, [c for r in parts for c in r.choices])
+
+
+def _summed(i: int, parts: list[ChoiceResult]) -> ChoiceResult:
+    """The windows of one text as one score."""
+    joined = _joined(i, parts)
+    if joined.error or not joined.choices:
+        return joined
+    lps = [lp for c in joined.choices for lp in c.token_logprobs]
+    return ChoiceResult(i, [ContinuationScore(sum(lps), len(lps), all(c.greedy for c in joined.choices), lps)])

@@ -63,6 +63,23 @@ struct DecodeProblem {
   const int32_t* write_offset = nullptr;
 };
 
+// The step's K/V rows into one layer of the pool on the GPU (csrc/cuda/kv_write.cu), in one launch:
+// row b's k, v [kv_heads, head_dim] (any strides, in elements; converted to the pool's dtype) go
+// to (slot[b], offset[b]) of the layer's contiguous K [slots, kv_heads, head_dim, chunk] and
+// V [slots, kv_heads, chunk, head_dim]. Every pointer is device memory.
+struct KVWriteProblem {
+  const void* k;
+  const void* v;
+  KVType src_type;
+  int64_t k_stride[3], v_stride[3];
+  void* k_layer;
+  void* v_layer;
+  KVType pool_type;
+  const int32_t* slot;
+  const int32_t* offset;
+  int rows, kv_heads, head_dim, chunk;
+};
+
 void decode_attention_cpu(const DecodeProblem& p);
 int simd_width();  // fp32 lanes the CPU kernel was compiled for
 // The CPU kernel path a bf16 call takes now: "amx", "avx512_bf16", or the fp32 path ("avx512",

@@ -33,6 +33,7 @@ void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const
 #ifdef CHUNKGEN_WITH_CUDA
 void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o,
                                float* part_m, float* part_l, void* stream);
+void write_kv_cuda_raw(const KVWriteProblem& p, void* stream);
 #endif
 
 namespace {
@@ -228,7 +229,33 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
   check_write(k, v, k_layer, write_slot, write_offset);
   const int64_t rows = k.size(0);
   if (rows == 0) return;
-  if (!k.device().is_cpu()) {  // one index_put_ per pool on the GPU: no host read of the indices
+#ifdef CHUNKGEN_WITH_CUDA
+  // On the GPU one kernel writes both (csrc/cuda/kv_write.cu): no host read of the indices, no
+  // int64 casts, one node in a step's graph instead of four or more.
+  if (k.is_cuda() && k_layer.is_contiguous() && v_layer.is_contiguous() && write_slot.is_contiguous() &&
+      write_offset.is_contiguous() && write_slot.scalar_type() == torch::kInt32 &&
+      write_offset.scalar_type() == torch::kInt32) {
+    KVWriteProblem p{};
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.src_type = kv_type_of(k);
+    for (int i = 0; i < 3; ++i) p.k_stride[i] = k.stride(i), p.v_stride[i] = v.stride(i);
+    p.k_layer = k_layer.data_ptr();
+    p.v_layer = v_layer.data_ptr();
+    p.pool_type = kv_type_of(k_layer);
+    TORCH_CHECK_TYPE(v_layer.scalar_type() == k_layer.scalar_type(), "k and v pools must share a dtype");
+    p.slot = write_slot.data_ptr<int32_t>();
+    p.offset = write_offset.data_ptr<int32_t>();
+    p.rows = static_cast<int>(rows);
+    p.kv_heads = static_cast<int>(k_layer.size(1));
+    p.head_dim = static_cast<int>(k_layer.size(2));
+    p.chunk = static_cast<int>(k_layer.size(3));
+    const c10::cuda::CUDAGuard guard(k.device());
+    write_kv_cuda_raw(p, c10::cuda::getCurrentCUDAStream(k.device().index()).stream());
+    return;
+  }
+#endif
+  if (!k.device().is_cpu()) {  // one index_put_ per pool elsewhere: no host read of the indices
     using torch::indexing::Slice;
     const auto slot = write_slot.to(torch::kLong), off = write_offset.to(torch::kLong);
     k_layer.index_put_({slot, Slice(), Slice(), off}, k.to(k_layer.scalar_type()));

@@ -16,7 +16,7 @@ from chunkgen.cli import app
 from chunkgen.device import GPU_KV_FRACTION, Accelerator, choose_device, choose_kv_memory, device_guard, on_model_device
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.model import dummy
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 runner = CliRunner()
 GPU = Accelerator(cuda=True, cuda_kernels=True, current=0)

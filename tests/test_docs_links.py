@@ -1,6 +1,7 @@
 """The documentation's links hold: every relative link of README.md, docs/ and benchmarks/ reaches a
-file (and a heading, when it names one), and every page of docs/ is linked from the README. No
-network: links with a scheme (https:, mailto:) are not followed. `make lint` runs this file."""
+file (and a heading, when it names one), every page of docs/ is linked from the README, and no
+page of docs/ holds a dated measurement. No network: links with a scheme (https:, mailto:) are not
+followed. `make lint` runs this file."""
 
 from __future__ import annotations
 
@@ -66,3 +67,16 @@ def test_the_checker_finds_a_broken_link(tmp_path):
     )
     assert links(page) == ["#a-title", "missing.md", "#nope"]
     assert anchors(page) == {"a-title"}
+
+
+def test_the_docs_pages_hold_no_dated_measurement():
+    # Dated figures live in benchmarks/results/ (one file per sitting, never edited); a page of docs/
+    # may link to them, and the README dates its headline tables, but a page holds no date itself.
+    dated = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = re.sub(r"\[[^\]]*\]\([^)]*benchmarks/results/[^)]*\)", "", page.read_text())
+        text = re.sub(r"benchmarks/results/[\w.-]+", "", text)  # a result's name, linked or not
+        dated += [
+            f"{page.relative_to(ROOT)}: {m.group(0)!r}" for m in re.finditer(r".{0,40}\b20\d\d-\d\d-\d\d\b", text)
+        ]
+    assert not dated, "dates in docs/ (move the measurement to benchmarks/results/ and link it):\n" + "\n".join(dated)

@@ -12,9 +12,9 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import torch
@@ -67,7 +67,7 @@ def _random_ids_workload(vocab: int, n_shared: int, n_queries: int, max_new_toke
 class PeakRSS:
     """Peak resident memory of this process while the block runs (sampled every 10 ms)."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self._proc = psutil.Process()
         self.peak = self._proc.memory_info().rss
         self._stop = threading.Event()
@@ -111,7 +111,9 @@ def transformers_model(llm: LLM):
 
         hf = random_model(llm.model.config, llm.model.dtype, llm.device, llm.config.seed, attn_implementation="sdpa")
     else:
-        hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(
+            llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa", trust_remote_code=False
+        )
     return hf.to(llm.device).eval()
 
 

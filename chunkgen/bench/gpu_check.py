@@ -30,9 +30,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 THRESHOLD = 1.15  # a cell this much slower than its baseline is a regression
 BUDGET_S = 360.0  # the whole run: one lent-GPU call
@@ -41,6 +41,7 @@ CONTROL_IMPLS = ("sdpa", "naive", "hf")  # torch's own kernels: they move with t
 E2E_MODEL = "smollm2-135m"
 E2E_ROWS = (32, 256)
 E2E_SYSTEMS = "hf,chunkgen_noshare,chunkgen"
+E2E_KV_MEMORY = "8GiB"  # fixed, not auto (85% of the GPU): transformers' generate runs in the same process
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
                                               "tests/kernels/test_cuda.py"], 120),
         Stage(
             "bench kernel bf16",
-            [*chunkgen, "bench", "kernel", "--device", "cuda", "--dtype", "bf16", "--repeats", "20",
+            [*chunkgen, "bench", "kernel", "--device", "cuda", "--kv-dtype", "bf16", "--repeats", "20",
              "--json", str(work / "kernel-bf16.json")],
             90,
             work / "kernel-bf16.json",
@@ -298,6 +299,7 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
                 f"bench e2e {rows} rows",
                 [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
                  "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", str(rows), "--max-batch", str(rows),
+                 "--kv-memory", E2E_KV_MEMORY,
                  "--systems", E2E_SYSTEMS, "--json", str(out)],
                 120,
                 out,
@@ -452,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     device, meta = gpu_identity()
-    now = _dt.datetime.now(_dt.timezone.utc)
+    now = _dt.datetime.now(_dt.UTC)
     meta = {
         **meta,
         "date": now.strftime("%Y-%m-%d"),

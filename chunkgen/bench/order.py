@@ -11,8 +11,8 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from chunkgen.bench.e2e import PeakRSS
 from chunkgen.llm import LLM
@@ -195,9 +195,9 @@ def run_order(
     """One `chunkgen run` of the file in `order`, on a fresh engine (empty cache) of the given budget."""
     from chunkgen.jobs.order import PrefixOrder, RowFile
     from chunkgen.jobs.requests import open_queries, read_rows, template_jobs
-    from chunkgen.jobs.writer import ResultWriter
     from chunkgen.jobs.run import run_job
     from chunkgen.jobs.templates import load_templates
+    from chunkgen.jobs.writer import ResultWriter
 
     templates = load_templates(template)
     defaults = {"max_new_tokens": max_new_tokens, "ignore_eos": True}  # every answer full length, as vLLM's bench
@@ -262,7 +262,7 @@ def run_order_bench(
     with tempfile.TemporaryDirectory(prefix="chunkgen-bench-order-") as tmp:
         base = work_dir or Path(tmp)
         template, queries = write_workload(base, rows)
-        prompts = [llm.encode(j.messages, j.data) for j in _jobs(template, queries)]
+        prompts = [llm.encode(j.messages, j.data, j.layout) for j in _jobs(template, queries)]
         floor = minimum_prefill(prompts)
         if kv_memory is None:  # a tenth of the distinct tokens, and room for two of the longest prompts
             tokens = max(floor // 10, 2 * (max(map(len, prompts)) + max_new_tokens))
@@ -302,7 +302,7 @@ def dump_token_ids(llm: LLM, rows: list[dict], max_new_tokens: int, path: Path) 
     another engine can be fed the very same prompts."""
     with tempfile.TemporaryDirectory() as tmp:
         template, queries = write_workload(Path(tmp), rows)
-        prompts = [llm.encode(j.messages, j.data) for j in _jobs(template, queries)]
+        prompts = [llm.encode(j.messages, j.data, j.layout) for j in _jobs(template, queries)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(

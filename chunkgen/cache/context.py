@@ -15,7 +15,8 @@ head of the same buffer, so `upload` moves a whole step to the device in one cop
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch

@@ -22,11 +22,9 @@ from chunkgen.cache.tree import PrefixTree
 
 def planning_pool(model_dir: Path | str, chunk_size: int, kv_dtype: torch.dtype, budget: int = 1 << 62) -> ChunkPool:
     """A ChunkPool with bookkeeping only, shaped like the model's KV cache (for sizes and plans)."""
-    from transformers import AutoConfig
+    from chunkgen.model.loading import model_config
 
-    return ChunkPool.for_config(
-        AutoConfig.from_pretrained(model_dir), chunk_size, kv_dtype, budget_bytes=budget, storage=False
-    )
+    return ChunkPool.for_config(model_config(model_dir), chunk_size, kv_dtype, budget_bytes=budget, storage=False)
 
 
 @dataclass

@@ -130,7 +130,7 @@ class ChunkPool:
         config,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype | None = None,
-    ) -> "ChunkPool":
+    ) -> ChunkPool:
         """The pool a run's `Config` asks for, for a model's (layers, kv_heads, head_dim): its chunk
         size, K/V dtype (`kv_dtype` where the config has none yet) and budget, with the slots of a
         full batch backed from the start."""
@@ -152,7 +152,7 @@ class ChunkPool:
         budget_bytes: int,
         device: torch.device | str = "cpu",
         storage: bool = True,
-    ) -> "ChunkPool":
+    ) -> ChunkPool:
         """A pool shaped for a Hugging Face model config (see kv_shape)."""
         layers, kv_heads, head_dim = kv_shape(config)
         return cls(layers, kv_heads, head_dim, chunk_size, dtype, budget_bytes, device=device, storage=storage)

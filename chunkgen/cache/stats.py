@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 from chunkgen.cache.pool import ChunkPool, PoolExhausted
 from chunkgen.cache.tree import PrefixTree

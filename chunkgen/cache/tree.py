@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Hashable, Iterator, Sequence
 
 from chunkgen.cache.pool import ChunkPool, PoolExhausted
 
@@ -32,12 +32,15 @@ REFINE_CANDIDATES = 4
 class Chunk:
     slot: int
     tokens: list[int]
-    parent: "Chunk | None"
-    children: list["Chunk"] = field(default_factory=list)
+    parent: Chunk | None
+    children: list[Chunk] = field(default_factory=list)
     ref: int = 0
     last_used: int = 0
     ready: bool = False  # K/V written; only ready chunks are matched by later prompts
     pos: int = 0  # index in parent.children, so a detach is O(1)
+    # Prompt logprobs of its tokens, once a scored prompt computed them (engine/prompt_scores.py):
+    # one entry per token, None where not computed. Kept with the chunk so a shared prefix is scored once.
+    scores: list | None = None
 
     def __repr__(self) -> str:  # the default would recurse through parent/children
         return f"Chunk(slot={self.slot}, n={len(self.tokens)}, ref={self.ref}, children={len(self.children)})"
@@ -127,13 +130,18 @@ class PrefixTree:
                 # The pinned copy source may hold the very slot that is missing: recompute instead.
                 self._release(copy_src)
                 copy_src, copy_len = None, 0
+        copied_scores = None
         if copy_src is not None:
             self.pool.copy_tokens(copy_src.slot, slots[0], copy_len)
+            if copy_src.scores is not None:
+                copied_scores = copy_src.scores[:copy_len]
             self._release(copy_src)
 
         parent = path[-1] if path else self.root
         for j, slot in enumerate(slots):
             chunk = Chunk(slot=slot, tokens=tokens[i + j * C : i + (j + 1) * C], parent=parent)
+            if j == 0 and copied_scores is not None:
+                chunk.scores = copied_scores + [None] * (len(chunk.tokens) - len(copied_scores))
             self._attach(chunk)
             self._acquire(chunk)
             path.append(chunk)
@@ -228,6 +236,8 @@ class PrefixTree:
             slot, offset = tail.slot, n
         elif n < C:  # another live sequence reads this partial tail: copy it before writing
             chunk = Chunk(slot=self._allocate(), tokens=tail.tokens + [token], parent=tail.parent, ready=True)
+            if tail.scores is not None:
+                chunk.scores = tail.scores[:n] + [None]
             self.pool.copy_tokens(tail.slot, chunk.slot, n)
             self._attach(chunk)
             self._acquire(chunk)

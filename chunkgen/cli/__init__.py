@@ -6,6 +6,7 @@ every command on `app`."""
 from chunkgen.cli import run  # noqa: F401  # isort: skip
 from chunkgen.cli import inspect_tree  # noqa: F401  # isort: skip
 from chunkgen.cli import bench, bench_e2e  # noqa: F401  # isort: skip
+from chunkgen.cli import evaluate  # noqa: F401  # isort: skip
 from chunkgen.cli.boundary import EXIT_BAD_INPUT_LINES, EXIT_ERROR, app
 from chunkgen.cli.option_types import SAMPLING_OPTIONS
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.table import Table
@@ -15,8 +14,7 @@ from chunkgen.cli.boundary import bench_app, err, fail, stdout, usage
 from chunkgen.cli.loading import device_text, dtype_line, load_llm
 from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL
 from chunkgen.cli.options import resolve_config
-from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL
-from chunkgen.config import ORDERS
+from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL, ORDERS
 from chunkgen.device import human_bytes
 
 
@@ -25,10 +23,10 @@ from chunkgen.device import human_bytes
 @bench_app.command("kernel")
 def bench_kernel(
     quick: bool = typer.Option(False, help="A small subset that runs in seconds."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", metavar="DTYPE", help="K/V dtype: fp32 or bf16 on the CPU (default fp32); "
+    kv_dtype: str | None = typer.Option(None, "--kv-dtype", metavar="DTYPE", help="K/V dtype: fp32 or bf16 on the CPU (default fp32); "
                                                    "fp16, bf16 or fp32 on CUDA (default fp16)."),
     device: DEVICE = DEFAULT_DEVICE,
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
     impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
 ) -> None:
@@ -74,12 +72,13 @@ def bench_order(
     max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
     dtype: DTYPE = DEFAULT_DTYPE,
     orders: str = typer.Option("input,prefix", "--orders", metavar="ORDERS", help="Orders to run, in turn: input, prefix."),
-    write_workload: Optional[Path] = typer.Option(None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."),
-    dump_token_ids: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the rows as JSON here."),
+    write_workload: Path | None = typer.Option(None, metavar="DIR", help="Also keep the template and queries here (for chunkgen run)."),
+    dump_token_ids: Path | None = typer.Option(None, metavar="FILE", help="Write the prompts' token ids (file order) for the vLLM comparison script, and run nothing."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Write the rows as JSON here."),
 ) -> None:
     """Retrieval QA, shuffled: prefix order against file order on the same file and KV budget."""
-    from chunkgen.bench.order import docqa_rows, dump_token_ids as dump, parse_doc_tokens, run_order_bench
+    from chunkgen.bench.order import docqa_rows, parse_doc_tokens, run_order_bench
+    from chunkgen.bench.order import dump_token_ids as dump
     from chunkgen.device import parse_bytes
 
     chosen = [o.strip() for o in orders.split(",") if o.strip()]
@@ -132,7 +131,7 @@ def bench_order(
 def bench_order_pass(
     rows: int = typer.Option(1_000_000, min=1, metavar="N", help="Short rows in the file."),
     prefixes: int = typer.Option(1000, min=1, metavar="N", help="Distinct personas (shared prefixes), interleaved at random."),
-    work_dir: Optional[Path] = typer.Option(None, metavar="DIR", help="Where the file is written [default: a temporary folder]."),
+    work_dir: Path | None = typer.Option(None, metavar="DIR", help="Where the file is written [default: a temporary folder]."),
     run_rows: int = typer.Option(1 << 18, min=1, metavar="N", help="Keys held in memory before a sorted run is spilled to disk."),
 ) -> None:
     """The cost of --order prefix alone on a large file: keying, sorting and re-reading every row
@@ -207,7 +206,7 @@ def bench_step(
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
     dtype: DTYPE = DEFAULT_DTYPE,
-    json_out: Optional[Path] = typer.Option(
+    json_out: Path | None = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
         "30-layer random model with hidden size 64, the attention op dispatched without its arithmetic; "
@@ -259,7 +258,7 @@ def bench_machine() -> None:
 # fmt: off
 @bench_app.command("tree")
 def bench_tree(sequences: int = typer.Option(64, metavar="N", help="Sequences decoding on one shared prefix."),
-               json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+               json_out: Path | None = typer.Option(None, "--json", metavar="FILE",
                                                        help="Also write the figures as JSON here.")) -> None:
     """Per-step cost of the prefix tree's bookkeeping (appends + kernel context), and of a rebuild."""
     from chunkgen.bench.tree import tree_overhead

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout
 from chunkgen.cli.loading import dtype_line, load_llm
-from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_MEMORY, MAX_BATCHES, MODEL
+from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_MEMORY, MAX_BATCHES, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
 from chunkgen.cli.progress import PROGRESS_EVERY_S, Ticker
 from chunkgen.config import (
@@ -26,7 +26,6 @@ from chunkgen.config import (
     Config,
 )
 from chunkgen.device import choose_max_batch, human_bytes
-
 
 HF_BESIDE_KV = "8GiB"  # chunkgen's KV budget on a GPU when transformers' generate runs beside it
 
@@ -41,16 +40,17 @@ def bench_e2e(
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
     max_batch: MAX_BATCHES = DEFAULT_MAX_BATCH,
     dtype: DTYPE = DEFAULT_DTYPE,
+    quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
-    dummy_weights: Optional[str] = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
@@ -66,7 +66,8 @@ def bench_e2e(
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=seed, dtype=dtype, device=device,
-                            kv_memory=kv_memory, max_batch=max(batches.values()), batch_invariant=batch_invariant)
+                            kv_memory=kv_memory, max_batch=max(batches.values()), quantize=quantize,
+                            batch_invariant=batch_invariant)
     if config.kv_memory is None and "hf" in chosen:  # auto on a GPU would leave the hf system no memory
         config = config.replace(kv_memory=HF_BESIDE_KV)
         err.print(f"--kv-memory auto on a GPU beside the hf system: {HF_BESIDE_KV} (give a size to change it)",

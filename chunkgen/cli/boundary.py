@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import Any, NoReturn
 
 import typer
@@ -50,6 +51,21 @@ _PROCESS_EXITS_AFTER = False
 class _Interrupted(Exception):
     """SIGINT (KeyboardInterrupt) inside a command, carried past typer's and click's own handlers,
     which turn it into a silent exit code (typer) or an Abort (click), so that it is said in one line."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM before a run installs its own handling (checks, a model's conversion): an interrupt
+    said in one line with its own exit code, not a silent death."""
+
+    signum = signal.SIGTERM
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 TTY = sys.stderr.isatty()
@@ -128,17 +144,19 @@ class _Group(TyperGroup):
     def make_context(self, *args: Any, **kwargs: Any):
         try:
             return super().make_context(*args, **kwargs)
-        except KeyboardInterrupt:
-            raise _Interrupted() from None
+        except KeyboardInterrupt as exc:
+            raise _Interrupted(getattr(exc, "signum", signal.SIGINT)) from None
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise _Interrupted() from None
+        except KeyboardInterrupt as exc:
+            raise _Interrupted(getattr(exc, "signum", signal.SIGINT)) from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any):
         saved = {s: signal.getsignal(s) for s in EXIT_SIGNAL}
+        if saved[signal.SIGTERM] in (signal.SIG_DFL, None) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminated)
         try:
             return self._main(args, prog_name, complete_var, standalone_mode, **extra)
         finally:
@@ -157,9 +175,10 @@ class _Group(TyperGroup):
                 sys.exit(e.exit_code)
             err.print(f"[bold red]error:[/] {escape(one_line(_usage_error_text(e)))}", highlight=False)
             sys.exit(e.exit_code)
-        except (_Interrupted, KeyboardInterrupt):
-            err.print("interrupted (SIGINT); nothing was written after it", highlight=False)
-            sys.exit(EXIT_SIGNAL[signal.SIGINT])
+        except (_Interrupted, KeyboardInterrupt) as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            err.print(f"interrupted ({signal.Signals(signum).name}); nothing was written after it", highlight=False)
+            sys.exit(EXIT_SIGNAL[signum])
         except BaseException as e:
             if isinstance(e, SystemExit) or os.environ.get("CHUNKGEN_TRACEBACK"):
                 raise

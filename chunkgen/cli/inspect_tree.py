@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -27,22 +26,21 @@ from chunkgen.model.precision import DTYPE_NAMES
 @app.command("inspect-tree")
 def inspect_tree(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    template: Path | None = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: MODEL = DEFAULT_MODEL,
     chunk_size: CHUNK_SIZE = DEFAULT_CHUNK_SIZE,
     dtype: DTYPE = DEFAULT_DTYPE,
     fmt: str = typer.Option("auto", "--format", metavar="FORMAT", help="auto, template or openai."),
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
     hit rate a run here with these options (--dtype, --kv-memory, --max-batch, --chunk-size) reaches in
     file order and in prefix order."""
-    from chunkgen.model.loading import load_tokenizer
-
     from chunkgen.cache.forecast import TreeForecast
+    from chunkgen.model.loading import load_tokenizer
 
     with said_as_mistakes():
         check_format(fmt)
@@ -79,7 +77,7 @@ def _feed(forecast, source: JobSource, tokenizer, chunk_size: int) -> None:
             if isinstance(item, ErrorRecord):
                 forecast.bad_rows += 1
                 continue
-            tokens = tokens_of[index] = encode_prompt(tokenizer, item.messages, item.data)
+            tokens = tokens_of[index] = encode_prompt(tokenizer, item.messages, item.data, item.layout)
             template_of[index] = item.template or "OpenAI rows"
             forecast.add_in_file_order(tokens)
             yield index, item
@@ -108,8 +106,7 @@ def _print_figures(forecast, st, config) -> None:
         "'from cache' count; a run with more prompts than --max-batch may differ by a few tokens), while its "
         "peak KV memory counts only the sequences running at once, with their answers\n"
         f"alignment loss {100 * st.alignment_loss:.1f}%: token slots left empty in partly filled chunks (the "
-        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored; "
-        "a smaller --chunk-size lowers it",
+        f"last chunk of each prompt, and a shared prefix that ends inside a chunk), per token stored",
         highlight=False,
     )
     hits = Table(
@@ -126,6 +123,15 @@ def _print_figures(forecast, st, config) -> None:
             f"{100 * r.hit_rate:.1f}%",
         )
     stdout.print(hits)
+    if budget < st.bytes_shared:
+        stdout.print(
+            f"--kv-memory {human_bytes(budget)} is below the {human_bytes(st.bytes_shared)} the prompts need at once "
+            "(with sharing): a run holds fewer of them together, so rows wait for others to finish, cached "
+            "prefixes are evicted and computed again (the hit rates above count this), and a sequence whose "
+            "answer outgrows the memory is preempted and recomputed; "
+            f"--kv-memory {human_bytes(st.bytes_shared)} plus room for the answers would hold them all",
+            highlight=False,
+        )
     if forecast.too_long:
         stdout.print(
             f"{forecast.too_long} prompt(s) do not fit in --kv-memory {human_bytes(budget)} at all: a run refuses them"

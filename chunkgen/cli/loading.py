@@ -22,7 +22,7 @@ def load_llm(config: Config, announce: str = "line"):
     else:
         what = display_name(Path(config.model)) if config.model else "the default model"
     asked = "auto" if "dtype" in config.auto else config.dtype_name
-    detail = f"{asked}, {config.device}"
+    detail = f"{asked}, {config.device}" + ("" if config.quantize == "none" else f", --quantize {config.quantize}")
     t0 = time.perf_counter()
     try:
         if announce == "json":
@@ -40,7 +40,8 @@ def load_llm(config: Config, announce: str = "line"):
     if announce == "json":
         json_event({"event": "model_loaded", "model": what, "seconds": round(seconds, 2)})
     elif announce == "line":
-        err.print(f"loaded {what} in {seconds:.1f} s", highlight=False)
+        quantized = "" if llm.quantized == "none" else f"; quantized linear layers: {llm.quantized}"
+        err.print(f"loaded {what} in {seconds:.1f} s{quantized}", highlight=False)
     return llm
 
 

@@ -10,8 +10,9 @@ import functools
 import inspect
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -41,7 +42,7 @@ def max_batch_values(value: str) -> str:
 
 
 MODEL = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--model",
         metavar="MODEL",
@@ -66,6 +67,17 @@ DTYPE = Annotated[
         help="Weights and activations: fp32, bf16 (fp16 on GPU) or auto: bf16 on a CPU with native bf16 "
         "arithmetic (AVX512_BF16 or AMX), fp32 on other CPUs, the model's own dtype on a GPU; the K/V cache "
         "keeps the same dtype (fp32 for an fp16 model on the CPU).",
+    ),
+]
+QUANTIZE = Annotated[
+    str,
+    typer.Option(
+        "--quantize",
+        metavar="MODE",
+        help="Linear weights on the CPU: none (floats in --dtype), auto (a GGUF file's own quantized types, "
+        "as shipped: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; floats for other models), int8 (per-channel int8 made "
+        "at load). With --dummy-weights also q8_0, q4_0, q4_1, q4_k, q5_k, q6_k. Activations are quantized per "
+        "row to int8 blocks. On a GPU, GGUF weights run dequantized.",
     ),
 ]
 KV_MEMORY = Annotated[
@@ -133,14 +145,14 @@ def _cli_type(f) -> Any:
     """The type typer parses a field's option as: a file's path, a repeatable list, or the field's
     own scalar type, always Optional (None: not given, so the template's or chunkgen's default)."""
     if f.metadata["file"]:
-        return Optional[Path]
+        return Path | None
     hint = typing.get_type_hints(SamplingParams)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) is tuple:
-        return Optional[list[args[0]]]
+        return list[args[0]] | None
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         hint = args[0]
-    return Optional[hint]
+    return hint | None
 
 
 def _help(f) -> str:
@@ -152,7 +164,7 @@ def _help(f) -> str:
 
 def _parameter(f) -> inspect.Parameter:
     cli_type = _cli_type(f)
-    if cli_type == Optional[bool]:
+    if cli_type == bool | None:
         option = typer.Option(flag(f.name), help=_help(f))
     else:
         option = typer.Option(flag(f.name), metavar=f.metadata["metavar"], help=_help(f))

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, NoReturn
 
 from chunkgen.cli.boundary import err, fail, usage
 from chunkgen.cli.option_types import SAMPLING_OPTIONS
@@ -115,19 +116,25 @@ def constraint_options(given: dict[str, Any]) -> dict[str, Any]:
         )
     if not kinds:
         return {}
+    from chunkgen.bounded import DuplicateKey, NotText, TooLarge, read_text, unique_keys
+
     kind = kinds[0]
     value = given[kind]
     if not isinstance(value, Path):
         return {kind: value}
     option = SAMPLING_OPTIONS[kind]
     try:
-        text = value.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        usage(option, f"cannot read {value} ({getattr(exc, 'strerror', None) or exc})")
+        text = read_text(value, what="JSON schema" if kind == "json_schema" else "grammar")
+    except (TooLarge, NotText) as exc:
+        usage(option, str(exc))
+    except OSError as exc:
+        usage(option, f"cannot read {value} ({exc.strerror or exc})")
     if kind != "json_schema":
         return {kind: text}
     try:
-        return {kind: json.loads(text)}
+        return {kind: json.loads(text, object_pairs_hook=unique_keys)}
+    except DuplicateKey as exc:
+        usage(option, f"{value}: {exc}")
     except json.JSONDecodeError as exc:
         usage(option, f"{value} is not valid JSON: {exc}")
 
@@ -155,11 +162,9 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
     """Before the weights load: the model's tokenizer loads, it has a usable chat template (unless
     --no-chat-template), and no template's own text (system prompt and user message, before any
     row's values) is longer than the model's context, which would fail every row."""
-    from transformers import AutoConfig
-
     from chunkgen.llm import check_chat_template, encode_prompt
     from chunkgen.model.llama import context_length
-    from chunkgen.model.loading import load_tokenizer
+    from chunkgen.model.loading import load_tokenizer, model_config
 
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -183,7 +188,7 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
         fail(str(exc))
     if not templates:
         return
-    context = context_length(AutoConfig.from_pretrained(model_dir))
+    context = context_length(model_config(model_dir))
     for t in templates.values():
         n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
         if n >= context:
@@ -194,7 +199,7 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
             )
 
 
-def resolve_model(model: Optional[str]) -> Path:
+def resolve_model(model: str | None) -> Path:
     """The model's directory, checked (architecture, weights) without loading any weights."""
     from chunkgen.model import ModelNotFound, check_model_dir, resolve_model, stale_copies
     from chunkgen.model.loading import copy_size

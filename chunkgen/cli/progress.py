@@ -9,10 +9,11 @@ import threading
 import time
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from chunkgen.cli.boundary import TTY, err
 from chunkgen.device import human_bytes
+from chunkgen.progress import Meter
 
 PROGRESS_EVERY_S = 10.0  # plain progress lines outside a terminal
 JSON_PROGRESS_EVERY_S = 1.0
@@ -42,12 +43,8 @@ class Ticker:
         self._thread.join()
 
 
-def _progress_text(p) -> str:
-    rate = p.generated_tokens / p.elapsed_s if p.elapsed_s else 0.0
-    return (
-        f"{rate:6.1f} tok/s  batch {p.running:3d}  KV {human_bytes(p.kv_used_bytes)}  "
-        f"cache hits {100 * p.cache_hit_rate:4.1f}%"
-    )
+def _progress_text(p, meter: Meter, rows: bool = True) -> str:
+    return f"{meter.text(rows)}, KV {human_bytes(p.kv_used_bytes)}, cache hits {100 * p.cache_hit_rate:.1f}%"
 
 
 def _progress_lines(json_log: bool, total: int | None):
@@ -57,22 +54,30 @@ def _progress_lines(json_log: bool, total: int | None):
     lock = threading.Lock()
     t0 = time.perf_counter()
     state: dict[str, Any] = {"p": None, "at": t0, "printed": float("-inf")}
+    meter = Meter()
 
     def emit(p, now: float) -> None:
         busy = now - state["at"]  # since the last step ended (or the run began)
         elapsed = now - t0
         if json_log:
             fields = dict(p.__dict__) if p is not None else {"done": 0, "total": total}
+            eta = meter.eta_s
             json_event(
-                {"event": "progress", **fields, "elapsed_s": round(elapsed, 2), "step_running_s": round(busy, 2)}
+                {
+                    "event": "progress",
+                    **fields,
+                    "elapsed_s": round(elapsed, 2),
+                    "step_running_s": round(busy, 2),
+                    "recent_tokens_per_s": round(meter.tokens_per_s, 2),
+                    "eta_s": None if eta is None else round(eta, 1),
+                }
             )
         else:
             if p is None:
                 of = f"/{total}" if total else ""
                 line = f"progress: 0{of} rows done, {elapsed:.0f} s, first prefill wave running for {busy:.0f} s"
             else:
-                of = f"/{p.total}" if p.total else ""
-                line = f"progress: {p.done}{of} rows done, {p.errors} errors, {elapsed:.0f} s, {_progress_text(p)}"
+                line = f"progress: {_progress_text(p, meter)}, {p.errors} errors, {elapsed:.0f} s"
                 if busy >= every:
                     line += f", a step running for {busy:.0f} s"
             print(line, file=sys.stderr, flush=True)
@@ -82,6 +87,7 @@ def _progress_lines(json_log: bool, total: int | None):
         with lock:
             now = time.perf_counter()
             state["p"], state["at"] = p, now
+            meter.update(p.snapshot())
             if now - state["printed"] >= every:
                 emit(p, now)
 
@@ -107,15 +113,16 @@ def progress_printer(quiet: bool, json_log: bool, total: int | None):
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
         TextColumn("{task.fields[info]}"),
         console=err,
         transient=False,
     )
     progress.start()
     task = progress.add_task("run", total=None, info="")
+    meter = Meter()
 
     def on_bar(p) -> None:
-        progress.update(task, completed=p.done, total=p.total, info=_progress_text(p))
+        meter.update(p.snapshot())
+        progress.update(task, completed=p.done, total=p.total, info=_progress_text(p, meter, rows=False))
 
     return on_bar, progress.stop

@@ -12,9 +12,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
+from rich.markup import escape
 
 from chunkgen.cli.boundary import app, err, fail, usage
 from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
@@ -26,6 +27,7 @@ from chunkgen.cli.option_types import (
     KV_MEMORY,
     MAX_BATCH,
     MODEL,
+    QUANTIZE,
     sampling_options,
 )
 from chunkgen.cli.options import (
@@ -51,7 +53,7 @@ from chunkgen.config import (
     Config,
 )
 from chunkgen.jobs.source import JobSource, check_format, check_queries_path
-from chunkgen.jobs.stop import EXIT_SIGNAL, StopFlag
+from chunkgen.jobs.stop import EXIT_SIGNAL, Interrupted, StopFlag
 
 OUTPUT_ORDERS = ("completion", "input")
 
@@ -63,9 +65,10 @@ OUTPUT_ORDERS = ("completion", "input")
 def run(
     queries: str = typer.Option(..., "--queries", "-q", metavar="FILE", help="JSONL queries or an OpenAI batch file; - reads standard input."),
     out: Path = typer.Option(..., "--out", "-o", metavar="FILE", help="Results JSONL (one line per finished request)."),
-    template: Optional[Path] = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
+    template: Path | None = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: MODEL = DEFAULT_MODEL,
     dtype: DTYPE = DEFAULT_DTYPE,
+    quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     sampling: dict[str, Any] = ...,  # one option per SamplingParams field (sampling_options)
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
@@ -82,10 +85,10 @@ def run(
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise)."),
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
-    shard: Optional[str] = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
+    shard: str | None = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
-    workers: Optional[int] = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
-    ray_address: Optional[str] = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
+    workers: int | None = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
+    ray_address: str | None = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -99,7 +102,7 @@ def run(
         _check_choices(fmt, order, output_order, sampling.get("max_new_tokens"), rerun_changed and not resume)
         check_queries_path(queries)
         check_out(out, queries)
-        config = resolve_config(device=device, dtype=dtype, chunk_size=chunk_size, kv_memory=kv_memory,
+        config = resolve_config(device=device, dtype=dtype, quantize=quantize, chunk_size=chunk_size, kv_memory=kv_memory,
                                 max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
                                 enforce_eager=True if enforce_eager else None, batch_invariant=batch_invariant,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
@@ -108,7 +111,7 @@ def run(
         if use_ray:
             _check_ray()
         source = JobSource.open(queries, template, fmt, defaults, id_field, prefix_order=config.order == "prefix",
-                                shard=part)
+                                shard=part, on_note=None if quiet else _json_note if json_log else _note)
     with source:
         if part is not None and not source.plan.rows(part.index):
             return _write_empty_shard(out, queries, part, source.plan.loads, resume, json_log)
@@ -117,7 +120,7 @@ def run(
         check_kv_fits(model_dir, config)
         check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
         writing = dict(model_dir=model_dir, resume=resume, ordered=ordered or output_order == "input",
-                       rerun_changed=rerun_changed)
+                       rerun_changed=rerun_changed, id_field=id_field)
         summary, signum = _answer(source, config, out, writing, quiet, json_log,
                                   ray=dict(workers=workers, address=ray_address) if use_ray else None)
     if queries == "-" and part is None and not summary.interrupted and \
@@ -127,8 +130,18 @@ def run(
 # fmt: on
 
 
+def _note(text: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(text)}", highlight=False)
+
+
+def _json_note(text: str) -> None:
+    from chunkgen.cli.progress import json_event
+
+    json_event({"event": "warning", "message": text})
+
+
 def _check_choices(
-    fmt: str, order: str, output_order: str, max_new_tokens: Optional[int], rerun_without_resume: bool
+    fmt: str, order: str, output_order: str, max_new_tokens: int | None, rerun_without_resume: bool
 ) -> None:
     check_format(fmt)
     if order not in ORDERS:
@@ -141,7 +154,7 @@ def _check_choices(
         usage("--rerun-changed", "goes with --resume")
 
 
-def _shard(shard: Optional[str], queries: str):
+def _shard(shard: str | None, queries: str):
     if shard is None:
         return None
     from chunkgen.jobs.shard import Shard
@@ -173,9 +186,9 @@ def _answer(
 ):
     """(summary, the signal that stopped the run or None): the rows answered into a writer on --out.
     From here on a signal is never a traceback: the writer may be repairing the file."""
+    from chunkgen.jobs.ledger import OutputError
     from chunkgen.jobs.lock import OutputLocked
     from chunkgen.jobs.order import QueryFileChanged, TempSpaceError
-    from chunkgen.jobs.ledger import OutputError
     from chunkgen.jobs.writer import OutputExists, ResultWriter
     from chunkgen.model import display_name
 
@@ -190,6 +203,7 @@ def _answer(
                 resume=writing["resume"],
                 ordered=writing["ordered"],
                 rerun_changed=writing["rerun_changed"],
+                id_field=writing["id_field"],
             )
         except (OutputLocked, OutputExists, OutputError) as exc:
             fail(str(exc))
@@ -203,6 +217,12 @@ def _answer(
             summary = _run_local(source, writer, config, stop_flag, quiet, json_log)
     except (OutputError, QueryFileChanged, TempSpaceError) as exc:
         fail(str(exc))
+    except Interrupted as exc:  # during the model load: nothing was answered, nothing to keep
+        if writer is not None:
+            writer.close()
+        name = signal.Signals(exc.signum).name
+        err.print(f"interrupted ({name}) while the model loaded; nothing was answered", highlight=False)
+        raise typer.Exit(EXIT_SIGNAL[exc.signum]) from None
     except KeyboardInterrupt:  # a second signal: stop at once, without the end-of-run rewrite
         stop_flag.settle()
         if writer is not None:
@@ -212,11 +232,18 @@ def _answer(
             "same command with --resume to continue",
             highlight=False,
         )
-        raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT])
+        raise typer.Exit(EXIT_SIGNAL[stop_flag.signum or signal.SIGINT]) from None
     finally:
         if writer is not None:
             writer.close()  # after an error: releases the lock (a no-op when the run closed it)
         stop_flag.restore()
+    if writer.rekeyed and not quiet:
+        err.print(
+            f"[yellow]warning:[/] {writer.rekeyed} row(s) were answered by an earlier run under another key (an id "
+            f"added since): the same line and request, so those answers were kept as they are in {out}, with the "
+            "ids they were written with",
+            highlight=False,
+        )
     # A signal that came after every row had its record (during the final rewrite) stopped nothing.
     return summary, stop_flag.signum if summary.interrupted else None
 
@@ -224,7 +251,8 @@ def _answer(
 def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, quiet: bool, json_log: bool):
     from chunkgen.jobs.run import run_job
 
-    llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line")
+    with stop_flag.at_once():  # a signal during the load ends the run now, not after the load
+        llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line")
     if source.prefix_order is not None and not (quiet or json_log):
         err.print(
             "--order prefix: every row is read and keyed by its prompt's text before the first is answered, so rows "
@@ -242,6 +270,7 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
             should_stop=stop_flag,
             on_progress=on_progress,
             order=source.prefix_order,
+            on_note=None if quiet else _json_note if json_log else _note,
         )
     finally:
         stop_progress()
@@ -251,9 +280,7 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
     return summary
 
 
-def _run_ray(
-    source: JobSource, writer, config: Config, stop_flag: StopFlag, workers: Optional[int], address: Optional[str]
-):
+def _run_ray(source: JobSource, writer, config: Config, stop_flag: StopFlag, workers: int | None, address: str | None):
     from chunkgen.scale.ray import run_on_ray
 
     def started(shape) -> None:

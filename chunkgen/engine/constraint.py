@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from chunkgen.engine.params import ParamError, llguidance_module, compile_spec, spec_of
+from chunkgen.engine.params import ParamError, compile_spec, llguidance_module, spec_of
 from chunkgen.engine.sampler import host_buffer
 
 

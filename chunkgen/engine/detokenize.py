@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 REPLACEMENT = "\ufffd"  # what decode gives for bytes that do not (yet) form a character
 

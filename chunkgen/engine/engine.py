@@ -4,9 +4,9 @@ step for every running sequence, and returns the requests that finished in it.""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 
@@ -18,8 +18,9 @@ from chunkgen.engine.constraint import Constraints
 from chunkgen.engine.detokenize import IncrementalDetokenizer
 from chunkgen.engine.logits import Penalties, PenaltyRows, StepLogprobs, TokenLogprob, token_texts
 from chunkgen.engine.params import ParamError, spec_of
-from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
+from chunkgen.engine.prompt_scores import first_missing, read_stored, store, stored_width
 from chunkgen.engine.runner import ModelRunner, PrefillItem
+from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel
@@ -33,7 +34,9 @@ class EngineStats:
     decode_steps: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
+    prefill_rows: int = 0  # positions run through the model at prefill: prefilled_tokens plus those computed again
     generated_tokens: int = 0
+    queued_prompt_tokens: int = 0  # prompt tokens of every sequence given to the engine (prompt_tokens: admitted)
     preemptions: int = 0
     held_back_steps: int = 0  # steps in which sequences waited below max_batch for KV memory
     finished: int = 0
@@ -125,6 +128,7 @@ class Engine:
                     continue
                 self._num_constrained += len(samples)
             self._pending[id(req)] = samples
+            self.stats.queued_prompt_tokens += len(req.prompt_tokens) * len(samples)
             seqs.extend(samples)
         self.scheduler.add(seqs)
 
@@ -187,7 +191,8 @@ class Engine:
         n = len(req.prompt_tokens)
         if n == 0:
             return "empty prompt"
-        if n >= self.model.max_context:  # room for at least one generated token
+        if n > self.model.max_context or (n == self.model.max_context and req.params.max_new_tokens):
+            # room for at least one generated token, unless the prompt is only scored
             return f"prompt of {n} tokens does not fit the model's context of {self.model.max_context}"
         return kv_budget_error(n, self.pool)
 
@@ -250,6 +255,7 @@ class Engine:
 
     def _prefill(self, wave: list[Admission]) -> None:
         items, owners = [], []
+        C = self.pool.chunk_size
         for seq, kv_tokens, cached in wave:
             n = len(kv_tokens)
             fresh = not seq.preempted
@@ -257,21 +263,56 @@ class Engine:
                 seq.cached_tokens = cached
                 self.stats.prompt_tokens += n
             self.stats.prefilled_tokens += n - cached
+            want = fresh and seq.params.max_new_tokens > 0
             # A fully cached prompt still needs its last position's logits: recompute that token.
-            start = min(cached, n - 1) if fresh else cached
+            start = min(cached, n - 1) if want else cached
+            width = None
+            if fresh and seq.index == 0 and seq.params.prompt_logprobs is not None:
+                # Entries of cached tokens come from their chunks; from the first one missing
+                # there, the position before it is computed again (its K/V are not rewritten).
+                width = stored_width(seq.params.prompt_logprobs)
+                lo, hi = min(max(seq.request.score_from, 1), n), min(start + 1, n)
+                missing = first_missing(self.tree.paths[seq.seq_id], C, lo, hi, width)
+                if missing < hi:
+                    start = missing - 1
+                if start == n:  # every entry is in the tree: nothing to compute
+                    self._keep_prompt_scores(seq, kv_tokens, n, [])
             if start < n:  # a re-admitted sequence whose K/V are all cached has nothing to compute
-                items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), fresh))
+                items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), want, width))
                 owners.append(seq)
+                self.stats.prefill_rows += n - start
         wanted = [seq.matcher for seq, item in zip(owners, items) if item.want_logits]
         early = self.constraints.fill_async(wanted) if self._num_constrained and wanted else None
-        logits = self.runner.prefill(items) if items else []
+        logits, scores = self.runner.prefill_scored(items) if items else ([], [])
+        for seq, item, entries in zip(owners, items, scores):
+            if entries is not None:
+                self._keep_prompt_scores(seq, item.tokens, item.start, entries)
         for seq, _, _ in wave:
             self.tree.mark_ready(seq.seq_id)
+            if not seq.preempted and seq.params.max_new_tokens == 0:  # scored only
+                seq.finish_reason = "length"
         sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]  # the wanted ones
         if sampled:
             picks = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]), early)
             for (seq, _), (token, entry) in zip(sampled, picks):
                 self._accept(seq, token, entry)
+
+    def _keep_prompt_scores(self, seq: Sequence, tokens: list[int], start: int, computed: list) -> None:
+        """The prompt's entries from score_from on: those computed now, of positions after `start`
+        (kept with their chunks for the prompts after it), the earlier ones read from the chunks."""
+        path, C = self.tree.paths[seq.seq_id], self.pool.chunk_size
+        first = start + 1
+        store(path, C, first, computed)
+        n = len(tokens)
+        lo = min(max(seq.request.score_from, 1), n)
+        entries = read_stored(path, C, lo, min(first, n)) + computed[max(0, lo - first) :]
+        k, text = seq.params.prompt_logprobs, self._token_text
+        out: list[TokenLogprob | None] = [None] * lo
+        for p, (lp, alts) in zip(range(lo, n), entries):
+            top = [TokenLogprob(i, *text(i), v) for i, v in alts[:k]]
+            out.append(TokenLogprob(tokens[p], *text(tokens[p]), lp, top))
+        seq.prompt_logprobs = out
+        seq.prompt_token_texts = [text(t)[0] for t in tokens]
 
     # -- decode -------------------------------------------------------------------------------
     def _decode(self, batch: Batch, done: list[Sequence]) -> None:
@@ -364,6 +405,8 @@ class Engine:
                         completions=[] if failed else [s.completion() for s in samples],
                         error=failed and failed.error,
                         error_field=failed and failed.error_field,
+                        prompt_logprobs=None if failed else first.prompt_logprobs,
+                        prompt_token_texts=None if failed else first.prompt_token_texts,
                     )
                 )
         return results

@@ -4,8 +4,8 @@ request asks to see, and the presence / frequency penalties it asks for."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 

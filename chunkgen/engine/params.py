@@ -5,13 +5,14 @@ by a constraint is constraint.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from numbers import Integral, Real
-from typing import Any, Callable
+from typing import Any
 
 MAX_N = 128
 MAX_STOP = 16
@@ -87,6 +88,16 @@ class SamplingParams:
         shown="none",
         later=True,
     )
+    # Log-probabilities of the prompt's own tokens (vLLM's prompt_logprobs), computed while the
+    # prompt is prefilled and kept with its tree chunks (a shared prefix is scored once): None for
+    # none, k for each prompt token's plus its k likeliest alternatives; the first token has none.
+    prompt_logprobs: int | None = _knob(
+        None,
+        f"Return each prompt token's log-probability and its N most likely alternatives, N in [0, {MAX_LOGPROBS}].",
+        "N",
+        shown="none",
+        later=True,
+    )
     # Subtracted from the logit of every token already generated (prompt tokens do not count):
     # presence once per token seen, frequency once per occurrence, as vLLM and OpenAI apply them.
     presence_penalty: float = _knob(
@@ -109,15 +120,17 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 1))
+        # 0: the prompt is only scored (prompt_logprobs), nothing is generated.
+        put("max_new_tokens", _integer("max_new_tokens", self.max_new_tokens, 0))
         put("temperature", _number("temperature", self.temperature, ">= 0", lambda v: v >= 0))
         put("top_p", _number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
         put("top_k", _integer("top_k", self.top_k, 0))
         if self.seed is not None:
             put("seed", _integer("seed", self.seed, 0, MAX_SEED, "2**63 - 1"))
         put("n", _integer("n", self.n, 1, MAX_N))
-        if self.logprobs is not None:
-            put("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                put(name, _integer(name, getattr(self, name), 0, MAX_LOGPROBS))
         for name in ("presence_penalty", "frequency_penalty"):
             put(
                 name,

@@ -16,15 +16,15 @@ so the buffer refresh a replay depends on is exercised everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
-from chunkgen.kernels import workspace_for
-from chunkgen.kernels import invariant
+from chunkgen.engine.prompt_scores import Entry, ScoreSpan, score_spans
+from chunkgen.kernels import invariant, workspace_for
 from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, plan_groups
 from chunkgen.model.llama import LlamaModel
 
@@ -39,6 +39,9 @@ class PrefillItem:
     write_from: int
     path_slots: list[int]
     want_logits: bool = True
+    # Alternatives kept per scored token (prompt_scores.stored_width), or None: the logprobs of
+    # tokens [start + 1, len(tokens)) are computed too.
+    score_width: int | None = None
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -168,11 +171,27 @@ class ModelRunner:
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, items: list[PrefillItem]) -> list[torch.Tensor | None]:
         """Run a wave: last-position logits [vocab] for the items that want them, None for the others."""
+        return self.prefill_scored(items)[0]
+
+    def prefill_scored(self, items: list[PrefillItem]) -> tuple[list[torch.Tensor | None], list[list[Entry] | None]]:
+        """As prefill, and per item with a score_width the entries of its tokens [start + 1, len)."""
         invariant.set_enabled(self.batch_invariant)
         step = self.prepare_prefill(items)
-        logits = self.model.prefill(step, self.pool)
+        spans, row = [], 0
+        for it in items:
+            if it.score_width is not None:
+                spans.append(ScoreSpan(row, len(it.tokens) - it.start, it.tokens[it.start + 1 :], it.score_width))
+            row += len(it.tokens) - it.start
+        if not spans:
+            logits = self.model.prefill(step, self.pool)
+            entries: list[list[Entry] | None] = [None] * len(items)
+        else:
+            hidden = self.model.prefill_hidden(step, self.pool)
+            logits = self.model._logits(hidden[step.logit_rows]) if step.logit_rows else None
+            got = iter(score_spans(self.model, hidden, spans))
+            entries = [next(got) if it.score_width is not None else None for it in items]
         picked = iter(logits if logits is not None else ())
-        return [next(picked) if it.want_logits else None for it in items]
+        return [next(picked) if it.want_logits else None for it in items], entries
 
     def prepare_prefill(self, items: list[PrefillItem]) -> PrefillStep:
         C = self.pool.chunk_size

@@ -32,6 +32,18 @@ class Batch:
     held_back: bool = False  # sequences waited below max_batch because the KV pool was full
 
 
+# Rows that start together finish together: a batch filled at once with every row a job has writes
+# no answer until nearly its end, and an interrupt keeps nothing. So at most a SHARE_OF_KNOWN share
+# of the rows the engine knows (queued, running, or finished since it was last idle) run at once:
+# a job finishes in several rounds, each keeping its answers, and as rows finish others take their
+# places, so answers keep coming. Never fewer than MIN_RUNNING rows (decode throughput falls
+# below that batch) and never more than max_batch; a job far larger than the batch is limited by
+# max_batch alone. The price is decode steps at part of max_batch in a job of about one batch:
+# each step's fixed cost is paid more often.
+SHARE_OF_KNOWN = 5
+MIN_RUNNING = 32
+
+
 def kv_budget_error(n_tokens: int, pool: ChunkPool) -> str | None:
     """Why a prompt of n_tokens can never be held by the whole KV budget, or None if it can."""
     need = pool.chunks_for(n_tokens)
@@ -55,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; includes the wave being prefilled
         self.preemptions = 0
+        self.finished_since_idle = 0  # sequences finished since the engine last had no work
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue new sequences. Within one call, sequences with the same leading tokens are queued
@@ -74,6 +87,12 @@ class Scheduler:
             self._reserve_decode(batch)
         return batch
 
+    @property
+    def running_cap(self) -> int:
+        """Sequences allowed to run at once now (SHARE_OF_KNOWN)."""
+        known = len(self.waiting) + len(self.running) + self.finished_since_idle
+        return min(self.max_batch, max(MIN_RUNNING, -(-known // SHARE_OF_KNOWN)))
+
     # -- admission ----------------------------------------------------------------------------
     def _form_wave(self, batch: Batch) -> list[Admission]:
         """Admit waiting sequences, in order, for one batched prefill.
@@ -86,7 +105,8 @@ class Scheduler:
         tree = self.tree
         wave: list[Admission] = []
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_batch:
+        cap = self.running_cap
+        while self.waiting and len(self.running) < cap:
             seq = self.waiting[0]
             # A preempted sequence's last token was sampled but never written: decode writes it.
             kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
@@ -160,6 +180,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """The engine is done with a running sequence: its chunks become cache."""
         self._remove(seq)
+        self.finished_since_idle = self.finished_since_idle + 1 if self.has_work else 0
 
     def abort(self, seqs: list[Sequence]) -> None:
         """A prefill failed: drop its sequences (their unwritten chunks are freed, not cached)."""

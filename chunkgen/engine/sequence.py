@@ -17,6 +17,9 @@ class Request:
     id: Any
     prompt_tokens: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # With params.prompt_logprobs: the first prompt position scored (1: every token but the first,
+    # as vLLM; a continuation scored after its context starts at the context's length).
+    score_from: int = 1
 
 
 @dataclass
@@ -36,6 +39,9 @@ class Result:
     completions: list[Completion]  # empty when error is set
     error: str | None = None  # why the request could not run (prompt too long for the model or the KV budget)
     error_field: str | None = None  # "constraint" when its constraint could not be compiled, else the prompt
+    # With params.prompt_logprobs: one entry per prompt token, None before the request's score_from.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_texts: list[str] | None = None  # each prompt token decoded alone, with prompt_logprobs
 
     @property
     def completion_tokens(self) -> int:
@@ -88,6 +94,8 @@ class Sequence:
         self.matcher: Any = None  # an llguidance LLMatcher for constrained requests (engine/constraint.py)
         self.matched: bool | None = None  # set when a constrained sequence finishes
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set at its first prefill when asked
+        self.prompt_token_texts: list[str] | None = None
 
     @property
     def params(self) -> SamplingParams:

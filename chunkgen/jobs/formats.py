@@ -46,13 +46,19 @@ def _extras(c: Completion) -> dict[str, Any]:
     return out
 
 
+def _prompt_logprobs(res: Result) -> list[dict | None]:
+    """Each prompt token's entry (None for the first), in the Chat Completions logprobs shape."""
+    return [None if e is None else e.as_openai() for e in res.prompt_logprobs or []]
+
+
 class RecordFormat:
     """Turns results and errors into output records: chunkgen's own lines, or OpenAI batch output.
     Separate from the writer so remote workers can format what the driver writes."""
 
-    def __init__(self, fmt: str, model_name: str) -> None:
+    def __init__(self, fmt: str, model_name: str, id_field: str = "id") -> None:
         self.fmt = fmt
         self.model_name = model_name
+        self.id_field = id_field  # recorded when not `id`: a resume reading ids from another field is refused
 
     def result_record(self, job: Job, res: Result) -> dict[str, Any]:
         if res.error is not None:
@@ -60,6 +66,8 @@ class RecordFormat:
             return self._keyed(
                 self.error_record(ErrorRecord(job.id, job.line, field, res.error), job.request_hash), job
             )
+        if self.fmt == "openai" and job.prompt is not None:
+            return self._openai_record(job, _completions_body(job, res, self.model_name))
         if self.fmt == "openai":
             body = {
                 "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
@@ -82,15 +90,9 @@ class RecordFormat:
                     "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
                 },
             }
-            return {
-                "id": f"batch_req_{uuid.uuid4().hex[:24]}",
-                "custom_id": job.id,
-                "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
-                "error": None,
-                "line": job.line,
-                "request_hash": job.request_hash,
-                "chunkgen": FORMAT_VERSION,
-            }
+            if res.prompt_logprobs is not None:  # vLLM's extension of the body
+                body["prompt_logprobs"] = _prompt_logprobs(res)
+            return self._openai_record(job, body)
         rec: dict[str, Any] = {
             "id": job.id,
             "line": job.line,
@@ -107,6 +109,8 @@ class RecordFormat:
             "chunkgen": FORMAT_VERSION,
             **_extras(res.completions[0]),
         }
+        if res.prompt_logprobs is not None:
+            rec["prompt_logprobs"] = _prompt_logprobs(res)
         if len(res.completions) > 1:
             rec["completions"] = [
                 {"text": c.text, "finish_reason": c.finish_reason, **_extras(c)} for c in res.completions
@@ -114,10 +118,24 @@ class RecordFormat:
         return self._keyed(rec, job)
 
     @staticmethod
-    def _keyed(rec: dict[str, Any], job: Job) -> dict[str, Any]:
-        """A row without an id: its record also names the request and occurrence it answers."""
+    def _openai_record(job: Job, body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+            "custom_id": job.id,
+            "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
+            "error": None,
+            "line": job.line,
+            "request_hash": job.request_hash,
+            "chunkgen": FORMAT_VERSION,
+        }
+
+    def _keyed(self, rec: dict[str, Any], job: Job) -> dict[str, Any]:
+        """A row without an id: its record also names the request and occurrence it answers; a row
+        whose id came from a field other than `id`: its record names the field."""
         if job.occurrence is not None:
             rec["row_key"] = job.key
+        elif self.id_field != "id" and self.fmt != "openai":
+            rec["id_field"] = self.id_field
         return rec
 
     def error_record(self, err: ErrorRecord, request_hash: str | None = None) -> dict[str, Any]:
@@ -138,3 +156,45 @@ class RecordFormat:
             "request_hash": request_hash,
             "chunkgen": FORMAT_VERSION,
         }
+
+
+def _completions_body(job: Job, res: Result, model_name: str) -> dict[str, Any]:
+    """A /v1/completions response body: each choice's text (after the prompt's with echo) and, when
+    logprobs were asked, OpenAI's tokens / token_logprobs / top_logprobs / text_offset, the
+    prompt's tokens first with echo (the first of them has no logprob)."""
+    prompt_texts = res.prompt_token_texts or []
+    if job.echo:
+        echoed = job.prompt if isinstance(job.prompt, str) else "".join(prompt_texts)
+    choices = []
+    for i, c in enumerate(res.completions):
+        logprobs = None
+        if job.params.logprobs is not None:
+            entries: list = list(res.prompt_logprobs or []) if job.echo else []
+            texts = list(prompt_texts) if job.echo else []
+            entries += c.logprobs or []
+            texts += [e.token for e in c.logprobs or []]
+            offsets, at = [], 0
+            for t in texts:
+                offsets.append(at)
+                at += len(t)
+            logprobs = {
+                "tokens": texts,
+                "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {t.token: t.logprob for t in e.top} for e in entries],
+                "text_offset": offsets,
+            }
+        text = echoed + c.text if job.echo else c.text
+        choices.append({"text": text, "index": i, "logprobs": logprobs, "finish_reason": c.finish_reason})
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+        },
+    }

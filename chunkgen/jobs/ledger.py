@@ -7,10 +7,11 @@ writer's end-of-run rewrite both go by it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from chunkgen.jobs.requests import row_key
+from chunkgen.jobs.requests import id_key, row_key
 
 FORMAT_VERSION = 1  # the `chunkgen` field of every record; records without it (older releases) need `request_hash`
 
@@ -45,9 +46,22 @@ def record_id(rec: dict[str, Any]) -> str | None:
 
 
 def record_key(rec: dict[str, Any]) -> str | None:
-    """What a record's answer belongs to (Job.key): the row's id, or the `row_key` of a row without one."""
+    """What a record's answer belongs to (Job.key): the row's id (as id_key), or the `row_key` of a
+    row without one."""
     key = rec.get("row_key")
-    return key if isinstance(key, str) else record_id(rec)
+    if isinstance(key, str):
+        return key
+    rid = record_id(rec)
+    return None if rid is None else id_key(rid)
+
+
+def record_id_field(rec: dict[str, Any]) -> str | None:
+    """The field a record's row took its id from (`id` unless the record says), None for an
+    OpenAI record or a row without an id."""
+    if "custom_id" in rec or "row_key" in rec or rec.get("id") is None:
+        return None
+    field = rec.get("id_field", "id")
+    return field if isinstance(field, str) else None
 
 
 def is_error(rec: dict[str, Any]) -> bool:
@@ -102,9 +116,13 @@ class Ledger:
         self.n = 0  # records added
         self.last_at_line: dict[int, tuple[int, bool, str | None]] = {}  # line -> (index, answer?, id)
         self.answers: dict[str, tuple[int, int, str | None]] = {}  # key -> (index, line, request hash)
+        self.id_fields: dict[str, int] = {}  # the id field of rows with an id -> its first record's line
 
     def add(self, rec: dict[str, Any]) -> None:
         rid, line, answer = record_key(rec), rec["line"], not is_error(rec)
+        field = record_id_field(rec) if answer else None
+        if field is not None:
+            self.id_fields.setdefault(field, line)
         self.last_at_line[line] = (self.n, answer, rid)
         if answer and rid is not None:
             self.answers[rid] = (self.n, line, rec.get("request_hash"))
@@ -140,7 +158,7 @@ def legacy_keys(answers: dict[str, tuple[int, str | None]]) -> dict[str, tuple[i
     out: dict[str, tuple[int, str | None]] = {}
     counts: dict[str, int] = {}
     for rid, (line, h) in sorted(answers.items(), key=lambda kv: kv[1][0]):
-        if h is not None and rid == f"line-{line}":
+        if h is not None and rid == id_key(f"line-{line}"):
             out[row_key(h, counts.get(h, 0))] = (line, h)
             counts[h] = counts.get(h, 0) + 1
     return out

@@ -53,7 +53,7 @@ class OutputLock:
         self.fd: int | None = None
         self.created = False  # this lock created the (empty) file
 
-    def acquire(self) -> "OutputLock":
+    def acquire(self) -> OutputLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             try:
@@ -108,7 +108,7 @@ class OutputLock:
         os.close(self.fd)  # closing drops the lock
         self.fd = None
 
-    def __enter__(self) -> "OutputLock":
+    def __enter__(self) -> OutputLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

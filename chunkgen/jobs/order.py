@@ -26,9 +26,11 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from typing import Any, BinaryIO
 
+from chunkgen import bounded
 from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
 
 KEY_CHUNKS = 16  # pieces of the prompt the key tells apart: rows agreeing on more stay in file order
@@ -135,15 +137,17 @@ class RowFile:
     def lines(self) -> Iterator[bytes]:
         """Every line in order (what read_rows takes), noting where each non-blank one starts."""
         offset = 0
-        for number, raw in enumerate(self._source, start=1):
-            if self._spool is not None:
-                try:
-                    self._spool.write(raw)
-                except OSError as exc:
-                    raise _temp_failure(exc, "spooling standard input", max(len(raw), offset)) from None
+
+        def spool(raw: bytes) -> None:
+            try:
+                self._spool.write(raw)
+            except OSError as exc:
+                raise _temp_failure(exc, "spooling standard input", max(len(raw), offset)) from None
+
+        for number, raw in enumerate(bounded.lines(self._source, sink=spool if self._spool else None), start=1):
             if raw.strip():
                 self._pending[number] = (offset, zlib.crc32(raw))
-            offset += len(raw)
+            offset += getattr(raw, "size", len(raw))  # an Overlong line: its whole length, skipped unread
             yield raw
 
     def follow(self, items: Iterable[Job | ErrorRecord]) -> Iterator[Job | ErrorRecord]:
@@ -284,7 +288,7 @@ class PrefixOrder:
     @classmethod
     def reading(
         cls, row_file: RowFile, rows: Iterable[tuple[int, Any]], to_jobs: ToJobs, **kwargs: Any
-    ) -> "tuple[PrefixOrder, Iterator[Job | ErrorRecord]]":
+    ) -> tuple[PrefixOrder, Iterator[Job | ErrorRecord]]:
         """(the order, the job's rows in file order) for rows parsed from `row_file.lines()`;
         `to_jobs` turns parsed rows into jobs, the first time and when a line is read again."""
 
@@ -314,7 +318,7 @@ class PrefixOrder:
                     return
                 offset, crc = self.rows.claim(job.line)
                 occurrence = -1 if job.occurrence is None else job.occurrence
-                sorter.add(prompt_key(job.messages, chunk_size), index, job.line, offset, crc, occurrence)
+                sorter.add(prompt_key(_keyed_messages(job), chunk_size), index, job.line, offset, crc, occurrence)
             merged = iter(sorter)
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, time.perf_counter() - t0)
             for _, index, line, offset, crc, occurrence in merged:
@@ -331,3 +335,11 @@ class PrefixOrder:
                 yield index, item
         finally:
             sorter.close()
+
+
+def _keyed_messages(job) -> list[dict[str, str]]:
+    """A completions row's prompt keyed as one message (its text; token ids as their numbers)."""
+    if job.prompt is None:
+        return job.messages
+    text = job.prompt if isinstance(job.prompt, str) else " ".join(map(str, job.prompt))
+    return [{"role": "user", "content": text}]

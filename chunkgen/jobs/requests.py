@@ -14,15 +14,19 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO
 
-from chunkgen.engine.params import KINDS, SAMPLING_NAMES
-from chunkgen.engine.params import ParamError, SamplingParams
+from chunkgen.bounded import ROW_BYTES, DuplicateKey, Overlong, encoding_name, lines, unique_keys
+from chunkgen.device import human_bytes
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES, ParamError, SamplingParams
 from chunkgen.jobs.templates import Template
 
 OPENAI_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"  # a plain prompt, scored (echo, logprobs) and/or continued
+OPENAI_URLS = (OPENAI_URL, COMPLETIONS_URL)
 STDIN = "-"
 
 
@@ -34,10 +38,20 @@ class Job:
     params: SamplingParams
     template: str | None = None  # template name, or None for OpenAI batch rows
     data: tuple[str, ...] = ()  # user-supplied text inside `messages`: tokenized as text, never as control tokens
+    layout: tuple[tuple[str | int, ...], ...] | None = None  # where `messages` holds `data` (prompt.Layout)
     constraint_field: str | None = None  # what set the constraint (a row's field, "template", an option's kind)
     # For a row without an id: how many earlier id-less rows of the file ask the same request. Its
     # `line-N` id moves when lines are inserted above it; (request, occurrence) does not.
     occurrence: int | None = None
+    # A /v1/completions row: its prompt (text, or token ids) instead of messages, and whether the
+    # answer repeats the prompt (with its tokens' logprobs when logprobs are asked).
+    prompt: str | list[int] | None = None
+    echo: bool = False
+
+    @property
+    def source(self) -> str | list[int] | list[dict[str, str]]:
+        """What is tokenized: the prompt of a completions row, else the messages."""
+        return self.messages if self.prompt is None else self.prompt
 
     @functools.cached_property
     def request_hash(self) -> str:
@@ -45,6 +59,13 @@ class Job:
         one: the sha256 of `json.dumps({"messages", "params", "template"}, sort_keys=True,
         ensure_ascii=False)`, assembled from the JSON of its parts, since every row of a template
         repeats the same long system prompt and parameters (see _long_message_json)."""
+        if self.prompt is not None:  # a completions row: short enough to hash whole
+            text = json.dumps(
+                {"prompt": self.prompt, "echo": self.echo, "params": self.params.as_dict(), "template": None},
+                sort_keys=True,
+                ensure_ascii=False,
+            )
+            return hashlib.sha256(text.encode()).hexdigest()[:16]
         parts = [_message_json(m) for m in self.messages]
         # The digest of the text up to the first message's end, kept while the next rows repeat it.
         head = _hash_of_head(parts[0]).copy() if parts else hashlib.sha256(b'{"messages": [')
@@ -62,7 +83,7 @@ class Job:
         """What an answer is matched to its row by on --resume: the row's own id, or for a row
         without one its request and occurrence (`line-N` is only what the record shows)."""
         if self.occurrence is None:
-            return self.id
+            return id_key(self.id)
         return row_key(self.request_hash, self.occurrence)
 
 
@@ -84,7 +105,7 @@ def _long_message_json(role: str, content: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _hash_of_head(first_message_json: str) -> "hashlib._Hash":
+def _hash_of_head(first_message_json: str) -> hashlib._Hash:
     return hashlib.sha256(('{"messages": [' + first_message_json).encode())
 
 
@@ -94,8 +115,14 @@ def _params_json(params: SamplingParams) -> str:
 
 
 def row_key(request_hash: str, occurrence: int) -> str:
-    """The key of a row without an id; never equal to an id, which a row's `id` field sets."""
+    """The key of a row without an id: in a namespace of its own, apart from `id_key`'s."""
     return f"request:{request_hash}#{occurrence}"
+
+
+def id_key(rid: str) -> str:
+    """The key of a row with an id: whatever the id spells (even `request:...#0`), it cannot equal
+    a generated row_key."""
+    return f"id:{rid}"
 
 
 @dataclass
@@ -148,14 +175,25 @@ def open_queries(path: str | Path) -> BinaryIO:
 
 
 def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
+    if isinstance(raw, Overlong):
+        return RowError(
+            None,
+            f"the row is {human_bytes(raw.size)} long; rows are read up to {human_bytes(ROW_BYTES)} "
+            "(far more than any model's context holds), and this one was skipped unread",
+        )
     if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark, as some editors write
         raw = raw[3:]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
+        kind = encoding_name(raw)
+        if kind is not None and not kind.startswith("binary"):
+            return RowError(None, f"is {kind} text, not UTF-8; save the file as UTF-8")
         return RowError(None, f"invalid UTF-8 at byte {exc.start}")
     try:
-        obj = json.loads(text, parse_int=_parse_int)
+        obj = json.loads(text, parse_int=_parse_int, object_pairs_hook=unique_keys)
+    except DuplicateKey as exc:
+        return RowError(exc.key, "appears twice in this row (which value is meant?); give each key once")
     except json.JSONDecodeError as exc:
         return RowError(None, f"not valid JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
@@ -203,7 +241,7 @@ def _unencodable(obj: dict[str, Any]) -> str | None | bool:
 def read_rows(stream: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
     """(line number, parsed object or RowError) for each non-blank line; bytes are decoded per line so
     one bad line cannot spoil the file."""
-    for number, raw in enumerate(stream, start=1):
+    for number, raw in enumerate(lines(stream) if hasattr(stream, "readline") else stream, start=1):
         if raw.strip():
             yield number, _parse(number, raw)
 
@@ -240,6 +278,18 @@ def _text(v: Any, field: str) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         raise RowError(field, f"must be a finite number, got {v}")
     return str(v)
+
+
+def few(names: Iterable[str], near: str | None = None, shown: int = 5) -> str:
+    """Choices as an error can list them: the closest to `near` first, at most `shown`, and how
+    many there are in all (a folder of 10,000 templates is not one error line)."""
+    import difflib
+
+    names = list(names)
+    close = difflib.get_close_matches(near, names, n=shown) if near is not None and len(names) < 100_000 else []
+    picked = close + [n for n in sorted(names) if n not in close][: shown - len(close)]
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return ", ".join(map(repr, picked)) + more
 
 
 def _kind(v: Any) -> str:
@@ -302,9 +352,17 @@ TEMPLATE_OVERRIDES = {k: k for k in SAMPLING_NAMES}  # a row sets any SamplingPa
 
 
 def template_jobs(
-    rows: Iterable[tuple[int, Any]], templates: dict[str, Template], defaults: dict[str, Any], id_field: str = "id"
+    rows: Iterable[tuple[int, Any]],
+    templates: dict[str, Template],
+    defaults: dict[str, Any],
+    id_field: str = "id",
+    on_note: Callable[[str], None] | None = None,
 ) -> Iterator[Job | ErrorRecord]:
-    """Rows of a template query file. With several templates, each row names one in `template`."""
+    """Rows of a template query file. With several templates, each row names one in `template`.
+    A field a row carries that nothing reads (a typo, an OpenAI option such as logit_bias) is
+    said to `on_note` once per job and template."""
+    noted: set[tuple[str, str]] = set()
+    read = {t.name: frozenset((id_field, "template", *t.fields, *TEMPLATE_OVERRIDES)) for t in templates.values()}
     seen: set[str] = set()  # explicit ids only: a generated `line-N` never collides with a row's own id
     occurrences: dict[str, int] = {}  # request hash -> id-less rows with it so far
     only = next(iter(templates.values())) if len(templates) == 1 else None
@@ -330,14 +388,22 @@ def template_jobs(
             if "template" in obj or template is None:
                 name = obj.get("template")
                 if not isinstance(name, str):
-                    raise RowError("template", f"must name one of {sorted(templates)}, got {_kind(name)}")
+                    raise RowError("template", f"must name one of {few(templates)}, got {_kind(name)}")
                 if name not in templates:
-                    raise RowError("template", f"unknown template {name!r}; known: {sorted(templates)}")
+                    raise RowError("template", f"unknown template {name[:80]!r}; known: {few(templates, name)}")
                 template = templates[name]
+            if on_note is not None:
+                for key in obj:
+                    if (template.name, key) not in noted and key not in read[template.name]:
+                        noted.add((template.name, key))
+                        on_note(
+                            f"line {number}: field {key[:80]!r} is not used (template {template.name!r} has no "
+                            "such placeholder and it is no sampling field); rows that carry it run without it"
+                        )
             values: dict[str, str] = {}
             for name in template.fields:
                 if name not in obj:
-                    raise RowError(name, f"missing (template {template.name!r} needs {list(template.fields)})")
+                    raise RowError(name, f"missing (template {template.name!r} needs {few(template.fields)})")
                 values[name] = _text(obj[name], name)
             if template.name in plain and not any(obj.get(k) is not None for k in TEMPLATE_OVERRIDES):
                 params, source = plain[template.name]  # most rows set no sampling field: checked once
@@ -356,6 +422,7 @@ def template_jobs(
                 params,
                 template.name,
                 data=tuple(values.values()),
+                layout=template.layout,
                 constraint_field=source,
             )
             # A row without an id is matched on resume by its request's hash (and occurrence), so it
@@ -488,11 +555,17 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             seen.add(rid)
             if obj.get("method", "POST") != "POST":
                 raise RowError("method", "must be POST")
-            if obj.get("url", OPENAI_URL) != OPENAI_URL:
-                raise RowError("url", f"only {OPENAI_URL} is supported, got {obj.get('url')!r}")
+            url = obj.get("url", OPENAI_URL)
+            if url not in OPENAI_URLS:
+                raise RowError("url", f"only {' and '.join(OPENAI_URLS)} are served, got {url!r}")
             body = obj.get("body")
             if not isinstance(body, dict):
                 raise RowError("body", f"must be an object, got {_kind(body)}")
+            if url == COMPLETIONS_URL:
+                job = _completions_job(rid, number, body, defaults)
+                _ = job.request_hash  # computed here, so a row it fails on fails alone
+                yield job
+                continue
             bad = _unsupported(body)
             if bad is not None:
                 raise RowError(f"body.{bad}", "is not supported by chunkgen")
@@ -506,7 +579,7 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                     raise RowError(field, f"must be an object, got {_kind(m)}")
                 role = m.get("role")
                 if role not in ROLES:
-                    raise RowError(f"{field}.role", f"must be one of {sorted(ROLES)}, got {role!r}")
+                    raise RowError(f"{field}.role", f"must be one of {sorted(ROLES)}, got {str(role)[:80]!r}")
                 clean.append({"role": ROLES[role], "content": _content(m.get("content"), f"{field}.content")})
             schema = _response_format(body.get("response_format"))
             base = defaults
@@ -520,6 +593,9 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 OPENAI_OVERRIDES,
                 prefix="body.",
             )
+            if params.max_new_tokens == 0:  # only a completions row may ask for none (to score its prompt)
+                key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+                raise RowError(f"body.{key}", "must be an integer >= 1, got 0")
             body_constraints = {
                 "response_format": schema,
                 "guided_regex": body.get("guided_regex"),
@@ -530,9 +606,16 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
                 [("", defaults), *((f"body.{k}", {OPENAI_RENAMES[k]: v}) for k, v in body_constraints.items())],
             )
             job = Job(
-                rid, number, clean, params, None, data=tuple(m["content"] for m in clean), constraint_field=source
+                rid,
+                number,
+                clean,
+                params,
+                None,
+                data=tuple(m["content"] for m in clean),
+                layout=tuple((i,) for i in range(len(clean))),
+                constraint_field=source,
             )
-            job.request_hash  # computed here, so a row it fails on fails alone
+            _ = job.request_hash  # computed here, so a row it fails on fails alone
         except RowError as err:
             yield ErrorRecord(rid, number, err.field, err.message)
             continue
@@ -540,3 +623,69 @@ def openai_jobs(rows: Iterable[tuple[int, Any]], defaults: dict[str, Any]) -> It
             yield ErrorRecord(rid if isinstance(rid, str) else None, number, None, _unreadable(exc))
             continue
         yield job
+
+
+# -- OpenAI /v1/completions rows -------------------------------------------------------------------
+COMPLETIONS_OVERRIDES = {
+    **{k: k for k in SAMPLING_NAMES if k not in ("max_new_tokens", "logprobs", "prompt_logprobs", *KINDS)},
+    "max_tokens": "max_new_tokens",
+    "guided_regex": "regex",
+    "guided_grammar": "grammar",
+}
+COMPLETIONS_OWN = ("prompt", "echo", "logprobs", "suffix", "best_of")
+COMPLETIONS_MAX_TOKENS = 16  # the API's default when a row sets none
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A completions prompt: a string, token ids, or a list holding one of those."""
+    field = "body.prompt"
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise RowError(field, "must not be empty")
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
+        return [int(t) for t in value]
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise RowError(field, f"holds {len(value)} prompts; give one prompt per row (each row gets its own custom_id)")
+    raise RowError(field, f"must be a string or a list of token ids, got {_kind(value)}")
+
+
+def _completions_job(rid: str, number: int, body: dict[str, Any], defaults: dict[str, Any]) -> Job:
+    """A /v1/completions row: prompt, max_tokens (0: score only), echo, logprobs (top-k per token),
+    and the sampling fields chat rows take."""
+    if body.get("suffix") is not None:
+        raise RowError(
+            "body.suffix", "is not supported: chunkgen continues a prompt, it does not fill in before a suffix"
+        )
+    best_of = body.get("best_of")
+    if best_of not in (None, 1) and best_of != body.get("n", 1):
+        raise RowError("body.best_of", "is not supported (use n)")
+    for key, value in body.items():
+        if key not in COMPLETIONS_OVERRIDES and key not in OPENAI_IGNORED and key not in COMPLETIONS_OWN:
+            harmless = (key == "stream" and value in (False, None)) or (key == "logit_bias" and not value)
+            if not harmless:
+                raise RowError(f"body.{key}", "is not supported by chunkgen")
+    prompt = _prompt(body.get("prompt"))
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RowError("body.echo", f"must be true or false, got {_kind(echo)}")
+    top = body.get("logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise RowError("body.logprobs", f"must be an integer (alternatives per token), got {_kind(top)}")
+    values = {"max_new_tokens": COMPLETIONS_MAX_TOKENS}
+    values.update((k, v) for k, v in defaults.items() if k not in ("logprobs", *KINDS))
+    # Echo shows the prompt's tokens: scored when logprobs are asked (their entries), and for a
+    # prompt of token ids also without (their texts come with the entries).
+    scored = top if top is not None else (0 if echo and isinstance(prompt, list) else None)
+    row = {**body, "logprobs": top, "prompt_logprobs": scored if echo else None}
+    names = {**COMPLETIONS_OVERRIDES, "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
+    params = _params(values, row, names, prefix="body.")
+    if params.max_new_tokens == 0 and not echo:
+        raise RowError("body.max_tokens", "is 0 without echo: nothing would be returned")
+    return Job(rid, number, [], params, None, data=(), prompt=prompt, echo=echo)

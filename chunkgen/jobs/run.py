@@ -8,22 +8,26 @@ refused, into a record. A local run chains the two; on Ray the driver triages an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from chunkgen.engine import Engine, Request, Result
 from chunkgen.engine.engine import EngineStats
-from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
+from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.writer import ResultWriter
+from chunkgen.progress import Snapshot
+from chunkgen.prompt import PromptTooLong
 
 if TYPE_CHECKING:
     from chunkgen.jobs.order import PrefixOrder
 
-Encode = Callable[[list[dict[str, str]], tuple[str, ...]], list[int]]
+Encode = Callable[[list[dict[str, str]], tuple[str, ...], "tuple | None"], list[int]]
 
 
 def never() -> bool:
@@ -61,6 +65,18 @@ class JobProgress:
     running: int
     kv_used_bytes: int
     cache_hit_rate: float  # prompt tokens served from the cache / prompt tokens admitted
+    prompt_tokens_done: int = 0  # admitted (from the cache or computed)
+    prompt_tokens_queued: int = 0  # of every row given to the engine so far
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            self.done,
+            self.total,
+            self.generated_tokens,
+            self.prompt_tokens_done,
+            self.prompt_tokens_queued,
+            self.running,
+        )
 
 
 @dataclass
@@ -164,6 +180,23 @@ class Answer:
     result: Result | None = None
 
 
+def kv_shortfall(engine: Engine, tokens: int, job: Job) -> str | None:
+    """Why the KV budget cannot hold this row's samples at once (each sample's answer in chunks of
+    its own beside the shared prompt), with the budget that would; None when it can."""
+    pool, chunk = engine.pool, engine.config.chunk_size
+    n, new = job.params.n, job.params.max_new_tokens
+    slots = tokens // chunk + n * -(-(tokens % chunk + new) // chunk)
+    if slots <= pool.max_slots:
+        return None
+    from chunkgen.device import human_bytes
+
+    return (
+        f"the KV budget ({human_bytes(pool.max_slots * pool.bytes_per_slot)}) cannot hold line {job.line}'s {n} "
+        f"sample(s) of up to {new} tokens beside its {tokens}-token prompt at once, so such rows run a few "
+        f"samples at a time, many times slower; --kv-memory {human_bytes(slots * pool.bytes_per_slot)} would hold them"
+    )
+
+
 def answer(
     engine: Engine,
     encode: Encode,
@@ -172,6 +205,7 @@ def answer(
     window: int = 256,
     should_stop: Callable[[], bool] = never,
     on_step: Callable[[], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
@@ -180,6 +214,7 @@ def answer(
     source = iter(jobs)
     pending: dict[int, Job] = {}
     exhausted = False
+    warned = False
     while not should_stop():
         if not exhausted and engine.num_waiting < window:
             batch: list[Request] = []
@@ -193,11 +228,19 @@ def answer(
                 index, job = item
                 taken += 1
                 try:
-                    tokens = encode(job.messages, job.data)
+                    tokens = encode(job.source, job.data, job.layout)
+                except PromptTooLong as exc:  # refused before it was tokenized
+                    yield Answer(
+                        index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
+                    )
+                    continue
                 except Exception as exc:  # e.g. the model's chat template rejects these messages
                     err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
                     yield Answer(index, fmt.error_record(err, job.request_hash))
                     continue
+                if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
+                    on_note(why)  # once a job: every such row is slow for the same reason
+                    warned = True
                 batch.append(Request(index, tokens, job.params))
                 pending[index] = job
             exhausted = taken < want and not idle
@@ -223,6 +266,7 @@ def run_job(
     should_stop: Callable[[], bool] = never,
     on_progress: Callable[[JobProgress], None] | None = None,
     order: PrefixOrder | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> JobSummary:
     """A whole local job: rows in, records out, nothing held but the window in flight. With an
     `order`, the rows still to answer are answered in prefix order (bad rows and rows answered
@@ -244,20 +288,22 @@ def run_job(
                     running=engine.num_running,
                     kv_used_bytes=engine.pool.used_bytes,
                     cache_hit_rate=cache_hit_rate(s),
+                    prompt_tokens_done=s.prompt_tokens,
+                    prompt_tokens_queued=s.queued_prompt_tokens,
                 )
             )
 
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
-    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report):
+    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note):
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1
         else:
             counts.answered += 1
         if a.result is not None and a.result.error is None:
-            counts.add_usage(lambda name: getattr(a.result, name))
+            counts.add_usage(functools.partial(getattr, a.result))
     interrupted = should_stop()
     writer.close(complete=not interrupted)
     summary = summarize(counts, [engine.stats], len(writer.changed), time.perf_counter() - t0, interrupted)

@@ -14,11 +14,12 @@ import heapq
 import math
 import re
 from collections import Counter
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
-from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.groups import group_digest
+from chunkgen.jobs.requests import ErrorRecord, Job
 
 WHOLE_GROUP_ROWS = 64  # a small file's groups stay whole up to this many rows where the bound allows
 K = TypeVar("K", bound=Hashable)
@@ -30,7 +31,7 @@ class Shard:
     count: int
 
     @classmethod
-    def parse(cls, text: str) -> "Shard":
+    def parse(cls, text: str) -> Shard:
         m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
         if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
             raise ValueError(f"--shard takes i/N with 0 <= i < N, e.g. 0/4; got {text!r}")

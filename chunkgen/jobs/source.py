@@ -12,17 +12,20 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
+from chunkgen.bounded import TooLarge, check_regular, not_utf8
+from chunkgen.bounded import lines as bounded_lines
 from chunkgen.config import OptionError
 from chunkgen.device import human_bytes
 from chunkgen.jobs.order import PrefixOrder, RowFile, sort_bytes_needed
 from chunkgen.jobs.requests import ErrorRecord, Job, detect_format, open_queries, openai_jobs, read_rows, template_jobs
-from chunkgen.jobs.templates import Template, TemplateError, load_templates
-from chunkgen.jobs.whole_file import FileMistake, check_sample, csv_to_jsonl
 from chunkgen.jobs.shard import Shard, ShardPlan, plan_items
+from chunkgen.jobs.templates import Template, TemplateError, load_templates
+from chunkgen.jobs.whole_file import FileMistake, check_encoding, check_sample, csv_to_jsonl
 
 FORMATS = ("auto", "template", "openai")
 
@@ -40,6 +43,12 @@ def check_queries_path(queries: str) -> None:
         raise OptionError("--queries", f"{path} is a directory; give a JSONL file (or - for standard input)")
     if not path.exists():
         raise OptionError("--queries", f"{path}: queries file not found")
+    try:
+        check_regular(path, "queries")
+    except TooLarge as exc:
+        raise OptionError(
+            "--queries", f"{exc} (an endless stream); give a JSONL file, or - for standard input"
+        ) from None
 
 
 def count_lines(queries: str) -> int | None:
@@ -76,19 +85,20 @@ class JobSource:
         id_field: str,
         prefix_order: bool = False,
         shard: Shard | None = None,
+        on_note: Callable[[str], None] | None = None,
     ) -> JobSource:
         """The rows of `queries`; with `prefix_order`, re-readable by offset (standard input is
         spooled to a temporary file for that) and keyed by prefix as they are first read. With a
         `shard`, the whole file is planned first and only that shard's rows are read."""
         keep, queries = _csv_as_jsonl(queries)
         try:
-            _check_not_empty(queries)
+            _check_start(queries)
             check_temp_space(queries, prefix_order)
             plan = None
             if shard is not None:
-                planned = cls._read(queries, template, fmt, defaults, id_field, False, None)
+                planned = cls._read(queries, template, fmt, defaults, id_field, False, None)  # said once, below
                 plan = plan_items(planned.items, shard.count)
-            source = cls._read(queries, template, fmt, defaults, id_field, prefix_order, keep)
+            source = cls._read(queries, template, fmt, defaults, id_field, prefix_order, keep, on_note)
             source.plan = plan
             if plan is not None:
                 source.items = plan.select(source.items, shard.index)
@@ -108,6 +118,7 @@ class JobSource:
         id_field: str,
         prefix_order: bool,
         keep: tempfile.TemporaryDirectory | None,
+        on_note: Callable[[str], None] | None = None,
     ) -> JobSource:
         templates = _load_templates(template)
         _check_sample(queries, fmt, templates, id_field)
@@ -121,7 +132,7 @@ class JobSource:
         rows = read_rows(stream)
         if fmt == "auto":
             fmt, rows = detect_format(rows)
-        to_jobs = _row_reader(queries, fmt, templates, defaults, id_field)
+        to_jobs = _row_reader(queries, fmt, templates, defaults, id_field, on_note)
         if fmt == "openai":
             templates = {}
         if row_file is None:
@@ -194,7 +205,9 @@ def _csv_as_jsonl(queries: str) -> tuple[tempfile.TemporaryDirectory | None, str
         csv_to_jsonl(Path(queries), target)
     except UnicodeDecodeError as exc:
         folder.cleanup()
-        raise OptionError("--queries", f"{queries}: not UTF-8 text (byte {exc.start}); save the CSV as UTF-8") from None
+        with open(queries, "rb") as f:
+            head = f.read(4096)
+        raise OptionError("--queries", str(not_utf8(head, queries, exc))) from None
     except OSError:
         folder.cleanup()
         raise
@@ -204,15 +217,19 @@ def _csv_as_jsonl(queries: str) -> tuple[tempfile.TemporaryDirectory | None, str
     return folder, str(target)
 
 
-def _check_not_empty(queries: str) -> None:
-    """A queries file without a single row is a mistake worth a word (standard input is checked at the end)."""
+def _check_start(queries: str) -> None:
+    """A queries file without a single row, or one that is not UTF-8 text (UTF-16, a sparse or
+    binary file), is refused from its first line (standard input is checked at the end)."""
     if queries == "-" or not Path(queries).is_file():
         return
     with open(queries, "rb") as f:
-        if not any(line.strip() for line in f):
-            raise OptionError(
-                "--queries", f"{queries} holds no rows (it is empty or blank); nothing to run", usage=False
-            )
+        first = next((line for line in bounded_lines(f, skip=False) if line.strip()), None)
+    if first is None:
+        raise OptionError("--queries", f"{queries} holds no rows (it is empty or blank); nothing to run", usage=False)
+    try:
+        check_encoding(Path(queries), first)
+    except FileMistake as exc:
+        raise OptionError("--queries", str(exc)) from None
 
 
 def _load_templates(template: Path | None) -> dict[str, Template] | None:
@@ -238,7 +255,12 @@ def _check_sample(queries: str, fmt: str, templates: dict[str, Template] | None,
 
 
 def _row_reader(
-    queries: str, fmt: str, templates: dict[str, Template] | None, defaults: dict[str, Any], id_field: str
+    queries: str,
+    fmt: str,
+    templates: dict[str, Template] | None,
+    defaults: dict[str, Any],
+    id_field: str,
+    on_note: Callable[[str], None] | None = None,
 ) -> Callable:
     if fmt == "openai":
         return lambda rows: openai_jobs(rows, defaults)
@@ -248,4 +270,4 @@ def _row_reader(
             f"{queries} holds template rows: pass --template (a .toml file or a directory of them)",
             usage=False,
         )
-    return lambda rows: template_jobs(rows, templates, defaults, id_field)
+    return lambda rows: template_jobs(rows, templates, defaults, id_field, on_note)

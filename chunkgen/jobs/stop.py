@@ -3,6 +3,7 @@ step is over (every answer so far written, the run resumable); a second stops at
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -10,6 +11,15 @@ from pathlib import Path
 
 # The exit code of a run stopped by a signal (resumable): the shell's 128 + the signal's number.
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupted(BaseException):
+    """A signal during a phase with nothing to finish (the model load): the run ends at once. A
+    BaseException, so that no library's `except Exception` around its own work swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class StopFlag:
@@ -28,9 +38,23 @@ class StopFlag:
         self.signum: int | None = None
         self._out = out
         self._timer: threading.Timer | None = None
+        self._at_once = False
         self._old = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
 
+    @contextlib.contextmanager
+    def at_once(self):
+        """While the block runs (the model load: no answer to finish, nothing to keep), a signal
+        raises Interrupted at once instead of waiting for a step to end."""
+        self._at_once = True
+        try:
+            yield
+        finally:
+            self._at_once = False
+
     def _handle(self, signum, frame) -> None:
+        if self._at_once and self.signum is None:
+            self.signum = signum
+            raise Interrupted(signum)
         if self.signum is None:
             self.signum = signum
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import string
 import tomllib
@@ -9,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chunkgen.engine.params import KINDS, SAMPLING_NAMES
-from chunkgen.engine.params import ParamError, SamplingParams
+from chunkgen.bounded import DuplicateKey, NotText, TooLarge, read_text, unique_keys
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES, ParamError, SamplingParams
 
 
 class TemplateError(ValueError):
@@ -28,6 +29,17 @@ class Template:
     description: str = ""
     output: dict[str, Any] = field(default_factory=dict)  # [output]: one constraint (json_schema as loaded)
 
+    @classmethod
+    def from_file(cls, path: str | Path) -> Template:
+        """A template file read as `chunkgen run --template` reads it (the same checks, the system
+        prompt stripped as the command line strips it), so the Python API builds the same prompts:
+        `llm.generate([t.messages(row) for row in rows], t.params())`."""
+        return load_template(path)
+
+    def params(self, **overrides: Any) -> SamplingParams:
+        """The template's [sampling] and [output] as SamplingParams, with `overrides` on top."""
+        return SamplingParams(**{**self.sampling, **self.output, **overrides})
+
     def messages(self, values: dict[str, str]) -> list[dict[str, str]]:
         """Chat messages for one query. Values are inserted as plain text: braces inside them are
         never expanded, because only the template string is parsed."""
@@ -36,6 +48,19 @@ class Template:
         if self.system:
             msgs.insert(0, {"role": "system", "content": self.system})
         return msgs
+
+    @functools.cached_property
+    def layout(self) -> tuple[tuple[str | int, ...], ...]:
+        """Where `messages` puts a row's values: per message, literal text or a value's index in
+        `fields` (the order of a row's `data`); control strings are judged against it."""
+        parts: list[str | int] = []
+        for literal, name, _, _ in string.Formatter().parse(self.user):
+            if literal:
+                parts.append(literal)
+            if name is not None:
+                parts.append(self.fields.index(name))
+        user = tuple(parts)
+        return ((self.system,), user) if self.system else (user,)
 
 
 def _placeholders(text: str, path: Path) -> tuple[str, ...]:
@@ -69,19 +94,21 @@ def _output(data: Any, path: Path) -> dict[str, Any]:
         raise TemplateError(f"{path}: [output] must be a table")
     unknown = set(data) - set(KINDS)
     if unknown:
-        raise TemplateError(f"{path}: [output] has unknown keys {sorted(unknown)}; allowed: {list(KINDS)}")
+        raise TemplateError(f"{path}: [output] has unknown keys {sorted(unknown)[:5]}; allowed: {list(KINDS)}")
     if len(data) != 1:
         raise TemplateError(f"{path}: [output] takes exactly one of {list(KINDS)}, got {sorted(data) or 'none'}")
     ((key, value),) = data.items()
     if key == "json_schema" and isinstance(value, str):  # a file next to the template
         schema_path = path.parent / value
         try:
-            value = json.loads(schema_path.read_text(encoding="utf-8"))
+            value = json.loads(read_text(schema_path, what="JSON schema"), object_pairs_hook=unique_keys)
         except OSError as exc:
             raise TemplateError(
                 f"{path}: [output] json_schema: cannot read {schema_path} ({exc.strerror or exc})"
             ) from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (TooLarge, NotText, DuplicateKey) as exc:
+            raise TemplateError(f"{path}: [output] json_schema: {schema_path}: {exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             raise TemplateError(f"{path}: [output] json_schema: {schema_path} is not valid JSON: {exc}") from None
     try:
         SamplingParams(**{key: value})
@@ -93,7 +120,9 @@ def _output(data: Any, path: Path) -> dict[str, Any]:
 def load_template(path: str | Path) -> Template:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_text(path, what="template"))
+    except (TooLarge, NotText) as exc:
+        raise TemplateError(str(exc)) from None
     except FileNotFoundError:
         raise TemplateError(f"{path}: template file not found") from None
     except IsADirectoryError:
@@ -106,7 +135,7 @@ def load_template(path: str | Path) -> Template:
         raise TemplateError(f"{path}: not valid TOML: {exc}") from None
     unknown = set(data) - TOP_LEVEL_KEYS
     if unknown:
-        raise TemplateError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(TOP_LEVEL_KEYS)}")
+        raise TemplateError(f"{path}: unknown keys {sorted(unknown)[:5]}; allowed: {sorted(TOP_LEVEL_KEYS)}")
     for key in ("name", "description", "system", "user"):
         if key in data and not isinstance(data[key], str):
             raise TemplateError(f"{path}: field '{key}' must be a string, got {type(data[key]).__name__}")
@@ -117,7 +146,9 @@ def load_template(path: str | Path) -> Template:
         raise TemplateError(f"{path}: [sampling] must be a table")
     unknown = set(sampling) - SAMPLING_KEYS
     if unknown:
-        raise TemplateError(f"{path}: [sampling] has unknown keys {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
+        raise TemplateError(
+            f"{path}: [sampling] has unknown keys {sorted(unknown)[:5]}; allowed: {sorted(SAMPLING_KEYS)}"
+        )
     try:  # types and ranges now, not after the model has loaded
         SamplingParams(**sampling)
     except ParamError as exc:

@@ -12,10 +12,12 @@ import csv
 import difflib
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from chunkgen.jobs.requests import TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
+from chunkgen import bounded
+from chunkgen.jobs.requests import OPENAI_URLS, TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
 from chunkgen.jobs.templates import Template
 
 SAMPLE_ROWS = 20  # rows read to judge the file: enough that one odd row decides nothing
@@ -26,14 +28,26 @@ class FileMistake(ValueError):
 
 
 def _first_lines(path: Path, n: int = SAMPLE_ROWS) -> list[bytes]:
+    """The first `n` non-blank lines, each bounded (bounded.lines): an endless line stops at the limit."""
     out: list[bytes] = []
     with path.open("rb") as f:
-        for raw in f:
+        for raw in bounded.lines(f, skip=False):
             if raw.strip():
                 out.append(raw)
                 if len(out) >= n:
                     break
     return out
+
+
+def check_encoding(path: Path, first: bytes) -> None:
+    """A file that is not UTF-8 text at all (UTF-16 from a Windows editor, a sparse or binary file),
+    named as such by its first line, not echoed as bytes in one error record per row."""
+    kind = bounded.encoding_name(first)
+    if kind is None:
+        return
+    if kind.startswith("binary"):
+        raise FileMistake(f"{path} is not a text file: {kind}")
+    raise FileMistake(f"{path} is {kind} text; save it as UTF-8 (one JSON object per line)")
 
 
 def _looks_like(lines: list[bytes]) -> str:
@@ -61,12 +75,20 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
     lines = _first_lines(path)
     if not lines:
         return
+    check_encoding(path, lines[0])
     rows = [obj for _, obj in read_rows(lines)]
     objects = [r for r in rows if isinstance(r, dict)]
     if not objects and not any(isinstance(r, RowError) and r.row is not None for r in rows):
         what = "the first row" if len(rows) == 1 else f"none of the first {len(rows)} rows"
         raise FileMistake(f"{path}: {what} is a JSON object; the file looks like {_looks_like(lines)}")
     if fmt == "openai" or not templates or any(_looks_openai(o) for o in objects):
+        urls = [o.get("url") for o in objects if _looks_openai(o)]
+        if urls and all(u is not None and u not in OPENAI_URLS for u in urls):
+            shown = ", ".join(map(repr, dict.fromkeys(map(str, urls))))
+            raise FileMistake(
+                f"{path}: the first {len(urls)} rows ask for {shown}, which chunkgen does not serve; "
+                f"it answers {' and '.join(OPENAI_URLS)}"
+            )
         return
     only = next(iter(templates.values())) if len(templates) == 1 else None
     for t in templates.values():

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from chunkgen.jobs.formats import RecordFormat, encode_record
 from chunkgen.jobs.ledger import Ledger, OutputError, is_record, legacy_keys, parse_line, read_records
 from chunkgen.jobs.lock import OutputLock, lock_copy, same_file
-from chunkgen.jobs.requests import Job
+from chunkgen.jobs.requests import Job, id_key
 
 
 class OutputExists(FileExistsError):
@@ -40,8 +41,10 @@ class ResultWriter:
         resume: bool = False,
         ordered: bool = False,
         rerun_changed: bool = False,
+        id_field: str = "id",
     ) -> None:
-        self.format = RecordFormat(fmt, model_name)
+        self.format = RecordFormat(fmt, model_name, id_field)
+        self.id_field = id_field
         self.path = Path(path)
         if self.path.is_dir():
             raise OutputError(
@@ -85,8 +88,18 @@ class ResultWriter:
                     f"finished an interrupted rewrite of {self.path}: removed {dropped} superseded record(s)"
                 )
                 self._scan()
+        self._check_id_field()
         self.answers = self.ledger.standing_answers()
         self._legacy = legacy_keys(self.answers)
+        # (line, request hash) -> key of each answer of a row that had no id: a row that has one
+        # now (ids added since) is found by it rather than answered twice. (A row whose id changed
+        # to another is a row of its own; ids read from another field are refused on opening.)
+        self._by_request = {
+            (line, h): key
+            for key, (line, h) in self.answers.items()
+            if h is not None and (key.startswith("request:") or key == id_key(f"line-{line}"))
+        }
+        self.rekeyed = 0  # rows whose earlier answer was found under another key
         self._first_new = self.ledger.n  # 0: a new file, where no record can supersede another
 
     def _remove_leftovers(self) -> None:
@@ -146,14 +159,33 @@ class ResultWriter:
                 "point is kept, and a rerun with --resume continues from it"
             ) from None
 
+    def _check_id_field(self) -> None:
+        """Rows answered with ids from one field are not resumed with ids from another: every
+        row would look new, and be answered twice."""
+        if self.format.fmt == "openai":
+            return
+        other = {f: line for f, line in self.ledger.id_fields.items() if f != self.id_field}
+        if other:
+            field, line = next(iter(other.items()))
+            raise OutputError(
+                f"{self.path} was written with ids from the field {field!r} (line {line}'s record), and this run "
+                f"reads ids from {self.id_field!r}; resume with --id-field {field}, or write to another --out"
+            )
+
     # -- resume -------------------------------------------------------------------------------
     def answered(self, job: Job) -> bool:
         """True when an earlier run already answered this row (same id, same request; for a row
-        without an id: the same request, the same occurrence of it)."""
+        without an id: the same request, the same occurrence of it; or the same request at the
+        same line under a key the row had before its id was added)."""
         earlier = self.answers.get(job.key)
         if earlier is None and job.occurrence is not None:
             earlier = self._legacy.get(job.key)
         if earlier is None:
+            other = self._by_request.get((job.line, job.request_hash))
+            if other is not None and other != job.key:
+                self._by_request.pop((job.line, job.request_hash))
+                self.rekeyed += 1
+                return True
             return False
         line, request_hash = earlier
         if request_hash == job.request_hash or (request_hash is None and line == job.line):

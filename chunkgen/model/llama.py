@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -156,20 +156,23 @@ def layer_windows(cfg) -> list[int]:
     return [window] * cfg.num_hidden_layers
 
 
-def _projections(attn, mlp) -> tuple[Linear, Linear]:
+def float_linear(modules: list) -> Linear:
+    """The product of one or more nn.Linear modules fused along the outputs, on float weights."""
+    if len(modules) == 1:
+        return Linear(modules[0].weight, modules[0].bias)
+    return Linear(torch.cat([m.weight for m in modules]), _cat_bias(*modules))
+
+
+# Builds a layer's product from the nn.Linear modules it fuses: float_linear, or quantized weights
+# (chunkgen/model/quant.py: quantized_linears).
+LinearFactory = Callable[[list], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _projections(attn, mlp, make: LinearFactory = float_linear):
     """The fused q/k/v and gate/up products of a layer: concatenated from the separate ones, or
     taken as they are where the checkpoint already fuses them (Phi-3)."""
-    if hasattr(attn, "qkv_proj"):
-        qkv = Linear(attn.qkv_proj.weight, attn.qkv_proj.bias)
-    else:
-        qkv = Linear(
-            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        )
-    if hasattr(mlp, "gate_up_proj"):
-        gate_up = Linear(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-    else:
-        gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), _cat_bias(mlp.gate_proj, mlp.up_proj))
+    qkv = make([attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = make([mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj])
     return qkv, gate_up
 
 
@@ -190,21 +193,21 @@ def context_length(cfg) -> int:
     return cfg.max_position_embeddings
 
 
-def _layer_weights(layer, window: int, rope: str, gemma: bool) -> LayerWeights:
+def _layer_weights(layer, window: int, rope: str, gemma: bool, make: LinearFactory = float_linear) -> LayerWeights:
     """One decoder layer's weights as the forward reads them (q/k/v and gate/up fused)."""
     a, m = layer.self_attn, layer.mlp
-    qkv, gate_up = _projections(a, m)
+    qkv, gate_up = _projections(a, m, make)
     q_norm = getattr(a, "q_norm", None)
     k_norm = getattr(a, "k_norm", None)
     return LayerWeights(
         ln_attn=layer.input_layernorm.weight.detach(),
         qkv=qkv,
-        o=Linear(a.o_proj.weight, a.o_proj.bias),
+        o=make([a.o_proj]),
         # Gemma names the norm before the MLP pre_feedforward_layernorm and uses
         # post_attention_layernorm on the attention output
         ln_mlp=(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm).weight.detach(),
         gate_up=gate_up,
-        down=Linear(m.down_proj.weight, m.down_proj.bias),
+        down=make([m.down_proj]),
         window=window,
         rope=rope,
         q_norm=None if q_norm is None else q_norm.weight.detach(),
@@ -215,7 +218,8 @@ def _layer_weights(layer, window: int, rope: str, gemma: bool) -> LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, hf_model) -> None:
+    def __init__(self, hf_model, make_linear: LinearFactory = float_linear) -> None:
+        """make_linear builds each product from its nn.Linear modules (quantized weights: quant.py)."""
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -248,7 +252,7 @@ class LlamaModel:
         self.rotary = inner.rotary_emb
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
-        self.lm_head = Linear(hf_model.lm_head.weight, None)
+        self.lm_head = make_linear([hf_model.lm_head])
         windows = layer_windows(cfg)
         # Gemma 3's local layers have a rotary base of their own: transformers 5 keeps one module
         # that takes the layer type, transformers 4 a second module (rotary_emb_local).
@@ -258,7 +262,9 @@ class LlamaModel:
         if not (per_type_rope or self._local_rotary is not None):
             types = ["default"] * self.num_layers
         with torch.no_grad():
-            self.layers = [_layer_weights(layer, windows[i], types[i], gemma) for i, layer in enumerate(inner.layers)]
+            self.layers = [
+                _layer_weights(layer, windows[i], types[i], gemma, make_linear) for i, layer in enumerate(inner.layers)
+            ]
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
         self._inter = cfg.intermediate_size
@@ -426,6 +432,13 @@ class LlamaModel:
         batch of tokens). Linear layers see all new tokens at once; attention (kernels/prefill.py)
         reads each sequence's cached path from the pool and its new tokens causally. Returns the
         logits of `step.logit_rows`, or None when no row wants them."""
+        h = self.prefill_hidden(step, pool)
+        return self._logits(h[step.logit_rows]) if step.logit_rows else None
+
+    @torch.inference_mode()
+    def prefill_hidden(self, step: PrefillStep, pool: ChunkPool) -> torch.Tensor:
+        """The wave's final-normed hidden states, every row: a scored prompt reads its tokens'
+        logprobs off them (`_logits` of the rows it wants, a slice at a time)."""
         rows = step.tokens.numel()
         x = self._embed(step.tokens)
         attn = torch.empty(rows, self.q_heads, self.head_dim, dtype=x.dtype, device=x.device)
@@ -440,8 +453,7 @@ class LlamaModel:
             )
             return attn.view(rows, -1)
 
-        h = self._layers(x, step.positions, q, attend)
-        return self._logits(h[step.logit_rows]) if step.logit_rows else None
+        return self._layers(x, step.positions, q, attend)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -18,8 +18,8 @@ import pickle
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # Set before transformers is imported anywhere: weights come from disk only.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +27,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch
+
+from chunkgen.model.folder import FolderRefused, check_folder, check_loaded, read_json, refuse_custom_code
 
 
 def _quiet_transformers() -> None:
@@ -101,7 +103,7 @@ def load_tokenizer(path: str | os.PathLike, **kwargs):
     ByteLevel string, which the ByteLevel decoder alone maps back to bytes."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **kwargs)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _uses(backend.pre_tokenizer, "ByteLevel"):
         decoder = backend.decoder
@@ -208,12 +210,23 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     try:
         tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
         _tokenizer_facts_of(gguf, tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.float32,
+            trust_remote_code=False,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
+        )
     except Exception as exc:  # an architecture transformers cannot read from GGUF, a damaged file
         raise ModelNotFound(f"{gguf}: cannot convert this GGUF file ({type(exc).__name__}: {exc})") from None
     finally:
         if bar is not None:
             gguf_utils.tqdm = bar
+    try:
+        check_loaded(str(gguf), info)
+    except FolderRefused as exc:
+        raise ModelNotFound(str(exc)) from None
     # The tensors are plain floats after dequantization; only the marker blocks saving.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -298,8 +311,16 @@ def read_config(path: Path, error: type[Exception] | None = None):
     from chunkgen.model.llama import SUPPORTED_ARCHITECTURES
 
     error = error or ModelNotFound
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    try:  # the folder's own JSON first: transformers would import the code it names
+        if Path(path).is_dir():
+            check_folder(folder)
+        else:
+            refuse_custom_code(Path(path), read_json(Path(path), 16 << 20))
+    except FolderRefused as exc:
+        raise error(str(exc)) from None
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as exc:  # transformers raises several types for a bad or unknown config
         raise error(f"{path}: cannot read the config ({type(exc).__name__}: {exc})") from None
     arch = (getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")])[0]
@@ -309,11 +330,18 @@ def read_config(path: Path, error: type[Exception] | None = None):
 
 
 def check_model_dir(path: Path):
-    """The model's config, after checking (without loading weights) that chunkgen can run it."""
-    config = read_config(path)
+    """The model's config, after checking (without loading weights) that chunkgen can run it: no
+    code named, no file linked from outside, sizes that fit the machine and the weight files."""
     if not any(next(path.glob(p), None) for p in WEIGHT_FILES):
         raise ModelNotFound(f"{path}: no weights (*.safetensors or *.bin files) in this folder")
-    return config
+    return read_config(path)
+
+
+def model_config(path: str | os.PathLike):
+    """A checked model folder's transformers config (never its code)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
 
 
 def _unpickling_error(exc: BaseException | None) -> pickle.UnpicklingError | None:
@@ -338,7 +366,9 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.flo
     except Exception as exc:
         raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True
+        )
     except Exception as exc:
         refused = _unpickling_error(exc)
         if refused is not None:
@@ -352,6 +382,10 @@ def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.flo
             ) from None
         # e.g. a truncated or damaged file
         raise ModelNotFound(f"{path}: cannot load the weights ({type(exc).__name__}: {exc})") from None
+    try:  # transformers fills what the checkpoint lacks with random weights and says it in a report
+        check_loaded(str(path), info)
+    except FolderRefused as exc:
+        raise ModelNotFound(str(exc)) from None
     inner = getattr(model, "model", None)
     for part in ("vision_tower", "multi_modal_projector"):  # prompts are text: these would only hold memory
         if getattr(inner, part, None) is not None:

@@ -19,17 +19,18 @@ import signal
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from chunkgen.config import Config
 from chunkgen.engine.engine import EngineStats
-from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.formats import RecordFormat
-from chunkgen.jobs.ledger import is_error
-from chunkgen.jobs.writer import ResultWriter
-from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, summarize, triage
 from chunkgen.jobs.groups import group_digest
+from chunkgen.jobs.ledger import is_error
+from chunkgen.jobs.requests import ErrorRecord, Job
+from chunkgen.jobs.run import USAGE, JobCounts, JobSummary, answer, never, summarize, triage
+from chunkgen.jobs.writer import ResultWriter
 
 COLLECT_WAIT_S = 1.0  # a worker answers a collect call at the latest this long after it was made
 SEND_ROWS = 32  # rows sent to a worker in one call

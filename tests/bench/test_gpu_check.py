@@ -161,3 +161,20 @@ def test_default_stages_cover_the_issue_grid(tmp_path):
     e2e = stages[-1].argv
     assert e2e[e2e.index("--n-queries") + 1] == "256" and e2e[e2e.index("--max-batch") + 1] == "256"
     assert all("--device" in s.argv and "cuda" in s.argv for s in stages[2:])
+    assert e2e[e2e.index("--kv-memory") + 1] == "8GiB"  # not auto: hf shares the GPU
+
+
+def test_the_stages_name_only_options_their_commands_have(tmp_path):
+    """Each bench stage's command line parses (typer's own parser, no run): a renamed option would
+    otherwise surface only on a GPU, as a failed stage."""
+    import click
+    import typer
+
+    from chunkgen.cli import app
+
+    root = typer.main.get_command(app)
+    for st in gc.default_stages("python3", tmp_path, "9.0")[2:]:
+        args = st.argv[st.argv.index("chunkgen") + 1 :]
+        group = root.get_command(click.Context(root), args[0])
+        cmd = group.get_command(click.Context(group), args[1])
+        cmd.make_context(args[1], list(args[2:]), resilient_parsing=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen.cache import Append, ChunkPool, KernelContext, PoolExhausted, PrefixTree
 

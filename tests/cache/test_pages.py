@@ -134,7 +134,7 @@ def test_a_freed_large_tensor_leaves_its_pages_to_the_next_one(keep):
     malloc maps fresh pages every time and every 4 KiB faults."""
     import subprocess
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     out = subprocess.run(
         [sys.executable, "-c", _FAULTS_OF_A_FRESH_TENSOR, "keep" if keep else "default"],

@@ -24,9 +24,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 from chunkgen.jobs import writer as results  # noqa: E402  (the module whose read_records the rewrite calls)
 from chunkgen.jobs.requests import read_rows, template_jobs  # noqa: E402
-from chunkgen.jobs.writer import ResultWriter  # noqa: E402
 from chunkgen.jobs.run import run_job  # noqa: E402
 from chunkgen.jobs.templates import load_templates  # noqa: E402
+from chunkgen.jobs.writer import ResultWriter  # noqa: E402
 from chunkgen.llm import LLM  # noqa: E402
 
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from chunkgen.cli import EXIT_BAD_INPUT_LINES, app
-from tests.conftest import PROMPTS, ROOT
-from tests.helpers import base_args, records, run_cli, runner
+from tests.helpers import PROMPTS, ROOT, base_args, records, run_cli, runner
 
 
 def test_run_writes_one_record_per_query_and_refuses_overwrite(tiny_model, tmp_path):
@@ -405,8 +404,8 @@ def test_queries_from_standard_input(tiny_model, tmp_path):
 def test_streams_records_after_every_prefill_wave(tiny_llm, tmp_path):
     """With one new token per row, answers finish at prefill: they must reach the file wave by
     wave, not all at the end."""
-    from chunkgen.jobs.writer import ResultWriter
     from chunkgen.jobs.run import run_job
+    from chunkgen.jobs.writer import ResultWriter
 
     queries = tmp_path / "q.jsonl"
     queries.write_text(

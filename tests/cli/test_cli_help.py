@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chunkgen.cli import app
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 runner = CliRunner()
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import PROMPTS, ROOT
+from tests.helpers import PROMPTS, ROOT
 
 
 def test_kill_9_at_random_moments_then_resume_loses_and_duplicates_nothing(tiny_model, tmp_path):

@@ -8,7 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from chunkgen.cli import app
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 runner = CliRunner()
 
@@ -89,3 +89,15 @@ def test_the_planned_tree_holds_one_chunk_per_distinct_chunk_aligned_prefix(tiny
             AutoConfig.from_pretrained(tiny_model), chunk, torch.float32, budget_bytes=1 << 40, storage=False
         )
         assert tree_stats(plan_tree(pool, prompts, DEFAULT_MAX_PREFILL_TOKENS)).chunks_shared == minimum
+
+
+def test_a_budget_below_the_prompts_says_what_the_run_does_and_what_would_suffice(tiny_model):
+    args = ["inspect-tree", "-t", str(PROMPTS), "-q", str(PROMPTS / "mixed.queries.jsonl"), "--model", str(tiny_model)]
+    ample = runner.invoke(app, args, terminal_width=400, catch_exceptions=False)
+    assert ample.exit_code == 0 and "need at once" not in ample.output
+    tight = runner.invoke(app, [*args, "--kv-memory", "256KiB"], terminal_width=400, catch_exceptions=False)
+    assert tight.exit_code == 0, tight.output
+    text = " ".join(tight.output.split())
+    assert "the prompts need at once" in text and "rows wait" in text and "preempted" in text
+    assert "would hold them all" in text
+    assert "a smaller --chunk-size lowers it" not in text  # not what its own figures show

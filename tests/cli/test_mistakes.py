@@ -13,13 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from tests.conftest import PROMPTS, ROOT
+from tests.helpers import PROMPTS, ROOT
 
 USAGE, ERROR, INTERRUPTED = 2, 1, 130
 QUESTIONS = '{"id": "a", "question": "What is 2 + 2?"}\n{"id": "b", "question": "Is 7 prime?"}\n'
@@ -484,3 +484,58 @@ def test_a_device_out_of_memory_is_one_line_that_says_what_to_lower(tiny_model, 
 
     text = unexpected_text(torch.cuda.OutOfMemoryError(oom + ". Of the allocated memory ..."))
     assert "Tried to allocate 64.00 GiB" in text and "--max-batch" in text and "report" not in text
+
+
+# The child's model load holds still for a minute (as a large model's does), and says when it starts.
+_SLOW_LOAD = """
+import sys, time
+sys.argv = ["chunkgen", *sys.argv[1:]]
+import chunkgen.llm as llm
+real = llm.load_hf
+def slow(*args, **kwargs):
+    print("loading now", file=sys.stderr, flush=True)
+    time.sleep(60)
+    return real(*args, **kwargs)
+llm.load_hf = slow
+from chunkgen.entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_signal_during_the_model_load_ends_the_run_at_once(signum, tiny_model, tmp_path):
+    cmd, env = _command(Mistake("load", [], 0, ""), tmp_path, tiny_model)
+    proc = _start([sys.executable, "-c", _SLOW_LOAD, *cmd[3:]], env)
+    _wait_for_line(proc, "loading now")
+    t0 = time.monotonic()
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10  # not the minute the load would take
+    assert proc.returncode == {signal.SIGTERM: 143, signal.SIGINT: 130}[signum] and "Traceback" not in stderr
+    lines = [l for l in stderr.splitlines() if l.strip() and l.strip() != "loading now"]
+    assert len(lines) == 1 and "while the model loaded" in lines[0], stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+_SLOW_CHECK = """
+import sys, time
+sys.argv = ["chunkgen", *sys.argv[1:]]
+import chunkgen.cli.run as run
+def slow(*args, **kwargs):
+    print("checking now", file=sys.stderr, flush=True)
+    time.sleep(60)
+run.check_tokenizer = slow
+from chunkgen.entry import main
+main()
+"""
+
+
+def test_sigterm_during_the_checks_before_the_load_is_one_line(tiny_model, tmp_path):
+    """A chat template's check, a GGUF's conversion: SIGTERM there is said, never a silent death."""
+    cmd, env = _command(Mistake("check", [], 0, ""), tmp_path, tiny_model)
+    proc = _start([sys.executable, "-c", _SLOW_CHECK, *cmd[3:]], env)
+    _wait_for_line(proc, "checking now")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr
+    assert _error_lines(stderr) == ["interrupted (SIGTERM); nothing was written after it"], stderr

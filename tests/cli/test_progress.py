@@ -13,7 +13,7 @@ import chunkgen.cli as cli
 import chunkgen.cli.bench_e2e as bench_e2e
 import chunkgen.cli.progress as progress
 from chunkgen.engine.engine import Engine
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 runner = CliRunner()
 

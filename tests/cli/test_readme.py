@@ -1,10 +1,12 @@
 """Every bash and python snippet of the README and of docs/*.md runs as written, from a copy of the
 repository's prompts/, on the tiny model (CHUNKGEN_MODEL stands for the default model); every
-`chunkgen` synopsis (a `text` block) names only options its command has. A comment just above a
-snippet may say `<!-- readme-test: skip: WHY -->`, `<!-- readme-test: stop after N s ... -->` (a run
-meant to be stopped: it must still be running then, and end cleanly on SIGTERM) or
-`<!-- readme-test: setup: ... -->` (it writes files that the later snippets of its page read: it is
-run, as written, before each of them too)."""
+`chunkgen` synopsis (a `text` block) and `chunkgen` command in the text names only options its
+command has. A comment just above a snippet may say
+- `<!-- readme-test: skip: WHY -->`,
+- `<!-- readme-test: stop after N s ... -->`: a run meant to be stopped; it must still be running
+  then, and end cleanly on SIGTERM,
+- `<!-- readme-test: setup: ... -->`: it writes files that the later snippets of its page read; it
+  is run, as written, before each of them too."""
 
 from __future__ import annotations
 
@@ -115,6 +117,20 @@ def test_a_synopsis_names_only_options_its_command_has(synopsis: Snippet):
         assert path, f"{synopsis.where}: no command `{' '.join(words[:3])}`"
         unknown = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line.split("#")[0])) - known[path])
         assert not unknown, f"{synopsis.where}: `chunkgen {path}` has no option {', '.join(unknown)}"
+
+
+def test_inline_chunkgen_commands_name_only_options_their_command_has():
+    # `chunkgen run ... --regex '[0-9]+'` in a sentence is checked as a synopsis is
+    known, wrong = command_options(), []
+    for page in SYNOPSIS_PAGES:
+        prose = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S).replace("\n", " ")
+        for command in re.findall(r"`(chunkgen [^`]+)`", prose):
+            words = command.split()
+            path = max((p for p in known if p and words[1 : 1 + len(p.split())] == p.split()), key=len, default=None)
+            unknown = sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command)) - known.get(path, set()))
+            if path is None or unknown:
+                wrong.append(f"{page.relative_to(ROOT)}: `{command}`: {unknown or 'no such command'}")
+    assert not wrong, "\n".join(wrong)
 
 
 def _environment(tmp_path: Path, tiny_model) -> tuple[Path, dict[str, str]]:

@@ -16,9 +16,7 @@ from chunkgen.engine.params import ParamError
 from chunkgen.engine.sequence import Request
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import TemplateError, load_template
-from tests.conftest import PROMPTS
-from tests.helpers import records, run_cli
-from tests.helpers import openai_row, rows_of
+from tests.helpers import PROMPTS, openai_row, records, rows_of, run_cli
 
 SCHEMA = {
     "type": "object",

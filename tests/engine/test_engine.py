@@ -193,8 +193,7 @@ def test_decode_steps_sample_without_host_work_and_read_once(tiny_llm):
     """Engine decode steps of a fixed batch (seeded top-k / top-p / temperature rows, penalties,
     logprobs, greedy rows) sample with no scalar read, nonzero, boolean-mask index or tensor from
     Python data, and read the device once: tokens and logprobs together."""
-    from tests.helpers import OpLog
-    from tests.helpers import copies_into, host_work
+    from tests.helpers import OpLog, copies_into, host_work
 
     engine = tiny_llm.new_engine()
     kinds = [

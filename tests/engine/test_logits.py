@@ -12,9 +12,7 @@ from chunkgen.engine import SamplingParams
 from chunkgen.engine.params import ParamError
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.conftest import PROMPTS
-from tests.helpers import base_args, records, run_cli
-from tests.helpers import openai_row, rows_of
+from tests.helpers import PROMPTS, base_args, openai_row, records, rows_of, run_cli
 
 PROMPTS_TEXT = ["Will it rain in Oslo?", "Book a flight to Rome.", "What is 2 + 2?", "Play some jazz."]
 

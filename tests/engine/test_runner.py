@@ -12,8 +12,7 @@ import torch
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.engine.runner import ModelRunner, batch_buckets
 from chunkgen.llm import LLM
-from tests.helpers import HOST_READS, OpLog
-from tests.helpers import CHUNK, run
+from tests.helpers import CHUNK, HOST_READS, OpLog, run
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-
 from chunkgen.engine import sampler
 from chunkgen.engine.logits import Penalties, StepLogprobs
 from chunkgen.engine.params import MAX_SEED, ParamError, SamplingParams
@@ -22,8 +21,7 @@ from chunkgen.engine.sampler import (
     sample,
     sample_seed,
 )
-from tests.helpers import OpLog
-from tests.helpers import copies_into, host_work
+from tests.helpers import OpLog, copies_into, host_work
 
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -239,7 +237,7 @@ def test_seeds_span_63_bits():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("max_new_tokens", 0),
+        ("max_new_tokens", -1),
         ("max_new_tokens", 5.0),
         ("max_new_tokens", "5"),
         ("max_new_tokens", True),
@@ -282,7 +280,7 @@ def test_each_bad_value_is_a_param_error_naming_its_field(field, value):
 def test_param_messages_read_well_and_good_values_are_normalised():
     with pytest.raises(ParamError, match=r"^temperature must be a number >= 0, got nan$"):
         SamplingParams(temperature=math.nan)
-    with pytest.raises(ParamError, match=r"^max_new_tokens must be an integer >= 1, got 5\.0$"):
+    with pytest.raises(ParamError, match=r"^max_new_tokens must be an integer >= 0, got 5\.0$"):
         SamplingParams(max_new_tokens=5.0)
     p = SamplingParams(temperature=1, top_p=1, stop="###", stop_token_ids=[5], seed=0, n=128)
     assert p.stop == ("###",) and p.stop_token_ids == (5,) and isinstance(p.temperature, float)
@@ -331,7 +329,7 @@ def test_a_step_reads_the_device_once_and_never_waits_on_it_before(greedy):
     pen = penalties.plan([_Seq(i, p) for i, p in enumerate(params)])
     reader = StepReader()
     reader.read(torch.zeros(4096, dtype=torch.float64))  # its buffer exists before the logged steps
-    for step in range(3):
+    for _ in range(3):
         x = logits.clone()
         with OpLog() as log:
             lp = StepLogprobs(x, batch)

@@ -199,3 +199,42 @@ def test_a_large_cap_lets_the_kv_budget_set_the_batch():
     unbounded.add(seqs([[i] * (2 * C - 1) for i in range(20)]))
     wide = unbounded.schedule()
     assert len(wide.prefill) == 20 and not wide.held_back  # room for all: every row at once
+
+
+def _work_and_rows(n: int, max_batch: int) -> list[tuple[int, int]]:
+    """(work so far, rows finished so far) after each step of a job of n rows with answers of 30 to
+    50 tokens; a step's work is its rows plus 8 (a step's fixed cost, in rows, on a CPU)."""
+    tree, sched = setup(slots=4096, max_batch=max_batch)
+    sched.add(
+        [
+            Sequence(
+                Request(i, [1000 + i] * 3, SamplingParams(max_new_tokens=30 + i * 7 % 21, ignore_eos=True)), 0, None
+            )
+            for i in range(n)
+        ]
+    )
+    work, finished, trace = 0, 0, []
+    while sched.has_work:
+        batch = sched.schedule()
+        work += 8 + len(batch.prefill) + len(batch.decode)
+        finished += len(run(tree, sched, batch))
+        trace.append((work, finished))
+    return trace
+
+
+def test_answers_finish_throughout_a_job_not_all_at_its_end():
+    """A job with more rows than it needs to run at once finishes them in rounds: at a quarter, half
+    and three quarters of its work, at least 15%, 35% and 60% of its rows are done (kept by an
+    interrupt), where a batch filled at once finished none before half its work."""
+    for n, max_batch in ((300, 256), (256, 256), (1000, 256)):
+        trace = _work_and_rows(n, max_batch)
+        total = trace[-1][0]
+        for share, rows in ((0.25, 0.15), (0.5, 0.35), (0.75, 0.6)):
+            done = max(f for w, f in trace if w <= share * total)
+            assert done >= rows * n, (n, share, done)
+
+
+def test_a_job_within_the_smallest_batch_runs_at_once():
+    tree, sched = setup(slots=4096, max_batch=256)
+    sched.add(seqs([[1000 + i] * 3 for i in range(32)], max_new_tokens=40))
+    assert len(sched.schedule().prefill) == 32

@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkgen.engine import Completion, Result, SamplingParams
+from chunkgen.jobs.formats import RecordFormat, encode_record
+from chunkgen.jobs.ledger import OutputError
 from chunkgen.jobs.lock import OutputLock, OutputLocked
 from chunkgen.jobs.requests import (
     TEMPLATE_OVERRIDES,
@@ -25,12 +27,9 @@ from chunkgen.jobs.requests import (
     read_rows,
     template_jobs,
 )
-from chunkgen.jobs.formats import RecordFormat, encode_record
-from chunkgen.jobs.ledger import OutputError
-from chunkgen.jobs.writer import OutputExists, ResultWriter
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
-from tests.conftest import PROMPTS
-from tests.helpers import openai_row, rows_of
+from chunkgen.jobs.writer import OutputExists, ResultWriter
+from tests.helpers import PROMPTS, openai_row, rows_of
 
 
 def templates():
@@ -260,7 +259,7 @@ def test_an_error_record_never_stands_for_an_answer(tmp_path):
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(r["line"], r["id"], "error" in r) for r in recs] == [(1, "a", False), (3, "a", True)]  # compacted
     w = ResultWriter(out, "template", "m", resume=True)
-    assert w.answered(job(1, "a")) and w.answers == {"a": (1, job(1, "a").request_hash)}
+    assert w.answered(job(1, "a")) and w.answers == {"id:a": (1, job(1, "a").request_hash)}
     w.close()
 
 
@@ -642,10 +641,28 @@ def test_fuzzed_rows_each_become_a_job_or_an_error_record_and_a_writable_record(
         assert [i.line for i in items] == numbered  # one each, in order, none lost
         for item in items:
             if isinstance(item, Job):
-                item.request_hash  # hashing and encoding a job's own record cannot fail
+                _ = item.request_hash  # hashing and encoding a job's own record cannot fail
                 record = fmt.result_record(
                     item, Result(0, 1, 0, [Completion(item.messages[-1]["content"], [1], "stop")])
                 )
             else:
                 record = fmt.error_record(item)
             assert json.loads(encode_record(record))["line"] == item.line
+
+
+def test_a_kv_budget_too_small_for_a_rows_samples_is_said_once(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    template = tmp_path / "t.toml"
+    template.write_text('system = "S"\nuser = "{q}"\n')
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"id": f"r{i}", "q": f"Is {i} odd?", "n": 8}) + "\n" for i in range(3)))
+    args = ["run", "-t", str(template), "-q", str(queries), "-o", str(tmp_path / "out.jsonl"), "--model"]
+    args += [str(tiny_model), "--chunk-size", "16", "--kv-memory", "96KiB", "--max-new-tokens", "40", "--dtype", "fp32"]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    warnings = [l for l in res.output.splitlines() if "cannot hold line" in l]
+    assert len(warnings) == 1, res.output
+    assert "8 sample(s)" in warnings[0] and "KiB would hold them" in warnings[0]

@@ -8,12 +8,13 @@ import random
 import sys
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, key_cuts, prompt_key
 from chunkgen.jobs.requests import read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 
 @settings(max_examples=80, deadline=None)

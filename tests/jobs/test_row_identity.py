@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 from chunkgen.cli import app
 from chunkgen.jobs.requests import ErrorRecord, read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.conftest import PROMPTS
-from tests.helpers import base_args, records
+from tests.helpers import PROMPTS, base_args, records
 
 runner = CliRunner()
 
@@ -215,3 +214,57 @@ def test_request_hash_is_the_sha256_of_the_sorted_json_of_the_request():
             {"messages": messages, "params": params.as_dict(), "template": template}, sort_keys=True, ensure_ascii=False
         )
         assert job.request_hash == hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+# -- ids and generated keys never meet; a re-keyed resume never answers twice -------------------
+def _cli(tiny_model, tmp_path, queries: str, *extra: str):
+    (tmp_path / "q.jsonl").write_text(queries)
+    out = tmp_path / "out.jsonl"
+    res = _run(*base_args(tiny_model, out, queries=tmp_path / "q.jsonl"), "--order", "input", *extra)
+    return res, out
+
+
+def test_an_explicit_id_spelling_a_generated_key_keeps_both_answers(tiny_model, tmp_path):
+    from chunkgen.jobs.requests import template_jobs as jobs_of
+
+    (t,) = load_templates(PROMPTS / "arithmetic_cot.toml").values()
+    (first,) = jobs_of(read_rows([json.dumps({"question": "What is 2 + 2?"}).encode() + b"\n"]), {t.name: t}, {})
+    rows = _rows("What is 2 + 2?") + json.dumps({"id": first.key, "question": "Is 7 prime?"}) + "\n"
+    res, out = _cli(tiny_model, tmp_path, rows)
+    assert res.exit_code == 0 and len(records(out)) == 2
+    for extra in (["--resume"], ["--resume", "--rerun-changed"]):
+        res, _ = _cli(tiny_model, tmp_path, rows, *extra)
+        assert res.exit_code == 0, res.output
+        assert "superseded" not in res.output and len(records(out)) == 2
+
+
+def test_adding_ids_after_answering_takes_the_earlier_answers(tiny_model, tmp_path):
+    questions = [f"What is {i} plus {i}?" for i in range(6)]
+    res, out = _cli(tiny_model, tmp_path, _rows(*questions))
+    assert res.exit_code == 0 and len(records(out)) == 6
+    with_ids = "".join(json.dumps({"id": f"q{i}", "question": q}) + "\n" for i, q in enumerate(questions))
+    res, _ = _cli(tiny_model, tmp_path, with_ids, "--resume")
+    assert res.exit_code == 0, res.output
+    assert len(records(out)) == 6  # not 12: each row's answer found by its line and request
+
+
+def test_resuming_with_another_id_field_is_refused(tiny_model, tmp_path):
+    rows = "".join(json.dumps({"id": f"a{i}", "q": f"b{i}", "question": f"Is {i} odd?"}) + "\n" for i in range(3))
+    res, out = _cli(tiny_model, tmp_path, rows)
+    assert res.exit_code == 0 and len(records(out)) == 3
+    res = runner.invoke(
+        app,
+        [*base_args(tiny_model, out, queries=tmp_path / "q.jsonl"), "--resume", "--id-field", "q"],
+    )
+    assert res.exit_code == 1 and "--id-field id" in res.output and len(records(out)) == 3
+    res, _ = _cli(tiny_model, tmp_path, rows, "--resume")
+    assert res.exit_code == 0 and len(records(out)) == 3
+
+
+def test_an_id_field_is_recorded_when_not_id(tiny_model, tmp_path):
+    res, out = _cli(
+        tiny_model, tmp_path, json.dumps({"key": "k1", "question": "Is 3 odd?"}) + "\n", "--id-field", "key"
+    )
+    assert res.exit_code == 0
+    (rec,) = records(out)
+    assert rec["id"] == "k1" and rec["id_field"] == "key"

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkgen.engine import SamplingParams
-from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.groups import prefix_group_key
+from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.shard import WHOLE_GROUP_ROWS, plan_groups, plan_items
 from tests.helpers import PROMPTS, base_args, records, run_cli
 
@@ -129,8 +129,8 @@ def test_openai_rows_shard_by_system_message(tiny_model, tmp_path):
 
 def test_a_shard_with_no_rows_writes_an_empty_file_without_loading_the_model(tiny_model, tmp_path, monkeypatch):
     import chunkgen.cli.options as options
-    from chunkgen.jobs.lock import OutputLock
     import chunkgen.cli.run as cli_run
+    from chunkgen.jobs.lock import OutputLock
 
     queries = tmp_path / "two.jsonl"
     queries.write_text("\n".join(json.dumps(r) for r in _template_rows({"arithmetic_cot": 3, "document_qa": 2})) + "\n")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen import native_cuda_available
 from tests.helpers import TOLERANCE
@@ -55,8 +56,7 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
     from chunkgen.engine import SamplingParams
     from chunkgen.jobs.templates import load_template
     from chunkgen.llm import LLM
-    from tests.helpers import EXACT, assert_parity
-    from tests.helpers import PROMPTS, QUESTIONS
+    from tests.helpers import EXACT, PROMPTS, QUESTIONS, assert_parity
 
     llm = LLM(model=str(default_model_dir), dtype=dtype, device="cuda", kv_memory="1GiB")
     t = load_template(PROMPTS / "document_qa.toml")
@@ -79,10 +79,9 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
 def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_model):
     """CUDA graphs (one per bucket, replayed every step) against eager steps on the same workload
     as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving."""
-    from chunkgen.llm import LLM
-    from tests.helpers import CHUNK, run
-    from tests.helpers import template_prompts
     from chunkgen.engine import Request, SamplingParams
+    from chunkgen.llm import LLM
+    from tests.helpers import CHUNK, run, template_prompts
 
     llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda", chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
     prompts = [llm.encode(p) for p in template_prompts("tool_dispatcher", 12)]
@@ -228,7 +227,7 @@ def test_cuda_elementwise_ops_equal_the_cpu_ones(dtype):
         for device in ("cpu", "cuda"):
             mine, q = qkv.clone().to(device), torch.empty(rows, hq, d, dtype=dtype, device=device)
 
-            def on(t):
+            def on(t, device=device):
                 return None if t is None else t.to(device)
 
             rotary(
@@ -305,3 +304,25 @@ def test_cuda_prefill_wave_matches_naive(dtype):
         want = prefill_reference(q, k, v, cpu_pool, spans, 64**-0.5)
         tol = 1e-3 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kv_write_matches_indexing(pool_dtype, src_dtype):
+    """The binding's K/V write on the GPU (one kernel, csrc/cuda/kv_write.cu): rows from strided
+    views of one qkv product, bit for bit what torch's indexing stores."""
+    from chunkgen._native import native
+
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, d, chunk, slots = 37, 3, 64, 64, 80
+    k_layer = torch.randn(slots, heads, d, chunk, generator=gen).to(pool_dtype).cuda()
+    v_layer = torch.randn(slots, heads, chunk, d, generator=gen).to(pool_dtype).cuda()
+    qkv = torch.randn(rows, 9 + 2 * heads, d, generator=gen).to(src_dtype).cuda()
+    k, v = qkv[:, 9 : 9 + heads], qkv[:, 9 + heads :]
+    slot = torch.randperm(slots, generator=gen)[:rows].to(torch.int32).cuda()
+    offset = torch.randint(0, chunk, (rows,), generator=gen, dtype=torch.int32).cuda()
+    want_k, want_v = k_layer.clone(), v_layer.clone()
+    want_k[slot.long(), :, :, offset.long()] = k.to(pool_dtype)
+    want_v[slot.long(), :, offset.long()] = v.to(pool_dtype)
+    native().write_kv(k, v, k_layer, v_layer, slot, offset)
+    assert torch.equal(k_layer, want_k) and torch.equal(v_layer, want_v)

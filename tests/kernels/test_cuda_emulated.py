@@ -12,19 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels.reference import reference_decode_attention
-from tests.helpers import build_tree, nan_outside_windows
-from tests.helpers import TOLERANCE
+from tests.helpers import TOLERANCE, build_tree, nan_outside_windows
 
 HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
 
 
 @pytest.fixture(scope="session")
-def emulated(tmp_path_factory):
+def emulator(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the extension, and so for this test too"
     lib = tmp_path_factory.mktemp("cuda_emu") / "tpp_cuda_emu.so"
@@ -44,7 +44,12 @@ def emulated(tmp_path_factory):
         ],
         check=True,
     )
-    fn = ctypes.CDLL(str(lib)).emu_decode_attention
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="session")
+def emulated(emulator):
+    fn = emulator.emu_decode_attention
     fn.restype = ctypes.c_int
     return fn
 
@@ -223,3 +228,51 @@ def test_emulated_cuda_kernel_refuses_what_does_not_fit(emulated):
     q = torch.randn(ctx.batch_size, 64, 256)
     with pytest.raises(AssertionError, match="needs .* bytes of shared memory; this GPU allows"):
         run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, 1 / 16, True, sms=8)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 9),
+    heads=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([16, 64]),
+    chunk=st.sampled_from([16, 64]),
+    pool_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    src_dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    fused_qkv=st.booleans(),
+)
+def test_emulated_kv_write_matches_indexing(
+    emulator, seed, rows, heads, head_dim, chunk, pool_dtype, src_dtype, fused_qkv
+):
+    """The GPU's one-launch K/V write: each row's k, v (views of one qkv product, or contiguous; any
+    of the three dtypes) at its (slot, offset), converted to the pool's dtype, bit for bit what
+    torch's indexing stores; nothing else in the pool changes."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = 2 * rows + 1
+    k_layer = torch.randn(slots, heads, head_dim, chunk, generator=gen).to(pool_dtype)
+    v_layer = torch.randn(slots, heads, chunk, head_dim, generator=gen).to(pool_dtype)
+    if fused_qkv:  # k and v as strided views of one [rows, (2 + heads) * ... ] product
+        qkv = torch.randn(rows, 2 + 2 * heads, head_dim, generator=gen).to(src_dtype)
+        k, v = qkv[:, 2 : 2 + heads], qkv[:, 2 + heads :]
+    else:
+        k, v = (torch.randn(rows, heads, head_dim, generator=gen).to(src_dtype) for _ in range(2))
+    slot = torch.randperm(slots, generator=gen)[:rows].to(torch.int32)  # distinct rows: no write races
+    offset = torch.randint(0, chunk, (rows,), generator=gen, dtype=torch.int32)
+    want_k, want_v = k_layer.clone(), v_layer.clone()
+    want_k[slot.long(), :, :, offset.long()] = k.to(pool_dtype)
+    want_v[slot.long(), :, offset.long()] = v.to(pool_dtype)
+
+    def ptr(t):
+        return ctypes.c_void_p(t.data_ptr())
+
+    def strides(t):
+        return (ctypes.c_int64 * 3)(*t.stride())
+
+    err = ctypes.create_string_buffer(4096)
+    rc = emulator.emu_write_kv(
+        ptr(k), ptr(v), KV_TYPES[src_dtype], strides(k), strides(v), ptr(k_layer), ptr(v_layer),
+        KV_TYPES[pool_dtype], ptr(slot), ptr(offset), rows, heads, head_dim, chunk, err, len(err),
+    )  # fmt: skip
+    assert rc == 0, err.value.decode()
+    assert torch.equal(k_layer.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_layer.view(torch.uint8), want_v.view(torch.uint8))

@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from chunkgen._native import native
 from chunkgen.cache import KernelContext

@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree

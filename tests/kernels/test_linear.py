@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen.kernels import invariant
 from chunkgen.model import llama

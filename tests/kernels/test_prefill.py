@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention

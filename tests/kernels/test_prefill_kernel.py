@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen._native import native
 from chunkgen.kernels import prefill
-from tests.helpers import PATHS, forced
-from tests.helpers import random_wave, store_new_tokens
+from tests.helpers import PATHS, forced, random_wave, store_new_tokens
 
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
 needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")

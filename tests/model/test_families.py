@@ -11,8 +11,7 @@ import torch
 
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
-from tests.conftest import _train_tokenizer
-from tests.helpers import HF_ATTENTION, HOST_READS, OpLog, assert_parity, hf_greedy, template_prompts
+from tests.helpers import HF_ATTENTION, HOST_READS, OpLog, assert_parity, hf_greedy, template_prompts, train_tokenizer
 
 CHUNK = 16
 
@@ -151,7 +150,7 @@ def _build(out: Path, family: str, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    _train_tokenizer(out)
+    train_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(family, len(tok)))

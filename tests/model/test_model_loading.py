@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from chunkgen.cli import app
 from chunkgen.model import ModelNotFound, resolve_model, stale_copies
 from chunkgen.model.loading import content_key, default_gguf, display_name
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 runner = CliRunner()
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"

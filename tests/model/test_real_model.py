@@ -8,9 +8,7 @@ import torch
 from chunkgen.engine import SamplingParams
 from chunkgen.jobs.templates import load_template
 from chunkgen.llm import LLM
-from tests.conftest import PROMPTS
-from tests.helpers import EXACT, assert_parity
-from tests.helpers import QUESTIONS
+from tests.helpers import EXACT, PROMPTS, QUESTIONS, assert_parity
 
 pytestmark = pytest.mark.real_model
 

@@ -5,8 +5,8 @@ record, the output lock held under --ray, and the resources workers ask for."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,9 +177,9 @@ def test_a_long_run_loads_the_model_once_per_worker(tiny_model, tmp_path, local_
 def test_an_engine_worker_answers_rows_sent_after_its_finish_call(tiny_model):
     """A threaded actor's calls may run out of order: `finish(n)` waits for all n rows; rows of a
     second group join the engine while the first decodes (in-process, no cluster)."""
+    from chunkgen.config import Config
     from chunkgen.engine import SamplingParams
     from chunkgen.jobs.requests import Job
-    from chunkgen.config import Config
     from chunkgen.scale.ray import EngineWorker
 
     config = Config.resolve(str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=4)
@@ -212,7 +212,7 @@ def test_a_killed_driver_leaves_no_process_of_its_cluster(tiny_model, tmp_path):
 
     import psutil
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     queries = tmp_path / "q.jsonl"
     queries.write_text("".join(json.dumps({"id": f"r{i}", "question": f"{i} + {i}?"}) + "\n" for i in range(200)))
@@ -277,7 +277,7 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
 
     import psutil
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     ray_cli = str(Path(sys.executable).with_name("ray"))
     env = {
@@ -323,8 +323,8 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
         except OSError:
             return 0
         probe = (
-            "import ray; ray.init(address=%r, log_to_driver=False); "
-            "print(sum(1 for n in ray.nodes() if n['Alive']))" % address
+            f"import ray; ray.init(address={address!r}, log_to_driver=False); "
+            "print(sum(1 for n in ray.nodes() if n['Alive']))"
         )
         res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         return int(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 and res.stdout.strip() else 0
@@ -370,7 +370,7 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
             _, stderr = driver.communicate(timeout=240)
         except subprocess.TimeoutExpired:
             driver.kill()
-            raise AssertionError("the job waited for a worker the cluster has no room for")
+            raise AssertionError("the job waited for a worker the cluster has no room for") from None
         assert driver.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
         resumed = subprocess.run([*command, "--resume"], env=env, capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0 and "0 answered" in resumed.stderr + resumed.stdout, resumed.stderr[-3000:]

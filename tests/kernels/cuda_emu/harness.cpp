@@ -1,9 +1,10 @@
-// Runs the CUDA decode-attention kernels under the emulator, with a flat C ABI for ctypes. Mirrors
-// what the binding does before a real launch: partial offsets, the largest shared range, the
-// partial buffers (filled with NaN, so a row the kernels forget to write cannot pass).
+// Runs the CUDA decode-attention and K/V-write kernels under the emulator, with a flat C ABI for
+// ctypes. Mirrors what the binding does before a real launch: partial offsets, the largest shared
+// range, the partial buffers (filled with NaN, so a row the kernels forget to write cannot pass).
 #include "cuda_emu.h"
 
 #include "../../../csrc/cuda/decode_attention.cu"
+#include "../../../csrc/cuda/kv_write.cu"
 
 #include <algorithm>
 #include <limits>
@@ -68,6 +69,38 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   std::string message;
   try {
     decode_attention_cuda_raw(p, part_off.data(), max_rows, part_o.data(), part_m.data(), part_l.data(), nullptr);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  message += emu::device().errors;
+  std::snprintf(err, err_len, "%s", message.c_str());
+  return message.empty() ? 0 : 1;
+}
+
+// k, v [rows, kv_heads, head_dim] with the given strides (elements) into one pool layer.
+extern "C" int emu_write_kv(const void* k, const void* v, int src_type, const int64_t* k_stride,
+                            const int64_t* v_stride, void* k_layer, void* v_layer, int pool_type, const int32_t* slot,
+                            const int32_t* offset, int rows, int kv_heads, int head_dim, int chunk, char* err,
+                            int err_len) {
+  using namespace chunkgen;
+  KVWriteProblem p{};
+  p.k = k;
+  p.v = v;
+  p.src_type = static_cast<KVType>(src_type);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k_stride[i], p.v_stride[i] = v_stride[i];
+  p.k_layer = k_layer;
+  p.v_layer = v_layer;
+  p.pool_type = static_cast<KVType>(pool_type);
+  p.slot = slot;
+  p.offset = offset;
+  p.rows = rows;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.chunk = chunk;
+  emu::device().errors.clear();
+  std::string message;
+  try {
+    write_kv_cuda_raw(p, nullptr);
   } catch (const std::exception& e) {
     message = e.what();
   }
