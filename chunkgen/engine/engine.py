@@ -91,7 +91,11 @@ class Engine:
             batch_invariant=cfg.batch_invariant,
         )
         self.scheduler = Scheduler(
-            self.tree, cfg.max_batch, cfg.max_prefill_tokens, group_prefix_tokens=4 * cfg.chunk_size
+            self.tree,
+            cfg.max_batch,
+            cfg.max_prefill_tokens,
+            group_prefix_tokens=4 * cfg.chunk_size,
+            answers_throughout="max_batch" in cfg.auto,
         )
 
     def _eos_ids(self) -> set[int]:

@@ -39,7 +39,8 @@ class Batch:
 # places, so answers keep coming. Never fewer than MIN_RUNNING rows (decode throughput falls
 # below that batch) and never more than max_batch; a job far larger than the batch is limited by
 # max_batch alone. The price is decode steps at part of max_batch in a job of about one batch:
-# each step's fixed cost is paid more often.
+# each step's fixed cost is paid more often, so the rule holds only where the batch is the engine's
+# choice (`--max-batch auto`): a batch asked for by number runs that wide.
 SHARE_OF_KNOWN = 5
 MIN_RUNNING = 32
 
@@ -57,13 +58,23 @@ def kv_budget_error(n_tokens: int, pool: ChunkPool) -> str | None:
 
 
 class Scheduler:
-    def __init__(self, tree: PrefixTree, max_batch: int, max_prefill_tokens: int, group_prefix_tokens: int) -> None:
+    def __init__(
+        self,
+        tree: PrefixTree,
+        max_batch: int,
+        max_prefill_tokens: int,
+        group_prefix_tokens: int,
+        answers_throughout: bool = True,
+    ) -> None:
+        """answers_throughout: run at most a SHARE_OF_KNOWN share of the known rows at once (see above);
+        off, max_batch alone limits the rows running."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.tree = tree
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.group_prefix_tokens = group_prefix_tokens
+        self.answers_throughout = answers_throughout
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; includes the wave being prefilled
         self.preemptions = 0
@@ -90,6 +101,8 @@ class Scheduler:
     @property
     def running_cap(self) -> int:
         """Sequences allowed to run at once now (SHARE_OF_KNOWN)."""
+        if not self.answers_throughout:
+            return self.max_batch
         known = len(self.waiting) + len(self.running) + self.finished_since_idle
         return min(self.max_batch, max(MIN_RUNNING, -(-known // SHARE_OF_KNOWN)))
 

@@ -49,7 +49,7 @@ def test_answers_are_bit_identical_across_batches_orders_shards_and_resume(tiny_
     def run(out: str, *extra: str):
         args = ["run", "-q", str(queries), "-o", str(tmp_path / out), "--model", str(tiny_model), "--chunk-size", "16",
                 "--kv-memory", "64MiB", "--quiet", "--max-new-tokens", "6", "--dtype", dtype, "--logprobs", "2",
-                "--format", "openai", *extra]  # fmt: skip
+                "--format", "openai", "--batch-invariant", "on", *extra]  # fmt: skip
         res = run_cli(*args)
         assert res.exit_code == 0, res.output
         return tmp_path / out
@@ -76,7 +76,9 @@ def test_a_warm_cache_gives_the_same_numbers(tiny_model):
     prompts = [system + " " + " ".join(rnd.choice(WORDS) for _ in range(rnd.randrange(1, 25))) for _ in range(12)]
     params = SamplingParams(max_new_tokens=5, logprobs=1)
     for dtype in ("fp32", "bf16"):
-        llm = LLM(model=str(tiny_model), dtype=dtype, chunk_size=16, kv_memory="64MiB", max_batch=16)
+        llm = LLM(
+            model=str(tiny_model), dtype=dtype, chunk_size=16, kv_memory="64MiB", max_batch=16, batch_invariant="on"
+        )
         fresh = [(r.token_ids, [t.logprob for t in r.completions[0].logprobs]) for r in llm.generate(prompts, params)]
         llm.generate(prompts[:3], params)  # the system prompt and three rows' prompts now cached
         warm = [(r.token_ids, [t.logprob for t in r.completions[0].logprobs]) for r in llm.generate(prompts, params)]
@@ -92,7 +94,8 @@ def test_a_warm_cache_gives_the_same_numbers(tiny_model):
 def test_the_option_is_checked_and_resolved(tiny_model, tmp_path):
     from chunkgen.config import Config, OptionError
 
-    assert Config.resolve(device="cpu").batch_invariant is True
+    assert Config.resolve(device="cpu").batch_invariant is False
+    assert Config.resolve(device="cpu", batch_invariant="on").batch_invariant is True
     assert Config.resolve(device="cpu", batch_invariant="off").batch_invariant is False
     with pytest.raises(OptionError, match="on or off"):
         Config.resolve(device="cpu", batch_invariant="maybe")

@@ -27,6 +27,7 @@ VALUES = {
     "ignore_eos": True,
     "n": 2,
     "logprobs": 2,
+    "prompt_logprobs": 2,
     "presence_penalty": 0.5,
     "frequency_penalty": 0.5,
     "json_schema": {"type": "string"},
