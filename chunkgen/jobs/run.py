@@ -197,6 +197,24 @@ def kv_shortfall(engine: Engine, tokens: int, job: Job) -> str | None:
     )
 
 
+def batch_shortfall(engine: Engine) -> str | None:
+    """Why fewer rows ran at once than --max-batch allows (the KV budget was full while rows
+    waited), with a budget that would hold a full batch of rows like these; None when it did not."""
+    running, max_batch = engine.num_running, engine.config.max_batch
+    if not engine.stats.held_back_steps or running >= max_batch or running == 0:
+        return None
+    from chunkgen.device import human_bytes
+
+    pool = engine.pool
+    # The live rows' chunks scaled to a full batch: shared chunks counted again, so it is enough.
+    enough = pool.used_bytes * max_batch // running
+    return (
+        f"the KV budget ({human_bytes(pool.max_slots * pool.bytes_per_slot)}) holds {running} rows' prompts at "
+        f"once where --max-batch allows {max_batch}, so rows wait for memory; --kv-memory {human_bytes(enough)} "
+        f"would hold {max_batch} rows like these"
+    )
+
+
 def answer(
     engine: Engine,
     encode: Encode,
@@ -214,7 +232,7 @@ def answer(
     source = iter(jobs)
     pending: dict[int, Job] = {}
     exhausted = False
-    warned = False
+    warned = warned_batch = False
     while not should_stop():
         if not exhausted and engine.num_waiting < window:
             batch: list[Request] = []
@@ -252,6 +270,9 @@ def answer(
             continue
         for res in engine.step():
             yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+        if on_note is not None and not warned_batch and (why := batch_shortfall(engine)):
+            on_note(why)  # once a job: the budget, not a row, is what limits the batch
+            warned_batch = True
         if on_step:
             on_step()
 

@@ -29,7 +29,7 @@ from chunkgen.jobs.requests import (
 )
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
 from chunkgen.jobs.writer import OutputExists, ResultWriter
-from tests.helpers import PROMPTS, openai_row, rows_of
+from tests.helpers import PROMPTS, openai_row, records, rows_of
 
 
 def templates():
@@ -666,3 +666,25 @@ def test_a_kv_budget_too_small_for_a_rows_samples_is_said_once(tiny_model, tmp_p
     warnings = [l for l in res.output.splitlines() if "cannot hold line" in l]
     assert len(warnings) == 1, res.output
     assert "8 sample(s)" in warnings[0] and "KiB would hold them" in warnings[0]
+
+
+def test_a_kv_budget_too_small_for_the_batchs_prompts_is_said_once(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from chunkgen.cli import app
+
+    template = tmp_path / "t.toml"
+    template.write_text('system = "S"\nuser = "{q}"\n')
+    queries = tmp_path / "q.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rows = [{"id": f"r{i}", "q": " ".join(words[(i + j) % 10] for j in range(40)) + f" {i}"} for i in range(24)]
+    queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["run", "-t", str(template), "-q", str(queries), "-o", str(tmp_path / "out.jsonl"), "--model"]
+    args += [str(tiny_model), "--chunk-size", "16", "--kv-memory", "96KiB", "--max-new-tokens", "4", "--dtype", "fp32"]
+    args += ["--max-batch", "24"]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    warnings = [l for l in res.output.splitlines() if "rows wait for memory" in l]
+    assert len(warnings) == 1, res.output
+    assert "--max-batch allows 24" in warnings[0] and "would hold 24 rows" in warnings[0]
+    assert len(records(tmp_path / "out.jsonl")) == 24  # nothing lost: every row answered, only later
