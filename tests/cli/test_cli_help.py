@@ -22,11 +22,22 @@ def _commands(group, prefix=()):
     for name, cmd in click_group.commands.items():
         if hasattr(cmd, "commands"):
             yield from ([*prefix, name, sub] for sub in cmd.commands)
+        elif cmd.context_settings.get("ignore_unknown_options"):
+            PASS_THROUGH.append([*prefix, name])  # its options are another program's
         else:
             yield [*prefix, name]
 
 
+PASS_THROUGH: list[list[str]] = []
 COMMANDS = list(_commands(app))
+
+
+@pytest.mark.parametrize("command", PASS_THROUGH, ids=" ".join)
+def test_a_command_that_passes_its_options_on_shows_that_programs_help(command):
+    pytest.importorskip("lm_eval")
+    res = runner.invoke(app, [*command, "--help"], terminal_width=240)
+    assert res.exit_code == 0, res.output
+    assert "--model" in res.output and "--tasks" in res.output, res.output
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
