@@ -677,7 +677,7 @@ def test_a_kv_budget_too_small_for_the_batchs_prompts_is_said_once(tiny_model, t
     template.write_text('system = "S"\nuser = "{q}"\n')
     queries = tmp_path / "q.jsonl"
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    rows = [{"id": f"r{i}", "q": " ".join(words[(i + j) % 10] for j in range(40)) + f" {i}"} for i in range(24)]
+    rows = [{"id": f"r{i}", "q": " ".join(words[(i + j) % 10] for j in range(8)) + f" {i}"} for i in range(24)]
     queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["run", "-t", str(template), "-q", str(queries), "-o", str(tmp_path / "out.jsonl"), "--model"]
     args += [str(tiny_model), "--chunk-size", "16", "--kv-memory", "96KiB", "--max-new-tokens", "4", "--dtype", "fp32"]

@@ -27,6 +27,7 @@ VALUES = {
     "ignore_eos": (True, True, False),  # one value differs from the default: the row's says no
     "n": (2, 3, 4),
     "logprobs": (1, 2, 3),
+    "prompt_logprobs": (1, 2, 3),
     "presence_penalty": (0.5, 0.75, 1.0),
     "frequency_penalty": (0.5, 0.75, 1.0),
     "json_schema": ({"type": "string"}, {"type": "integer"}, {"type": "boolean"}),
