@@ -1,14 +1,14 @@
 """Batch-invariant numerics: one switch, read by the CPU kernels (csrc/invariant.h), the model's
-linear layers and the prefill's attention plan. On (the default), a row's logits do not depend on
-the rows run beside it: each linear layer sums a row's products in one order at any row count,
-attention folds one partial per chunk in the row's path order, and a prefill wave attends each
-sequence over its own whole path. See docs/batch-invariance.md."""
+linear layers and the prefill's attention plan; off by default (its cost: docs/batch-invariance.md).
+On, a row's logits do not depend on the rows run beside it: each linear layer sums a row's products
+in one order at any row count, attention folds one partial per chunk in the row's path order, and a
+prefill wave attends each sequence over its own whole path."""
 
 from __future__ import annotations
 
 from chunkgen._native import native, native_cpu_available
 
-_on = True
+_on = False
 
 
 def enabled() -> bool:

@@ -4,7 +4,7 @@
 
 namespace chunkgen {
 namespace {
-std::atomic<bool> invariant{true};
+std::atomic<bool> invariant{false};  // off by default, as Config.batch_invariant
 }
 
 bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
