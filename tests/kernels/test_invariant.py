@@ -22,7 +22,7 @@ from tests.helpers import build_tree
 def invariant_on():
     invariant.set_enabled(True)
     yield
-    invariant.set_enabled(True)
+    invariant.set_enabled(False)  # the process default: later tests must not inherit the mode
 
 
 def _decode(pool, tree, queries: dict, chunk_first: bool) -> dict:
