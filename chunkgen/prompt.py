@@ -105,7 +105,11 @@ def _facts(tokenizer) -> tuple[re.Pattern | None, int, frozenset[int]]:
     )
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     longest = max((len(t) for t in vocab), default=16)
-    ids = frozenset(i for i in tokenizer.convert_tokens_to_ids(list(controls)) if isinstance(i, int))
+    ids = (
+        frozenset(i for i in tokenizer.convert_tokens_to_ids(list(controls)) if isinstance(i, int))
+        if controls
+        else frozenset()
+    )
     facts = (pattern, max(longest, 1), ids)
     try:
         _cache[tokenizer] = facts

@@ -294,7 +294,8 @@ def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_conf
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
-    assert "device cpu (" in res.output and "KV budget 8.0 GiB (as asked)" in res.output
+    assert "device cpu (as asked)" in res.output and "KV budget " in res.output
+    assert "(auto: " in res.output.split("KV budget ", 1)[1].splitlines()[0]  # --kv-memory's default
     rows = {r["system"]: r for r in json.loads(out.read_text())}
     assert rows["chunkgen"]["outputs_equal_to_hf"] >= 2  # random weights: a near tie may flip one
     assert rows["chunkgen"]["kv_peak_bytes"] > 0

@@ -159,6 +159,9 @@ class IdsTokenizer:
     def convert_ids_to_tokens(self, ids):
         return [str(int(i)) for i in ids] if isinstance(ids, (list, tuple)) else str(int(ids))
 
+    def convert_tokens_to_ids(self, tokens):
+        return [int(t) for t in tokens] if isinstance(tokens, (list, tuple)) else int(tokens)
+
     def get_vocab(self) -> dict[str, int]:
         return {str(i): i for i in range(self.vocab_size)}
 

@@ -160,7 +160,14 @@ def test_the_model_uses_the_fp32_product_for_up_to_256_rows(monkeypatch, invaria
     assert llama.Linear(w, None).decode_packed is None
 
 
-def test_with_batch_invariant_numerics_every_call_takes_the_packed_product(monkeypatch):
+@pytest.fixture
+def invariant_on():
+    invariant.set_enabled(True)
+    yield
+    invariant.set_enabled(False)  # the process default
+
+
+def test_with_batch_invariant_numerics_every_call_takes_the_packed_product(monkeypatch, invariant_on):
     w = torch.randn(600, 512)
     calls = []
     real = torch.ops.chunkgen.packed_linear.default

@@ -143,7 +143,8 @@ def test_int8_per_channel_weights():
     w = torch.randn(48, 160) * torch.rand(48, 1)
     q = quant.int8_per_channel(w)
     step = (w.abs().view(48, -1, 32).amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(48, 160)
-    assert ((q.dequantize() - w).abs() <= step / 2 * (1 + 1e-6) + 1e-9).all()
+    # half a step, plus w's own fp32 rounding where it sits on a half-step boundary
+    assert ((q.dequantize() - w).abs() <= step / 2 + w.abs() * 2**-22 + 1e-9).all()
     x = torch.randn(5, 160)
     _check_product(q, q.dequantize().double().numpy(), x)
     assert q.nbytes < w.numel() * 1.2  # bytes, plus one fp32 scale a block
