@@ -1,5 +1,5 @@
 // Batch-invariant numerics: a row's results do not depend on the rows computed beside it. With it
-// on (the default), the CPU kernels give every row the same reduction order whatever the batch:
+// on (off by default: docs/batch-invariance.md), the CPU kernels give every row the same reduction order whatever the batch:
 // the linear layers the same k order per row at any row count (no switch of kernel by row count),
 // attention one online softmax per row over its path's chunks in path order, whichever rows read a
 // chunk together (no partials merged in an order that depends on which rows share them, no
