@@ -59,7 +59,6 @@ def best_index(scores: list[ContinuationScore]) -> int:
     return max(range(len(scores)), key=lambda i: (scores[i].logprob, -i))
 
 
-
 def _continuation(res, start: int, tokens: list[int]) -> ContinuationScore:
     entries = res.prompt_logprobs[start:]
     lps = [e.logprob for e in entries]

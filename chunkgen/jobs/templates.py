@@ -185,7 +185,9 @@ def load_template(path: str | Path) -> Template:
         if output:
             raise TemplateError(f"{path}: 'choices' scores fixed answers, [output] constrains generated ones; give one")
         if "choices" in _placeholders(data["user"], path):
-            raise TemplateError(f"{path}: 'choices' is both a field and a placeholder {{choices}} of 'user'; rename one")
+            raise TemplateError(
+                f"{path}: 'choices' is both a field and a placeholder {{choices}} of 'user'; rename one"
+            )
     name = data.get("name", path.stem)
     if not name.strip():
         raise TemplateError(f"{path}: field 'name' must not be empty")

@@ -13,8 +13,8 @@ import torch
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.engine.params import ParamError
 from chunkgen.llm import LLM
-from tests.helpers import HF_ATTENTION
 from chunkgen.scoring import ChoiceJob, score_stream
+from tests.helpers import HF_ATTENTION
 from tests.model.test_families import FAMILIES
 
 CHUNK = 16

@@ -52,7 +52,9 @@ def test_choices_read_from_template_and_row(tmp_path):
     }
     # Sampling settings do not change a scored row; its choices do change its request.
     assert isinstance(got["g"], Job) and got["g"].request_hash == got["a"].request_hash
-    other = next(template_jobs(rows_of(json.dumps({"id": "a", "review": "Clean water.", "choices": ["yes"]})), {t.name: t}, {}))
+    other = next(
+        template_jobs(rows_of(json.dumps({"id": "a", "review": "Clean water.", "choices": ["yes"]})), {t.name: t}, {})
+    )
     assert other.request_hash != got["a"].request_hash
     plain = load_template(_template(tmp_path, 'user = "Review: {review}"\n'))
     job = next(template_jobs(rows_of(json.dumps({"id": "a", "review": "x"})), {plain.name: plain}, {}))
