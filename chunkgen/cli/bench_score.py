@@ -47,7 +47,9 @@ def bench_score(
     rows = {}
     for b in chosen:
         err.print(f"{b}: {subjects} x {questions} questions x {choices} choices ...", highlight=False)
-        rows[b] = run_isolated(b, model, config.dtype_name, work, hf_batch_size)
+        r = rows[b] = run_isolated(b, model, config.dtype_name, work, hf_batch_size)
+        err.print(f"  {r['wall_s']:.2f} s, {r['prefilled_tokens']:,} positions, peak RSS {human_bytes(r['peak_rss_bytes'])}",
+                  highlight=False)
     table = Table(title=f"MMLU-shaped scoring ({config.dtype_name}); tree minimum {work.minimum_tokens:,} tokens")
     for col in ("backend", "wall s", "tokens computed", "x minimum", "peak RSS", "time / chunkgen's"):
         table.add_column(col, justify="right")
