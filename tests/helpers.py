@@ -1,10 +1,11 @@
 """What more than one test module uses: the repository's paths, the tiny random-weight model, running the command line in-process, reading records, the
-random trees and kernel paths of the attention tests, parity with transformers, and the op log of a
-decode step."""
+random trees and kernel paths of the attention tests, parity with transformers, the op log of a
+decode step, and which pages of a tensor are in memory."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -139,6 +140,21 @@ class OpLog(TorchDispatchMode):
 
 
 runner = CliRunner()
+
+
+PAGE = 4096
+
+
+def resident(t: torch.Tensor) -> float:
+    """Share of the whole pages inside t that are in memory (Linux's mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    start = -(-t.data_ptr() // PAGE) * PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
+    pages = (end - start) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
 
 
 def records(path: Path) -> list[dict]:

@@ -224,57 +224,68 @@ def answer(
     should_stop: Callable[[], bool] = never,
     on_step: Callable[[], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    in_prefix_order: bool = False,
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
     A source may yield None for "nothing ready yet, more to come" (a Ray worker between deliveries):
-    the engine steps on with what it has."""
+    the engine steps on with what it has. `in_prefix_order`: the jobs come in prefix order, so the
+    engine releases a finished row's chunks as soon as no queued row can share them (rows further
+    on cannot either); once the source is spent it does so whatever the order."""
     source = iter(jobs)
     pending: dict[int, Job] = {}
     exhausted = False
     warned = warned_batch = False
-    while not should_stop():
-        if not exhausted and engine.num_waiting < window:
-            batch: list[Request] = []
-            want = window - engine.num_waiting
-            taken = 0
-            idle = False
-            for item in itertools.islice(source, want):
-                if item is None:
-                    idle = True
-                    break
-                index, job = item
-                taken += 1
-                try:
-                    tokens = encode(job.source, job.data, job.layout)
-                except PromptTooLong as exc:  # refused before it was tokenized
-                    yield Answer(
-                        index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
-                    )
-                    continue
-                except Exception as exc:  # e.g. the model's chat template rejects these messages
-                    err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
-                    yield Answer(index, fmt.error_record(err, job.request_hash))
-                    continue
-                if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
-                    on_note(why)  # once a job: every such row is slow for the same reason
-                    warned = True
-                batch.append(Request(index, tokens, job.params))
-                pending[index] = job
-            exhausted = taken < want and not idle
-            if batch:
-                engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
-        if not engine.has_work:
-            if exhausted:
-                return
-            continue
-        for res in engine.step():
-            yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
-        if on_note is not None and not warned_batch and (why := batch_shortfall(engine)):
-            on_note(why)  # once a job: the budget, not a row, is what limits the batch
-            warned_batch = True
-        if on_step:
-            on_step()
+    before = engine.later_rows
+    engine.later_rows = "prefix" if in_prefix_order else before
+    try:
+        while not should_stop():
+            if not exhausted and engine.num_waiting < window:
+                batch: list[Request] = []
+                want = window - engine.num_waiting
+                taken = 0
+                idle = False
+                for item in itertools.islice(source, want):
+                    if item is None:
+                        idle = True
+                        break
+                    index, job = item
+                    taken += 1
+                    try:
+                        tokens = encode(job.source, job.data, job.layout)
+                    except PromptTooLong as exc:  # refused before it was tokenized
+                        yield Answer(
+                            index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
+                        )
+                        continue
+                    except Exception as exc:  # e.g. the model's chat template rejects these messages
+                        err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
+                        yield Answer(index, fmt.error_record(err, job.request_hash))
+                        continue
+                    if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
+                        on_note(why)  # once a job: every such row is slow for the same reason
+                        warned = True
+                    batch.append(Request(index, tokens, job.params))
+                    pending[index] = job
+                exhausted = taken < want and not idle
+                if batch:
+                    engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
+                if exhausted:
+                    engine.later_rows = "none"  # every row still to answer is queued
+            if not engine.has_work:
+                if exhausted:
+                    return
+                continue
+            for res in engine.step():
+                yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+            if on_note is not None and not warned_batch and (why := batch_shortfall(engine)):
+                on_note(why)  # once a job: the budget, not a row, is what limits the batch
+                warned_batch = True
+            if on_step:
+                on_step()
+
+    finally:
+        engine.later_rows = before
 
 
 def run_job(
@@ -317,7 +328,7 @@ def run_job(
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
-    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note):
+    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note, order is not None):
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1
