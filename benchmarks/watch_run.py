@@ -102,7 +102,7 @@ def main() -> None:
     if first is not None and stopped_at > first:
         print(f"rows/s after the first answer: {(answers - 1) / (stopped_at - first):.1f}")
     print(f"peak RSS sampled: {peak / gib:.2f} GiB; VmHWM: {hwm / gib:.2f} GiB")
-    for mark in (15, 30, 60, 90, 120, 180, 240, 300):
+    for mark in (15, 30, 60, 90, 120, 180, 240, 300, 420, 600, 900):
         at = [s for s in samples if s[0] <= mark]
         if at and mark <= stopped_at:
             t, rss, n, load = at[-1]

@@ -65,7 +65,9 @@ def train_tokenizer(out: Path) -> None:
     )
 
 
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **sizes: int) -> Path:
+    """A random-weight model with a tokenizer trained on the shipped prompts; `sizes` override the
+    config's (hidden_size, num_hidden_layers, ...)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -83,6 +85,7 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(sizes)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0))

@@ -139,7 +139,7 @@ class ChunkPool:
         self.peak = 0
         # Slots whose pages may be backed: handed out since they were last given back, or
         # populated ahead of use. `idle_resident` of them are not in use now.
-        self._resident = bytearray(self.max_slots)
+        self._resident = bytearray()  # sized where pages are tracked (_track_pages): one byte a slot
         self.idle_resident = 0
         self._step_peak = 0  # the most slots in use at once since the last end_step
         self._recent: deque[int] = deque(maxlen=RECENT_STEPS)
@@ -152,8 +152,9 @@ class ChunkPool:
         self.ready_slots = 0  # slots populated ahead of use, for the batch the pool was made for
         if tensors is None and storage and self.device.type == "cpu":
             self.ready_slots = min(first, self.max_slots) if self.prefault is not None else 0
-            self._resident[: self.ready_slots] = b"\x01" * self.ready_slots
-            self._track_pages(page_size(self.k), self._resident, self.ready_slots)
+            resident = bytearray(self.max_slots)
+            resident[: self.ready_slots] = b"\x01" * self.ready_slots
+            self._track_pages(page_size(self.k), resident, self.ready_slots)
 
     def _track_pages(self, page: int, resident: bytearray, ready: int) -> None:
         """Give pages back in `page`s, `resident` saying which slots' pages may be backed (the
@@ -210,10 +211,11 @@ class ChunkPool:
         if not self._free:
             self._grow()
         slot = heapq.heappop(self._free)
-        if self._resident[slot]:
-            self.idle_resident -= 1
-        else:
-            self._resident[slot] = 1
+        if self._page:
+            if self._resident[slot]:
+                self.idle_resident -= 1
+            else:
+                self._resident[slot] = 1
         self.used += 1
         self.peak = max(self.peak, self.used)
         self._step_peak = max(self._step_peak, self.used)
@@ -221,7 +223,7 @@ class ChunkPool:
 
     def free(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
-        self.idle_resident += 1
+        self.idle_resident += self._page > 0
         self.used -= 1
         self._frees += 1
 
@@ -364,6 +366,8 @@ class ChunkPool:
         assert len(set(self._free)) == len(self._free), "a slot is on the free list twice"
         assert all(0 <= s < self.capacity for s in self._free)
         assert len(self._free) + self.used == self.capacity
+        if not self._page:
+            return
         idle = sum(self._resident[s] for s in self._free) + sum(self._resident[self.capacity : self.max_slots])
         assert self.idle_resident == idle, f"{self.idle_resident} resident slots not in use counted, {idle} are"
 
