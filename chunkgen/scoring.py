@@ -17,8 +17,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkgen.engine import Request, SamplingParams
+from chunkgen.engine import Request, Result
 from chunkgen.engine.engine import Engine
+from chunkgen.engine.params import SCORE_ONLY
 
 
 @dataclass
@@ -48,12 +49,14 @@ class ChoiceResult:
     @property
     def best(self) -> int:
         """Index of the likeliest continuation (the first of equals); -1 on error."""
-        if not self.choices:
-            return -1
-        return max(range(len(self.choices)), key=lambda i: (self.choices[i].logprob, -i))
+        return best_index(self.choices)
 
 
-_SCORE_ONLY = SamplingParams(max_new_tokens=0, prompt_logprobs=1)  # one alternative: is it greedy
+def best_index(scores: list[ContinuationScore]) -> int:
+    """Index of the likeliest continuation (the first of equals); -1 for none."""
+    if not scores:
+        return -1
+    return max(range(len(scores)), key=lambda i: (scores[i].logprob, -i))
 
 
 def _continuation(res, start: int, tokens: list[int]) -> ContinuationScore:
@@ -63,25 +66,67 @@ def _continuation(res, start: int, tokens: list[int]) -> ContinuationScore:
     return ContinuationScore(sum(lps), len(tokens), greedy, lps)
 
 
+class ChoiceScorer:
+    """Choice jobs through an engine beside any other requests: `start` gives a job's first
+    continuation; each result handed to `finished` gives the requests to add next and, once the
+    job's continuations are all scored, its scores. Engine request ids are (CHOICE, key, index)."""
+
+    def __init__(self) -> None:
+        self.live: dict[Any, tuple[list[int], list[list[int]], list[ContinuationScore | None]]] = {}
+
+    @staticmethod
+    def owns(request_id: Any) -> bool:
+        return isinstance(request_id, tuple) and len(request_id) == 3 and request_id[0] is CHOICE
+
+    def start(self, key: Any, context: list[int], continuations: list[list[int]]) -> Request:
+        self.live[key] = (context, continuations, [None] * len(continuations))
+        return Request((CHOICE, key, 0), context + continuations[0], SCORE_ONLY, len(context))
+
+    def finished(self, res: Result) -> tuple[list[Request], Any, list[ContinuationScore] | str | None]:
+        """(requests to add, the job's key, its scores when all are in, or its error, else None)."""
+        _, key, i = res.id
+        if key not in self.live:  # a continuation of a job that failed already
+            return [], key, None
+        context, continuations, scores = self.live[key]
+        if res.error:
+            del self.live[key]  # its other continuations, if queued, are dropped as they come back
+            return [], key, res.error
+        scores[i] = _continuation(res, len(context), continuations[i])
+        follow = []
+        if i == 0 and len(scores) > 1:  # the context is in the tree now: the other continuations
+            follow = [
+                Request((CHOICE, key, j), context + c, SCORE_ONLY, len(context))
+                for j, c in enumerate(continuations[1:], 1)
+            ]
+        if all(s is not None for s in scores):
+            del self.live[key]
+            return follow, key, scores  # type: ignore[return-value]
+        return follow, key, None
+
+
+CHOICE = object()  # marks a choice job's requests among others in one engine
+
+
 def score_stream(engine: Engine, jobs: Iterable[ChoiceJob], max_jobs: int = 1024) -> Iterator[ChoiceResult]:
     """Results as each job's continuations are all scored (completion order); at most `max_jobs`
     jobs are held at once, so a file of any length runs in bounded memory."""
     source = iter(jobs)
-    live: dict[int, tuple[ChoiceJob, list[ContinuationScore | None]]] = {}
+    scorer = ChoiceScorer()
+    ids: dict[int, Any] = {}
     key = 0
     exhausted = False
     while True:
         new = []
-        while not exhausted and len(live) < max_jobs:
+        while not exhausted and len(scorer.live) < max_jobs:
             job = next(source, None)
             if job is None:
                 exhausted = True
                 break
-            if not job.context or not job.continuations or not all(job.continuations):
-                yield ChoiceResult(job.id, [], error="a context and non-empty continuations are needed")
+            if error := invalid(job.context, job.continuations):
+                yield ChoiceResult(job.id, [], error=error)
                 continue
-            live[key] = (job, [None] * len(job.continuations))
-            new.append(Request((key, 0), job.context + job.continuations[0], _SCORE_ONLY, len(job.context)))
+            ids[key] = job.id
+            new.append(scorer.start(key, job.context, job.continuations))
             key += 1
         if new:
             engine.add(new)
@@ -90,21 +135,19 @@ def score_stream(engine: Engine, jobs: Iterable[ChoiceJob], max_jobs: int = 1024
                 return
             continue
         for res in engine.step():
-            k, i = res.id
-            job, scores = live[k]
-            if res.error:
-                del live[k]
-                yield ChoiceResult(job.id, [], error=res.error)
-                continue
-            scores[i] = _continuation(res, len(job.context), job.continuations[i])
-            if i == 0 and len(scores) > 1:  # the context is in the tree now: the other continuations
-                engine.add(
-                    Request((k, j), job.context + c, _SCORE_ONLY, len(job.context))
-                    for j, c in enumerate(job.continuations[1:], 1)
-                )
-            if all(s is not None for s in scores):
-                del live[k]
-                yield ChoiceResult(job.id, scores)  # type: ignore[arg-type]
+            follow, k, done = scorer.finished(res)
+            if follow:
+                engine.add(follow)
+            if isinstance(done, str):
+                yield ChoiceResult(ids.pop(k), [], error=done)
+            elif done is not None:
+                yield ChoiceResult(ids.pop(k), done)
+
+
+def invalid(context: list[int], continuations: list[list[int]]) -> str | None:
+    if not context or not continuations or not all(continuations):
+        return "a context and non-empty continuations are needed"
+    return None
 
 
 def rolling_windows(tokens: list[int], prefix_token: int, max_length: int) -> list[tuple[list[int], list[int]]]:

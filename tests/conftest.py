@@ -43,6 +43,22 @@ def tiny_llm(tiny_model):
 
 
 @pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family name -> a tiny random model of that family (tests/model/test_families.py), built once
+    a session for every test that compares a family with transformers."""
+    from tests.model.test_families import FAMILIES, _build
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = _build(tmp_path_factory.mktemp(family), family, seed=FAMILIES.index(family))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from chunkgen.model import ModelNotFound, resolve_model
 

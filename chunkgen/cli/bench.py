@@ -12,7 +12,7 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout, usage
 from chunkgen.cli.loading import device_text, dtype_line, load_llm
-from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL
+from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
 from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL, ORDERS
 from chunkgen.device import human_bytes
@@ -206,6 +206,7 @@ def bench_step(
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
     dtype: DTYPE = DEFAULT_DTYPE,
+    quantize: QUANTIZE = "none",
     json_out: Path | None = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
@@ -217,8 +218,8 @@ def bench_step(
     from chunkgen.bench.e2e import build_workload
     from chunkgen.bench.machine import machine_ceilings
 
-    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB"))
-    dtype = dtype_line(llm.config)
+    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB", quantize=quantize))
+    dtype = dtype_line(llm.config) + ("" if llm.quantized == "none" else f", quantized: {llm.quantized}")
     prompts = build_workload(llm, n_shared, n_queries, steps).prompts
     ceilings = machine_ceilings() if llm.config.device == "cpu" else None
     r = bench.profile_steps(llm, prompts, steps)
@@ -238,6 +239,48 @@ def bench_step(
                      f"batch 32, {r['host_floor_ms_b256']:.2f} ms at batch 256 (with the CPU attention kernel: "
                      f"{r['cpu_step_ms_b32']:.2f} and {r['cpu_step_ms_b256']:.2f} ms); {r['graph_breaks']} graph breaks")
         json_out.write_text(json.dumps(r, indent=2) + "\n")
+# fmt: on
+
+
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
+@bench_app.command("linear")
+def bench_linear(
+    types: str = typer.Option("q4_0,q4_1,q4_k,q5_k,q6_k,q8_0,int8", metavar="TYPE[,TYPE...]", help="Quantized types timed against fp32."),
+    rows: str = typer.Option("1,32,256,2048", metavar="M[,M...]", help="Rows of x (a decode step's rows, a prefill's tokens)."),
+    shapes: str = typer.Option("576x576,1536x576,576x1536,49152x576", metavar="NxK[,NxK...]", help="Products as output x input features (default: SmolLM2-135M's; a K-quant needs K a multiple of 256, else it is left out)."),
+    threads: int | None = typer.Option(None, metavar="N", help="torch threads (default: torch's)."),
+    min_seconds: float = typer.Option(0.3, metavar="S", help="Time each cell at least this long (best call reported)."),
+    json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+) -> None:
+    """One linear product: the quantized kernel against the fp32 product, side by side, random weights."""
+    import torch
+
+    from chunkgen.bench.linear import TYPES, run_linear
+
+    chosen = tuple(t.strip() for t in types.split(",") if t.strip())
+    if set(chosen) - set(TYPES):
+        fail(f"--types takes a subset of {','.join(TYPES)}")
+    try:
+        ms = tuple(int(m) for m in rows.split(","))
+        nk = tuple(tuple(int(d) for d in s.lower().split("x")) for s in shapes.split(","))
+    except ValueError:
+        fail("--rows takes integers, --shapes NxK pairs, comma-separated")
+    if any(len(s) != 2 or s[1] % 32 for s in nk):
+        fail("--shapes takes NxK pairs with K a multiple of 32")
+    if threads:
+        torch.set_num_threads(threads)
+    err.print(f"{torch.get_num_threads()} threads; quantized path {torch.ops.chunkgen.quant_isa()}", highlight=False)
+    result = run_linear(nk, ms, chosen, min_seconds, on_row=lambda r: err.print(
+        f"  {r['n']}x{r['k']} rows {r['rows']:>5} {r['type']:>5}: {r['ms']:9.3f} ms {r['gflops']:7.1f} GFLOP/s "
+        f"{r['vs_fp32']:5.2f}x fp32", highlight=False))
+    table = Table("n x k", "rows", "type", "ms", "GFLOP/s", "vs fp32")
+    for r in result:
+        table.add_row(f"{r['n']}x{r['k']}", str(r["rows"]), r["type"], f"{r['ms']:.3f}", f"{r['gflops']:.1f}",
+                      f"{r['vs_fp32']:.2f}x")
+    stdout.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
 # fmt: on
 
 

@@ -192,6 +192,9 @@ _UNSET = {f.name: f.default for f in SAMPLING_FIELDS if f.metadata["later"]}  # 
 
 
 KINDS = ("json_schema", "regex", "grammar")  # SamplingParams fields, at most one set
+# Scoring fixed continuations: nothing generated, the prompt's tokens scored with one alternative
+# each (which says whether a token is the likeliest).
+SCORE_ONLY = SamplingParams(max_new_tokens=0, prompt_logprobs=1)
 # JSON as people and chat models write it, `{"a": 1, "b": [2, 3]}`: with llguidance's default
 # (flexible whitespace) a weak model can pad an answer with blanks until it runs out of tokens.
 # A schema's own "x-guidance" options still win over these.

@@ -12,6 +12,7 @@ from typing import Any
 from chunkgen.engine.sequence import Completion, Result
 from chunkgen.jobs.ledger import FORMAT_VERSION
 from chunkgen.jobs.requests import ErrorRecord, Job
+from chunkgen.scoring import ContinuationScore, best_index
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
@@ -115,6 +116,27 @@ class RecordFormat:
             rec["completions"] = [
                 {"text": c.text, "finish_reason": c.finish_reason, **_extras(c)} for c in res.completions
             ]
+        return self._keyed(rec, job)
+
+    def choices_record(self, job: Job, scores: list[ContinuationScore], res: Result) -> dict[str, Any]:
+        """A choices row's answer: each choice's total logprob after the prompt, its length in
+        tokens, whether it is the greedy continuation; `text` and `choice` name the likeliest."""
+        assert job.choices is not None
+        best = best_index(scores)
+        rec: dict[str, Any] = {
+            "id": job.id,
+            "line": job.line,
+            "template": job.template,
+            "text": job.choices[best],
+            "choice": best,
+            "choices": [
+                {"text": c, "logprob": s.logprob, "num_tokens": s.num_tokens, "greedy": s.greedy}
+                for c, s in zip(job.choices, scores)
+            ],
+            "usage": {"prompt_tokens": res.prompt_tokens, "cached_tokens": res.cached_tokens, "completion_tokens": 0},
+            "request_hash": job.request_hash,
+            "chunkgen": FORMAT_VERSION,
+        }
         return self._keyed(rec, job)
 
     @staticmethod

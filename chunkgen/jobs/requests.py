@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 
 from chunkgen.bounded import ROW_BYTES, DuplicateKey, Overlong, encoding_name, lines, unique_keys
 from chunkgen.device import human_bytes
-from chunkgen.engine.params import KINDS, SAMPLING_NAMES, ParamError, SamplingParams
-from chunkgen.jobs.templates import Template
+from chunkgen.engine.params import KINDS, SAMPLING_NAMES, SCORE_ONLY, ParamError, SamplingParams
+from chunkgen.jobs.templates import Template, check_choices
 
 OPENAI_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"  # a plain prompt, scored (echo, logprobs) and/or continued
@@ -47,6 +47,8 @@ class Job:
     # answer repeats the prompt (with its tokens' logprobs when logprobs are asked).
     prompt: str | list[int] | None = None
     echo: bool = False
+    # Answers to score after the prompt instead of generating one (a template's or the row's `choices`).
+    choices: tuple[str, ...] | None = None
 
     @property
     def source(self) -> str | list[int] | list[dict[str, str]]:
@@ -70,10 +72,12 @@ class Job:
         # The digest of the text up to the first message's end, kept while the next rows repeat it.
         head = _hash_of_head(parts[0]).copy() if parts else hashlib.sha256(b'{"messages": [')
         rest = "".join(", " + p for p in parts[1:])
+        # Choices only where a row has them: a generating row's hash is what it always was.
+        choices = "" if self.choices is None else f', "choices": {json.dumps(self.choices, ensure_ascii=False)}'
         head.update(
             (
                 f'{rest}], "params": {_params_json(self.params)}, '
-                f'"template": {json.dumps(self.template, ensure_ascii=False)}}}'
+                f'"template": {json.dumps(self.template, ensure_ascii=False)}{choices}}}'
             ).encode()
         )
         return head.hexdigest()[:16]
@@ -362,7 +366,9 @@ def template_jobs(
     A field a row carries that nothing reads (a typo, an OpenAI option such as logit_bias) is
     said to `on_note` once per job and template."""
     noted: set[tuple[str, str]] = set()
-    read = {t.name: frozenset((id_field, "template", *t.fields, *TEMPLATE_OVERRIDES)) for t in templates.values()}
+    read = {
+        t.name: frozenset((id_field, "template", "choices", *t.fields, *TEMPLATE_OVERRIDES)) for t in templates.values()
+    }
     seen: set[str] = set()  # explicit ids only: a generated `line-N` never collides with a row's own id
     occurrences: dict[str, int] = {}  # request hash -> id-less rows with it so far
     only = next(iter(templates.values())) if len(templates) == 1 else None
@@ -415,6 +421,14 @@ def template_jobs(
                 )
                 if not any(obj.get(k) is not None for k in TEMPLATE_OVERRIDES):
                     plain[template.name] = params, source
+            choices = template.choices or None
+            if obj.get("choices") is not None and "choices" not in template.fields:
+                try:
+                    choices = check_choices(obj["choices"])
+                except ValueError as exc:
+                    raise RowError("choices", str(exc)) from None
+            if choices is not None:  # scored, not generated: sampling settings do not apply
+                params, source = SCORE_ONLY, None
             job = Job(
                 rid,
                 number,
@@ -424,6 +438,7 @@ def template_jobs(
                 data=tuple(values.values()),
                 layout=template.layout,
                 constraint_field=source,
+                choices=choices,
             )
             # A row without an id is matched on resume by its request's hash (and occurrence), so it
             # is hashed here; a row with one is hashed when its record is written (it cannot fail

@@ -23,6 +23,7 @@ from chunkgen.jobs.requests import ErrorRecord, Job
 from chunkgen.jobs.writer import ResultWriter
 from chunkgen.progress import Snapshot
 from chunkgen.prompt import PromptTooLong
+from chunkgen.scoring import ChoiceScorer
 
 if TYPE_CHECKING:
     from chunkgen.jobs.order import PrefixOrder
@@ -231,6 +232,9 @@ def answer(
     the engine steps on with what it has."""
     source = iter(jobs)
     pending: dict[int, Job] = {}
+    scorer = ChoiceScorer()  # rows with choices: each choice scored after the row's prompt
+    usage: dict[int, list[int]] = {}  # such a row's prompt and cached tokens so far, over its choices
+    answer_ids = _choice_tokenizer(getattr(engine, "tokenizer", None))
     exhausted = False
     warned = warned_batch = False
     while not should_stop():
@@ -259,8 +263,12 @@ def answer(
                 if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
                     on_note(why)  # once a job: every such row is slow for the same reason
                     warned = True
-                batch.append(Request(index, tokens, job.params))
                 pending[index] = job
+                if job.choices is None:
+                    batch.append(Request(index, tokens, job.params))
+                    continue
+                batch.append(scorer.start(index, tokens, [answer_ids(c) for c in job.choices]))
+                usage[index] = [0, 0]
             exhausted = taken < want and not idle
             if batch:
                 engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
@@ -269,12 +277,39 @@ def answer(
                 return
             continue
         for res in engine.step():
-            yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+            if not scorer.owns(res.id):
+                yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+                continue
+            follow, index, done = scorer.finished(res)
+            if follow:
+                engine.add(follow)
+            if index in usage:
+                usage[index][0] += res.prompt_tokens
+                usage[index][1] += res.cached_tokens
+            if done is None:
+                continue
+            job, (prompt_tokens, cached) = pending.pop(index), usage.pop(index)
+            if isinstance(done, str):
+                yield Answer(index, fmt.result_record(job, res), res)  # the error record
+            else:
+                whole = Result(index, prompt_tokens, cached, [])
+                yield Answer(index, fmt.choices_record(job, done, whole), whole)
         if on_note is not None and not warned_batch and (why := batch_shortfall(engine)):
             on_note(why)  # once a job: the budget, not a row, is what limits the batch
             warned_batch = True
         if on_step:
             on_step()
+
+
+def _choice_tokenizer(tokenizer) -> Callable[[str], list[int]]:
+    """A choice's token ids: its text tokenized alone, as the answer's first tokens after the
+    prompt (a template's choices are the same for every row: tokenized once)."""
+
+    @functools.lru_cache(maxsize=1024)
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return ids
 
 
 def run_job(

@@ -28,6 +28,9 @@ class Template:
     sampling: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     output: dict[str, Any] = field(default_factory=dict)  # [output]: one constraint (json_schema as loaded)
+    # Answers to score instead of generating (each one's logprob after the prompt; the likeliest is
+    # the answer); a row's own `choices` list replaces them.
+    choices: tuple[str, ...] = ()
 
     @classmethod
     def from_file(cls, path: str | Path) -> Template:
@@ -83,7 +86,26 @@ def _placeholders(text: str, path: Path) -> tuple[str, ...]:
 
 
 SAMPLING_KEYS = set(SAMPLING_NAMES) - set(KINDS)  # constraints go in [output]
-TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling", "output"}
+TOP_LEVEL_KEYS = {"name", "description", "system", "user", "sampling", "output", "choices"}
+
+
+def check_choices(value: Any) -> tuple[str, ...]:
+    """A list of distinct non-empty strings (raises ValueError saying what is wrong)."""
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of strings, got {_kind(value)}")
+    if not value:
+        raise ValueError("must list at least one answer")
+    for i, c in enumerate(value):
+        if not isinstance(c, str) or not c:
+            raise ValueError(f"item {i} must be a non-empty string, got {_kind(c) if c != '' else 'an empty one'}")
+    if len(set(value)) < len(value):
+        dup = next(c for i, c in enumerate(value) if c in value[:i])
+        raise ValueError(f"{dup[:80]!r} is given twice")
+    return tuple(value)
+
+
+def _kind(v: Any) -> str:
+    return {dict: "a table", list: "a list", bool: "a boolean"}.get(type(v), type(v).__name__)
 
 
 def _output(data: Any, path: Path) -> dict[str, Any]:
@@ -154,6 +176,18 @@ def load_template(path: str | Path) -> Template:
     except ParamError as exc:
         raise TemplateError(f"{path}: [sampling] {exc.field}: {exc.message}") from None
     output = _output(data["output"], path) if "output" in data else {}
+    choices: tuple[str, ...] = ()
+    if "choices" in data:
+        try:
+            choices = check_choices(data["choices"])
+        except ValueError as exc:
+            raise TemplateError(f"{path}: field 'choices' {exc}") from None
+        if output:
+            raise TemplateError(f"{path}: 'choices' scores fixed answers, [output] constrains generated ones; give one")
+        if "choices" in _placeholders(data["user"], path):
+            raise TemplateError(
+                f"{path}: 'choices' is both a field and a placeholder {{choices}} of 'user'; rename one"
+            )
     name = data.get("name", path.stem)
     if not name.strip():
         raise TemplateError(f"{path}: field 'name' must not be empty")
@@ -166,6 +200,7 @@ def load_template(path: str | Path) -> Template:
         sampling=dict(sampling),
         description=data.get("description", ""),
         output=output,
+        choices=choices,
     )
 
 

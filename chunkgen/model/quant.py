@@ -3,8 +3,10 @@ kernel (csrc/cpu/quant_linear.cpp) streams, and per-output-channel int8 made fro
 
 Every type becomes blocks of 32 values along k with fp32 block scales (and mins where the type has
 them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nibbles, wider ones
-(Q5_K, Q6_K, Q8_0, int8) as int8. Nothing is expanded to floats, except by `dequantize` where a
-caller needs floats (the GPU, which runs bf16, and the embedding rows a batch looks up).
+(Q5_K, Q6_K, Q8_0, int8) as int8 (QuantWeight, row by row). A product packs them once more, 8
+output channels interleaved (PackedWeight, what the kernel streams). Nothing is expanded to floats,
+except by `dequantize` where a caller needs floats (the GPU, which runs bf16, and the embedding
+rows a batch looks up).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-U4, S8, S8_HALF = 0, 1, 2  # the kernel's layouts (csrc/cpu/quant_linear.cpp)
+U4, S8, S8_HALF, S5 = 0, 1, 2, 3  # the kernel's layouts (csrc/cpu/quant_linear.cpp)
 BLOCK = 32
+GROUP = 8  # output channels the packed layout interleaves
 QK_K = 256
 
 # The GGUF types the kernel runs as shipped, by the names --quantize and the load line use.
@@ -35,8 +38,9 @@ TYPE_NAMES = {v: k for k, v in GGUF_TYPES.items()}
 
 @dataclass
 class QuantWeight:
-    """W [n, k] as the kernel reads it: qs bytes ([n, k/2] nibbles for U4, else [n, k] int8),
-    scales [n, k/32] ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous."""
+    """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4, else [n, k] int8), scales [n, k/32]
+    ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. `pack` makes the layout
+    the kernel reads."""
 
     kind: int
     qs: torch.Tensor
@@ -74,8 +78,51 @@ def _values(w: QuantWeight) -> torch.Tensor:
     return w.qs.view(torch.int8).to(torch.int16)
 
 
-def quantized_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+@dataclass
+class PackedWeight:
+    """W [n, k] as the kernel streams it (csrc/cpu/quant_linear.cpp): channels in groups of 8
+    (the last padded with zero rows), each group's blocks of 32 values along k with its 8 channels'
+    values interleaved 4 at a time; scales [groups, k/32, halves, 8], mins [groups, k/32, 8]."""
+
+    kind: int
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    n: int
+    k: int
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+
+def pack(w: QuantWeight) -> PackedWeight:
+    """W's bytes, scales and mins interleaved by groups of 8 channels (a copy; W can be dropped)."""
+    groups, nb = -(-w.n // GROUP), w.k // BLOCK
+    pad = groups * GROUP - w.n
+
+    def grouped(t: torch.Tensor, inner: int) -> torch.Tensor:
+        """t [n, nb * inner] -> [groups, nb, ..., 8 channels, ...] as the kernel reads it."""
+        t = t.reshape(w.n, nb, inner)
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, nb, inner)])
+        return t.view(groups, GROUP, nb, inner)
+
+    if w.kind == U4:  # 16 bytes a block: chunk c, byte t of a channel = the block's byte 4 c + t
+        qs = grouped(w.qs, 16).view(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4)
+    else:  # 32 values a block: step s, byte t of a channel = value 4 s + t
+        qs = grouped(w.qs, 32).view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    halves = 2 if w.kind == S8_HALF else 1
+    scales = grouped(w.scales, halves).permute(0, 2, 3, 1)
+    mins = None if w.mins is None else grouped(w.mins, 1).permute(0, 2, 3, 1).contiguous()
+    return PackedWeight(w.kind, qs.contiguous(), scales.contiguous(), mins, w.n, w.k, w.source)
+
+
+def quantized_linear(x: torch.Tensor, w: QuantWeight | PackedWeight) -> torch.Tensor:
     """x [rows, k] times W^T, x quantized per row to int8 blocks of 32 -> [rows, n] in x's dtype."""
+    if isinstance(w, QuantWeight):
+        w = pack(w)
     return torch.ops.chunkgen.quant_linear.default(x, w.qs, w.scales, w.mins, w.kind, w.n)
 
 
@@ -126,8 +173,9 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
             qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             ql = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
             q = ((ql & 0x0F).reshape(-1, 8, 32) | ((qh & 1) << 4)).astype(np.int16)
-            # 0..31 stored as -16..15, the 16 scales moved into the min
-            kind, qs = S8, (q - 16).astype(np.int8)
+            # 0..31 stored as -16..15, the 16 scales moved into the min: small enough for the
+            # kernel to sum a whole block's products in int16 (layout S5)
+            kind, qs = S5, (q - 16).astype(np.int8)
             mins = mins + 16.0 * scales
     else:  # Q6_K: 16 sub-blocks of 16, signed 6-bit values
         ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -201,7 +249,7 @@ class QuantLinear:
                 groups[-1].append(part)
             else:
                 groups.append([part])
-        self.weights = [_concat(g) for g in groups]
+        self.weights = [pack(_concat(g)) for g in groups]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features = sum(w.n for w in self.weights)
         self.source = "+".join(sorted({p.source for p in parts}))

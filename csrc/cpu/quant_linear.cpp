@@ -1,21 +1,35 @@
 // Linear layers on quantized weights as GGUF files ship them (chunkgen/model/quant.py repacks each
-// type once at load into one of the layouts below; nothing is expanded to floats): y = x W^T with
-// x quantized per row into int8 blocks of 32 (one fp32 scale each, as llama.cpp's Q8_0), the
-// products of a block in int8 and its scales applied once per block.
+// type once at load into the interleaved layout below; nothing is expanded to floats): y = x W^T
+// with x quantized per row into int8 blocks of 32 (one fp32 scale each, as llama.cpp's Q8_0), the
+// products of a block pair summed in integers and its scales applied once per block pair.
 //
-// A weight row is K / 32 blocks of 32 values, each block
-//   kind 0 (U4):  16 bytes, value j in the low nibble of byte j, value j + 16 in its high nibble,
-//                 unsigned 0..15; w = scale * q + min (Q4_0, Q4_1, Q4_K)
-//   kind 1 (S8):  32 signed bytes; w = scale * q (+ min where mins are given: Q5_K; Q8_0, int8)
-//   kind 2 (S8H): 32 signed bytes, one scale per half of 16; w = scale[half] * q (Q6_K)
-// with scales [n, K / 32] (kind 2: [n, K / 16]) and mins [n, K / 32] in fp32. A block's sum is
+// Packed layout (llama.cpp's repack.cpp idea: the lanes of a vector are output channels, so no
+// horizontal sums and one weight load serves several rows of x). W's rows go in groups of 8
+// (the last group padded with zero rows); a group's block b (32 values along k of its 8 rows) is
+//   U4 (kind 0): 4 chunks of 32 bytes; byte 4 r + t of chunk c holds row r's value 4 c + t in its
+//                low nibble and value 16 + 4 c + t in its high nibble, unsigned 0..15 (Q4_0, Q4_1,
+//                Q4_K);  w = scale * q + min
+//   S8 (kind 1), S8H (kind 2), S5 (kind 3): 8 steps of 32 signed bytes; byte 4 r + t of step s is
+//                row r's value 4 s + t. S8: any int8 (Q8_0, int8); S5: -16..15 (Q5_K, + min);
+//                S8H: -32..31 with one scale per half of 16 values (Q6_K)
+// scales [groups, k / 32, halves, 8] and mins [groups, k / 32, 8] in fp32, the 8 rows' values
+// side by side. A block pair's sum is
 //   scale_w * scale_x * sum(q_w q_x) + min_w * scale_x * sum(q_x),
-// so a min costs one scalar product per block with the activation block's sum.
+// the min's term one FMA per block with the x block's scale * sum(q).
 //
-// Paths: AVX2 (vpmaddubsw unsigned x signed bytes to pairs of int16, vpmaddwd to int32), and a
-// portable scalar one, the reference (CHUNKGEN_QUANT_ISA=scalar selects it at run time). Both
-// quantize x identically (round to nearest even); they differ only in the order of fp32 sums.
-// No AVX512_VNNI / AVX-VNNI path yet.
+// AVX2: vpmaddubsw multiplies unsigned by signed bytes into pairs of int16 (a weight vector of 8
+// rows x 4 values against 4 values of x broadcast), signed weights through llama.cpp's sign trick
+// (|w| and x with w's sign). Where the weights are small the int16 pairs of a whole block (or half)
+// are summed before the one vpmaddwd to int32 that turns them into the block's sum: |pair| <=
+// 2 * 15 * 127 for U4 (8 summed <= 30480), 2 * 16 * 127 for S5 (8 summed <= 32512), 2 * 32 * 127
+// for S8H (4 summed, a half); S8 (up to 2 * 128 * 127) converts each step. Each block's int32
+// sums are converted once and FMAed with scale_w * scale_x. A tile is 8 output channels x up to 4
+// rows of x; threads split the channel groups, and each walks its groups in panels that stay in
+// cache while every tile of x rows passes over them.
+//
+// The portable scalar path (CHUNKGEN_QUANT_ISA=scalar selects it at run time) computes the same
+// integer block sums from the same layout; the paths differ only in fp32 rounding (FMA vs
+// multiply and add). No AVX512_VNNI / AVX-VNNI / AMX path yet.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -33,7 +47,12 @@ namespace chunkgen {
 namespace {
 
 constexpr int kBlock = 32;
-enum Kind : int64_t { kU4 = 0, kS8 = 1, kS8Half = 2 };
+constexpr int kGroup = 8;  // output channels a packed group interleaves (one fp32 lane each)
+constexpr int kRows = 4;   // rows of x a tile computes against one group
+enum Kind : int64_t { kU4 = 0, kS8 = 1, kS8Half = 2, kS5 = 3 };
+
+constexpr int64_t group_block_bytes(int64_t kind) { return kind == kU4 ? 128 : 256; }
+constexpr int halves(int64_t kind) { return kind == kS8Half ? 2 : 1; }
 
 bool use_avx2() {
 #if defined(__AVX2__)
@@ -63,13 +82,6 @@ void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* scale, flo
 }
 
 #if defined(__AVX2__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -110,82 +122,151 @@ void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float
   }
 }
 
-// 32 weight values of a block as bytes for vpmaddubsw, and x's block signed to match: U4 gives
-// unsigned nibbles and x as it is; S8 gives |w| and x with w's sign (llama.cpp's trick).
-template <int kind>
-inline __m256i block_products(const uint8_t* wb, __m256i xq) {
-  if constexpr (kind == kU4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb));
-    const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
-    return _mm256_maddubs_epi16(w, xq);
-  } else {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
-    return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
-  }
+// 4 values of x (one int32) in every lane: each lane's 4 bytes meet one row's 4 weight values.
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// Rows of W a tile computes against each row of x: x's block is loaded once for all of them.
-constexpr int kTile = 4;
+// Makes v opaque to the compiler: the sums of a tile are associative integer adds, which GCC
+// otherwise regroups into trees that keep every product live at once and spill the tile.
+inline __m256i in_order(__m256i v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
 
+// Pairs of int16 of the weight vector w (8 rows x 4 values) times x's 4 values: unsigned nibbles
+// as they are, signed weights as |w| times x with w's sign.
+template <int kind>
+inline __m256i pair_products(__m256i w, __m256i w_abs, __m256i x) {
+  if constexpr (kind == kU4)
+    return _mm256_maddubs_epi16(w, x);
+  else
+    return _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+}
+
+// One tile: 8 channels of group `w` x R rows of x, over all nb blocks; y rows are ldy apart.
 template <int kind, bool has_min, int R>
-void dot_tile_avx2(const uint8_t* w, int64_t w_row_bytes, const float* ws, int64_t ws_row, const float* wm, int64_t nb,
-                   const int8_t* xq, const float* xs, const float* xsum, float* y) {
-  constexpr int block_bytes = kind == kU4 ? 16 : 32;
+void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
+               const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+  constexpr int64_t bb = group_block_bytes(kind);
+  constexpr int nh = halves(kind);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = 0.f;
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
-    const float sx = xs[b];
-    for (int r = 0; r < R; ++r) {
-      const __m256i p = _mm256_madd_epi16(block_products<kind>(w + r * w_row_bytes + b * block_bytes, xv), ones);
-      __m256 s;
-      if constexpr (kind == kS8Half) {
-        // lanes 0-3 hold values 0-15 of the block, lanes 4-7 values 16-31
-        const float* sc = ws + r * ws_row + 2 * b;
-        s = _mm256_set_m128(_mm_set1_ps(sc[1] * sx), _mm_set1_ps(sc[0] * sx));
+    const uint8_t* wb = w + b * bb;
+    const int8_t* xb = xq + b * kBlock;
+    // x's block scales are broadcast only where used: 4 more live registers would spill the tile
+    const auto sx = [&](int r) { return _mm256_set1_ps(xs[r * nb + b]); };
+    if constexpr (kind == kU4 || kind == kS5) {
+      // the whole block's pairs summed in int16, one vpmaddwd per block
+      __m256i s16[R];
+      for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+      if constexpr (kind == kU4) {
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        for (int c = 0; c < 4; ++c) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+          const __m256i lo = _mm256_and_si256(raw, mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          for (int r = 0; r < R; ++r) {
+            s16[r] = in_order(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(xb + r * k + 4 * c))));
+            s16[r] = in_order(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(xb + r * k + 16 + 4 * c))));
+          }
+        }
       } else {
-        s = _mm256_set1_ps(ws[r * ws_row + b] * sx);
+        for (int s = 0; s < 8; ++s) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+          const __m256i wa = _mm256_sign_epi8(wv, wv);
+          for (int r = 0; r < R; ++r)
+            s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
+        }
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r]);
-      if constexpr (has_min) macc[r] += wm[r * nb + b] * xsum[b];
+      const __m256 sw = _mm256_loadu_ps(ws + b * kGroup);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
+    } else if constexpr (kind == kS8Half) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i s16[R];
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        for (int s = 4 * h; s < 4 * h + 4; ++s) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+          const __m256i wa = _mm256_sign_epi8(wv, wv);
+          for (int r = 0; r < R; ++r)
+            s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
+        }
+        const __m256 sw = _mm256_loadu_ps(ws + (b * nh + h) * kGroup);
+        for (int r = 0; r < R; ++r)
+          acc[r] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
+      }
+    } else {  // kS8: a step's pairs may reach 2 * 128 * 127, to int32 at once
+      __m256i s32[R];
+      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+        const __m256i wa = _mm256_sign_epi8(wv, wv);
+        for (int r = 0; r < R; ++r)
+          s32[r] = in_order(_mm256_add_epi32(
+              s32[r], _mm256_madd_epi16(pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s)), ones)));
+      }
+      const __m256 sw = _mm256_loadu_ps(ws + b * kGroup);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
+    }
+    if constexpr (has_min) {
+      const __m256 mw = _mm256_loadu_ps(wm + b * kGroup);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum(acc[r]) + macc[r];
+  for (int r = 0; r < R; ++r) {
+    if (channels == kGroup) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float out[kGroup];
+      _mm256_store_ps(out, acc[r]);
+      std::memcpy(y + r * ldy, out, sizeof(float) * channels);
+    }
+  }
 }
 #endif
 
+// The scalar reference on the same layout: the same integer block sums, scales applied per block.
 template <int kind, bool has_min>
-float dot_scalar(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, const float* xs,
-                 const float* xsum) {
-  float sum = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* xb = xq + b * kBlock;
-    if constexpr (kind == kU4) {
-      const uint8_t* wb = w + b * 16;
-      int s = 0;
-      for (int j = 0; j < 16; ++j) s += (wb[j] & 0x0f) * xb[j] + (wb[j] >> 4) * xb[j + 16];
-      sum += ws[b] * xs[b] * static_cast<float>(s);
-    } else {
-      const int8_t* wb = reinterpret_cast<const int8_t*>(w) + b * kBlock;
-      int s0 = 0, s1 = 0;
-      for (int j = 0; j < 16; ++j) s0 += wb[j] * xb[j], s1 += wb[j + 16] * xb[j + 16];
-      if constexpr (kind == kS8Half)
-        sum += (ws[2 * b] * static_cast<float>(s0) + ws[2 * b + 1] * static_cast<float>(s1)) * xs[b];
-      else
-        sum += ws[b] * xs[b] * static_cast<float>(s0 + s1);
+void tile_scalar(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
+                 const float* xs, const float* xsum, float* y, int64_t ldy, int rows, int channels) {
+  constexpr int64_t bb = group_block_bytes(kind);
+  constexpr int nh = halves(kind);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < channels; ++c) {
+      float sum = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w + b * bb;
+        const int8_t* xb = xq + r * k + b * kBlock;
+        int isum[2] = {0, 0};
+        for (int j = 0; j < kBlock; ++j) {
+          int q;
+          if constexpr (kind == kU4) {
+            const uint8_t byte = wb[32 * (j % 16 / 4) + 4 * c + j % 4];
+            q = j < 16 ? byte & 0x0f : byte >> 4;
+          } else {
+            q = static_cast<int8_t>(wb[32 * (j / 4) + 4 * c + j % 4]);
+          }
+          isum[nh == 2 ? j / 16 : 0] += q * xb[j];
+        }
+        for (int h = 0; h < nh; ++h)
+          sum += static_cast<float>(isum[h]) * (ws[(b * nh + h) * kGroup + c] * xs[r * nb + b]);
+        if constexpr (has_min) sum += wm[b * kGroup + c] * xsum[r * nb + b];
+      }
+      y[r * ldy + c] = sum;
     }
-    if constexpr (has_min) sum += wm[b] * xsum[b];
   }
-  return sum;
 }
 
 struct QuantArgs {
   const uint8_t* w;
-  int64_t w_row_bytes;
   const float* ws;
-  int64_t ws_row;
   const float* wm;  // nullptr: no mins
   int64_t n, nb;
   const int8_t* xq;
@@ -196,35 +277,46 @@ struct QuantArgs {
 
 template <int kind, bool has_min>
 void quant_product(const QuantArgs& a, bool avx2) {
-  const int64_t tiles = (a.n + kTile - 1) / kTile;
-  // Tiles of W rows split evenly: each thread streams its run of W once, for all rows of x.
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kTile, nr = std::min<int64_t>(kTile, a.n - n0);
-      const uint8_t* w = a.w + n0 * a.w_row_bytes;
-      const float* ws = a.ws + n0 * a.ws_row;
-      const float* wm = has_min ? a.wm + n0 * a.nb : nullptr;
-      for (int64_t m = 0; m < a.rows; ++m) {
-        const int8_t* xq = a.xq + m * a.nb * kBlock;
-        const float* xs = a.xs + m * a.nb;
-        const float* xsum = a.xsum + m * a.nb;
-        float out[kTile];
+  constexpr int64_t bb = group_block_bytes(kind);
+  constexpr int nh = halves(kind);
+  const int64_t groups = (a.n + kGroup - 1) / kGroup, k = a.nb * kBlock;
+  const int64_t group_bytes = a.nb * bb;
+  // A panel of groups whose weights stay in L2 (~192 KiB) while all tiles of x rows pass over it.
+  const int64_t panel = std::max<int64_t>(1, (192 << 10) / group_bytes);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t p0 = g0; p0 < g1; p0 += panel) {
+      const int64_t p1 = std::min(g1, p0 + panel);
+      for (int64_t m0 = 0; m0 < a.rows; m0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, a.rows - m0));
+        const int8_t* xq = a.xq + m0 * k;
+        const float* xs = a.xs + m0 * a.nb;
+        const float* xsum = a.xsum + m0 * a.nb;
+        for (int64_t g = p0; g < p1; ++g) {
+          const uint8_t* w = a.w + g * group_bytes;
+          const float* ws = a.ws + g * a.nb * nh * kGroup;
+          const float* wm = has_min ? a.wm + g * a.nb * kGroup : nullptr;
+          float* y = a.y + m0 * a.n + g * kGroup;
+          const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
 #if defined(__AVX2__)
-        if (avx2) {
-          if (nr == kTile)
-            dot_tile_avx2<kind, has_min, kTile>(w, a.w_row_bytes, ws, a.ws_row, wm, a.nb, xq, xs, xsum, out);
-          else
-            for (int64_t r = 0; r < nr; ++r)
-              dot_tile_avx2<kind, has_min, 1>(w + r * a.w_row_bytes, a.w_row_bytes, ws + r * a.ws_row, a.ws_row,
-                                              has_min ? wm + r * a.nb : nullptr, a.nb, xq, xs, xsum, out + r);
-        } else
+          if (avx2) {
+            switch (rows) {
+              case 4:
+                tile_avx2<kind, has_min, 4>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                break;
+              case 3:
+                tile_avx2<kind, has_min, 3>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                break;
+              case 2:
+                tile_avx2<kind, has_min, 2>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                break;
+              default:
+                tile_avx2<kind, has_min, 1>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+            }
+            continue;
+          }
 #endif
-        {
-          for (int64_t r = 0; r < nr; ++r)
-            out[r] = dot_scalar<kind, has_min>(w + r * a.w_row_bytes, ws + r * a.ws_row,
-                                               has_min ? wm + r * a.nb : nullptr, a.nb, xq, xs, xsum);
+          tile_scalar<kind, has_min>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, rows, channels);
         }
-        std::memcpy(a.y + m * a.n + n0, out, sizeof(float) * nr);
       }
     }
   });
@@ -263,22 +355,25 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
   return {q, scale, qsum};
 }
 
-// x [rows, k] (float32 or bfloat16) times W^T, W [n, k] given as qs (bytes, [n, k / 2] for kind
-// 0, [n, k] else), scales and optional mins (see the top of this file) -> [rows, n] in x's dtype.
+// x [rows, k] (float32 or bfloat16) times W^T, W [n, k] given packed (see the top of this file):
+// qs bytes [groups, k / 32, 128 (kind 0) or 256], scales [groups, k / 32, halves, 8], optional
+// mins [groups, k / 32, 8] -> [rows, n] in x's dtype.
 torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& scales,
                               const std::optional<torch::Tensor>& mins, int64_t kind, int64_t n) {
   const auto x = as_rows(x_in);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
-  TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half, "unknown quantized layout ", kind);
-  const int64_t row_bytes = kind == kU4 ? k / 2 : k, ws_row = kind == kS8Half ? 2 * nb : nb;
-  TORCH_CHECK_VALUE(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == n * row_bytes, "qs must hold ", n,
-                    " x ", row_bytes, " contiguous bytes");
-  TORCH_CHECK_VALUE(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == n * ws_row,
-                    "scales must be ", n, " x ", ws_row, " contiguous float32");
+  TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half || kind == kS5, "unknown quantized layout ", kind);
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  const int64_t bytes = groups * nb * group_block_bytes(kind), nscales = groups * nb * halves(kind) * kGroup;
+  TORCH_CHECK_VALUE(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == bytes, "qs must hold ", bytes,
+                    " contiguous bytes for ", n, " x ", k, " in layout ", kind, ", got ", qs.numel());
+  TORCH_CHECK_VALUE(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == nscales,
+                    "scales must be ", nscales, " contiguous float32");
   const bool has_min = mins.has_value() && mins->defined();
   if (has_min)
-    TORCH_CHECK_VALUE(mins->is_contiguous() && mins->scalar_type() == torch::kFloat32 && mins->numel() == n * nb,
-                      "mins must be ", n, " x ", nb, " contiguous float32");
+    TORCH_CHECK_VALUE(
+        mins->is_contiguous() && mins->scalar_type() == torch::kFloat32 && mins->numel() == groups * nb * kGroup,
+        "mins must be ", groups * nb * kGroup, " contiguous float32");
   TORCH_CHECK_VALUE(!(kind == kS8Half && has_min), "layout 2 has no mins");
   const bool avx2 = use_avx2();
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
@@ -287,9 +382,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), avx2);
   auto y = torch::empty({rows, n}, x.options());
   const QuantArgs a{static_cast<const uint8_t*>(qs.data_ptr()),
-                    row_bytes,
                     scales.data_ptr<float>(),
-                    ws_row,
                     has_min ? mins->data_ptr<float>() : nullptr,
                     n,
                     nb,
@@ -298,8 +391,14 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
                     xsum.data_ptr<float>(),
                     rows,
                     y.data_ptr<float>()};
-  if (kind == kU4)
+  if (kind == kU4 && has_min)
     quant_product<kU4, true>(a, avx2);
+  else if (kind == kU4)
+    quant_product<kU4, false>(a, avx2);
+  else if (kind == kS5 && has_min)
+    quant_product<kS5, true>(a, avx2);
+  else if (kind == kS5)
+    quant_product<kS5, false>(a, avx2);
   else if (kind == kS8 && has_min)
     quant_product<kS8, true>(a, avx2);
   else if (kind == kS8)

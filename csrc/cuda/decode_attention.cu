@@ -20,22 +20,13 @@
 // Partials are laid out per (chunk, KV head) with the chunk's rows contiguous:
 //   row(c, h, r) = part_off[c] * q_heads + h * rows_c + r,  rows_c = (end_c - begin_c) * G,
 //   r = (sequence - begin_c) * G + g.
-#ifndef CHUNKGEN_CUDA_EMULATION
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <mma.h>
-#define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \
-  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "../attention.h"
-#include "convert.cuh"
+#include "device.cuh"
 
 namespace chunkgen {
 namespace {
@@ -300,6 +291,25 @@ __device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G
 // Shared chunk c's K and V of KV head h, 16 bytes per thread and step, into padded rows of shared
 // memory. V rows past the chunk's n tokens are zeroed: their probabilities are 0, but the pool
 // bytes there may be NaN.
+// C[16, cols] = A[16, k] B[k, cols] on the tensor cores (row-major, fp32 accumulate): the block's
+// warps take 16-column tiles of C in turn.
+template <typename T>
+__device__ __forceinline__ void tile_product(const T* a, int lda, const T* b, int ldb, float* c, int ldc, int k,
+                                             int cols, int warp) {
+  for (int ct = warp; ct < cols / 16; ct += kWarps) {
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+    for (int kt = 0; kt < k / 16; ++kt) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
+      wmma::load_matrix_sync(fa, a + kt * 16, lda);
+      wmma::load_matrix_sync(fb, b + kt * 16 * ldb + ct * 16, ldb);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(c + ct * 16, acc, ldc, wmma::mem_row_major);
+  }
+}
+
 template <typename T>
 __device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, int n, const MmaTiles<T>& L, T* ks, T* vs) {
   const int d = p.head_dim, C = p.chunk;
@@ -369,19 +379,8 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
     }
     __syncthreads();
 
-    // S[16, C] = Q[16, d] K[d, C]: warps take 16-column tiles of S.
-    for (int ct = warp; ct < C / 16; ct += kWarps) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int kt = 0; kt < d / 16; ++kt) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, qs + kt * 16, L.qs_ld);
-        wmma::load_matrix_sync(b, ks + kt * 16 * L.ks_ld + ct * 16, L.ks_ld);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      wmma::store_matrix_sync(ss + ct * 16, acc, L.ss_ld, wmma::mem_row_major);
-    }
+    // S[16, C] = Q[16, d] K[d, C].
+    tile_product(qs, L.qs_ld, ks, L.ks_ld, ss, L.ss_ld, d, C, warp);
     __syncthreads();
 
     // Softmax of each row over the chunk's n tokens; P rounded to T for the second product.
@@ -411,19 +410,8 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
     }
     __syncthreads();
 
-    // O[16, d] = P[16, C] V[C, d]: warps take 16-column tiles of O.
-    for (int ct = warp; ct < d / 16; ct += kWarps) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int kt = 0; kt < C / 16; ++kt) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, ps + kt * 16, L.ps_ld);
-        wmma::load_matrix_sync(b, vs + kt * 16 * L.vs_ld + ct * 16, L.vs_ld);
-        wmma::mma_sync(acc, a, b, acc);
-      }
-      wmma::store_matrix_sync(os + ct * 16, acc, L.os_ld, wmma::mem_row_major);
-    }
+    // O[16, d] = P[16, C] V[C, d].
+    tile_product(ps, L.ps_ld, vs, L.vs_ld, os, L.os_ld, C, d, warp);
     __syncthreads();
 
     for (int i = threadIdx.x; i < tile_rows * d; i += kThreads)

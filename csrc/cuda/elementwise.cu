@@ -2,37 +2,16 @@
 // as the CPU kernels: fp32 math, a product rounded to the storage dtype before it is added (the
 // explicit __fmul_rn / __fadd_rn keep nvcc from contracting them into an FMA, even under fast math).
 // The RMSNorm's sum of squares is a block reduction here, so its last bit may differ from the CPU's.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
+
+#include "device.cuh"
 
 namespace chunkgen {
 namespace {
 
-__device__ __forceinline__ float ld(float x) { return x; }
-__device__ __forceinline__ float ld(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float ld(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T st(float f);
-template <>
-__device__ __forceinline__ float st<float>(float f) {
-  return f;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 st<__nv_bfloat16>(float f) {
-  return __float2bfloat16_rn(f);
-}
-template <>
-__device__ __forceinline__ __half st<__half>(float f) {
-  return __float2half_rn(f);
-}
-
 template <typename T>
 __device__ __forceinline__ float rnd(float f) {
-  return ld(st<T>(f));
+  return to_float(from_float<T>(f));
 }
 
 constexpr int kThreads = 256;
@@ -42,8 +21,8 @@ constexpr int kThreads = 256;
 // before the weight; Gemma's (offset) multiplies by 1 + weight in fp32 and rounds once.
 template <typename T>
 __device__ __forceinline__ float normed(T x, T w, float inv, bool offset) {
-  const float v = __fmul_rn(ld(x), inv);
-  return offset ? rnd<T>(__fmul_rn(v, __fadd_rn(1.f, ld(w)))) : rnd<T>(__fmul_rn(rnd<T>(v), ld(w)));
+  const float v = __fmul_rn(to_float(x), inv);
+  return offset ? rnd<T>(__fmul_rn(v, __fadd_rn(1.f, to_float(w)))) : rnd<T>(__fmul_rn(rnd<T>(v), to_float(w)));
 }
 
 __device__ __forceinline__ float inv_rms(float sum_sq, int64_t n, float eps) {
@@ -57,10 +36,10 @@ __global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, 
   T* x = res + r * rs;
   float part = 0.f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = ld(x[i]);
+    float v = to_float(x[i]);
     if (delta != nullptr) {
-      v = rnd<T>(__fadd_rn(v, ld(delta[r * ds + i])));
-      x[i] = st<T>(v);
+      v = rnd<T>(__fadd_rn(v, to_float(delta[r * ds + i])));
+      x[i] = from_float<T>(v);
     }
     part = __fadd_rn(part, __fmul_rn(v, v));
   }
@@ -75,7 +54,8 @@ __global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, 
     inv = inv_rms(total, n, eps);
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[r * os + i] = st<T>(normed(x[i], w[i], inv, offset));
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    out[r * os + i] = from_float<T>(normed(x[i], w[i], inv, offset));
 }
 
 // One thread per (row, rotated head, pair i / i + d/2): both halves of the pair are read before
@@ -90,16 +70,17 @@ __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos
   const T* c = cos + static_cast<int64_t>(pos[r]) * ts;
   const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
   T* x = qkv + r * stride + h * d;
-  const float a = ld(x[i]), b = ld(x[i + half]);
-  const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, ld(c[i]))), rnd<T>(__fmul_rn(-b, ld(s[i])))));
-  const float hi = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
+  const float a = to_float(x[i]), b = to_float(x[i + half]);
+  const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, to_float(c[i]))), rnd<T>(__fmul_rn(-b, to_float(s[i])))));
+  const float hi =
+      rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, to_float(c[i + half]))), rnd<T>(__fmul_rn(a, to_float(s[i + half])))));
   if (h < hq) {
     Q* q = q_out + (r * hq + h) * d;
-    q[i] = st<Q>(lo);
-    q[i + half] = st<Q>(hi);
+    q[i] = from_float<Q>(lo);
+    q[i + half] = from_float<Q>(hi);
   } else {
-    x[i] = st<T>(lo);
-    x[i + half] = st<T>(hi);
+    x[i] = from_float<T>(lo);
+    x[i + half] = from_float<T>(hi);
   }
 }
 
@@ -116,7 +97,7 @@ __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T
   const int64_t h = head % (hq + hk), r = head / (hq + hk), half = d / 2;
   T* x = qkv + r * stride + h * d;
   float part = 0.f;
-  for (int64_t i = lane; i < d; i += 32) part = __fadd_rn(part, __fmul_rn(ld(x[i]), ld(x[i])));
+  for (int64_t i = lane; i < d; i += 32) part = __fadd_rn(part, __fmul_rn(to_float(x[i]), to_float(x[i])));
   for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
   const float inv = inv_rms(part, d, eps);
   const T* w = h < hq ? qn : kn;
@@ -124,15 +105,16 @@ __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T
   const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
   for (int64_t i = lane; i < half; i += 32) {
     const float a = normed(x[i], w[i], inv, offset), b = normed(x[i + half], w[i + half], inv, offset);
-    const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, ld(c[i]))), rnd<T>(__fmul_rn(-b, ld(s[i])))));
-    const float hi = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, ld(c[i + half]))), rnd<T>(__fmul_rn(a, ld(s[i + half])))));
+    const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, to_float(c[i]))), rnd<T>(__fmul_rn(-b, to_float(s[i])))));
+    const float hi =
+        rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, to_float(c[i + half]))), rnd<T>(__fmul_rn(a, to_float(s[i + half])))));
     if (h < hq) {
       Q* q = q_out + (r * hq + h) * d;
-      q[i] = st<Q>(lo);
-      q[i + half] = st<Q>(hi);
+      q[i] = from_float<Q>(lo);
+      q[i + half] = from_float<Q>(hi);
     } else {
-      x[i] = st<T>(lo);
-      x[i + half] = st<T>(hi);
+      x[i] = from_float<T>(lo);
+      x[i + half] = from_float<T>(hi);
     }
   }
 }
@@ -142,9 +124,9 @@ __global__ void silu_mul_kernel(const T* gu, int64_t is, T* out, int64_t os, int
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * n) return;
   const int64_t r = idx / n, i = idx % n;
-  const float g = ld(gu[r * is + i]);
+  const float g = to_float(gu[r * is + i]);
   const float silu = rnd<T>(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))));
-  out[r * os + i] = st<T>(__fmul_rn(silu, ld(gu[r * is + n + i])));
+  out[r * os + i] = from_float<T>(__fmul_rn(silu, to_float(gu[r * is + n + i])));
 }
 
 template <typename T>
@@ -152,12 +134,12 @@ __global__ void gelu_tanh_mul_kernel(const T* gu, int64_t is, T* out, int64_t os
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= rows * n) return;
   const int64_t r = idx / n, i = idx % n;
-  const float x = ld(gu[r * is + i]);
+  const float x = to_float(gu[r * is + i]);
   // 0.5 x (1 + tanh(y)) as x / (1 + exp(-2y)), the CPU kernel's form: 1 + tanh(y) cancels for
   // negative y and loses the small products' digits.
   const float two_y = 2.f * 0.7978845608028654f * (x + 0.044715f * x * x * x);
   const float gelu = rnd<T>(__fdiv_rn(x, __fadd_rn(1.f, expf(-two_y))));
-  out[r * os + i] = st<T>(__fmul_rn(gelu, ld(gu[r * is + n + i])));
+  out[r * os + i] = from_float<T>(__fmul_rn(gelu, to_float(gu[r * is + n + i])));
 }
 
 unsigned blocks_for(int64_t items) { return static_cast<unsigned>((items + kThreads - 1) / kThreads); }

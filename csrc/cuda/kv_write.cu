@@ -2,19 +2,13 @@
 // attention.h). The torch composition it replaces took two int64 casts of the indices and an
 // index_put_ for each of K and V: four or more kernels a layer in every step's graph. No torch
 // headers here: CI compiles this file with plain nvcc, and the CUDA emulator runs it.
-#ifndef CHUNKGEN_CUDA_EMULATION
-#include <cuda_runtime.h>
-#define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \
-  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "../attention.h"
-#include "convert.cuh"
+#include "device.cuh"
 
 namespace chunkgen {
 namespace {

@@ -107,3 +107,69 @@ def test_served_endpoints_not_refused_as_a_file(url, tmp_path):
     queries = tmp_path / "q.jsonl"
     queries.write_text(_row({"prompt": "x"}, "a", url) + "\n" + _row({"input": "x"}, "b", "/v1/embeddings") + "\n")
     check_sample(queries, "openai", None, "custom_id")
+
+
+# A child that runs `chunkgen run`, stops it with SIGTERM once `stop_at` records are written (or
+# lets it finish), and prints its peak RSS.
+_STOPPING_RUN = """
+import resource, signal, subprocess, sys, time
+stop_at, out, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+deadline = time.monotonic() + 240
+while p.poll() is None and time.monotonic() < deadline:
+    try:
+        with open(out, "rb") as f:
+            if sum(1 for _ in f) >= stop_at:
+                p.send_signal(signal.SIGTERM)
+                break
+    except FileNotFoundError:
+        pass
+    time.sleep(0.2)
+_, err = p.communicate()
+sys.stderr.write(err)
+print("RSS", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "RC", p.returncode)
+"""
+
+
+def _score_rows(path, n: int) -> None:
+    """n /v1/completions rows that score one token each (BOS, then a token), given as token ids."""
+    with open(path, "w") as f:
+        for i in range(n):
+            body = {"prompt": [1, 3 + i % 250], "max_tokens": 0, "echo": True, "logprobs": 1}
+            f.write(json.dumps({"custom_id": f"r{i:06d}", "url": "/v1/completions", "body": body}) + "\n")
+
+
+def test_a_100k_row_scoring_file_runs_in_bounded_memory(tiny_model, tmp_path):
+    """A 100,000-row scoring file is read whole before the first row runs (the prefix order keys
+    every row) and then streamed: stopped after 1,500 answers, its peak RSS is that of a
+    1,500-row file answered whole."""
+    import subprocess
+    import sys
+
+    from tests.cli.test_mistakes import _env
+
+    def peak(queries, out, stop_at: int) -> tuple[int, int, str]:
+        argv = [sys.executable, "-m", "chunkgen", "run", "-q", str(queries), "-o", str(out), "--quiet"]
+        argv += ["--model", str(tiny_model), "--chunk-size", "16", "--kv-memory", "64MiB", "--dtype", "fp32"]
+        done = subprocess.run(
+            [sys.executable, "-c", _STOPPING_RUN, str(stop_at), str(out), *argv],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        words = done.stdout.split()
+        return int(words[words.index("RSS") + 1]) * 1024, int(words[words.index("RC") + 1]), done.stderr
+
+    small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
+    _score_rows(small, 1_500)
+    _score_rows(big, 100_000)
+    base, rc, err = peak(small, tmp_path / "small.out.jsonl", 10**9)
+    assert rc == 0 and len(records(tmp_path / "small.out.jsonl")) == 1_500, err
+    rss, rc, err = peak(big, tmp_path / "big.out.jsonl", 1_500)
+    assert rc == 143 and "--resume to continue" in err, err  # stopped by SIGTERM, cleanly
+    recs = records(tmp_path / "big.out.jsonl")
+    assert len(recs) >= 1_500
+    body = recs[0]["response"]["body"]["choices"][0]["logprobs"]
+    assert body["token_logprobs"][0] is None and isinstance(body["token_logprobs"][1], float)
+    assert rss < 1.25 * base, (rss, base)

@@ -179,18 +179,6 @@ FAMILIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory):
-    built: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in built:
-            built[family] = _build(tmp_path_factory.mktemp(family), family, seed=len(built))
-        return built[family]
-
-    return get
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_parity_fp32(family, family_models):
     path = family_models(family)

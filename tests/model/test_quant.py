@@ -78,6 +78,43 @@ def test_product_matches_dequantized_weights(qtype, path):
     _check_product(w, reference, x)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_product_on_tile_edges(qtype, path):
+    """Rows not a multiple of the kernel's 4-row tile and channels not a multiple of its 8-channel
+    group (the packed layout's padding), each alone and together."""
+    for n, rows in ((19, 6), (8, 4), (1, 1), (13, 9)):
+        w, reference = _weight(qtype, n, 256, seed=n + rows)
+        _check_product(w, reference, torch.randn(rows, 256))
+
+
+# The bytes of each type's values in a GGUF block, and a fill that puts every value at the end of
+# its range the kernel's integer sums find hardest (largest |w|): int16 sums must not saturate.
+_EXTREMES = {
+    GGMLQuantizationType.Q8_0: [(slice(2, 34), 0x80)],  # -128
+    GGMLQuantizationType.Q4_0: [(slice(2, 18), 0xFF)],  # 15
+    GGMLQuantizationType.Q4_1: [(slice(4, 20), 0xFF)],
+    GGMLQuantizationType.Q4_K: [(slice(16, 144), 0xFF)],
+    GGMLQuantizationType.Q5_K: [(slice(16, 176), 0x00)],  # 0, stored as -16
+    GGMLQuantizationType.Q6_K: [(slice(0, 192), 0x00)],  # 0, stored as -32
+}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_extreme_values_do_not_saturate(qtype, path):
+    """Every weight at its largest magnitude against x at +-127 everywhere: the largest block sums
+    the kernel forms (in int16 where it sums a block's pairs before widening) stay exact."""
+    n, k = 16, 512
+    raw = quant.random_gguf(qtype, n, k, 0.05, np.random.default_rng(7))
+    blocks = raw.reshape(-1, quant.GGML_QUANT_SIZES[qtype][1])
+    for where, byte in _EXTREMES[qtype]:
+        blocks[:, where] = byte
+    reference = dequantize(raw, qtype).astype(np.float64).reshape(n, k)
+    x = torch.ones(5, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # mixed signs as well
+    _check_product(quant.from_gguf(raw, qtype, n, k), reference, x)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     qtype=st.sampled_from(TYPES),

@@ -1,9 +1,14 @@
-// fp32 to and from the pool's dtypes on the device, shared by the CUDA kernels that the emulator
-// also runs (tests/kernels/cuda_emu defines the same names on the CPU).
+// What every CUDA kernel file includes: the CUDA headers, the launch macro, and fp32 to and from
+// the pool's dtypes. Under CHUNKGEN_CUDA_EMULATION the emulator (tests/kernels/cuda_emu) has
+// already defined the headers' names and the launch on the CPU.
 #pragma once
 #ifndef CHUNKGEN_CUDA_EMULATION
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+#define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #endif
 
 namespace chunkgen {

@@ -1,0 +1,77 @@
+"""One linear product at a time, quantized against fp32, side by side in one process: the fp32
+product the engine runs (model/llama.py's Linear: chunkgen's packed decode product up to 256 rows,
+oneDNN above) and the quantized kernel on the same shape, random weights of each type."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+# The default model's (SmolLM2-135M) products as (n out, k in): q/o, gate or up, down, the output layer.
+SMOLLM2_SHAPES = ((576, 576), (1536, 576), (576, 1536), (49152, 576))
+ROWS = (1, 32, 256, 2048)
+TYPES = ("q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q8_0", "int8")
+
+
+def best_ms(fn: Callable[[], object], min_seconds: float, max_calls: int = 50) -> float:
+    """The fastest of repeated calls after one warm-up, for at least min_seconds or max_calls (and two
+    calls): on a shared machine the minimum is the figure least disturbed by other work."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 2 or (time.perf_counter() - start < min_seconds and len(times) < max_calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def _quantized(kind: str, w: torch.Tensor, seed: int):
+    from chunkgen.model import quant
+
+    n, k = w.shape
+    if kind == "int8":
+        part = quant.int8_per_channel(w)
+    else:
+        qtype = quant.GGUF_TYPES[kind]
+        part = quant.from_gguf(quant.random_gguf(qtype, n, k, 0.02, np.random.default_rng(seed)), qtype, n, k)
+    return quant.QuantLinear([part], None)
+
+
+def run_linear(
+    shapes=SMOLLM2_SHAPES, rows=ROWS, types=TYPES, min_seconds: float = 0.3, on_row: Callable | None = None
+) -> list[dict]:
+    """Per shape, rows and type: best time in ms, GFLOP/s (2 n k rows) and speed against fp32."""
+    from chunkgen.model import quant
+    from chunkgen.model.llama import Linear
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        products = {"fp32": Linear(w, None)}
+        for i, kind in enumerate(types):
+            if kind == "int8" or k % quant.GGML_QUANT_SIZES[quant.GGUF_TYPES[kind]][0] == 0:
+                products[kind] = _quantized(kind, w, seed=i)  # a K-quant needs k a multiple of 256
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            fp32_ms = None
+            for name, product in products.items():
+                ms = best_ms(lambda p=product, x=x: p(x), min_seconds)
+                fp32_ms = ms if name == "fp32" else fp32_ms
+                row = {
+                    "n": n,
+                    "k": k,
+                    "rows": m,
+                    "type": name,
+                    "ms": ms,
+                    "gflops": 2 * n * k * m / ms / 1e6,
+                    "vs_fp32": fp32_ms / ms,
+                }
+                out.append(row)
+                if on_row:
+                    on_row(row)
+    return out
