@@ -112,7 +112,7 @@ def test_every_engine_option_has_one_default_across_commands():
 
 # Options that several commands take with a default of their own on purpose: each bench describes
 # its own workload (run's --max-new-tokens is the template's, else SamplingParams').
-WORKLOAD_SHAPE = {"--max-new-tokens", "--n-shared"}
+WORKLOAD_SHAPE = {"--max-new-tokens", "--n-shared", "--questions", "--rows"}
 
 
 def test_an_option_of_several_commands_has_one_default_everywhere():
