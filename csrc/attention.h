@@ -46,8 +46,9 @@ struct DecodeProblem {
 
   // false: the "paged" baseline: every sequence reads its shared chunks itself.
   bool chunk_first;
-  // Batch-invariant (csrc/invariant.h; the CPU kernel sets it from batch_invariant()): one partial
-  // per chunk, merged in path order, no segments.
+  // Batch-invariant (csrc/invariant.h; the CPU kernel sets it from batch_invariant()): every row one
+  // online softmax over its path's chunks in path order (shared groups continue the row's state, no
+  // partials merged), no segments.
   bool invariant = false;
 
   // The step's new K/V for the CPU kernel to store (null: the caller stored them): row b's k, v

@@ -168,29 +168,57 @@ def run_cli(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
 
+# A tiny Llama config.json for random weights (--dummy-weights): shapes small enough for seconds.
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 500,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+# What every in-process `chunkgen run` of the tests starts from: the tiny model's chunk size and a
+# small KV budget, no progress output, short answers, fp32 (answers that compare across runs).
+RUN_DEFAULTS = {"chunk_size": 16, "kv_memory": "64MiB", "quiet": True, "max_new_tokens": 12, "dtype": "fp32"}
+
+
 def base_args(
-    tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"
-):
-    return [
-        "run",
-        "--template",
-        str(template),
-        "--queries",
-        str(queries),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-        "--max-new-tokens",
-        "12",
-        "--dtype",
-        "fp32",
-    ]  # fp32: answers that compare across runs
+    model,
+    out,
+    queries=PROMPTS / "arithmetic_cot.queries.jsonl",
+    template=PROMPTS / "arithmetic_cot.toml",
+    **options,
+) -> list[str]:
+    """The argv of `chunkgen run` (the one place the tests build it): template, queries, out and
+    model (None: the embedded default; template None: no --template, as for OpenAI rows), then
+    RUN_DEFAULTS updated by `options`, each as its option: max_new_tokens=2 -> --max-new-tokens 2,
+    True -> the flag alone, False or None -> left out, a list -> the option once per item."""
+    argv = ["run"]
+    if template is not None:
+        argv += ["--template", str(template)]
+    argv += ["--queries", str(queries), "--out", str(out)]
+    if model is not None:
+        argv += ["--model", str(model)]
+    for name, value in {**RUN_DEFAULTS, **options}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flag, str(item)]
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
 
 
 def rows_of(*lines: str | bytes) -> list:

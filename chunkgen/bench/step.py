@@ -15,7 +15,7 @@ from chunkgen._native import native, native_cpu_available
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.kernels import decode_step_attention as real_attention
 from chunkgen.llm import LLM
-from chunkgen.model import llama
+from chunkgen.model import llama, quant
 
 
 @dataclass
@@ -59,6 +59,10 @@ def _linear_flop(split: _Split, linear: llama.Linear, x: torch.Tensor) -> None:
     split.linear_flop += 2.0 * x.shape[0] * linear.weight.shape[0] * linear.weight.shape[1]
 
 
+def _quant_flop(split: _Split, linear: quant.QuantLinear, x: torch.Tensor) -> None:
+    split.linear_flop += 2.0 * x.shape[0] * linear.out_features * linear.weights[0].k
+
+
 def _prefill_attention_flop(split: _Split, groups, layer, q, *args, window: int = 0, **kwargs) -> None:
     # Every new token attends to each key up to its own position (inside its window, if any):
     # 4 x head_dim FLOPs a key and query head (q.k and p.v).
@@ -97,6 +101,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
     with _patched(
         _timed(llama, "prefill_attention", prefill, "attention", _prefill_attention_flop),
         _timed(llama.Linear, "__call__", prefill, "linear", _linear_flop),
+        _timed(quant.QuantLinear, "__call__", prefill, "linear", _quant_flop),
         _timed(model, "prefill", prefill, "model"),
     ):
         t0 = time.perf_counter()
@@ -110,6 +115,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
     with _patched(
         _timed(llama, "decode_step_attention", decode, "attention"),
         _timed(llama.Linear, "__call__", decode, "linear", _linear_flop),
+        _timed(quant.QuantLinear, "__call__", decode, "linear", _quant_flop),
         _timed(model, "decode", decode, "model"),
     ):
         t0 = time.perf_counter()

@@ -5,7 +5,7 @@ every command on `app`."""
 # Each module registers its commands on import, in the order `chunkgen --help` lists them.
 from chunkgen.cli import run  # noqa: F401  # isort: skip
 from chunkgen.cli import inspect_tree  # noqa: F401  # isort: skip
-from chunkgen.cli import bench, bench_e2e  # noqa: F401  # isort: skip
+from chunkgen.cli import bench, bench_e2e, bench_score  # noqa: F401  # isort: skip
 from chunkgen.cli import evaluate  # noqa: F401  # isort: skip
 from chunkgen.cli.boundary import EXIT_BAD_INPUT_LINES, EXIT_ERROR, app
 from chunkgen.cli.option_types import SAMPLING_OPTIONS

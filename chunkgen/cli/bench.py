@@ -12,7 +12,7 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout, usage
 from chunkgen.cli.loading import device_text, dtype_line, load_llm
-from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL
+from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
 from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL, ORDERS
 from chunkgen.device import human_bytes
@@ -66,7 +66,7 @@ def bench_order(
     questions: int = typer.Option(4, min=1, metavar="Q", help="Questions on each document (rows sharing its prefix)."),
     doc_tokens: str = typer.Option("300", metavar="T|LO-HI", help="Tokens per document: T, or LO-HI drawn uniformly."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
-    seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle."),
+    data_seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle (run's --seed is the sampling seed)."),
     kv_budget: str = typer.Option("tenth", metavar="SIZE", help="KV cache budget of the runs, e.g. 64MiB, or tenth: a tenth of the distinct prompt tokens, at least two of the longest prompts (small, so the order matters)."),
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
     max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
@@ -91,7 +91,7 @@ def bench_order(
         usage("--doc-tokens", str(exc))
     llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB"))
     max_batch = llm.config.max_batch
-    rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, seed)
+    rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, data_seed)
     if dump_token_ids:
         dump(llm, rows, max_new_tokens, dump_token_ids)
         err.print(f"{len(rows)} prompts written to {dump_token_ids}", highlight=False)
@@ -206,6 +206,7 @@ def bench_step(
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
     dtype: DTYPE = DEFAULT_DTYPE,
+    quantize: QUANTIZE = "none",
     json_out: Path | None = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
@@ -217,8 +218,8 @@ def bench_step(
     from chunkgen.bench.e2e import build_workload
     from chunkgen.bench.machine import machine_ceilings
 
-    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB"))
-    dtype = dtype_line(llm.config)
+    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB", quantize=quantize))
+    dtype = dtype_line(llm.config) + ("" if llm.quantized == "none" else f", quantized: {llm.quantized}")
     prompts = build_workload(llm, n_shared, n_queries, steps).prompts
     ceilings = machine_ceilings() if llm.config.device == "cpu" else None
     r = bench.profile_steps(llm, prompts, steps)

@@ -5,6 +5,11 @@
 // to a workspace. Phase 2 (sequence-first): for each sequence and KV head, merge the shared partials
 // and continue over the private chunks with online softmax. Long private tails are split into
 // segments (merged in phase 3) so that every thread has work whatever the tree looks like.
+// Batch-invariant (csrc/invariant.h): phase 1 continues each row's running state over its shared
+// groups in path order, level by level, and phase 2 continues it over the row's own chunks, with no
+// partials merged and no segments: each row is one online softmax over its path whatever the batch
+// (per-chunk partials merged afterwards cost 16% of the kernel's time at 32 rows on 2,048 shared
+// tokens; this costs nothing measurable).
 //
 // The pieces: vec.h (SIMD primitives for the build's vector width), online_softmax.h (the fp32
 // scores / softmax / values path and the merge), decode_plan.h (work items and workspace),
@@ -54,21 +59,6 @@ inline void attend(const DecodeProblem& p, Scratch& sc, int R, const T* k, const
   attend<T>(p, sc, R, k, v, n, lo, sc.o.data(), sc.m.data(), sc.l.data());
 }
 
-// Batch-invariant: the chunk's partial from an empty state, merged into the running one, so that a
-// row's result is the same fold of per-chunk partials in path order whichever phase read a chunk.
-template <typename T>
-inline void attend_merged(const DecodeProblem& p, Scratch& sc, int R, const T* k, const T* v, int n, const int* lo) {
-  const int d = p.head_dim;
-  sc.reserve_chunk_state(R, d);
-  std::fill_n(sc.co.data(), static_cast<size_t>(R) * d, 0.f);
-  std::fill_n(sc.cm.data(), R, kNegInf);
-  std::fill_n(sc.cl.data(), R, 0.f);
-  attend<T>(p, sc, R, k, v, n, lo, sc.co.data(), sc.cm.data(), sc.cl.data());
-  for (int r = 0; r < R; ++r)
-    merge_partial(sc.o.data() + static_cast<size_t>(r) * d, sc.m[r], sc.l[r], sc.co.data() + static_cast<size_t>(r) * d,
-                  sc.cm[r], sc.cl[r], d);
-}
-
 // Query rows of sequences [b0, b1), head h's GQA group, scaled, as fp32 rows of sc.q.
 template <typename Q>
 inline void load_queries(const DecodeProblem& p, Scratch& sc, int b0, int b1, int h) {
@@ -78,6 +68,27 @@ inline void load_queries(const DecodeProblem& p, Scratch& sc, int b0, int b1, in
     const Q* src = q + (static_cast<size_t>(b) * Hq + h * G) * d;
     float* dst = sc.q.data() + static_cast<size_t>(b - b0) * G * d;
     for (int i = 0; i < G * d; ++i) dst[i] = to_f32(src[i]) * p.scale;
+  }
+}
+
+// Batch-invariant: rows [b0, b1)'s running states (head h's query heads) from the workspace into
+// the scratch (store: the other way), where phase 1 leaves them between the groups on their paths
+// and for phase 2 to continue over the rows' own chunks.
+inline void running_state(const DecodeProblem& p, Workspace& ws, Scratch& sc, int b0, int b1, int h, bool store) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
+  for (int b = b0; b < b1; ++b) {
+    const size_t at = static_cast<size_t>(b) * Hq + h * G, r = static_cast<size_t>(b - b0) * G;
+    float* o = ws.part_o.data() + at * d;
+    float* so = sc.o.data() + r * d;
+    if (store) {
+      std::memcpy(o, so, sizeof(float) * G * d);
+      std::copy_n(sc.m.data() + r, G, ws.part_m.data() + at);
+      std::copy_n(sc.l.data() + r, G, ws.part_l.data() + at);
+    } else {
+      std::memcpy(so, o, sizeof(float) * G * d);
+      std::copy_n(ws.part_m.data() + at, G, sc.m.data() + r);
+      std::copy_n(ws.part_l.data() + at, G, sc.l.data() + r);
+    }
   }
 }
 
@@ -94,7 +105,10 @@ void shared_item_fp32(const DecodeProblem& p, Workspace& ws, const SharedItem& w
     const int R = (b1 - b0) * G;
     sc.reserve(R, p.head_dim, p.chunk);
     load_queries<Q>(p, sc, b0, b1, h);
-    sc.reset_state(R, p.head_dim);
+    if (p.invariant && w.level > 0)
+      running_state(p, ws, sc, b0, b1, h, false);
+    else
+      sc.reset_state(R, p.head_dim);
     for (int i = w.first; i < w.last; ++i) {
       const int c = ws.group_chunks[i], n = p.shared_len[c];
       const size_t off = pool.at(p.shared_slot[c], h);
@@ -102,7 +116,10 @@ void shared_item_fp32(const DecodeProblem& p, Workspace& ws, const SharedItem& w
         for (int r = 0; r < R; ++r) sc.lo[r] = window_lo(ws, b0 + r / G, ws.shared_pos[c], n);
       attend<T>(p, sc, R, K + off, V + off, n, sc.lo.data());
     }
-    store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
+    if (p.invariant)
+      running_state(p, ws, sc, b0, b1, h, true);
+    else
+      store_partials(p, ws, w, b0, b1, sc.o.data(), sc.m.data(), sc.l.data());
   }
 }
 
@@ -210,18 +227,18 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Scratch& 
     }
     if (ws.item_writes[b] && w.seg == nseg - 1) store_new_kv<T>(p, b, h);  // its segment has the last chunk
     load_queries<Q>(p, sc, b, b + 1, h);
-    sc.reset_state(G, d);
-    if (w.seg == 0 && p.chunk_first) merge_shared_partials(p, ws, sc, b, h);
+    if (p.invariant && p.chunk_first && p.seq_shared_ptr[b + 1] > p.seq_shared_ptr[b])
+      running_state(p, ws, sc, b, b + 1, h, false);  // where its shared chunks left it
+    else
+      sc.reset_state(G, d);
+    if (w.seg == 0 && p.chunk_first && !p.invariant) merge_shared_partials(p, ws, sc, b, h);
     for (int i = lo; i < hi; ++i) {
       if ((i - lo) % kLoadChunks == 0) load_chunks<T>(p, ws, pool, i, std::min(hi, i + kLoadChunks), h);
       const int n = ws.chunk_len[i];
       if (n <= 0) continue;
       const size_t off = pool.at(ws.chunk_slot[i], h);
       if (p.window > 0) std::fill_n(sc.lo.data(), G, ws.chunk_lo[i]);
-      if (p.invariant)
-        attend_merged<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
-      else
-        attend<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
+      attend<T>(p, sc, G, K + off, V + off, n, sc.lo.data());
     }
     for (int g = 0; g < G; ++g) {
       const size_t row = static_cast<size_t>(b) * Hq + h * G + g;
@@ -272,6 +289,13 @@ inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Sc
 #else
   (void)isa;
 #endif
+  if (p.invariant) {  // level by level: an item continues the states its level's items left
+    for (size_t level = 0; level + 1 < ws.level_ptr.size(); ++level)
+#pragma omp for schedule(dynamic, 1)
+      for (int it = ws.level_ptr[level]; it < ws.level_ptr[level + 1]; ++it)
+        shared_item_fp32<T, Q>(p, ws, ws.shared_items[it], sc);
+    return;
+  }
 #pragma omp for schedule(dynamic, 1)
   for (int it = 0; it < n_items; ++it) shared_item_fp32<T, Q>(p, ws, ws.shared_items[it], sc);
 }
@@ -291,10 +315,12 @@ inline void count_flop(const DecodeProblem& p, const Workspace& ws) {
 }
 
 template <typename T, typename Q>
-void run(const DecodeProblem& p, Isa isa) {
+void run(DecodeProblem p, Isa isa) {
   const double t0 = omp_get_wtime();
-  // Batch-invariant: phase 1 on the fp32 path, whose per-row arithmetic is phase 2's.
+  // Batch-invariant: phase 1 on the fp32 path, whose per-row arithmetic is phase 2's; with a
+  // window, every row reads its chunks itself (a window's rows of a shared chunk need not nest).
   if (p.invariant) isa = Isa::Fp32;
+  if (p.invariant && p.window > 0) p.chunk_first = false;
   const int nthreads = omp_get_max_threads();
   Workspace& ws = workspace();
   int block = 1;  // chunks the bf16 path multiplies at once

@@ -17,8 +17,13 @@ namespace decode {
 // the batch, against one KV head. Chunks covering the same rows lie on the same paths, so one
 // online softmax runs over all of them and leaves one partial per row (stored at the first chunk's
 // partial rows; the others get l = 0, which the merge skips) instead of one per chunk.
+// Batch-invariant: an item takes its group's chunks whole, in path order, and continues each row's
+// running state (left by the item of the group before it on the row's path, `level` - 1) instead
+// of starting a partial: every row is then one online softmax over its path, chunk by chunk, in
+// path order, whichever rows read a chunk together and whichever phase reads it.
 struct SharedItem {
   int first, last, head, begin, end;
+  int level = 0;  // groups before this one on its rows' paths (batch-invariant plan only)
 };
 // Sequence-first work: rows [begin, end) against one KV head, each over segment `seg` of its own
 // chunks (several segments only for a lone long tail; then end = begin + 1).
@@ -40,6 +45,10 @@ struct Workspace {
   std::vector<float> seg_o, seg_m, seg_l;
   std::vector<SeqItem> seq_items;
   std::vector<uint8_t> item_writes;  // row b's new K/V are stored by its sequence-first item
+  // Batch-invariant plan: shared_items ordered by level, level L's items at
+  // [level_ptr[L], level_ptr[L + 1]); each row's running state (o, m, l per query head) after the
+  // shared chunks read so far lives in part_o / part_m / part_l at row b * q_heads + query head.
+  std::vector<int32_t> level_ptr;
   // Sliding windows: rows [eff_begin, eff_end) of each shared chunk read it (all its rows without a
   // window); with one, each shared chunk's first position, each row's window start, and the first
   // token inside the window of each chunk a row reads itself.
@@ -116,6 +125,41 @@ inline void store_partials(const DecodeProblem& p, Workspace& ws, const SharedIt
     }
 }
 
+// Batch-invariant: group group_chunks[g0, g1) (every chunk read by the same rows) as items over
+// all its chunks, reordered into path order (the order its first row's path lists them), cut by
+// rows only into `pieces` per head. Its level: the groups before it on that row's path (rows
+// along a path shrink, so the chunks of one group are one run of it, the same for all its rows).
+inline void add_group_in_path_order(const DecodeProblem& p, Workspace& ws, int g0, int g1, int64_t pieces) {
+  const int c0 = ws.group_chunks[g0], row = ws.eff_begin[c0], end = ws.eff_end[c0], cover = end - row;
+  const auto same_rows = [&](int a, int b) {
+    return ws.eff_begin[a] == ws.eff_begin[b] && ws.eff_end[a] == ws.eff_end[b];
+  };
+  int level = 0, at = g0, prev = -1;
+  for (int i = p.seq_shared_ptr[row]; i < p.seq_shared_ptr[row + 1]; prev = p.seq_shared_idx[i++]) {
+    const int c = p.seq_shared_idx[i];
+    if (same_rows(c, c0))
+      ws.group_chunks[at++] = c;
+    else if (at == g0 && (prev < 0 || !same_rows(c, prev)))
+      ++level;  // a group before this one starts here
+  }
+  const int rows_per = static_cast<int>((cover + pieces - 1) / pieces);
+  for (int h = 0; h < p.kv_heads; ++h)
+    for (int b = row; b < end; b += rows_per)
+      ws.shared_items.push_back({g0, g1, h, b, std::min(b + rows_per, end), level});
+}
+
+// Batch-invariant: the items by level (a stable sort: the plan's order within a level) and where
+// each level starts.
+inline void order_by_level(Workspace& ws) {
+  std::stable_sort(ws.shared_items.begin(), ws.shared_items.end(),
+                   [](const SharedItem& a, const SharedItem& b) { return a.level < b.level; });
+  ws.level_ptr.assign(1, 0);
+  for (size_t i = 0; i < ws.shared_items.size(); ++i)
+    while (static_cast<int>(ws.level_ptr.size()) <= ws.shared_items[i].level)
+      ws.level_ptr.push_back(static_cast<int32_t>(i));
+  ws.level_ptr.push_back(static_cast<int32_t>(ws.shared_items.size()));
+}
+
 // Phase 1's items: the live shared chunks grouped by the rows that read them; each group's (rows x
 // chunks) work per head cut into about three equal pieces a thread, by chunks first (each piece
 // repacks / reads its chunks once), never cutting a bf16 block of `block` chunks short. Also the
@@ -152,9 +196,12 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
     }
     const int nch = g1 - g0, cover = end - begin;
     const int64_t pieces = (static_cast<int64_t>(cover) * nch + per_item - 1) / per_item;
+    if (p.invariant) {
+      add_group_in_path_order(p, ws, g0, g1, std::max<int64_t>(1, pieces));
+      continue;
+    }
     const int blocks = (nch + block - 1) / block;
-    // Batch-invariant: one item per chunk, so each chunk leaves its own partial whatever the tree.
-    const int chunk_pieces = p.invariant ? blocks : static_cast<int>(std::min<int64_t>(blocks, pieces));
+    const int chunk_pieces = static_cast<int>(std::min<int64_t>(blocks, pieces));
     const int row_pieces = static_cast<int>(std::max<int64_t>(1, (pieces + chunk_pieces - 1) / chunk_pieces));
     const int rows_per = (cover + row_pieces - 1) / row_pieces;
     const auto cut = [&](int cp) { return g0 + std::min(nch, cp * blocks / chunk_pieces * block); };
@@ -165,7 +212,8 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
               {cut(cp), cp + 1 == chunk_pieces ? g1 : cut(cp + 1), h, b, std::min(b + rows_per, end)});
     for (int cp = 0; cp < chunk_pieces; ++cp) ws.holds_partial[ws.group_chunks[cut(cp)]] = 1;
   }
-  const size_t part_rows = static_cast<size_t>(ws.shared_row[S]) * p.q_heads;
+  if (p.invariant) order_by_level(ws);
+  const size_t part_rows = static_cast<size_t>(p.invariant ? p.batch : ws.shared_row[S]) * p.q_heads;
   grow(ws.part_o, part_rows * p.head_dim);
   grow(ws.part_m, part_rows);
   grow(ws.part_l, part_rows);

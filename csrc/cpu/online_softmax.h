@@ -101,13 +101,6 @@ struct Scratch {
     if (m.size() < r) m.resize(r), l.resize(r), alpha.resize(r);
     if (s.size() < r * C) s.resize(r * C);
   }
-  // One chunk's own state (batch-invariant: merged into the running one after the chunk).
-  std::vector<float> co, cm, cl;
-  void reserve_chunk_state(int rows, int d) {
-    const size_t r = static_cast<size_t>(rows);
-    if (co.size() < r * d) co.resize(r * d);
-    if (cm.size() < r) cm.resize(r), cl.resize(r);
-  }
   void reset_state(int rows, int d) {
     std::fill_n(o.data(), static_cast<size_t>(rows) * d, 0.f);
     std::fill_n(m.data(), rows, kNegInf);

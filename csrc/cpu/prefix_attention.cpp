@@ -35,26 +35,6 @@ void write_rows(T* out, float* lse, const float* o, const float* m, const float*
     }
 }
 
-// One chunk into rows' running state: attended into it directly, or (batch-invariant) its own
-// partial from an empty state merged in, as the decode kernel folds a row's chunks.
-template <typename T>
-inline void attend_into(decode::Scratch& sc, const float* q, int rows, const T* k, const T* v, int n, int C, int d,
-                        float* o, float* m, float* l, bool invariant) {
-  if (!invariant) {
-    decode::attend_chunk<T, false>(q, rows, k, v, n, C, d, o, m, l, sc.s.data(), sc.alpha.data());
-    return;
-  }
-  sc.reserve_chunk_state(rows, d);
-  std::fill_n(sc.co.data(), static_cast<size_t>(rows) * d, 0.f);
-  std::fill_n(sc.cm.data(), rows, decode::kNegInf);
-  std::fill_n(sc.cl.data(), rows, 0.f);
-  decode::attend_chunk<T, false>(q, rows, k, v, n, C, d, sc.co.data(), sc.cm.data(), sc.cl.data(), sc.s.data(),
-                                 sc.alpha.data());
-  for (int r = 0; r < rows; ++r)
-    decode::merge_partial(o + static_cast<size_t>(r) * d, m[r], l[r], sc.co.data() + static_cast<size_t>(r) * d,
-                          sc.cm[r], sc.cl[r], d);
-}
-
 // first < 0: every row reads all n_tokens. first >= 0: causal, row r sits at position first + r and
 // reads positions [0, first + r] (a lone sequence's whole path, its new tokens already stored):
 // the chunks before a block's first position are read by all its rows at once, the one or two
@@ -71,7 +51,6 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
   const T* V = static_cast<const T*>(v_layer.data_ptr());
   Q* op = static_cast<Q*>(out.data_ptr());
   float* lp = lse.data_ptr<float>();
-  const bool invariant = batch_invariant();
   const int G = Hq / Hk, per_block = std::max(1, decode::kRowBlock / G);
   const int blocks = (R + per_block - 1) / per_block, items = blocks * Hk;
   const size_t head_elems = static_cast<size_t>(d) * C;
@@ -93,8 +72,8 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
       for (int64_t c = 0; c < whole; ++c) {
         const int n = static_cast<int>(std::min<int64_t>(C, n_tokens - c * C));
         const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
-        attend_into<T>(sc, sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(),
-                       invariant);
+        decode::attend_chunk<T, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
+                                       sc.l.data(), sc.s.data(), sc.alpha.data());
       }
       if (first >= 0)
         for (int r = r0; r < r1; ++r) {
@@ -102,9 +81,9 @@ void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
           const size_t s0 = static_cast<size_t>(r - r0) * G;
           for (int64_t c = whole; c <= pos / C; ++c) {
             const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
-            attend_into<T>(sc, sc.q.data() + s0 * d, G, K + off, V + off,
-                           static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C, d, sc.o.data() + s0 * d,
-                           sc.m.data() + s0, sc.l.data() + s0, invariant);
+            decode::attend_chunk<T, false>(
+                sc.q.data() + s0 * d, G, K + off, V + off, static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C,
+                d, sc.o.data() + s0 * d, sc.m.data() + s0, sc.l.data() + s0, sc.s.data(), sc.alpha.data());
           }
         }
       write_rows(op, lp, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
