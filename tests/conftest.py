@@ -4,6 +4,7 @@ that need it. Nothing is imported from here: what tests share is in tests/helper
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -13,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("CHUNKGEN_CHECK_CONTEXT", "1")  # every kernel context is fully validated
 
-from tests.helpers import build_tiny_model  # noqa: E402  (after the environment above)
+from tests.helpers import TINY_CONFIG, build_tiny_model  # noqa: E402  (after the environment above)
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +25,14 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen"), arch="qwen2", seed=1)
+
+
+@pytest.fixture
+def tiny_config(tmp_path) -> Path:
+    """TINY_CONFIG as a config.json, for --dummy-weights."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """What more than one test module uses: the repository's paths, the tiny random-weight model, running the command line in-process, reading records, the
-random trees and kernel paths of the attention tests, parity with transformers, and the op log of a
-decode step."""
+random trees and kernel paths of the attention tests, parity with transformers, the op log of a
+decode step, and which pages of a tensor are in memory."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import os
@@ -64,7 +65,9 @@ def train_tokenizer(out: Path) -> None:
     )
 
 
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **sizes: int) -> Path:
+    """A random-weight model with a tokenizer trained on the shipped prompts; `sizes` override the
+    config's (hidden_size, num_hidden_layers, ...)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +85,7 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
+    common.update(sizes)
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0))
@@ -141,6 +145,21 @@ class OpLog(TorchDispatchMode):
 runner = CliRunner()
 
 
+PAGE = 4096
+
+
+def resident(t: torch.Tensor) -> float:
+    """Share of the whole pages inside t that are in memory (Linux's mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    start = -(-t.data_ptr() // PAGE) * PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
+    pages = (end - start) // PAGE
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
@@ -149,29 +168,57 @@ def run_cli(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
 
+# A tiny Llama config.json for random weights (--dummy-weights): shapes small enough for seconds.
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 500,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+# What every in-process `chunkgen run` of the tests starts from: the tiny model's chunk size and a
+# small KV budget, no progress output, short answers, fp32 (answers that compare across runs).
+RUN_DEFAULTS = {"chunk_size": 16, "kv_memory": "64MiB", "quiet": True, "max_new_tokens": 12, "dtype": "fp32"}
+
+
 def base_args(
-    tiny_model, out, queries=PROMPTS / "arithmetic_cot.queries.jsonl", template=PROMPTS / "arithmetic_cot.toml"
-):
-    return [
-        "run",
-        "--template",
-        str(template),
-        "--queries",
-        str(queries),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-        "--max-new-tokens",
-        "12",
-        "--dtype",
-        "fp32",
-    ]  # fp32: answers that compare across runs
+    model,
+    out,
+    queries=PROMPTS / "arithmetic_cot.queries.jsonl",
+    template=PROMPTS / "arithmetic_cot.toml",
+    **options,
+) -> list[str]:
+    """The argv of `chunkgen run` (the one place the tests build it): template, queries, out and
+    model (None: the embedded default; template None: no --template, as for OpenAI rows), then
+    RUN_DEFAULTS updated by `options`, each as its option: max_new_tokens=2 -> --max-new-tokens 2,
+    True -> the flag alone, False or None -> left out, a list -> the option once per item."""
+    argv = ["run"]
+    if template is not None:
+        argv += ["--template", str(template)]
+    argv += ["--queries", str(queries), "--out", str(out)]
+    if model is not None:
+        argv += ["--model", str(model)]
+    for name, value in {**RUN_DEFAULTS, **options}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flag, str(item)]
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
 
 
 def rows_of(*lines: str | bytes) -> list:

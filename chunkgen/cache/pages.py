@@ -1,6 +1,7 @@
-"""How chunkgen's memory is backed by the OS: the pool's huge pages and its pages populated ahead
-of the first writes (requests to Linux: madvise), and the pages of freed tensors kept for the next
-ones (a setting of glibc's malloc). Elsewhere, or when refused, nothing changes."""
+"""How chunkgen's memory is backed by the OS: the pool's huge pages, its pages populated ahead
+of the first writes and given back when its free slots are not needed (requests to Linux:
+madvise), and the pages of freed tensors kept for the next ones (a setting of glibc's malloc).
+Elsewhere, or when refused, nothing changes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 _PAGE = 4096
 _HUGE_PAGE = 2 << 20
+_MADV_DONTNEED = 4
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
@@ -42,7 +44,28 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
     if end <= start:
         return False
-    return _madvise()(start, end - start, _MADV_HUGEPAGE) == 0
+    taken = _madvise()(start, end - start, _MADV_HUGEPAGE) == 0
+    t._chunkgen_huge = taken  # how its pages are given back (page_size)
+    return taken
+
+
+def page_size(t: torch.Tensor) -> int:
+    """The granularity at which the OS backs t's memory, as far as giving pages back goes: 2 MiB
+    where t was advised huge pages (a part of one given back splits it, and khugepaged may fill it
+    again while neighbours stay resident), else 4 KiB."""
+    return _HUGE_PAGE if getattr(t, "_chunkgen_huge", False) else _PAGE
+
+
+def give_back(address: int, nbytes: int, page: int = _PAGE) -> tuple[int, int]:
+    """Hand the OS the whole pages (of size `page`) inside a range of CPU memory whose contents
+    nothing needs (MADV_DONTNEED: they read as zeros and are backed afresh when next written).
+    Returns the (start, end) addresses given back: an empty range where there is no whole page,
+    where not Linux, or where the OS refused."""
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    if end <= start or not sys.platform.startswith("linux") or _madvise()(start, end - start, _MADV_DONTNEED) != 0:
+        return start, start
+    return start, end
 
 
 def populate_in_background(views: list[torch.Tensor]) -> threading.Thread | None:

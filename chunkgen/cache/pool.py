@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import heapq
 import weakref
+from collections import deque
 
 import torch
 
-from chunkgen.cache.pages import advise_huge_pages, populate_in_background
+from chunkgen.cache.pages import advise_huge_pages, give_back, page_size, populate_in_background
+
+# Steps whose peak use the pool keeps backed: free slots up to the largest of these peaks stay
+# resident for the next steps (a prefill wave frees its rows' chunks and the next one takes them
+# again), only what lies above them goes back to the OS.
+RECENT_STEPS = 32
+# The least a run of free slots gives back at once, across all layers: fewer, larger madvise calls,
+# and a run too short to matter is not worth faulting in again later.
+MIN_RUN_BYTES = 64 << 20
 
 
 class PoolExhausted(RuntimeError):
@@ -45,6 +55,11 @@ class ChunkPool:
     sequences starts with are backed from the start, in the background: see
     `pages.populate_in_background`). One slot past the budget's, `scratch_slot`, is never handed
     out: padded rows of a decode batch write their K/V there.
+
+    The lowest free slot is handed out first, so the slots in use stay packed at the bottom and the
+    free ones gather in runs above them. `end_step` gives the pages of free slots back to the OS
+    in runs (`give_back_pages`), sparing as many free slots as the recent steps' peak use needs
+    again, so memory follows what the work holds, not what it once held.
     """
 
     def __init__(
@@ -119,9 +134,39 @@ class ChunkPool:
                         f"of {tuple(shape)} {dtype} on {self.device}"
                     )
         self.capacity = 0  # slots handed to the free list so far
-        self._free: list[int] = []
+        self._free: list[int] = []  # a heap: the lowest free slot is handed out first
         self.used = 0
         self.peak = 0
+        # Slots whose pages may be backed: handed out since they were last given back, or
+        # populated ahead of use. `idle_resident` of them are not in use now.
+        self._resident = bytearray()  # sized where pages are tracked (_track_pages): one byte a slot
+        self.idle_resident = 0
+        self._step_peak = 0  # the most slots in use at once since the last end_step
+        self._recent: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.given_back_bytes = 0  # returned to the OS so far (bytes of pool storage)
+        self.given_back_runs = 0
+        self._frees = 0  # slots freed so far
+        self._rescan_at = 0  # a scan that found no run waits for this many frees
+        self._page = 0  # the page size pages are given back in; 0: never (not this pool's CPU storage)
+        self.min_run_slots = 0
+        self.ready_slots = 0  # slots populated ahead of use, for the batch the pool was made for
+        if tensors is None and storage and self.device.type == "cpu":
+            self.ready_slots = min(first, self.max_slots) if self.prefault is not None else 0
+            resident = bytearray(self.max_slots)
+            resident[: self.ready_slots] = b"\x01" * self.ready_slots
+            self._track_pages(page_size(self.k), resident, self.ready_slots)
+
+    def _track_pages(self, page: int, resident: bytearray, ready: int) -> None:
+        """Give pages back in `page`s, `resident` saying which slots' pages may be backed (the
+        storage's, shared by every pool over it); the `ready` slots backed for the expected batch
+        count as a recent step's use, so they are not given back before that batch could use them."""
+        self._page, self._resident = page, resident
+        self.idle_resident = sum(resident[: self.max_slots])  # (before any slot is handed out)
+        per_layer = self.k[0, 0].numel() * self.k.element_size()  # one slot of K (or V) in one layer
+        # A run yields pages only if it spans a whole page in every layer: two pages' worth at least.
+        self.min_run_slots = max(-(-MIN_RUN_BYTES // self.bytes_per_slot), -(-2 * page // per_layer))
+        if ready:
+            self._recent.append(ready)
 
     @classmethod
     def for_run(
@@ -165,14 +210,22 @@ class ChunkPool:
     def allocate(self) -> int:
         if not self._free:
             self._grow()
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
+        if self._page:
+            if self._resident[slot]:
+                self.idle_resident -= 1
+            else:
+                self._resident[slot] = 1
         self.used += 1
         self.peak = max(self.peak, self.used)
+        self._step_peak = max(self._step_peak, self.used)
         return slot
 
     def free(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
+        self.idle_resident += self._page > 0
         self.used -= 1
+        self._frees += 1
 
     @property
     def free_slots(self) -> int:
@@ -186,9 +239,76 @@ class ChunkPool:
                 f"KV cache budget exhausted: all {self.max_slots} chunks "
                 f"({self.max_slots * self.bytes_per_slot} bytes) are in use"
             )
-        # Popped from the end: lower slot numbers are used first, which keeps touched pages dense.
-        self._free.extend(range(self.capacity + n - 1, self.capacity - 1, -1))
+        # Lower slot numbers are used first, which keeps touched pages dense. (Appending ascending
+        # numbers above every free slot keeps the list a heap.)
+        self._free.extend(range(self.capacity, self.capacity + n))
         self.capacity += n
+
+    # -- pages --------------------------------------------------------------------------------
+    def end_step(self) -> int:
+        """A step is over: give back the pages of the free slots that the recent steps' peak use
+        does not need, if they make runs worth it. Cheap when there is nothing to give (the
+        usual case): a comparison. Returns the bytes given back."""
+        self._recent.append(max(self._step_peak, self.used))
+        self._step_peak = self.used
+        if not self._page:
+            return 0
+        spare = max(0, max(self._recent) - self.used)  # free slots the next steps may take again
+        if self.idle_resident - spare < self.min_run_slots or self._frees < self._rescan_at:
+            return 0
+        given = self.give_back_pages(spare)
+        if not given:  # the free slots are scattered: look again once a run's worth more were freed
+            self._rescan_at = self._frees + self.min_run_slots
+        return given
+
+    def give_back_pages(self, spare: int = 0) -> int:
+        """Return to the OS the pages of free slots in runs of at least `min_run_slots` consecutive
+        ones whose pages may be backed, leaving the `spare` lowest such free slots as they are (the
+        next allocations take the lowest first). A slot's K and V of each layer are separate
+        ranges, so a run is one madvise per layer and tensor. Returns the bytes given back."""
+        if not self._page:
+            return 0
+        resident = self._resident
+        beyond = resident.find(1, self.capacity, self.max_slots)  # slots never handed out by this pool
+        idle = sorted(s for s in self._free if resident[s])
+        if beyond >= 0:
+            idle += [s for s in range(beyond, self.max_slots) if resident[s]]
+        idle = idle[spare:]
+        given = 0
+        start = 0
+        for i in range(1, len(idle) + 1):
+            if i == len(idle) or idle[i] != idle[i - 1] + 1:
+                if i - start >= self.min_run_slots:
+                    given += self._give_back_run(idle[start], idle[i - 1] + 1)
+                start = i
+        return given
+
+    def _give_back_run(self, first: int, end: int) -> int:
+        """One run [first, end): the whole pages inside it in each layer's K and V. The slots wholly
+        inside what went back in every one of them count as given back; those at the run's ends
+        that share a page with a neighbour stay counted as backed (a later, longer run takes them)."""
+        given = 0
+        lo, hi = first, end
+        for t in (self.k, self.v):
+            per_slot = t[0, 0].numel() * t.element_size()
+            for layer in range(self.num_layers):
+                base = t[layer, first].data_ptr()
+                start, stop = give_back(base, (end - first) * per_slot, self._page)
+                given += stop - start
+                lo = max(lo, first + -(-(start - base) // per_slot))
+                hi = min(hi, first + (stop - base) // per_slot)
+        for slot in range(lo, hi):
+            self._resident[slot] = 0
+        self.idle_resident -= max(0, hi - lo)
+        if given:
+            self.given_back_bytes += given
+            self.given_back_runs += 1
+        return given
+
+    @property
+    def resident_slots(self) -> int:
+        """Slots whose pages may be backed now (in use, or free and not given back)."""
+        return self.used + self.idle_resident
 
     # -- data movement ----------------------------------------------------------------------
     def copy_tokens(self, src: int, dst: int, n: int) -> None:
@@ -246,6 +366,10 @@ class ChunkPool:
         assert len(set(self._free)) == len(self._free), "a slot is on the free list twice"
         assert all(0 <= s < self.capacity for s in self._free)
         assert len(self._free) + self.used == self.capacity
+        if not self._page:
+            return
+        idle = sum(self._resident[s] for s in self._free) + sum(self._resident[self.capacity : self.max_slots])
+        assert self.idle_resident == idle, f"{self.idle_resident} resident slots not in use counted, {idle} are"
 
 
 class KVReservation:
@@ -298,5 +422,7 @@ class KVReservation:
             slab_slots=b.slab_slots,
             tensors=(b.k, b.v),
         )
+        if b._page:  # the same pages: whoever held them before, their free ones can go back
+            pool._track_pages(b._page, b._resident, b.ready_slots)
         self._holder = weakref.ref(engine)
         return pool

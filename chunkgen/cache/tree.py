@@ -6,7 +6,8 @@ Each path from a root to a node is a token prefix; a sequence is a path. Invaria
 - a sequence writes only into a tail that no other live sequence reads (copy-on-write otherwise);
 - `ref` counts the live sequences whose path passes through a chunk, so it never grows downwards;
 - a chunk whose K/V are not all written yet (not `ready`) belongs to exactly one live sequence.
-Chunks whose last sequence left stay as a cache until the pool needs their slots (LRU leaves first).
+Chunks whose last sequence left stay as a cache until the pool needs their slots (LRU leaves first),
+or until `release_unshared` finds that no prompt still to come can share them.
 
 Matching a prompt costs O(prompt length), whatever the number of cached prompts: children are
 indexed by their whole token tuple (a full-chunk match is a dict lookup) and by their first 1, 2,
@@ -20,8 +21,12 @@ import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from chunkgen.cache.pool import ChunkPool, PoolExhausted
+
+if TYPE_CHECKING:
+    from chunkgen.cache.pending import PendingPrefixes
 
 SeqId = Hashable
 # Candidates compared token by token when a prompt diverges inside a chunk (see _match_partial).
@@ -41,6 +46,7 @@ class Chunk:
     # Prompt logprobs of its tokens, once a scored prompt computed them (engine/prompt_scores.py):
     # one entry per token, None where not computed. Kept with the chunk so a shared prefix is scored once.
     scores: list | None = None
+    key: int | None = None  # of its whole path, once full (cache/pending.py)
 
     def __repr__(self) -> str:  # the default would recurse through parent/children
         return f"Chunk(slot={self.slot}, n={len(self.tokens)}, ref={self.ref}, children={len(self.children)})"
@@ -88,6 +94,9 @@ class PrefixTree:
         self._grown: dict[Chunk, int] = {}
         self.cache_hit_tokens = 0
         self.inserted_tokens = 0
+        self.live_chunks = 0  # chunks a live sequence reads (ref > 0); the rest of pool.used is cache
+        self.live_peak = 0
+        self.released_chunks = 0  # cached chunks freed because no prompt to come could share them
 
     # -- joins -------------------------------------------------------------------------------
     def insert(self, seq: SeqId, tokens: Sequence[int], reserve: int = 0) -> int:
@@ -268,6 +277,43 @@ class PrefixTree:
                 self._detach_and_free(chunk)
         self.version += 1
 
+    def release_unshared(self, pending: PendingPrefixes) -> int:
+        """Free the cached chunks (ref 0) that no prompt in `pending` can share: not whole, and not
+        as the source of a copy, where one cached chunk per copy is enough (the most recently used
+        one: in prefix order the nearest). The caller vouches that prompts not in `pending` share
+        nothing these do not (they come later in prefix order, or there are none). Returns how
+        many chunks were freed."""
+        freed = 0
+        stack: list[Chunk] = []
+        served: set[int] = set()  # copies that a chunk kept whole offers anyway
+        for chunk in self._evictable:
+            if pending.shares_whole(chunk):
+                key = pending.copy_key(chunk)
+                if key is not None:
+                    served.add(key)
+            else:
+                stack.append(chunk)
+        copy_source: dict[int, Chunk] = {}
+        while stack:
+            chunk = stack.pop()
+            if chunk not in self._evictable or pending.shares_whole(chunk):
+                continue
+            key = pending.copy_key(chunk)
+            if key is not None and key not in served:
+                kept = copy_source.setdefault(key, chunk)
+                if kept is chunk:
+                    continue
+                if kept.last_used < chunk.last_used:  # keep the newer one, free the other
+                    copy_source[key], chunk = chunk, kept
+            parent = chunk.parent
+            del self._evictable[chunk]
+            self._detach_and_free(chunk)
+            freed += 1
+            if parent in self._evictable:  # its last child gone: it may go too
+                stack.append(parent)
+        self.released_chunks += freed  # (live paths unchanged: no new version)
+        return freed
+
     # -- queries -----------------------------------------------------------------------------
     def tokens(self, seq: SeqId) -> list[int]:
         return [t for c in self.paths[seq] for t in c.tokens]
@@ -409,6 +455,9 @@ class PrefixTree:
             del index[key]
 
     def _acquire(self, chunk: Chunk) -> None:
+        if chunk.ref == 0:
+            self.live_chunks += 1
+            self.live_peak = max(self.live_peak, self.live_chunks)
         chunk.ref += 1
         self._clock += 1
         chunk.last_used = self._clock
@@ -416,6 +465,8 @@ class PrefixTree:
 
     def _release(self, chunk: Chunk) -> None:
         chunk.ref -= 1
+        if chunk.ref == 0:
+            self.live_chunks -= 1
         self._clock += 1
         chunk.last_used = self._clock
         if chunk.ref == 0 and not chunk.children:
@@ -457,4 +508,5 @@ class PrefixTree:
         queued = {id(c) for last_used, _, c in self._lru if c.last_used == last_used}
         assert all(id(c) in queued for c in self._evictable), "an evictable chunk is missing from the LRU heap"
         assert n_chunks == self.pool.used, f"{n_chunks} chunks but {self.pool.used} slots used"
+        assert self.live_chunks == len(refs), f"{self.live_chunks} live chunks counted, {len(refs)} read"
         assert not seen_slots & set(self.pool._free), "a slot is both free and used"

@@ -66,7 +66,7 @@ def bench_order(
     questions: int = typer.Option(4, min=1, metavar="Q", help="Questions on each document (rows sharing its prefix)."),
     doc_tokens: str = typer.Option("300", metavar="T|LO-HI", help="Tokens per document: T, or LO-HI drawn uniformly."),
     shuffle: bool = typer.Option(True, "--shuffle/--no-shuffle", help="Rows in random order, as merged files are; else document by document."),
-    seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle."),
+    data_seed: int = typer.Option(0, metavar="N", help="Seed of the documents, questions and shuffle (run's --seed is the sampling seed)."),
     kv_budget: str = typer.Option("tenth", metavar="SIZE", help="KV cache budget of the runs, e.g. 64MiB, or tenth: a tenth of the distinct prompt tokens, at least two of the longest prompts (small, so the order matters)."),
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
     max_new_tokens: int = typer.Option(16, min=1, metavar="N", help="Tokens generated per answer."),
@@ -91,7 +91,7 @@ def bench_order(
         usage("--doc-tokens", str(exc))
     llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB"))
     max_batch = llm.config.max_batch
-    rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, seed)
+    rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, data_seed)
     if dump_token_ids:
         dump(llm, rows, max_new_tokens, dump_token_ids)
         err.print(f"{len(rows)} prompts written to {dump_token_ids}", highlight=False)

@@ -44,7 +44,7 @@ def bench_e2e(
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
-    seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from."),
+    weights_seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from (run's --seed is the sampling seed)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
@@ -65,7 +65,7 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
-    config = resolve_config(model=model, dummy_weights=dummy_weights, seed=seed, dtype=dtype, device=device,
+    config = resolve_config(model=model, dummy_weights=dummy_weights, seed=weights_seed, dtype=dtype, device=device,
                             kv_memory=kv_memory, max_batch=max(batches.values()), quantize=quantize,
                             batch_invariant=batch_invariant)
     if config.kv_memory is None and "hf" in chosen:  # auto on a GPU would leave the hf system no memory

@@ -41,7 +41,9 @@ class EngineStats:
     held_back_steps: int = 0  # steps in which sequences waited below max_batch for KV memory
     finished: int = 0
     batch_sizes: list[int] = field(default_factory=list)
-    kv_peak_bytes: int = 0  # pool slots in use at the worst moment (live + cached chunks)
+    kv_peak_bytes: int = 0  # chunks live sequences read at the worst moment (cached ones not counted)
+    kv_released_chunks: int = 0  # cached chunks freed at once because no row to come could share them
+    kv_given_back_bytes: int = 0  # pool pages handed back to the OS (free slots the recent steps did not need)
     kv_unshared_peak_bytes: int = 0  # what the live sequences would have needed without sharing
 
 
@@ -55,6 +57,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or Config()
         self.kv = kv
+        self._later_rows = "unknown"
         self._fresh_cache()
         self.stats = EngineStats()
         self.eos_ids = self._eos_ids()
@@ -97,6 +100,7 @@ class Engine:
             group_prefix_tokens=4 * cfg.chunk_size,
             answers_throughout="max_batch" in cfg.auto,
         )
+        self.scheduler.later_rows = self._later_rows
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -205,6 +209,19 @@ class Engine:
         return bool(self._refused) or self.scheduler.has_work
 
     @property
+    def later_rows(self) -> str:
+        """What the caller will add after the rows queued now (scheduler.LATER_ROWS): "unknown"
+        (the default) keeps finished rows' chunks cached until the pool needs their slots;
+        "prefix" (rows to come follow in prefix order) and "none" (no more rows) release at once
+        the cached chunks no queued row can share."""
+        return self._later_rows
+
+    @later_rows.setter
+    def later_rows(self, value: str) -> None:
+        self.scheduler.later_rows = value  # checks it
+        self._later_rows = value
+
+    @property
     def num_waiting(self) -> int:
         """Sequences (one per sample) queued and not running, preempted ones included."""
         return self.scheduler.num_waiting
@@ -241,8 +258,15 @@ class Engine:
             self._run_wave(batch.prefill, done)
         elif batch.decode:
             self._decode(batch, done)
-        self.stats.kv_peak_bytes = self.pool.peak_bytes
+        self._end_step()
         return results + self._collect(done)
+
+    def _end_step(self) -> None:
+        """Memory after a step: cached chunks no row to come can share released, the pool's free
+        pages beyond what recent steps needed handed back to the OS, the live peak noted."""
+        self.stats.kv_released_chunks += self.scheduler.release_cache()
+        self.stats.kv_given_back_bytes += self.pool.end_step()
+        self.stats.kv_peak_bytes = max(self.stats.kv_peak_bytes, self.tree.live_peak * self.pool.bytes_per_slot)
 
     # -- prefill ------------------------------------------------------------------------------
     def _run_wave(self, wave: list[Admission], done: list[Sequence]) -> None:

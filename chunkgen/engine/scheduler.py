@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from chunkgen.cache import ChunkPool, PoolExhausted, PrefixTree
+from chunkgen.cache.pending import PendingPrefixes
 from chunkgen.engine.sequence import Sequence
 
 
@@ -43,6 +44,16 @@ class Batch:
 # choice (`--max-batch auto`): a batch asked for by number runs that wide.
 SHARE_OF_KNOWN = 5
 MIN_RUNNING = 32
+
+# What the engine knows of the rows it has not been given yet (Scheduler.later_rows):
+# unknown: anything may come (a caller adding requests as it goes): finished rows' chunks stay
+#   cached until the pool needs their slots, least recently used first;
+# prefix: they come in prefix order after the queued ones, so they share nothing the last row
+#   queued does not (the rows sharing a prefix are consecutive): a cached chunk that neither a
+#   queued row nor the last one queued can share is released at once;
+# none: no more rows come: the same, exactly.
+LATER_ROWS = ("unknown", "prefix", "none")
+_LAST_QUEUED = object()  # the pending entry that stands for the rows to come in prefix order
 
 
 def kv_budget_error(n_tokens: int, pool: ChunkPool) -> str | None:
@@ -79,6 +90,48 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first; includes the wave being prefilled
         self.preemptions = 0
         self.finished_since_idle = 0  # sequences finished since the engine last had no work
+        self.pending: PendingPrefixes | None = None  # the queued prompts, kept while later_rows is not unknown
+        self._later_rows = "unknown"
+
+    @property
+    def later_rows(self) -> str:
+        """What comes after the queued rows (LATER_ROWS): decides whether cached chunks that no
+        queued row can share are released at once (release_cache)."""
+        return self._later_rows
+
+    @later_rows.setter
+    def later_rows(self, value: str) -> None:
+        if value not in LATER_ROWS:
+            raise ValueError(f"later_rows must be one of {', '.join(LATER_ROWS)}, not {value!r}")
+        self._later_rows = value
+        if value == "unknown":
+            self.pending = None
+        else:
+            if self.pending is None:
+                self.pending = PendingPrefixes(self.tree.chunk_size)
+                for seq in self.waiting:
+                    self.pending.add(seq.seq_id, self._kv_tokens(seq))
+                if value == "prefix" and self.waiting:
+                    self.pending.add(_LAST_QUEUED, self._kv_tokens(self.waiting[-1]))
+            if value == "none":
+                self.pending.discard(_LAST_QUEUED)
+
+    @staticmethod
+    def _kv_tokens(seq: Sequence) -> list[int]:
+        """The tokens whose K/V a queued sequence needs: a preempted one's last token was sampled
+        but never written (decode writes it)."""
+        return seq.tokens[:-1] if seq.preempted else seq.tokens
+
+    def release_cache(self) -> int:
+        """Free the cached chunks no queued row can share, when the rows to come cannot share
+        them either (later_rows prefix or none); returns how many."""
+        return self.tree.release_unshared(self.pending) if self.pending is not None else 0
+
+    def _dequeue(self) -> Sequence:
+        seq = self.waiting.popleft()
+        if self.pending is not None:
+            self.pending.discard(seq.seq_id)
+        return seq
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue new sequences. Within one call, sequences with the same leading tokens are queued
@@ -88,7 +141,14 @@ class Scheduler:
         for i, s in enumerate(seqs):
             key = tuple(s.tokens[: self.group_prefix_tokens])
             keyed.append((first_seen.setdefault(key, i), i, s))
-        self.waiting.extend(s for _, _, s in sorted(keyed, key=lambda t: (t[0], t[1])))
+        queued = [s for _, _, s in sorted(keyed, key=lambda t: (t[0], t[1]))]
+        self.waiting.extend(queued)
+        if self.pending is not None:
+            for s in queued:
+                self.pending.add(s.seq_id, self._kv_tokens(s))
+            if self._later_rows == "prefix" and queued:  # it stands for the rows after it, even once run
+                self.pending.discard(_LAST_QUEUED)
+                self.pending.add(_LAST_QUEUED, self._kv_tokens(queued[-1]))
 
     def schedule(self) -> Batch:
         """Prefill first: a wave whenever a waiting sequence can be admitted, else a decode step."""
@@ -121,8 +181,7 @@ class Scheduler:
         cap = self.running_cap
         while self.waiting and len(self.running) < cap:
             seq = self.waiting[0]
-            # A preempted sequence's last token was sampled but never written: decode writes it.
-            kv_tokens = seq.tokens[:-1] if seq.preempted else seq.tokens
+            kv_tokens = self._kv_tokens(seq)
             if wave and (budget <= 0 or tree.waits_for_pending(kv_tokens)):
                 break
             try:
@@ -132,11 +191,11 @@ class Scheduler:
                     batch.held_back = True
                     break  # wait for running sequences to finish and free chunks
                 # Alone, with every cached chunk evictable, and it still does not fit: it never will.
-                self.waiting.popleft()
+                self._dequeue()
                 self._end_unfittable(seq)
                 batch.ended.append(seq)
                 continue
-            self.waiting.popleft()
+            self._dequeue()
             self.running.append(seq)
             wave.append(Admission(seq, kv_tokens, cached))
             budget -= len(kv_tokens) - cached
@@ -187,6 +246,8 @@ class Scheduler:
         self._remove(seq)
         seq.preempted = True
         self.waiting.appendleft(seq)
+        if self.pending is not None:
+            self.pending.add(seq.seq_id, self._kv_tokens(seq))
         self.preemptions += 1
 
     # -- leaving ------------------------------------------------------------------------------

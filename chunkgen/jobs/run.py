@@ -225,11 +225,15 @@ def answer(
     should_stop: Callable[[], bool] = never,
     on_step: Callable[[], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    in_prefix_order: bool = False,
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
     A source may yield None for "nothing ready yet, more to come" (a Ray worker between deliveries):
-    the engine steps on with what it has."""
+    the engine steps on with what it has. `in_prefix_order`: the jobs come in prefix order, so the
+    engine releases a finished row's chunks as soon as no queued row can share them (rows further
+    on cannot either); once the source is spent it does so whatever the order. Not once a row with
+    choices came: its choices are queued when its prompt is done, to share the prompt's chunks."""
     source = iter(jobs)
     pending: dict[int, Job] = {}
     scorer = ChoiceScorer()  # rows with choices: each choice scored after the row's prompt
@@ -237,68 +241,78 @@ def answer(
     answer_ids = _choice_tokenizer(getattr(engine, "tokenizer", None))
     exhausted = False
     warned = warned_batch = False
-    while not should_stop():
-        if not exhausted and engine.num_waiting < window:
-            batch: list[Request] = []
-            want = window - engine.num_waiting
-            taken = 0
-            idle = False
-            for item in itertools.islice(source, want):
-                if item is None:
-                    idle = True
-                    break
-                index, job = item
-                taken += 1
-                try:
-                    tokens = encode(job.source, job.data, job.layout)
-                except PromptTooLong as exc:  # refused before it was tokenized
-                    yield Answer(
-                        index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
-                    )
-                    continue
-                except Exception as exc:  # e.g. the model's chat template rejects these messages
-                    err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
-                    yield Answer(index, fmt.error_record(err, job.request_hash))
-                    continue
-                if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
-                    on_note(why)  # once a job: every such row is slow for the same reason
-                    warned = True
-                pending[index] = job
-                if job.choices is None:
-                    batch.append(Request(index, tokens, job.params))
-                    continue
-                batch.append(scorer.start(index, tokens, [answer_ids(c) for c in job.choices]))
-                usage[index] = [0, 0]
-            exhausted = taken < want and not idle
-            if batch:
-                engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
-        if not engine.has_work:
-            if exhausted:
-                return
-            continue
-        for res in engine.step():
-            if not scorer.owns(res.id):
-                yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+    before = engine.later_rows
+    engine.later_rows = keep = "prefix" if in_prefix_order else before
+    try:
+        while not should_stop():
+            if not exhausted and engine.num_waiting < window:
+                batch: list[Request] = []
+                want = window - engine.num_waiting
+                taken = 0
+                idle = False
+                for item in itertools.islice(source, want):
+                    if item is None:
+                        idle = True
+                        break
+                    index, job = item
+                    taken += 1
+                    try:
+                        tokens = encode(job.source, job.data, job.layout)
+                    except PromptTooLong as exc:  # refused before it was tokenized
+                        yield Answer(
+                            index, fmt.error_record(ErrorRecord(job.id, job.line, "prompt", str(exc)), job.request_hash)
+                        )
+                        continue
+                    except Exception as exc:  # e.g. the model's chat template rejects these messages
+                        err = ErrorRecord(job.id, job.line, "messages", f"the model's chat template failed: {exc}")
+                        yield Answer(index, fmt.error_record(err, job.request_hash))
+                        continue
+                    if on_note is not None and not warned and (why := kv_shortfall(engine, len(tokens), job)):
+                        on_note(why)  # once a job: every such row is slow for the same reason
+                        warned = True
+                    pending[index] = job
+                    if job.choices is None:
+                        batch.append(Request(index, tokens, job.params))
+                        continue
+                    # Its choices are queued once its prompt is done, to share the prompt's chunks:
+                    # no releasing them when the prompt finishes (for the rest of the job).
+                    engine.later_rows = keep = "unknown"
+                    batch.append(scorer.start(index, tokens, [answer_ids(c) for c in job.choices]))
+                    usage[index] = [0, 0]
+                exhausted = taken < want and not idle
+                if batch:
+                    engine.add(batch)  # one call per window: the scheduler groups shared prefixes within it
+                if exhausted and keep != "unknown":
+                    engine.later_rows = "none"  # every row still to answer is queued
+            if not engine.has_work:
+                if exhausted:
+                    return
                 continue
-            follow, index, done = scorer.finished(res)
-            if follow:
-                engine.add(follow)
-            if index in usage:
-                usage[index][0] += res.prompt_tokens
-                usage[index][1] += res.cached_tokens
-            if done is None:
-                continue
-            job, (prompt_tokens, cached) = pending.pop(index), usage.pop(index)
-            if isinstance(done, str):
-                yield Answer(index, fmt.result_record(job, res), res)  # the error record
-            else:
-                whole = Result(index, prompt_tokens, cached, [])
-                yield Answer(index, fmt.choices_record(job, done, whole), whole)
-        if on_note is not None and not warned_batch and (why := batch_shortfall(engine)):
-            on_note(why)  # once a job: the budget, not a row, is what limits the batch
-            warned_batch = True
-        if on_step:
-            on_step()
+            for res in engine.step():
+                if not scorer.owns(res.id):
+                    yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
+                    continue
+                follow, index, done = scorer.finished(res)
+                if follow:
+                    engine.add(follow)
+                if index in usage:
+                    usage[index][0] += res.prompt_tokens
+                    usage[index][1] += res.cached_tokens
+                if done is None:
+                    continue
+                job, (prompt_tokens, cached) = pending.pop(index), usage.pop(index)
+                if isinstance(done, str):
+                    yield Answer(index, fmt.result_record(job, res), res)  # the error record
+                else:
+                    whole = Result(index, prompt_tokens, cached, [])
+                    yield Answer(index, fmt.choices_record(job, done, whole), whole)
+            if on_note is not None and not warned_batch and (why := batch_shortfall(engine)):
+                on_note(why)  # once a job: the budget, not a row, is what limits the batch
+                warned_batch = True
+            if on_step:
+                on_step()
+    finally:
+        engine.later_rows = before
 
 
 def _choice_tokenizer(tokenizer) -> Callable[[str], list[int]]:
@@ -352,7 +366,7 @@ def run_job(
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
-    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note):
+    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note, order is not None):
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1

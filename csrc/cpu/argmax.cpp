@@ -5,9 +5,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "intrinsics.h"
 
 #include <cstdint>
 #include <cstring>

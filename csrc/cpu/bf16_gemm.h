@@ -7,9 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "intrinsics.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define CHUNKGEN_HAVE_AVX512_BF16 1

@@ -8,7 +8,7 @@
 
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
 
-#include <immintrin.h>
+#include "intrinsics.h"
 
 #include <algorithm>
 #include <cmath>

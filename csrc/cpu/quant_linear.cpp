@@ -40,7 +40,7 @@
 #include <string>
 
 #if defined(__AVX2__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #endif
 
 namespace chunkgen {

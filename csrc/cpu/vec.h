@@ -8,9 +8,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "intrinsics.h"
 
 namespace chunkgen {
 namespace decode {

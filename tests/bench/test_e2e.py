@@ -1,12 +1,21 @@
-"""bench e2e's count of kernels a decode step: where it is counted, and what it leaves out."""
+"""bench e2e: its count of kernels a decode step (where it is counted, what it leaves out), and whole
+runs of the command on random weights (a row per batch, parity with transformers, the memory check)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
+import pytest
 import torch
+from typer.testing import CliRunner
 
+from chunkgen import device as devmod
 from chunkgen.bench.e2e import decode_kernels_per_step, is_kernel
+from chunkgen.cli import app
+from chunkgen.model import dummy
+
+runner = CliRunner()
 
 
 def engine_on(device: str, capture=None):
@@ -25,3 +34,126 @@ def test_copies_and_fills_are_not_kernels():
     assert is_kernel("void chunkgen::(anonymous namespace)::sequence_first_kernel<__nv_bfloat16, false>(...)")
     assert is_kernel("sm90_xmma_gemm_bf16bf16_bf16f32")
     assert not is_kernel("Memcpy HtoD (Pinned -> Device)") and not is_kernel("Memset (Device)")
+
+
+# -- whole runs: the command, random weights, memory ----------------------------------------------
+def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_config, tmp_path):
+    out = tmp_path / "rows.json"
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            str(tiny_config),
+            "--dtype",
+            "fp32",
+            "--n-shared",
+            "80",
+            "--n-queries",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--systems",
+            "hf,chunkgen",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    assert "device cpu (as asked)" in res.output and "KV budget " in res.output
+    assert "(auto: " in res.output.split("KV budget ", 1)[1].splitlines()[0]  # --kv-memory's default
+    rows = {r["system"]: r for r in json.loads(out.read_text())}
+    assert rows["chunkgen"]["outputs_equal_to_hf"] >= 2  # random weights: a near tie may flip one
+    assert rows["chunkgen"]["kv_peak_bytes"] > 0
+
+
+def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, tmp_path):
+    out = tmp_path / "rows.json"
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            str(tiny_config),
+            "--dtype",
+            "fp32",
+            "--n-shared",
+            "40",
+            "--n-queries",
+            "3",
+            "--max-new-tokens",
+            "3",
+            "--repeat",
+            "2",
+            "--systems",
+            "chunkgen",
+            "--max-batch",
+            "auto,2",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    rows = {r["max_batch"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"auto", "2"} and rows["auto"]["peak_batch"] == 3 and rows["2"]["peak_batch"] == 2
+    assert all(len(r["gen_tokens_per_s_runs"]) == 2 for r in rows.values())
+    assert "round 1 gen tok/s" in res.output and "auto (peak 3)" in res.output
+    bad = runner.invoke(app, ["bench", "e2e", "--dummy-weights", str(tiny_config), "--max-batch", "auto,zero"])
+    assert bad.exit_code == 2 and "--max-batch" in bad.output
+
+
+@pytest.mark.real_model
+def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_dir, tmp_path):
+    from chunkgen.bench.e2e import PeakRSS
+    from chunkgen.llm import LLM
+
+    config = dummy.load_config("smollm2-135m")
+    with PeakRSS() as rss:
+        start = rss.peak
+        llm = LLM(dummy_weights="smollm2-135m", dtype="bf16", device="cpu", kv_memory="64MiB")
+    estimate = dummy.weight_bytes(config, torch.bfloat16) * dummy.peak_factor("cpu", torch.bfloat16)
+    assert rss.peak - start <= estimate  # the memory check does not under-estimate
+    assert not getattr(llm.tokenizer, "ids_only", False) and llm.model.dtype == torch.bfloat16
+    out = tmp_path / "rows.json"
+    res = runner.invoke(
+        app,
+        [
+            "bench",
+            "e2e",
+            "--dummy-weights",
+            "smollm2-135m",
+            "--dtype",
+            "bf16",
+            "--device",
+            "cpu",
+            "--n-shared",
+            "64",
+            "--n-queries",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--systems",
+            "chunkgen_paged,chunkgen",
+            "--json",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["chunkgen_paged", "chunkgen"] and all(r["dtype"] == "bf16" for r in rows)
+
+
+def test_bench_e2e_refuses_weights_that_do_not_fit(monkeypatch):
+    monkeypatch.setattr(devmod, "free_bytes", lambda device: 8 << 30)
+    res = runner.invoke(app, ["bench", "e2e", "--dummy-weights", "llama-2-7b", "--dtype", "fp32", "--device", "cpu"])
+    assert res.exit_code == 1 and "more than the 8.0 GiB memory available" in res.output
+    assert "--dtype bf16 halves it" in res.output and "leave hf out of --systems" in res.output
+    res = runner.invoke(app, ["bench", "e2e", "--dummy-weights", "no-such-model", "--device", "cpu"])
+    assert res.exit_code == 1 and "not a shipped config" in res.output

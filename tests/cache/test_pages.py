@@ -11,26 +11,15 @@ import torch
 
 from chunkgen.cache import ChunkPool
 from chunkgen.cache.pages import populate_in_background
+from tests.helpers import PAGE, resident
 
-PAGE = 4096
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore are Linux's")
 
 
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     return libc
-
-
-def resident(t: torch.Tensor) -> float:
-    """Share of the whole pages inside t that are in memory (mincore)."""
-    start = -(-t.data_ptr() // PAGE) * PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
-    pages = (end - start) // PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    assert _libc().mincore(start, end - start, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec) / pages
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.helpers import records, run_cli
+from tests.helpers import base_args, records, run_cli
 
 WORDS = "ticket printer password reset invoice refund shipping order late broken screen cable login".split()
 
@@ -47,9 +47,8 @@ def test_answers_are_bit_identical_across_batches_orders_shards_and_resume(tiny_
     queries.write_text("\n".join(_rows(7 if dtype == "fp32" else 8, 40)) + "\n")
 
     def run(out: str, *extra: str):
-        args = ["run", "-q", str(queries), "-o", str(tmp_path / out), "--model", str(tiny_model), "--chunk-size", "16",
-                "--kv-memory", "64MiB", "--quiet", "--max-new-tokens", "6", "--dtype", dtype, "--logprobs", "2",
-                "--format", "openai", "--batch-invariant", "on", *extra]  # fmt: skip
+        args = base_args(tiny_model, tmp_path / out, queries, None, max_new_tokens=6, dtype=dtype, logprobs=2,
+                         format="openai", batch_invariant="on") + list(extra)  # fmt: skip
         res = run_cli(*args)
         assert res.exit_code == 0, res.output
         return tmp_path / out

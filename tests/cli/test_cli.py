@@ -94,20 +94,7 @@ def test_openai_batch_in_and_out(tiny_model, tmp_path):
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {}})
     queries.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out.jsonl"
-    res = run_cli(
-        "run",
-        "--queries",
-        str(queries),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-    )
+    res = run_cli(*base_args(tiny_model, out, queries, None, max_new_tokens=None, dtype=None))
     assert res.exit_code == EXIT_BAD_INPUT_LINES
     recs = {r["custom_id"]: r for r in records(out)}
     for i in range(4):
@@ -120,11 +107,10 @@ def test_openai_batch_in_and_out(tiny_model, tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_results(tiny_model, tmp_path):
+    docs = PROMPTS / "document_qa"
     args = base_args(
-        tiny_model, tmp_path / "x", queries=PROMPTS / "document_qa.queries.jsonl", template=PROMPTS / "document_qa.toml"
+        tiny_model, tmp_path / "x", f"{docs}.queries.jsonl", f"{docs}.toml", max_new_tokens=40, max_batch=1
     )
-    args[args.index("--max-new-tokens") + 1] = "40"
-    args += ["--max-batch", "1"]
     full = tmp_path / "full.jsonl"
     args_full = list(args)
     args_full[args_full.index("--out") + 1] = str(full)
@@ -672,22 +658,7 @@ def test_constraints_that_cannot_compile_name_their_source(tiny_model, tmp_path)
         + "\n"
     )
     out = tmp_path / "out3.jsonl"
-    res = run_cli(
-        "run",
-        "--queries",
-        str(batch),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-        "--regex",
-        monster,
-    )
+    res = run_cli(*base_args(tiny_model, out, batch, None, max_new_tokens=None, dtype=None, regex=monster))
     assert res.exit_code == EXIT_BAD_INPUT_LINES and records(out)[0]["error"]["field"] == "regex"
 
 
@@ -762,20 +733,7 @@ def test_openai_records_field_by_field(tiny_model, tmp_path):
         + "\n"
     )
     out = tmp_path / "out.jsonl"
-    res = run_cli(
-        "run",
-        "--queries",
-        str(batch),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-    )
+    res = run_cli(*base_args(tiny_model, out, batch, None, max_new_tokens=None, dtype=None))
     assert res.exit_code == EXIT_BAD_INPUT_LINES, res.output
     ok, bad = sorted(records(out), key=lambda r: r["custom_id"] != "ok")
     assert set(ok) == {"id", "custom_id", "response", "error", "line", "request_hash", "chunkgen"}

@@ -8,7 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from chunkgen.cli import app
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, base_args
 
 runner = CliRunner()
 
@@ -41,21 +41,8 @@ def test_prefill_tokens_saved_agree_with_a_run(tiny_model, tmp_path):
     fig = tmp_path / "tree.json"
     res = runner.invoke(app, ["inspect-tree", *common, "--json", str(fig)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
-    res = runner.invoke(
-        app,
-        [
-            "run",
-            *common,
-            "-o",
-            str(tmp_path / "out.jsonl"),
-            "--kv-memory",
-            "64MiB",
-            "--max-new-tokens",
-            "2",
-            "--json-log",
-        ],
-        catch_exceptions=False,
-    )
+    run = base_args(tiny_model, tmp_path / "out.jsonl", quiet=None, max_new_tokens=2, dtype=None, json_log=True)
+    res = runner.invoke(app, run, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     summary = next(json.loads(l) for l in res.output.splitlines() if '"event": "summary"' in l)
     planned = json.loads(fig.read_text())

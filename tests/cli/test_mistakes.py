@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PROMPTS, ROOT
+from tests.helpers import PROMPTS, ROOT, base_args
 
 USAGE, ERROR, INTERRUPTED = 2, 1, 130
 QUESTIONS = '{"id": "a", "question": "What is 2 + 2?"}\n{"id": "b", "question": "Is 7 prime?"}\n'
@@ -372,30 +372,8 @@ def _many_rows(tmp: Path, n: int) -> Path:
 )
 def test_signals_during_the_keying_pass(signals, tiny_model, tmp_path):
     queries, out = _many_rows(tmp_path, 20_000), tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "chunkgen",
-        "run",
-        "--template",
-        str(PROMPTS / "arithmetic_cot.toml"),
-        "--queries",
-        str(queries),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--max-new-tokens",
-        "4",
-        "--dtype",
-        "fp32",
-        "--order",
-        "prefix",
-    ]
+    run = base_args(tiny_model, out, queries, quiet=None, max_new_tokens=4, order="prefix")
+    cmd = [sys.executable, "-m", "chunkgen", *run]
     proc = _start(cmd, _env())
     _wait_for_line(proc, "--order prefix: every row is read")
     time.sleep(0.5)
@@ -412,32 +390,8 @@ def test_signals_during_the_keying_pass(signals, tiny_model, tmp_path):
 
 def test_two_signals_while_decoding_stop_and_resume_finishes_every_row_once(tiny_model, tmp_path):
     queries, out = _many_rows(tmp_path, 40), tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "chunkgen",
-        "run",
-        "--template",
-        str(PROMPTS / "arithmetic_cot.toml"),
-        "--queries",
-        str(queries),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--max-new-tokens",
-        "24",
-        "--dtype",
-        "fp32",
-        "--order",
-        "input",
-        "--max-batch",
-        "4",
-    ]
+    run = base_args(tiny_model, out, queries, quiet=None, max_new_tokens=24, order="input", max_batch=4)
+    cmd = [sys.executable, "-m", "chunkgen", *run]
     proc = _start(cmd, _env())
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and out.stat().st_size):

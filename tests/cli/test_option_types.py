@@ -110,13 +110,23 @@ def test_every_engine_option_has_one_default_across_commands():
     assert len(seen) >= 12
 
 
-def test_config_records_which_options_were_auto():
-    from chunkgen.config import Config
+# Options that several commands take with a default of their own on purpose: each bench describes
+# its own workload (run's --max-new-tokens is the template's, else SamplingParams').
+WORKLOAD_SHAPE = {"--max-new-tokens", "--n-shared", "--questions", "--rows"}
 
-    config = Config.resolve(device="cpu", dtype="auto", kv_memory="1GiB", max_batch="auto")
-    assert config.auto == {"dtype", "max_batch"}
-    assert config.replace(max_batch=8).auto == {"dtype"}
-    assert config.replace(kv_memory="auto").auto == {"dtype", "max_batch", "kv_memory"}
+
+def test_an_option_of_several_commands_has_one_default_everywhere():
+    """Over every option of every command, not only the engine's: one name, one default (a command
+    that means another thing takes another name: --kv-dtype, --weights-seed, --data-seed)."""
+    defaults: dict[str, dict[str, object]] = {}
+    for command_name, command in COMMANDS.items():
+        for param in command.params:
+            for opt in param.opts:
+                if opt.startswith("--"):
+                    defaults.setdefault(opt, {})[command_name] = param.default
+    differing = {opt: by for opt, by in defaults.items() if len({repr(d) for d in by.values()}) > 1}
+    assert set(differing) == WORKLOAD_SHAPE, differing
+    assert sum(len(by) > 1 for by in defaults.values()) >= 10  # the check covers shared options
 
 
 def test_sampling_params_fields_declare_their_command_line():

@@ -13,7 +13,7 @@ import chunkgen.cli as cli
 import chunkgen.cli.bench_e2e as bench_e2e
 import chunkgen.cli.progress as progress
 from chunkgen.engine.engine import Engine
-from tests.helpers import PROMPTS
+from tests.helpers import base_args
 
 runner = CliRunner()
 
@@ -32,24 +32,7 @@ def _slow_first_step(monkeypatch, seconds: float) -> None:
 
 
 def _run(tiny_model, tmp_path, *extra: str):
-    args = [
-        "run",
-        "-t",
-        str(PROMPTS / "arithmetic_cot.toml"),
-        "-q",
-        str(PROMPTS / "arithmetic_cot.queries.jsonl"),
-        "-o",
-        str(tmp_path / "out.jsonl"),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--max-new-tokens",
-        "2",
-        *extra,
-    ]
+    args = [*base_args(tiny_model, tmp_path / "out.jsonl", quiet=None, max_new_tokens=2, dtype=None), *extra]
     res = runner.invoke(cli.app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return res.output

@@ -16,7 +16,7 @@ from chunkgen.engine.params import ParamError
 from chunkgen.engine.sequence import Request
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import TemplateError, load_template
-from tests.helpers import PROMPTS, openai_row, records, rows_of, run_cli
+from tests.helpers import PROMPTS, base_args, openai_row, records, rows_of, run_cli
 
 SCHEMA = {
     "type": "object",
@@ -223,26 +223,7 @@ def test_cli_checks_constraints_before_the_model_loads(tmp_path):
 
 def test_cli_regex_default_applies_to_rows(tiny_model, tmp_path):
     out = tmp_path / "out.jsonl"
-    res = run_cli(
-        "run",
-        "--template",
-        str(PROMPTS / "arithmetic_cot.toml"),
-        "--queries",
-        str(PROMPTS / "arithmetic_cot.queries.jsonl"),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-        "--max-new-tokens",
-        "12",
-        "--regex",
-        "[0-9]{1,4}",
-    )
+    res = run_cli(*base_args(tiny_model, out, dtype=None, regex="[0-9]{1,4}"))
     assert res.exit_code == 0, res.output
     for r in records(out):
         assert re.fullmatch("[0-9]{1,4}", r["text"]), r["text"]
@@ -252,22 +233,11 @@ def test_cli_regex_default_applies_to_rows(tiny_model, tmp_path):
 def test_tool_dispatcher_answers_validate_on_the_default_model(default_model_dir, tmp_path):
     schema = json.loads((PROMPTS / "tool_dispatcher.schema.json").read_text())
     out = tmp_path / "out.jsonl"
-    res = run_cli(
-        "run",
-        "--template",
-        str(PROMPTS / "tool_dispatcher.toml"),
-        "--queries",
-        str(PROMPTS / "tool_dispatcher.queries.jsonl"),
-        "--out",
-        str(out),
-        "--model",
-        str(default_model_dir),
-        "--kv-memory",
-        "1GiB",
-        "--quiet",
-        "--max-new-tokens",
-        "96",
+    queries, template = PROMPTS / "tool_dispatcher.queries.jsonl", PROMPTS / "tool_dispatcher.toml"
+    args = base_args(
+        default_model_dir, out, queries, template, chunk_size=None, kv_memory="1GiB", dtype=None, max_new_tokens=96
     )
+    res = run_cli(*args)
     assert res.exit_code == 0, res.output
     recs = records(out)
     assert len(recs) == 16
@@ -284,20 +254,20 @@ def test_further_tool_requests_validate_on_the_default_model(default_model_dir, 
     and the summary counts exactly those as matching."""
     schema = json.loads((PROMPTS / "tool_dispatcher.schema.json").read_text())
     out = tmp_path / "out.jsonl"
-    res = run_cli(
-        "run",
-        "--template",
-        str(PROMPTS / "tool_dispatcher.toml"),
-        "--queries",
-        str(DATA / "tool_requests.jsonl"),
-        "--out",
-        str(out),
-        "--model",
-        str(default_model_dir),
-        "--kv-memory",
-        "1GiB",
-        "--json-log",
+    template = PROMPTS / "tool_dispatcher.toml"
+    args = base_args(
+        default_model_dir,
+        out,
+        DATA / "tool_requests.jsonl",
+        template,
+        chunk_size=None,
+        kv_memory="1GiB",
+        quiet=None,
+        max_new_tokens=None,
+        dtype=None,
+        json_log=True,
     )
+    res = run_cli(*args)
     assert res.exit_code == 0, res.output
     summary = next(json.loads(l) for l in res.stderr.splitlines() if '"summary"' in l)
     recs = records(out)

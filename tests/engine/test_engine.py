@@ -232,3 +232,30 @@ def test_decode_steps_sample_without_host_work_and_read_once(tiny_llm):
     for calls, buf in steady:
         assert host_work(calls) == {"syncs": [], "nonzero": [], "bool_index": [], "from_python": []}
         assert copies_into(calls, buf) == 1
+
+
+def test_releasing_what_no_row_to_come_can_share_changes_no_answer(tiny_llm):
+    """An engine told no rows come after its queue frees cached chunks as soon as no queued row can
+    take them: two templates' rows, four at a time, give the same tokens as an engine that keeps its
+    cache, with the same cache hits but for what a row copies from a partial chunk (of several
+    chunks offering the same copy one is kept, which may offer a few tokens less: at least the
+    power of two the tree's index finds); and it ends with nothing cached."""
+    prompts = template_prompts("tool_dispatcher", 6) + template_prompts("arithmetic_cot", 6)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    kept = tiny_llm.new_engine(max_batch=4)
+    released = tiny_llm.new_engine(max_batch=4)
+    released.later_rows = "none"
+    answers = []
+    for engine in (kept, released):
+        reqs = [Request(i, tiny_llm.encode(p), params) for i, p in enumerate(prompts)]
+        answers.append({r.id: (r.token_ids, r.cached_tokens) for r in engine.stream(reqs)})
+    assert {i: t for i, (t, _) in answers[0].items()} == {i: t for i, (t, _) in answers[1].items()}
+    c = tiny_llm.config.chunk_size
+    for i, (_, cached) in answers[0].items():
+        assert cached - c // 2 < answers[1][i][1] <= cached
+    assert sum(n for _, n in answers[1].values()) >= 0.99 * sum(n for _, n in answers[0].values())
+    assert kept.stats.kv_released_chunks == 0 and released.stats.kv_released_chunks > 0
+    assert kept.pool.used > 0 and released.pool.used == 0
+    released.tree.check()
+    # The peak counts what the running rows read, the same in both.
+    assert kept.stats.kv_peak_bytes == released.stats.kv_peak_bytes < kept.pool.peak_bytes

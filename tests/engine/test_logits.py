@@ -12,7 +12,7 @@ from chunkgen.engine import SamplingParams
 from chunkgen.engine.params import ParamError
 from chunkgen.jobs.requests import Job, openai_jobs, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.helpers import PROMPTS, base_args, openai_row, records, rows_of, run_cli
+from tests.helpers import base_args, openai_row, records, rows_of, run_cli
 
 PROMPTS_TEXT = ["Will it rain in Oslo?", "Book a flight to Rome.", "What is 2 + 2?", "Play some jazz."]
 
@@ -216,20 +216,7 @@ def test_cli_writes_logprobs_in_both_record_formats(tiny_model, tmp_path):
         + "\n"
     )
     out2 = tmp_path / "out2.jsonl"
-    res = run_cli(
-        "run",
-        "--queries",
-        str(batch),
-        "--out",
-        str(out2),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "64MiB",
-        "--quiet",
-    )
+    res = run_cli(*base_args(tiny_model, out2, batch, None, max_new_tokens=None, dtype=None))
     assert res.exit_code == 0, res.output
     by_id = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in records(out2)}
     content = by_id["a"]["logprobs"]["content"]
@@ -240,19 +227,7 @@ def test_cli_writes_logprobs_in_both_record_formats(tiny_model, tmp_path):
 def test_cli_rejects_bad_values_before_the_model_loads(tmp_path):
     out = tmp_path / "out.jsonl"
     for option, value in (("--logprobs", "30"), ("--presence-penalty", "-7")):
-        res = run_cli(
-            "run",
-            "--template",
-            str(PROMPTS / "arithmetic_cot.toml"),
-            "--queries",
-            str(PROMPTS / "arithmetic_cot.queries.jsonl"),
-            "--out",
-            str(out),
-            "--model",
-            "/nonexistent",
-            option,
-            value,
-        )
+        res = run_cli(*base_args("/nonexistent", out), option, value)
         assert res.exit_code == 2 and option in res.output, res.output
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chunkgen.cache import ChunkPool, PrefixTree
@@ -238,3 +239,63 @@ def test_a_job_within_the_smallest_batch_runs_at_once():
     tree, sched = setup(slots=4096, max_batch=256)
     sched.add(seqs([[1000 + i] * 3 for i in range(32)], max_new_tokens=40))
     assert len(sched.schedule().prefill) == 32
+
+
+def _cached_after_each_step(later_rows: str, prompts: list[list[int]], max_batch: int = 8) -> list[int]:
+    """Chunks cached (in the pool, read by no running row) after each step of a 1-token job."""
+    tree, sched = setup(slots=4096, max_batch=max_batch)
+    sched.later_rows = later_rows
+    sched.add(seqs(prompts, max_new_tokens=1))
+    cached = []
+    while sched.has_work:
+        run(tree, sched, sched.schedule())
+        sched.release_cache()
+        tree.check()
+        cached.append(tree.pool.used - tree.live_chunks)
+    return cached
+
+
+def test_rows_that_share_nothing_leave_nothing_cached_when_no_row_to_come_can_share():
+    prompts = [[1000 + i] * (3 * C) for i in range(40)]  # 3 chunks each, no two alike
+    assert max(_cached_after_each_step("none", prompts)) == 0
+    # In prefix order the last row queued stands for the rows after it: its chunks stay.
+    assert max(_cached_after_each_step("prefix", prompts)) == 3
+    # Not knowing what comes, the cache keeps every finished row's chunks (until the pool is full).
+    assert _cached_after_each_step("unknown", prompts)[-1] == 3 * 40
+
+
+def test_chunks_rows_to_come_share_stay_cached_until_the_last_of_them():
+    system = list(range(100, 100 + 2 * C + 5))
+    prompts = [system + [2000 + i, 7] for i in range(20)] + [[3000 + i] * C for i in range(5)]
+    cached = _cached_after_each_step("none", prompts)
+    # While rows of the system prompt are to come, its two full chunks stay, with one copy source
+    # of its last 5 tokens; after the last of them nothing is kept.
+    assert max(cached) <= 3 and cached[-1] == 0
+    tree, sched = setup(slots=4096, max_batch=8)
+    sched.later_rows = "prefix"
+    sched.add(seqs(prompts[:12], max_new_tokens=1))
+    while sched.num_waiting:
+        run(tree, sched, sched.schedule())
+        sched.release_cache()
+    # The window ran dry, but its last row stands for the rows after it: the next window's rows
+    # find the system prompt (its two full chunks, and the last row's tail to copy its end from).
+    assert tree.pool.used - tree.live_chunks == 3
+    sched.add(seqs(prompts[12:20], max_new_tokens=1))
+    wave = sched.schedule().prefill
+    assert wave and all(a.cached == len(system) for a in wave)
+
+
+def test_later_rows_is_checked_and_builds_what_the_queue_holds():
+    tree, sched = setup(slots=64, max_batch=1)
+    sched.add(seqs([[1] * C, [2] * C]))
+    assert sched.pending is None  # unknown: nothing kept
+    sched.later_rows = "prefix"
+    assert len(sched.pending) == 3  # the two, and the last of them for the rows after it
+    run(tree, sched, sched.schedule())
+    assert len(sched.pending) == 2  # the first row was admitted
+    sched.later_rows = "none"
+    assert len(sched.pending) == 1
+    sched.later_rows = "unknown"
+    assert sched.pending is None
+    with pytest.raises(ValueError, match="later_rows"):
+        sched.later_rows = "sometimes"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunkgen.jobs.requests import ErrorRecord, Job, openai_jobs
-from tests.helpers import HF_ATTENTION, records, rows_of, run_cli
+from tests.helpers import HF_ATTENTION, base_args, records, rows_of, run_cli
 
 
 def _row(body: dict, cid: str = "r", url: str = "/v1/completions") -> str:
@@ -52,10 +52,7 @@ def test_completions_rows_parsed_and_refused():
 
 
 def _run(tiny_model, queries, out):
-    return run_cli(
-        "run", "--queries", str(queries), "--out", str(out), "--model", str(tiny_model),
-        "--chunk-size", "16", "--kv-memory", "64MiB", "--quiet", "--dtype", "fp32",
-    )  # fmt: skip
+    return run_cli(*base_args(tiny_model, out, queries, None, max_new_tokens=None))
 
 
 def test_completions_echo_logprobs_equal_transformers(tiny_model, tmp_path):
@@ -97,7 +94,7 @@ def test_file_for_an_endpoint_not_served_refused_before_load(tmp_path):
     queries = tmp_path / "emb.jsonl"
     queries.write_text("\n".join(_row({"input": "x"}, f"e{i}", "/v1/embeddings") for i in range(3)) + "\n")
     out = tmp_path / "out.jsonl"
-    res = run_cli("run", "--queries", str(queries), "--out", str(out), "--model", str(tmp_path / "no-model"), "--quiet")
+    res = run_cli(*base_args(tmp_path / "no-model", out, queries, None))
     assert res.exit_code != 0 and not out.exists()
     line = [l for l in res.output.splitlines() if "/v1/embeddings" in l]
     assert line and "/v1/completions" in line[0], res.output

@@ -29,7 +29,7 @@ from chunkgen.jobs.requests import (
 )
 from chunkgen.jobs.templates import TemplateError, load_template, load_templates
 from chunkgen.jobs.writer import OutputExists, ResultWriter
-from tests.helpers import PROMPTS, openai_row, records, rows_of
+from tests.helpers import PROMPTS, base_args, openai_row, records, rows_of
 
 
 def templates():
@@ -659,8 +659,9 @@ def test_a_kv_budget_too_small_for_a_rows_samples_is_said_once(tiny_model, tmp_p
     template.write_text('system = "S"\nuser = "{q}"\n')
     queries = tmp_path / "q.jsonl"
     queries.write_text("".join(json.dumps({"id": f"r{i}", "q": f"Is {i} odd?", "n": 8}) + "\n" for i in range(3)))
-    args = ["run", "-t", str(template), "-q", str(queries), "-o", str(tmp_path / "out.jsonl"), "--model"]
-    args += [str(tiny_model), "--chunk-size", "16", "--kv-memory", "96KiB", "--max-new-tokens", "40", "--dtype", "fp32"]
+    args = base_args(
+        tiny_model, tmp_path / "out.jsonl", queries, template, kv_memory="96KiB", quiet=None, max_new_tokens=40
+    )
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     warnings = [l for l in res.output.splitlines() if "cannot hold line" in l]
@@ -679,9 +680,16 @@ def test_a_kv_budget_too_small_for_the_batchs_prompts_is_said_once(tiny_model, t
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     rows = [{"id": f"r{i}", "q": " ".join(words[(i + j) % 10] for j in range(8)) + f" {i}"} for i in range(24)]
     queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["run", "-t", str(template), "-q", str(queries), "-o", str(tmp_path / "out.jsonl"), "--model"]
-    args += [str(tiny_model), "--chunk-size", "16", "--kv-memory", "96KiB", "--max-new-tokens", "4", "--dtype", "fp32"]
-    args += ["--max-batch", "24"]
+    args = base_args(
+        tiny_model,
+        tmp_path / "out.jsonl",
+        queries,
+        template,
+        kv_memory="96KiB",
+        quiet=None,
+        max_new_tokens=4,
+        max_batch=24,
+    )
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     warnings = [l for l in res.output.splitlines() if "rows wait for memory" in l]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from chunkgen.jobs.order import ExternalSort, PrefixOrder, QueryFileChanged, RowFile, key_cuts, prompt_key
 from chunkgen.jobs.requests import read_rows, template_jobs
 from chunkgen.jobs.templates import load_templates
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, base_args
 
 
 @settings(max_examples=80, deadline=None)
@@ -153,29 +153,8 @@ def _run(tiny_model, template, queries, out, *extra, stdin=None):
 
     from chunkgen.cli import app
 
-    args = [
-        "run",
-        "--template",
-        str(template),
-        "--queries",
-        str(queries),
-        "--out",
-        str(out),
-        "--model",
-        str(tiny_model),
-        "--chunk-size",
-        "16",
-        "--kv-memory",
-        "400KiB",
-        "--max-batch",
-        "4",
-        "--max-new-tokens",
-        "6",
-        "--json-log",
-        "--dtype",
-        "fp32",
-        *extra,
-    ]  # bf16 answers depend on the waves
+    args = base_args(tiny_model, out, queries, template, kv_memory="400KiB", max_batch=4, quiet=None, max_new_tokens=6)
+    args += ["--json-log", *extra]  # fp32 (base_args): bf16 answers depend on the waves
     res = CliRunner().invoke(app, args, input=stdin, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     summary = [json.loads(l) for l in res.output.splitlines() if l.startswith('{"event": "summary"')]

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from chunkgen.cli import SAMPLING_OPTIONS, app
 from chunkgen.engine.params import SamplingParams
+from tests.helpers import base_args
 
 runner = CliRunner()
 
@@ -83,27 +84,8 @@ def _run(tiny_model, tmp_path: Path, template: Path, row_value, option: str, ext
     out.unlink(missing_ok=True)
     if option != "max_new_tokens" and "--max-new-tokens" not in extra:
         extra = [*extra, "--max-new-tokens", "2"]  # short runs; its own precedence is tested on its own
-    res = runner.invoke(
-        app,
-        [
-            "run",
-            "-t",
-            str(template),
-            "-q",
-            str(queries),
-            "-o",
-            str(out),
-            "--model",
-            str(tiny_model),
-            "--chunk-size",
-            "16",
-            "--kv-memory",
-            "64MiB",
-            "--quiet",
-            *extra,
-        ],
-        catch_exceptions=False,
-    )
+    argv = base_args(tiny_model, out, queries, template, max_new_tokens=None, dtype=None)
+    res = runner.invoke(app, [*argv, *extra], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     return {rid: r["sampling"] for rid, r in recs.items()}
@@ -158,32 +140,10 @@ def test_openai_rows_body_then_command_line_then_default(tiny_model, tmp_path):
         + "\n"
     )
     out = tmp_path / "out.jsonl"
-    res = runner.invoke(
-        app,
-        [
-            "run",
-            "-q",
-            str(queries),
-            "-o",
-            str(out),
-            "--model",
-            str(tiny_model),
-            "--chunk-size",
-            "16",
-            "--kv-memory",
-            "64MiB",
-            "--quiet",
-            "--max-new-tokens",
-            "3",
-            "--regex",
-            "b+",
-            "--temperature",
-            "0.7",
-            "--format",
-            "openai",
-        ],
-        catch_exceptions=False,
+    argv = base_args(
+        tiny_model, out, queries, None, max_new_tokens=3, dtype=None, regex="b+", temperature=0.7, format="openai"
     )
+    res = runner.invoke(app, argv, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert recs["own"]["response"]["body"]["usage"]["completion_tokens"] <= 2

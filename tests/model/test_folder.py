@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from chunkgen.model import ModelNotFound, check_model_dir, load_hf
 from chunkgen.model.folder import FolderRefused, check_folder, check_loaded, check_sizes
 from tests.cli.test_mistakes import _env
-from tests.helpers import PROMPTS
+from tests.helpers import base_args
 
 MARKER_CODE = """
 import os
@@ -40,9 +40,8 @@ def _copy(tiny_model: Path, tmp_path: Path, **config_changes) -> Path:
 
 def _run(folder: Path, tmp_path: Path, stdin: str = "y\ny\n") -> subprocess.CompletedProcess:
     (tmp_path / "q.jsonl").write_text('{"id": "a", "question": "hi"}\n')
-    cmd = [sys.executable, "-m", "chunkgen", "run", "--quiet", "-q", str(tmp_path / "q.jsonl")]
-    cmd += ["-o", str(tmp_path / "out.jsonl"), "-t", str(PROMPTS / "arithmetic_cot.toml"), "--model", str(folder)]
-    cmd += ["--max-new-tokens", "2", "--kv-memory", "64MiB", "--chunk-size", "16"]
+    cmd = [sys.executable, "-m", "chunkgen"]
+    cmd += base_args(folder, tmp_path / "out.jsonl", tmp_path / "q.jsonl", max_new_tokens=2, dtype=None)
     return subprocess.run(cmd, env=_env(), input=stdin, capture_output=True, text=True, timeout=120)
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from chunkgen.cli import app
 from chunkgen.model import ModelNotFound, resolve_model, stale_copies
 from chunkgen.model.loading import content_key, default_gguf, display_name
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, base_args
 
 runner = CliRunner()
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -53,20 +53,7 @@ def test_a_missing_repo_id_names_the_folders_searched(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     queries = tmp_path / "q.jsonl"
     queries.write_text('{"id": "a", "question": "hi"}\n')
-    res = runner.invoke(
-        app,
-        [
-            "run",
-            "-t",
-            str(PROMPTS / "arithmetic_cot.toml"),
-            "-q",
-            str(queries),
-            "-o",
-            str(tmp_path / "out.jsonl"),
-            "--model",
-            "acme/absent",
-        ],
-    )
+    res = runner.invoke(app, base_args("acme/absent", tmp_path / "out.jsonl", queries))
     assert res.exit_code == 1
     text = " ".join(res.output.split())
     assert "error: model 'acme/absent' not found" in text
@@ -87,24 +74,9 @@ def test_default_model_by_repo_id_in_a_temporary_hf_home(default_model_dir, tmp_
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps({"id": "q", "question": "What is the capital of France?"}) + "\n")
     texts = {}
-    for name, model in (("repo", ["--model", REPO]), ("default", [])):
+    for name, model in (("repo", REPO), ("default", None)):
         out = tmp_path / f"{name}.jsonl"
-        res = runner.invoke(
-            app,
-            [
-                "run",
-                "-t",
-                str(template),
-                "-q",
-                str(queries),
-                "-o",
-                str(out),
-                "--max-new-tokens",
-                "6",
-                "--quiet",
-                *model,
-            ],
-        )
+        res = runner.invoke(app, base_args(model, out, queries, template, max_new_tokens=6))
         assert res.exit_code == 0, res.output
         texts[name] = [r["text"] for r in map(json.loads, out.read_text().splitlines())]
     assert texts["repo"] == texts["default"] and texts["repo"][0]

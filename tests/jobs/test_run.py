@@ -1,0 +1,75 @@
+"""A job's memory follows its work: `chunkgen run` over rows that share nothing holds resident
+memory flat once it runs, where keeping every finished row's chunks would grow it by the rows'
+K/V (a subprocess, its RSS sampled from /proc)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, build_tiny_model
+
+ROWS = 1200
+CHUNK_BYTES = 2 * 4 * 4 * 64 * 64 * 4  # K and V of a 64-token chunk: 4 layers, 4 KV heads of 64, fp32: 512 KiB
+
+
+@pytest.fixture(scope="module")
+def wide_kv_model(tmp_path_factory) -> Path:
+    """Little compute per token, much K/V per chunk: the cache, not the model, is what grows."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("wide-kv"),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_rss_stays_flat_over_a_job_of_rows_that_share_nothing(wide_kv_model, tmp_path):
+    rng = random.Random(0)
+    queries, out = tmp_path / "rows.jsonl", tmp_path / "out.jsonl"
+    with queries.open("w") as f:
+        for i in range(ROWS):  # token-id prompts: no two rows share a chunk's worth of anything
+            body = {"prompt": [rng.randrange(10, 400) for _ in range(20)], "max_tokens": 1}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    cmd = [sys.executable, "-m", "chunkgen", "run", "-q", str(queries), "-o", str(out), "--model", str(wide_kv_model)]
+    cmd += ["--chunk-size", "64", "--kv-memory", "2GiB", "--max-batch", "64", "--dtype", "fp32", "--json-log"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples: list[tuple[int, int]] = []  # (answers written, RSS)
+    written = 0
+    with out.parent.joinpath("out.jsonl").open("a+b") as watch:
+        while proc.poll() is None:
+            watch.seek(0)
+            written = watch.read().count(b"\n")
+            samples.append((written, _rss(proc.pid)))
+            time.sleep(0.02)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads([line for line in err.splitlines() if '"summary"' in line or '"requests"' in line][-1])
+    summary = summary.get("summary", summary)
+    assert summary["requests"] == ROWS
+    # Once a sixth of the rows are answered, the batch's chunks and the pool's first slabs are
+    # backed: from there RSS grows by much less than the chunks of the rows still to come, which a
+    # cache keeping them (all fit the 2 GiB budget) would add (1,000 x 512 KiB).
+    settled = [rss for n, rss in samples if n >= ROWS // 6 and rss]
+    assert len(settled) > 5
+    growth = max(settled) - settled[0]
+    assert growth < 100 * CHUNK_BYTES, f"RSS grew {growth / 2**20:.0f} MiB over the job"
+    # The summary's peak counts what the running rows read: a batch of 64 rows' chunks, not the cache.
+    assert summary["kv_peak_bytes"] <= 80 * CHUNK_BYTES
