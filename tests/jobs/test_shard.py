@@ -70,9 +70,6 @@ def _run_shards(tiny_model, tmp_path, queries, count, *extra, template=PROMPTS):
     for k in range(count):
         out = tmp_path / f"shard{k}of{count}.jsonl"
         args = base_args(tiny_model, out, queries=queries, template=template)
-        if template is None:
-            i = args.index("--template")
-            del args[i : i + 2]
         res = run_cli(*args, "--shard", f"{k}/{count}", "--max-new-tokens", "2", *extra)
         assert res.exit_code in (0, 3), res.output
         assert out.exists(), f"shard {k}/{count} wrote no output file"
