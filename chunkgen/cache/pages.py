@@ -80,13 +80,20 @@ def populate_in_background(views: list[torch.Tensor]) -> threading.Thread | None
     views = [v for v in views if v.numel() and _linux_cpu(v)]
     if not views or os.environ.get("CHUNKGEN_PREFAULT") == "0":
         return None
+    # The thread holds addresses, never the tensors: a daemon thread that drops the last reference
+    # to a tensor while the interpreter exits (a run interrupted during the load) is unwound inside
+    # torch's C++ and aborts the process. Storage freed before the thread gets to it is harmless:
+    # the request fails on an unmapped range, and on a range mapped anew it changes no contents.
+    ranges = []
+    for v in views:
+        start = v.data_ptr() // _PAGE * _PAGE
+        ranges.append((start, -(-(v.data_ptr() + v.numel() * v.element_size()) // _PAGE) * _PAGE - start))
+    del views
 
     def run() -> None:
         madvise = _madvise()
-        for v in views:  # the views keep their storage alive until the thread is done
-            start = v.data_ptr() // _PAGE * _PAGE
-            end = -(-(v.data_ptr() + v.numel() * v.element_size()) // _PAGE) * _PAGE
-            if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        for start, length in ranges:
+            if madvise(start, length, _MADV_POPULATE_WRITE) != 0:
                 return  # not supported here (EINVAL), or memory the OS will not give: leave it to the writes
 
     thread = threading.Thread(target=run, name="chunkgen-prefault", daemon=True)
