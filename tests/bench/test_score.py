@@ -43,4 +43,10 @@ def test_bench_score_command(tiny_model, tmp_path):
     assert res.exit_code == 0, res.output
     figures = json.loads(out.read_text())["chunkgen"]
     assert figures["minimum_tokens"] == 30 + 2 * (5 + 4) and figures["peak_rss_bytes"] > 0
-    assert run_cli("bench", "score", "--backends", "vllm").exit_code != 0
+    assert run_cli("bench", "score", "--backends", "vllm,nope").exit_code != 0
+
+
+def test_vllm_backend_without_its_venv_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHUNKGEN_VLLM_PYTHON", str(tmp_path / "absent" / "python"))
+    res = run_cli("bench", "score", "--backends", "chunkgen,vllm")
+    assert res.exit_code != 0 and "CHUNKGEN_VLLM_PYTHON" in res.output and "absent" in res.output
