@@ -159,11 +159,14 @@ def _check_dummy_fits(config: Config, copies: int) -> None:
         return
     from chunkgen.device import free_bytes
     from chunkgen.model import dummy
+    from chunkgen.model.quant import GGUF_TYPES
 
     try:
         shapes = dummy.load_config(spec)
         chosen = config.dtype or dummy.config_dtype(shapes)
-        dummy.check_fits(shapes, chosen, device, free_bytes(device), copies)
+        # chunkgen's own copy is drawn quantized where --quantize names a GGUF type (model/skeleton.py)
+        quantized = config.quantize in GGUF_TYPES and copies == 1 and device == "cpu"
+        dummy.check_fits(shapes, chosen, device, free_bytes(device), copies, quantized=quantized)
     except dummy.DummyWeightsError as exc:
         fail(
             str(exc)
