@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from chunkgen.cache import ChunkPool, KVReservation, kv_shape
 from chunkgen.cache.pages import keep_freed_pages
 from chunkgen.config import Config

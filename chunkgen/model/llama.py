@@ -127,8 +127,10 @@ class Linear:
         if not torch.compiler.is_compiling() or self.weight is None:
             if self.decode_packed is not None and (
                 invariant.enabled()
-                or self.weight is None and self.packed is None
-                or self.decode_fast and x.shape[0] <= _DECODE_PACKED_ROWS[self.dtype]
+                or self.weight is None
+                and self.packed is None
+                or self.decode_fast
+                and x.shape[0] <= _DECODE_PACKED_ROWS[self.dtype]
             ):
                 y = torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
                 return y if self.bias is None else y.add_(self.bias)
@@ -327,9 +329,9 @@ class LlamaModel:
         # {rope key: (cos, sin) [positions, 1, rot_dim]} in the model's dtype; None for rope types
         # computed per call
         self.rope_tables = tables
-        self._rotary_dim = self._rope(
-            self._rope_keys[0], probe, torch.zeros(1, dtype=torch.long, device=self.device)
-        )[0].shape[-1]
+        self._rotary_dim = self._rope(self._rope_keys[0], probe, torch.zeros(1, dtype=torch.long, device=self.device))[
+            0
+        ].shape[-1]
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     # The forward's elementwise work runs as fused ops (kernels/elementwise.py) that round as the

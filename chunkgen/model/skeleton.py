@@ -35,7 +35,9 @@ def skeleton(config, dtype: torch.dtype):
 def _quantized(model, source) -> set[int]:
     """ids of the parameters the source replaces: the weights of the linear layers it holds, and
     the embedding's where it holds that too (a GGUF's quantized token embedding)."""
-    taken = {id(m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and source.has(name, m)}
+    taken = {
+        id(m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and source.has(name, m)
+    }
     has_embedding = getattr(source, "has_embedding", None)
     if has_embedding is not None and has_embedding():
         taken.add(id(model.get_input_embeddings().weight))
@@ -58,9 +60,7 @@ def _fill(model, source, make) -> None:
         head.weight = embed.weight  # the float output layer is the float embedding
     # a parameter the source was to replace but will not: a file that lacks the tensor
     left = [
-        n
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if p.device.type == "meta" and id(p) not in taken
+        n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta" and id(p) not in taken
     ]
     if left:
         raise SkeletonError(f"no weights for {', '.join(left[:4])}{' ...' if len(left) > 4 else ''}")
