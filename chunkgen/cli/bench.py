@@ -14,7 +14,7 @@ from chunkgen.cli.boundary import bench_app, err, fail, stdout, usage
 from chunkgen.cli.loading import device_text, dtype_line, load_llm
 from chunkgen.cli.option_types import DEVICE, DTYPE, MAX_BATCH, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
-from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL, DEFAULT_QUANTIZE, ORDERS
+from chunkgen.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MAX_BATCH, DEFAULT_MODEL, ORDERS
 from chunkgen.device import human_bytes
 
 
@@ -89,7 +89,7 @@ def bench_order(
         lengths = parse_doc_tokens(doc_tokens)
     except ValueError as exc:
         usage("--doc-tokens", str(exc))
-    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB"))
+    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB", quantize="none"))
     max_batch = llm.config.max_batch
     rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, data_seed)
     if dump_token_ids:
@@ -206,7 +206,7 @@ def bench_step(
     n_queries: int = typer.Option(32, metavar="N", help="Sequences in the decode batch."),
     steps: int = typer.Option(30, metavar="N", help="Decode steps timed (their mean is printed)."),
     dtype: DTYPE = DEFAULT_DTYPE,
-    quantize: QUANTIZE = DEFAULT_QUANTIZE,
+    quantize: QUANTIZE = "none",
     json_out: Path | None = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "

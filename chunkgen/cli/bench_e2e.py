@@ -23,7 +23,6 @@ from chunkgen.config import (
     DEFAULT_KV_MEMORY,
     DEFAULT_MAX_BATCH,
     DEFAULT_MODEL,
-    DEFAULT_QUANTIZE,
     Config,
 )
 from chunkgen.device import choose_max_batch, human_bytes
@@ -41,7 +40,7 @@ def bench_e2e(
     max_new_tokens: int = typer.Option(64, metavar="N", help="Tokens generated per query (greedy)."),
     max_batch: MAX_BATCHES = DEFAULT_MAX_BATCH,
     dtype: DTYPE = DEFAULT_DTYPE,
-    quantize: QUANTIZE = DEFAULT_QUANTIZE,
+    quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),

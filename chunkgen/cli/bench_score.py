@@ -42,7 +42,7 @@ def bench_score(
             import lm_eval  # noqa: F401
         except ImportError:
             fail("--backends hf needs lm-evaluation-harness: pip install 'chunkgen[eval]'")
-    config = resolve_config(dtype=dtype)
+    config = resolve_config(dtype=dtype, quantize="none")
     work = ScoreWorkload(subjects, questions, choices, prefix_tokens, question_tokens)
     rows = {}
     for b in chosen:
