@@ -30,7 +30,7 @@ DEFAULT_DTYPE = "auto"
 DEFAULT_KV_MEMORY = "auto"
 DEFAULT_MAX_BATCH = "auto"
 DEFAULT_CHUNK_SIZE = 64
-DEFAULT_BATCH_INVARIANT = "off"  # on costs far more than it should yet (docs/batch-invariance.md)
+DEFAULT_BATCH_INVARIANT = "on"  # a row's answer does not depend on the rows beside it (docs/batch-invariance.md)
 # Linear weights as the file ships them: the embedded default model (a Q4_1 GGUF) runs quantized;
 # models that are not GGUF run in floats (docs/quantized.md).
 DEFAULT_QUANTIZE = "auto"
@@ -109,10 +109,9 @@ class Config:
     order: str = "prefix"  # a job's processing order: rows sharing a prompt prefix together, or file order
     # A row's numbers do not depend on the rows run beside it (docs/batch-invariance.md); off: each
     # kernel call's fastest plan.
-    batch_invariant: bool = False
-    quantize: str = (
-        DEFAULT_QUANTIZE  # linear weights: none, auto (a GGUF's own types), int8, or a GGUF type (random weights)
-    )
+    batch_invariant: bool = True
+    # linear weights: none, auto (a GGUF's own types), int8, or a GGUF type (random weights)
+    quantize: str = DEFAULT_QUANTIZE
     why: Mapping[str, str] = field(default_factory=dict)
     auto: frozenset[str] = frozenset()  # the options among device, dtype, kv_memory, max_batch asked as auto
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
@@ -156,6 +155,11 @@ class Config:
         notes = ()
         if not dev.device.startswith("cuda") and dtype_choice.dtype == torch.float16:
             notes = ("--dtype fp16 on the CPU runs several times slower than fp32 or bf16; fp16 is for --device cuda",)
+        if invariant and dev.device.startswith("cuda"):
+            notes += (
+                "batch-invariant numerics cover the CPU kernels only: on a GPU a row's answer may still differ "
+                "with the rows run beside it, near ties (docs/batch-invariance.md)",
+            )
         explicit_kv = _option("--kv-dtype", choose_dtype, kv_dtype, dev.device).dtype if kv_dtype is not None else None
         resolved_kv = explicit_kv or (kv_dtype_for(dev.device, dtype_choice.dtype) if dtype_choice.dtype else None)
         return cls(

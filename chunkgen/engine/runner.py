@@ -67,7 +67,7 @@ class ModelRunner:
         enforce_eager: bool | None = None,
         mirror: bool | None = None,
         compile_backend: str | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         """enforce_eager: run the forward directly each step (default on the CPU, and always for a
         model whose step is not graph_safe); otherwise one captured graph per bucket is replayed

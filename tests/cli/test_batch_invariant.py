@@ -93,7 +93,7 @@ def test_a_warm_cache_gives_the_same_numbers(tiny_model):
 def test_the_option_is_checked_and_resolved(tiny_model, tmp_path):
     from chunkgen.config import Config, OptionError
 
-    assert Config.resolve(device="cpu").batch_invariant is False
+    assert Config.resolve(device="cpu").batch_invariant is True  # the default
     assert Config.resolve(device="cpu", batch_invariant="on").batch_invariant is True
     assert Config.resolve(device="cpu", batch_invariant="off").batch_invariant is False
     with pytest.raises(OptionError, match="on or off"):

@@ -95,6 +95,29 @@ def test_a_rows_linear_output_is_the_same_at_any_row_count(dtype, shape, bias):
     torch.testing.assert_close(alone.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q8_0"])
+def test_a_rows_quantized_product_is_the_same_at_any_row_count(qtype):
+    """The quantized kernels tile rows of x by 4 and split output channels among threads; a row's
+    sums (its own int8 activations, blocks in k order) must not see either."""
+    import numpy as np
+
+    from chunkgen.model import quant
+
+    n, k = 264, 512  # channel groups of 8 over more than one thread panel; two K-quant super-blocks
+    gguf_type = quant.GGUF_TYPES[qtype]
+    w = quant.pack(quant.from_gguf(quant.random_gguf(gguf_type, n, k, 0.05, np.random.default_rng(5)), gguf_type, n, k))
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([quant.quantized_linear(x[i : i + 1], w) for i in range(9)])
+    for rows in (2, 3, 5, 7, 32, 33, 300):
+        assert torch.equal(quant.quantized_linear(x[:rows], w)[: min(rows, 9)], alone[: min(rows, 9)]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(quant.quantized_linear(x[:33], w)[:9], alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_switch_reaches_the_kernels():
     invariant.set_enabled(False)
     assert not native().batch_invariant() and not invariant.enabled()

@@ -77,7 +77,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.fixture
 def invariant_off():
-    """The fast plan of each call (batch-invariant numerics off, the default)."""
+    """The fast plan of each call (`--batch-invariant off`)."""
     invariant.set_enabled(False)
     yield
     invariant.set_enabled(False)
@@ -164,7 +164,7 @@ def test_the_model_uses_the_fp32_product_for_up_to_256_rows(monkeypatch, invaria
 def invariant_on():
     invariant.set_enabled(True)
     yield
-    invariant.set_enabled(False)  # the process default
+    invariant.set_enabled(False)  # the process default, outside an engine
 
 
 def test_with_batch_invariant_numerics_every_call_takes_the_packed_product(monkeypatch, invariant_on):
