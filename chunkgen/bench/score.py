@@ -64,7 +64,7 @@ def _chunkgen(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, A
     from chunkgen.llm import LLM, prefix_token
     from chunkgen.scoring import score_stream
 
-    llm = LLM(model=model, dtype=dtype)
+    llm = LLM(model=model, dtype=dtype, quantize="none")
     jobs = work.jobs(llm.model.vocab_size, prefix_token(llm.tokenizer))
     t0 = time.perf_counter()
     results = {r.id: [c.logprob for c in r.choices] for r in score_stream(llm.engine, jobs)}

