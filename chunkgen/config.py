@@ -31,6 +31,9 @@ DEFAULT_KV_MEMORY = "auto"
 DEFAULT_MAX_BATCH = "auto"
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BATCH_INVARIANT = "on"  # a row's answer does not depend on the rows beside it (docs/batch-invariance.md)
+# Linear weights as the file ships them: the embedded default model (a Q4_1 GGUF) runs quantized;
+# models that are not GGUF run in floats (docs/quantized.md).
+DEFAULT_QUANTIZE = "auto"
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # new tokens computed in one batched prefill wave
 ORDERS = ("prefix", "input")
 
@@ -107,7 +110,8 @@ class Config:
     # A row's numbers do not depend on the rows run beside it (docs/batch-invariance.md); off: each
     # kernel call's fastest plan.
     batch_invariant: bool = True
-    quantize: str = "none"  # linear weights: none, auto (a GGUF's own types), int8, or a GGUF type (random weights)
+    # linear weights: none, auto (a GGUF's own types), int8, or a GGUF type (random weights)
+    quantize: str = DEFAULT_QUANTIZE
     why: Mapping[str, str] = field(default_factory=dict)
     auto: frozenset[str] = frozenset()  # the options among device, dtype, kv_memory, max_batch asked as auto
     notes: tuple[str, ...] = ()  # warnings worth saying once (a slow choice)
@@ -132,7 +136,7 @@ class Config:
         dummy_weights: str | None = None,
         seed: int = 0,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
-        quantize: str = "none",
+        quantize: str = DEFAULT_QUANTIZE,
         found: Accelerator | None = None,
     ) -> Config:
         """Every option checked and every `auto` decided; raises OptionError naming the option."""

@@ -5,16 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import torch
-
 from chunkgen.cache import ChunkPool, KVReservation, kv_shape
 from chunkgen.cache.pages import keep_freed_pages
 from chunkgen.config import Config
 from chunkgen.device import device_guard, free_bytes
 from chunkgen.engine import Engine, Request, Result, SamplingParams
 from chunkgen.model import LlamaModel, load_hf, resolve_model
-from chunkgen.model.llama import float_linear
-from chunkgen.model.quant import describe, linear_factory
+from chunkgen.model.llama import float_linears
+from chunkgen.model.quant import describe, is_direct, quantized_linears, weight_source
 from chunkgen.prompt import Layout, Prompt, check_chat_template, encode_prompt
 from chunkgen.scoring import ChoiceJob, ChoiceResult, ContinuationScore, rolling_windows, score_stream
 
@@ -44,20 +42,26 @@ class LLM:
         dev = config.device
         self._kv: KVReservation | None = None
         with device_guard(dev):
+            # Weights held once (model/skeleton.py): a quantized source's products are never made in
+            # floats, and each float product keeps only the layouts its forward reads.
+            floats = float_linears(held_once=True, invariant=config.batch_invariant)
             if config.dummy_weights is None:
                 path = resolve_model(config.model)
                 self._reserve_early(config, path)
-                hf_model, self.tokenizer, self.model_path = load_hf(path, config.dtype or "auto", dev)
+                source = self._source(config, path)
+                hf_model, self.tokenizer, self.model_path = load_hf(
+                    path, config.dtype or "auto", dev, skeleton_of=source if is_direct(source) else None
+                )
                 if not config.chat_template:  # messages as plain text, joined by blank lines (encode_prompt)
                     self.tokenizer.chat_template = None
                 check_chat_template(self.tokenizer, str(self.model_path))
                 own_dtype = "auto: the model's own dtype on a GPU"
             else:
-                hf_model, self.tokenizer = self._random_weights(config.dummy_weights, config.dtype, dev, config.seed)
+                hf_model, self.tokenizer, source = self._random_weights(config, dev)
                 self.model_path = None
                 own_dtype = "auto: the config's dtype on a GPU"
-            make = linear_factory(config.quantize, dev, hf_model, self.model_path, config.seed)
-            self.model = LlamaModel(hf_model, make or float_linear)
+            make = None if source is None else quantized_linears(hf_model, source, floats)
+            self.model = LlamaModel(hf_model, make or floats)
             self.quantized = describe(make)  # what runs on quantized weights, for the load line
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
             if dev == "cpu":
@@ -90,13 +94,30 @@ class LLM:
         self._kv = KVReservation(ChunkPool.for_run(shape, config))
 
     @staticmethod
-    def _random_weights(spec, dtype: torch.dtype | None, device: str, seed: int):
-        from chunkgen.model import dummy
+    def _source(config: Config, path):
+        """Where --quantize takes the linear weights from (quant.weight_source), or None."""
+        if config.quantize == "none" or config.device != "cpu":
+            return None
+        from chunkgen.model.loading import model_config
 
-        config = dummy.load_config(spec)
-        dtype = dtype or dummy.config_dtype(config)
-        dummy.check_fits(config, dtype, device, free_bytes(device))
-        return dummy.random_model(config, dtype, device, seed), dummy.tokenizer_for(config)
+        return weight_source(config.quantize, config.device, path, model_config(path), config.seed)
+
+    @staticmethod
+    def _random_weights(cfg: Config, device: str):
+        """(transformers model, tokenizer, quantized source or None) of --dummy-weights: a quantized
+        type's products drawn as blocks, never in floats (model/skeleton.py)."""
+        from chunkgen.model import dummy, skeleton
+
+        config = dummy.load_config(cfg.dummy_weights)
+        dtype = cfg.dtype or dummy.config_dtype(config)
+        source = weight_source(cfg.quantize, device, None, config, cfg.seed)
+        direct = is_direct(source)
+        dummy.check_fits(config, dtype, device, free_bytes(device), quantized=direct)
+        if direct:
+            model = skeleton.random(config, dtype, source, cfg.seed)
+        else:
+            model = dummy.random_model(config, dtype, device, cfg.seed)
+        return model, dummy.tokenizer_for(config), source
 
     @property
     def device(self) -> str:

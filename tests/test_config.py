@@ -37,7 +37,7 @@ def test_nothing_given_is_every_default_decided_for_this_machine():
     assert config.max_batch == AUTO_MAX_BATCH and "KV budget" in config.why["max_batch"]
     assert config.chunk_size == cfg.DEFAULT_CHUNK_SIZE == 64
     assert config.max_prefill_tokens == cfg.DEFAULT_MAX_PREFILL_TOKENS
-    assert config.batch_invariant is True and config.quantize == "none" and config.order == "prefix"
+    assert config.batch_invariant is True and config.quantize == "auto" and config.order == "prefix"
     assert config.share_prefix and config.chunk_first and config.chat_template
     assert config.dtype in (torch.float32, torch.bfloat16) and config.why["dtype"].startswith("auto")
     assert config.kv_dtype == config.dtype  # the K/V cache keeps the model's dtype on the CPU

@@ -96,7 +96,7 @@ def bench_order(
         lengths = parse_doc_tokens(doc_tokens)
     except ValueError as exc:
         usage("--doc-tokens", str(exc))
-    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB"))
+    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=max_batch, kv_memory="64MiB", quantize="none"))
     max_batch = llm.config.max_batch
     rows = docqa_rows(llm.tokenizer, docs, questions, lengths, shuffle, data_seed)
     if dump_token_ids:

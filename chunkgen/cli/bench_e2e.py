@@ -74,7 +74,7 @@ def bench_e2e(
                   highlight=False)
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
     llm = load_llm(config)
-    dtype = dtype_line(llm.config)
+    dtype = dtype_line(llm.config) + ("" if llm.quantized == "none" else f", quantized: {llm.quantized}")
     current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
 
     def on_start(system: str, ns: int, round_: int) -> None:
@@ -159,11 +159,14 @@ def _check_dummy_fits(config: Config, copies: int) -> None:
         return
     from chunkgen.device import free_bytes
     from chunkgen.model import dummy
+    from chunkgen.model.quant import GGUF_TYPES
 
     try:
         shapes = dummy.load_config(spec)
         chosen = config.dtype or dummy.config_dtype(shapes)
-        dummy.check_fits(shapes, chosen, device, free_bytes(device), copies)
+        # chunkgen's own copy is drawn quantized where --quantize names a GGUF type (model/skeleton.py)
+        quantized = config.quantize in GGUF_TYPES and copies == 1 and device == "cpu"
+        dummy.check_fits(shapes, chosen, device, free_bytes(device), copies, quantized=quantized)
     except dummy.DummyWeightsError as exc:
         fail(
             str(exc)

@@ -40,9 +40,22 @@ def load_llm(config: Config, announce: str = "line"):
     if announce == "json":
         json_event({"event": "model_loaded", "model": what, "seconds": round(seconds, 2)})
     elif announce == "line":
-        quantized = "" if llm.quantized == "none" else f"; quantized linear layers: {llm.quantized}"
-        err.print(f"loaded {what} in {seconds:.1f} s{quantized}", highlight=False)
+        weights = weights_text(llm)
+        err.print(f"loaded {what} in {seconds:.1f} s" + (f"; {weights}" if weights else ""), highlight=False)
     return llm
+
+
+def weights_text(llm) -> str:
+    """What the linear layers run on, for the load line and the summary ('' for a float checkpoint,
+    whose dtype says it all)."""
+    from chunkgen.model.loading import SOURCE_FILE
+
+    if llm.quantized != "none":
+        return f"quantized linear layers: {llm.quantized}"
+    if llm.model_path is None or not (Path(llm.model_path) / SOURCE_FILE).is_file():
+        return ""
+    where = "on the GPU" if llm.device != "cpu" else "(--quantize none)"
+    return f"GGUF weights dequantized to {llm.config.dtype_name} {where}"
 
 
 def device_text(config: Config) -> str:

@@ -74,10 +74,11 @@ QUANTIZE = Annotated[
     typer.Option(
         "--quantize",
         metavar="MODE",
-        help="Linear weights on the CPU: none (floats in --dtype), auto (a GGUF file's own quantized types, "
-        "as shipped: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; floats for other models), int8 (per-channel int8 made "
-        "at load). With --dummy-weights also q8_0, q4_0, q4_1, q4_k, q5_k, q6_k. Activations are quantized per "
-        "row to int8 blocks. On a GPU, GGUF weights run dequantized.",
+        help="Linear weights on the CPU: auto (a GGUF file's own quantized types, as shipped: Q8_0, Q4_0, "
+        "Q4_1, Q4_K, Q5_K, Q6_K, so the embedded model runs as its Q4_1 file; floats for other models; the "
+        "default of run), none (floats in --dtype; the default of the benches), int8 (per-channel int8 made "
+        "at load). With --dummy-weights also q8_0, q4_0, q4_1, q4_k, q5_k, q6_k. Activations are quantized "
+        "per row to int8 blocks. On a GPU, GGUF weights run dequantized.",
     ),
 ]
 KV_MEMORY = Annotated[

@@ -18,7 +18,7 @@ import typer
 from rich.markup import escape
 
 from chunkgen.cli.boundary import app, err, fail, usage
-from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm
+from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm, weights_text
 from chunkgen.cli.option_types import (
     BATCH_INVARIANT,
     CHUNK_SIZE,
@@ -49,6 +49,7 @@ from chunkgen.config import (
     DEFAULT_KV_MEMORY,
     DEFAULT_MAX_BATCH,
     DEFAULT_MODEL,
+    DEFAULT_QUANTIZE,
     ORDERS,
     Config,
 )
@@ -68,7 +69,7 @@ def run(
     template: Path | None = typer.Option(None, "--template", "-t", metavar="PATH", help="A .toml template or a directory of them."),
     model: MODEL = DEFAULT_MODEL,
     dtype: DTYPE = DEFAULT_DTYPE,
-    quantize: QUANTIZE = "none",
+    quantize: QUANTIZE = DEFAULT_QUANTIZE,
     device: DEVICE = DEFAULT_DEVICE,
     sampling: dict[str, Any] = ...,  # one option per SamplingParams field (sampling_options)
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
@@ -276,6 +277,8 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
         stop_progress()
     loaded = llm.config
     summary.dtype, summary.device, summary.kv_memory = dtype_text(loaded), device_text(loaded), kv_text(loaded)
+    if weights := weights_text(llm):
+        summary.dtype += f"; {weights}"
     summary.max_batch = f"{loaded.max_batch} ({loaded.why['max_batch']})"
     return summary
 

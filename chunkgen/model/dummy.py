@@ -94,11 +94,35 @@ def weight_bytes(config, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in _skeleton(config, dtype).parameters()) * itemsize
 
 
-def check_fits(config, dtype: torch.dtype, device: str, available: int, copies: int = 1) -> int:
+# Bytes a quantized weight takes once repacked, at most (Q8_0, Q6_K: a byte a value plus fp32 scales).
+QUANT_BYTES_PER_WEIGHT = 1.125
+
+
+def quantized_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of the model with its linear layers quantized (model/skeleton.py: nothing else is
+    made), every other parameter in `dtype`; an upper bound over the quantized types."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    model = _skeleton(config, dtype)
+    linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    total = sum(p.numel() for p in model.parameters())
+    return int(sum(linear.values()) * QUANT_BYTES_PER_WEIGHT + (total - sum(linear.values())) * itemsize)
+
+
+def check_fits(
+    config, dtype: torch.dtype, device: str, available: int, copies: int = 1, quantized: bool = False
+) -> int:
     """Raises DummyWeightsError when building `copies` models of this config would take more than
-    `available` bytes; returns the estimate."""
+    `available` bytes; returns the estimate. quantized: linear layers drawn quantized (one copy)."""
     from chunkgen.model.precision import DTYPE_NAMES
 
+    if quantized:
+        weights = quantized_bytes(config, dtype)
+        if weights > available:
+            raise DummyWeightsError(
+                f"random quantized weights of this config take about {weights / 2**30:.1f} GiB, more than "
+                f"the {available / 2**30:.1f} GiB memory available"
+            )
+        return weights
     weights = weight_bytes(config, dtype)
     need = int(weights * peak_factor(device, dtype)) + (copies - 1) * weights
     if need > available:

@@ -77,21 +77,18 @@ class Linear:
     With batch-invariant numerics (kernels/invariant.py) every call where that product runs takes
     it, whatever its rows, bias or weight size. CHUNKGEN_DECODE_LINEAR=0 turns it off."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, held_once: bool = False, invariant: bool = False
+    ) -> None:
+        """held_once: keep only the layouts the forward reads (the model is built for a run, not
+        compared with the module it came from): with batch-invariant numerics (`invariant`) and
+        chunkgen's product available, its packed copy alone; otherwise oneDNN's and, for a weight
+        without bias, chunkgen's; the as-loaded weight is dropped once a packed copy serves every
+        call. The caller drops its own reference (float_linear(..., held_once=True))."""
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.weight_t = self.weight.t()  # what F.linear multiplies by: mm/addmm on it is F.linear, one op
-        self.packed = None
-        if (
-            weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and weight.numel() >= _ONEDNN_MIN_WEIGHT
-            and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
-        ):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
-            except (RuntimeError, AttributeError):  # e.g. bf16 without AVX-512: plain path
-                self.packed = None
+        self.dtype = self.weight.dtype
+        self.out_features = self.weight.shape[0]
         # chunkgen's product: for decode batches (weights without bias, not tiny), and for every
         # call with batch-invariant numerics, where it is the one product whose sums for a row are
         # the same at any row count (oneDNN and torch choose their blocking, and split k, by rows).
@@ -104,13 +101,36 @@ class Linear:
             and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"
         ):
             self.decode_packed = torch.ops.chunkgen.pack_linear.default(self.weight)
-        self.out_features = self.weight.shape[0]
+        self.packed = None
+        if (
+            weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and weight.numel() >= _ONEDNN_MIN_WEIGHT
+            and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
+            and not (held_once and invariant and self.decode_packed is not None)  # every call takes chunkgen's
+        ):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
+            except (RuntimeError, AttributeError):  # e.g. bf16 without AVX-512: plain path
+                self.packed = None
+        if held_once and (self.packed is not None or self.decode_packed is not None):
+            self.weight = None  # a packed copy serves every call (chunkgen's where oneDNN's is not kept)
+        self.weight_t = None if self.weight is None else self.weight.t()  # mm/addmm on it is F.linear, one op
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight's layouts held (the float weights a load keeps)."""
+        return sum(_held_bytes(t) for t in (self.weight, self.packed, self.decode_packed) if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Inductor cannot lower the prepacked weights; a compiled forward packs weights itself.
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() or self.weight is None:
             if self.decode_packed is not None and (
-                invariant.enabled() or self.decode_fast and x.shape[0] <= _DECODE_PACKED_ROWS[self.weight.dtype]
+                invariant.enabled()
+                or self.weight is None
+                and self.packed is None
+                or self.decode_fast
+                and x.shape[0] <= _DECODE_PACKED_ROWS[self.dtype]
             ):
                 y = torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
                 return y if self.bias is None else y.add_(self.bias)
@@ -118,6 +138,13 @@ class Linear:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         # x is [rows, in] here: F.linear's own path for it, without its nested transpose and views
         return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+
+def _held_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except NotImplementedError:  # oneDNN's packed tensor: an opaque reorder of the same elements
+        return t.numel() * t.element_size()
 
 
 @dataclass
@@ -156,11 +183,24 @@ def layer_windows(cfg) -> list[int]:
     return [window] * cfg.num_hidden_layers
 
 
-def float_linear(modules: list) -> Linear:
-    """The product of one or more nn.Linear modules fused along the outputs, on float weights."""
+def float_linear(modules: list, held_once: bool = False, invariant: bool = False) -> Linear:
+    """The product of one or more nn.Linear modules fused along the outputs, on float weights.
+    held_once: the modules' weights are released as soon as the product is packed (the transformers
+    model cannot run afterwards), so that a load never holds a layer's weight in two layouts for
+    longer than it takes to pack it (see Linear)."""
     if len(modules) == 1:
-        return Linear(modules[0].weight, modules[0].bias)
-    return Linear(torch.cat([m.weight for m in modules]), _cat_bias(*modules))
+        linear = Linear(modules[0].weight, modules[0].bias, held_once, invariant)
+    else:
+        linear = Linear(torch.cat([m.weight for m in modules]), _cat_bias(*modules), held_once, invariant)
+    if held_once:
+        for m in modules:
+            m.weight = None  # a tied weight (the embedding's) stays alive through the embedding
+    return linear
+
+
+def float_linears(held_once: bool, invariant: bool) -> LinearFactory:
+    """float_linear with these settings, as a LinearFactory."""
+    return lambda modules: float_linear(modules, held_once, invariant)
 
 
 # Builds a layer's product from the nn.Linear modules it fuses: float_linear, or quantized weights
@@ -232,7 +272,8 @@ class LlamaModel:
         self.config = cfg
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.dtype = hf_model.dtype
-        self.device = hf_model.device
+        # a direct load (model/skeleton.py) may leave the first parameter, the embedding, unmade
+        self.device = hf_model.device if hf_model.device.type != "meta" else torch.device("cpu")
         self.num_layers, self.kv_heads, self.head_dim = kv_shape(cfg)
         self.q_heads = cfg.num_attention_heads
         gemma = cfg.model_type in _GEMMA_TYPES
@@ -250,9 +291,14 @@ class LlamaModel:
         activation = getattr(cfg, "hidden_activation", None) or cfg.hidden_act
         self.act = ACT2FN[activation]
         self.rotary = inner.rotary_emb
-        self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
         self.lm_head = make_linear([hf_model.lm_head])
+        # the token embedding: float rows, or rows dequantized from quantized weights as looked up
+        # (the output layer's own where they are tied)
+        embedding = getattr(make_linear, "embedding", None)
+        self.quant_embed = embedding(inner.embed_tokens, self.lm_head) if embedding else None
+        self.embed = None if self.quant_embed is not None else inner.embed_tokens.weight.detach()
+        probe = torch.zeros(1, cfg.hidden_size, dtype=self.dtype, device=self.device)  # rotary's dtype, device
         windows = layer_windows(cfg)
         # Gemma 3's local layers have a rotary base of their own: transformers 5 keeps one module
         # that takes the layer type, transformers 4 a second module (rotary_emb_local).
@@ -276,16 +322,16 @@ class LlamaModel:
                 None
                 if self._length_dependent_rope()
                 else {
-                    key: self._rope(key, self.embed[:1], torch.arange(self.max_context, device=self.embed.device))
+                    key: self._rope(key, probe, torch.arange(self.max_context, device=self.device))
                     for key in self._rope_keys
                 }
             )
         # {rope key: (cos, sin) [positions, 1, rot_dim]} in the model's dtype; None for rope types
         # computed per call
         self.rope_tables = tables
-        self._rotary_dim = self._rope(
-            self._rope_keys[0], self.embed[:1], torch.zeros(1, dtype=torch.long, device=self.embed.device)
-        )[0].shape[-1]
+        self._rotary_dim = self._rope(self._rope_keys[0], probe, torch.zeros(1, dtype=torch.long, device=self.device))[
+            0
+        ].shape[-1]
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     # The forward's elementwise work runs as fused ops (kernels/elementwise.py) that round as the
@@ -322,7 +368,7 @@ class LlamaModel:
         return logits
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids, self.embed) if self.quant_embed is None else self.quant_embed(ids)
         if self.embed_scale is not None:  # Gemma: scaled by sqrt(hidden) rounded to the model's dtype
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x

@@ -354,17 +354,30 @@ def _unpickling_error(exc: BaseException | None) -> pickle.UnpicklingError | Non
     return None
 
 
-def load_hf(spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
-    """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own."""
+def load_hf(
+    spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu", skeleton_of=None
+):
+    """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own.
+    skeleton_of: a quantized weight source (quant.GGUFSource): the linear weights it holds are left
+    unmade, everything else read tensor by tensor (model/skeleton.py); CPU only."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     path = resolve_model(spec)
-    check_model_dir(path)
+    config = check_model_dir(path)
     try:
         tokenizer = load_tokenizer(path)
     except Exception as exc:
         raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
+    if skeleton_of is not None:
+        from chunkgen.model import skeleton
+        from chunkgen.model.dummy import config_dtype
+
+        try:
+            model = skeleton.from_folder(path, config, config_dtype(config) if dtype == "auto" else dtype, skeleton_of)
+        except (skeleton.SkeletonError, OSError) as exc:
+            raise ModelNotFound(f"{path}: cannot load the weights ({exc})") from None
+        return model, tokenizer, path
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True

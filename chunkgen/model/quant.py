@@ -119,6 +119,31 @@ def pack(w: QuantWeight) -> PackedWeight:
     return PackedWeight(w.kind, qs.contiguous(), scales.contiguous(), mins, w.n, w.k, w.source)
 
 
+def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
+    """The rows (output channels) `index` of a packed W in row layout: `pack` undone for those rows
+    only (an embedding lookup from the output layer's weight it is tied to)."""
+    g, c = index // GROUP, index % GROUP
+    qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order
+    scales = w.scales[g, :, :, c].reshape(len(index), -1)
+    mins = None if w.mins is None else w.mins[g, :, c].reshape(len(index), -1)
+    return QuantWeight(w.kind, qs, scales, mins, len(index), w.k, w.source)
+
+
+class QuantEmbedding:
+    """Token embedding rows looked up in a quantized weight and dequantized to `dtype` (what
+    transformers' embedding holds for a GGUF: the same fp32 products, rounded once): the row
+    layout, or the packed weight of the output layer it is tied to (no second copy)."""
+
+    def __init__(self, weight: QuantWeight | PackedWeight, dtype: torch.dtype) -> None:
+        self.weight, self.dtype = weight, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        w = self.weight
+        rows = packed_rows(w, flat) if isinstance(w, PackedWeight) else w.rows(flat)
+        return rows.dequantize(self.dtype).view(*ids.shape, w.k)
+
+
 def quantized_linear(x: torch.Tensor, w: QuantWeight | PackedWeight) -> torch.Tensor:
     """x [rows, k] times W^T, x quantized per row to int8 blocks of 32 -> [rows, n] in x's dtype."""
     if isinstance(w, QuantWeight):
@@ -273,12 +298,10 @@ def _concat(parts: list[QuantWeight]) -> QuantWeight:
 
 # A source of quantized weights: (the module's name in the transformers model, the module) -> its
 # weight quantized, or None to keep that product in floats.
-WeightSource = "Callable[[str, torch.nn.Module], QuantWeight | None]"
-
-
 def quantized_linears(hf_model, source, float_linear):
     """A LinearFactory for LlamaModel: each product's modules from `source`, in floats (float_linear)
-    where the source has no quantized weight for one of them. Counts what it made in .made."""
+    where the source has no quantized weight for one of them. Counts what it made in .made; its
+    .embedding(module, lm_head) gives the token embedding quantized where the source has it."""
     names = {id(m): name for name, m in hf_model.named_modules()}
 
     def make(modules: list):
@@ -297,7 +320,17 @@ def quantized_linears(hf_model, source, float_linear):
         make.bytes += sum(w.nbytes for w in linear.weights)
         return linear
 
-    make.made, make.bytes = {}, 0
+    def embedding(module, lm_head) -> QuantEmbedding | None:
+        """The embedding quantized where its float weight was never made (a direct load)."""
+        if module.weight.device.type != "meta":
+            return None
+        if getattr(source, "tied", False) and isinstance(lm_head, QuantLinear) and len(lm_head.weights) == 1:
+            return QuantEmbedding(lm_head.weights[0], module.weight.dtype)
+        weight = source.embedding()
+        make.bytes += weight.nbytes
+        return QuantEmbedding(weight, module.weight.dtype)
+
+    make.made, make.bytes, make.embedding = {}, 0, embedding
     return make
 
 
@@ -305,20 +338,28 @@ def int8_source(name: str, module) -> QuantWeight | None:
     return int8_per_channel(module.weight.detach()) if module.weight.shape[1] % BLOCK == 0 else None
 
 
-def random_source(qtype_name: str, seed: int):
+class RandomSource:
     """Random weights of a GGUF type (--dummy-weights with --quantize q4_k, ...): drawn directly
-    as blocks, of the order of an initialised model's weights."""
-    qtype = GGUF_TYPES[qtype_name]
-    block = GGML_QUANT_SIZES[qtype][0]
-    rng = np.random.default_rng(seed)
+    as blocks, of the order of an initialised model's weights, one product at a time."""
 
-    def source(name: str, module) -> QuantWeight | None:
-        n, k = module.weight.shape
-        if k % block:
+    tied = False
+
+    def __init__(self, qtype_name: str, seed: int) -> None:
+        self.qtype = GGUF_TYPES[qtype_name]
+        self.block = GGML_QUANT_SIZES[self.qtype][0]
+        self.rng = np.random.default_rng(seed)
+
+    def has(self, name: str, module) -> bool:
+        return module.weight.shape[1] % self.block == 0
+
+    def __call__(self, name: str, module) -> QuantWeight | None:
+        if not self.has(name, module):
             return None
-        return from_gguf(random_gguf(qtype, n, k, 0.02, rng), qtype, n, k)
+        n, k = module.weight.shape
+        return from_gguf(random_gguf(self.qtype, n, k, 0.02, self.rng), self.qtype, n, k)
 
-    return source
+    def embedding(self) -> None:
+        return None  # drawn in floats by the load (transformers' initialisation)
 
 
 class GGUFSource:
@@ -329,7 +370,7 @@ class GGUFSource:
     def __init__(self, path, config) -> None:
         import gguf
 
-        self.reader = gguf.GGUFReader(path)
+        self.reader = gguf.GGUFReader(path)  # maps the file: tensors are read when repacked
         field = self.reader.fields["general.architecture"]
         self.arch = bytes(field.parts[field.data[0]]).decode()
         arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch)
@@ -337,14 +378,28 @@ class GGUFSource:
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        # the output layer is the token embedding (no output tensor of its own)
+        self.tied = "output.weight" not in self.tensors and "token_embd.weight" in self.tensors
+        # The parsed metadata (the vocabulary: ~150 MB of small arrays for a 49k-token model) is
+        # not needed past here; the tensors keep their views of the mapped file.
+        self.reader.fields = {}
 
-    def __call__(self, name: str, module) -> QuantWeight | None:
+    def _tensor(self, name: str):
         base = name[len("model.") :] if name.startswith("model.") else name
         key = self.names.get_name(f"model.{base}") or self.names.get_name(name)
         tensor = self.tensors.get(f"{key}.weight") if key else None
         if tensor is None and name == "lm_head":  # tied: the token embedding serves as the output
             tensor = self.tensors.get("token_embd.weight")
         if tensor is None or GGMLQuantizationType(tensor.tensor_type) not in TYPE_NAMES:
+            return None
+        return tensor
+
+    def has(self, name: str, module) -> bool:
+        return self._tensor(name) is not None
+
+    def __call__(self, name: str, module) -> QuantWeight | None:
+        tensor = self._tensor(name)
+        if tensor is None:
             return None
         k, n = (int(d) for d in tensor.shape[:2])
         w = from_gguf(tensor.data, tensor.tensor_type, n, k)
@@ -354,30 +409,52 @@ class GGUFSource:
             w = w.rows(torch.from_numpy(np.argsort(order)))
         return w
 
+    def has_embedding(self) -> bool:
+        tensor = self.tensors.get("token_embd.weight")
+        return tensor is not None and GGMLQuantizationType(tensor.tensor_type) in TYPE_NAMES
 
-def linear_factory(quantize: str, device: str, hf_model, model_path, seed: int = 0):
-    """The LinearFactory `--quantize` asks for on this model, or None for float weights: auto runs
-    a GGUF file's own types (the model folder a GGUF was converted into names its file), int8
-    makes per-channel int8 weights, a GGUF type name draws random weights of it. CPU only: on a
-    GPU a GGUF's weights run dequantized to floats."""
-    from chunkgen.model.llama import float_linear
+    def embedding(self) -> QuantWeight | None:
+        """The token embedding as shipped (row layout: rows are looked up, not multiplied)."""
+        if not self.has_embedding():
+            return None
+        tensor = self.tensors["token_embd.weight"]
+        k, n = (int(d) for d in tensor.shape[:2])
+        return from_gguf(tensor.data, tensor.tensor_type, n, k)
+
+
+def weight_source(quantize: str, device: str, model_path, config, seed: int = 0):
+    """Where `--quantize` takes this model's linear weights from, or None for float weights: auto
+    runs a GGUF file's own types (the model folder a GGUF was converted into names its file), int8
+    makes per-channel int8 weights from the float ones, a GGUF type name draws random weights of
+    it. CPU only: on a GPU a GGUF's weights run dequantized to floats. A GGUFSource or RandomSource
+    needs no float weight (`direct`: the load never makes them); int8 needs the float model."""
     from chunkgen.model.loading import SOURCE_FILE
 
     if quantize == "none" or not str(device).startswith("cpu"):
         return None
     if quantize == "int8":
-        source = int8_source
-    elif quantize in GGUF_TYPES:
-        source = random_source(quantize, seed)
-    else:  # auto
-        marker = None if model_path is None else Path(model_path) / SOURCE_FILE
-        if marker is None or not marker.is_file():
-            return None  # float weights: nothing shipped quantized
-        gguf_file = Path(json.loads(marker.read_text())["gguf"])
-        if not gguf_file.is_file():
-            return None
-        source = GGUFSource(gguf_file, hf_model.config)
-    return quantized_linears(hf_model, source, float_linear)
+        return int8_source
+    if quantize in GGUF_TYPES:
+        return RandomSource(quantize, seed)
+    marker = None if model_path is None else Path(model_path) / SOURCE_FILE
+    if marker is None or not marker.is_file():
+        return None  # float weights: nothing shipped quantized
+    gguf_file = Path(json.loads(marker.read_text())["gguf"])
+    if not gguf_file.is_file():
+        return None
+    return GGUFSource(gguf_file, config)
+
+
+def is_direct(source) -> bool:
+    return isinstance(source, (GGUFSource, RandomSource))
+
+
+def linear_factory(quantize: str, device: str, hf_model, model_path, seed: int = 0, float_linear=None):
+    """The LinearFactory `--quantize` asks for on this model (see weight_source), or None."""
+    from chunkgen.model import llama
+
+    source = weight_source(quantize, device, model_path, hf_model.config, seed)
+    return None if source is None else quantized_linears(hf_model, source, float_linear or llama.float_linear)
 
 
 def describe(make) -> str:

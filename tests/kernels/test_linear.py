@@ -183,3 +183,30 @@ def test_with_batch_invariant_numerics_every_call_takes_the_packed_product(monke
                 (lin(x).double() - want).abs() <= (x.double().abs() @ lin.weight.double().abs().t()) * k * 2**-23 + 1e-5
             ).all()
     assert calls == [1, 257, 700] * 3
+
+
+@pytest.mark.parametrize("invariant_build", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_held_once_keeps_one_float_layout(invariant_build, bias, invariant_off):
+    """held_once (a model built for a run): the as-loaded weight is dropped once packed, oneDNN's
+    copy kept only where batch-invariant numerics are off at build, and the products equal those of
+    a Linear that keeps every layout, on either setting of the switch at call time."""
+    w, b = torch.randn(600, 512), (torch.randn(600) if bias else None)
+    full = llama.Linear(w, b)
+    held = llama.Linear(w, b, held_once=True, invariant=invariant_build)
+    assert held.weight is None and held.decode_packed is not None
+    assert (held.packed is None) == invariant_build
+    layouts = 1 if invariant_build else 2
+    assert held.nbytes <= layouts * w.numel() * w.element_size() * 1.05 < full.nbytes
+    for on in (False, True):
+        invariant.set_enabled(on)
+        for rows in (1, 300):
+            x = torch.randn(rows, 512)
+            if on or invariant_build or rows <= 256 and not bias:  # the same product on both
+                torch.testing.assert_close(held(x), full(x), rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(held(x), full(x), rtol=1e-5, atol=1e-4)
+    invariant.set_enabled(False)
+    modules = [torch.nn.Linear(512, 300, bias=False), torch.nn.Linear(512, 300, bias=False)]
+    fused = llama.float_linear(modules, held_once=True, invariant=True)
+    assert all(m.weight is None for m in modules) and fused.out_features == 600

@@ -281,3 +281,14 @@ def test_model_on_int8_weights(tiny_model):
         Config.resolve(str(tiny_model), quantize="q4_k")
     with pytest.raises(Exception, match="must be auto, none or int8"):
         Config.resolve(str(tiny_model), quantize="int4")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qtype, path):
+    """Batch-invariant numerics (the default) hold on quantized weights: each row is quantized on
+    its own and its block sums are added in one order at any row count and tile position."""
+    w = quant.pack(_weight(qtype, 72, 512, seed=3)[0])
+    x = torch.randn(300, 512)
+    full = quant.quantized_linear(x, w)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 37), slice(299, 300), slice(3, 260)):
+        torch.testing.assert_close(quant.quantized_linear(x[rows], w), full[rows], rtol=0, atol=0)

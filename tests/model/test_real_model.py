@@ -20,7 +20,7 @@ def test_default_model_greedy_parity_with_transformers(default_model_dir, dtype)
     equal or diverges at a near tie."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(model=str(default_model_dir), dtype=dtype, kv_memory="1GiB")
+    llm = LLM(model=str(default_model_dir), dtype=dtype, kv_memory="1GiB", quantize="none")
     t = load_template(PROMPTS / "document_qa.toml")
     prompts = [t.messages({"question": q}) for q in QUESTIONS]
     results = llm.generate(prompts, SamplingParams(max_new_tokens=12))
