@@ -56,7 +56,7 @@ def _patched(*patches):
 
 
 def _linear_flop(split: _Split, linear: llama.Linear, x: torch.Tensor) -> None:
-    split.linear_flop += 2.0 * x.shape[0] * linear.weight.shape[0] * linear.weight.shape[1]
+    split.linear_flop += 2.0 * x.shape[0] * linear.out_features * linear.in_features
 
 
 def _quant_flop(split: _Split, linear: quant.QuantLinear, x: torch.Tensor) -> None:

@@ -64,6 +64,24 @@ def decode_product_available() -> bool:
     return native_cpu_available() and native().cpu_kernel_isa() in ("amx", "avx512_bf16")
 
 
+def _register_fake_products() -> None:
+    """A compiled forward (torch.compile) traces products held only in a packed layout (a load keeps
+    one copy of each weight) as calls of chunkgen's own ops: their output shapes, for tracing."""
+    if not native_cpu_available():
+        return
+
+    @torch.library.register_fake("chunkgen::packed_linear")
+    def _(x, packed, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("chunkgen::quant_linear")
+    def _(x, qs, scales, mins, kind, n):
+        return x.new_empty(x.shape[0], n)
+
+
+_register_fake_products()
+
+
 class Linear:
     """y = x W^T + b. On the CPU the weight is packed once into oneDNN's blocked layout when the
     build supports it for this dtype and the weight is not tiny: 1.4-2.1x faster than F.linear at
@@ -88,7 +106,7 @@ class Linear:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.dtype = self.weight.dtype
-        self.out_features = self.weight.shape[0]
+        self.out_features, self.in_features = self.weight.shape
         # chunkgen's product: for decode batches (weights without bias, not tiny), and for every
         # call with batch-invariant numerics, where it is the one product whose sums for a row are
         # the same at any row count (oneDNN and torch choose their blocking, and split k, by rows).

@@ -187,7 +187,9 @@ def test_step_profile_counts_the_work_done(llm):
     r = bench.profile_steps(llm, prompts, steps)
     assert r["steps"] == steps and r["batch"] == len(prompts)
     linears = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [m.lm_head]
-    assert r["linear_gflop"] * 1e9 == pytest.approx(2 * len(prompts) * sum(w.weight.numel() for w in linears))
+    assert r["linear_gflop"] * 1e9 == pytest.approx(
+        2 * len(prompts) * sum(w.out_features * w.in_features for w in linears)
+    )
     per_key = 4 * m.head_dim * m.q_heads * m.num_layers
     # Decode step j: row i holds its prompt, the token prefill sampled and j more, and the new one.
     keys = sum(len(p) + 1 + j for p in prompts for j in range(steps)) / steps
