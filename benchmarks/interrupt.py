@@ -250,9 +250,11 @@ def main() -> None:
     ap.add_argument("job", type=Path)
     ap.add_argument("--wall", type=float, help="stop: a full run's job_wall_s (seconds from model loaded to exit)")
     ap.add_argument("--at", default="0.25,0.5,0.75", help="stop: shares of --wall, comma-separated")
-    ap.add_argument("run_args", nargs=argparse.REMAINDER, help="after --: options for chunkgen run")
-    args = ap.parse_args()
-    run_args = [a for a in args.run_args if a != "--"]
+    argv = sys.argv[1:]
+    # What follows -- goes to chunkgen run as given; split by hand, since argparse's REMAINDER after
+    # a positional would also swallow this script's own options written after JOB_DIR.
+    run_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.what == "write":
         write(args.job)
         return

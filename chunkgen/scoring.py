@@ -4,11 +4,16 @@ whether it is the greedy one, and the likeliest; and the rolling loglikelihood o
 
 Every continuation is a prompt `context + continuation` scored from the context's end
 (`Request.score_from`) with nothing generated. The context is prefilled once: a job's first
-continuation goes first and brings the context into the tree; its other continuations are queued
-when it is back, so each of them copies the context's last, partly filled chunk instead of
-computing it (two prompts in one wave cannot share a chunk still being written). Each of them
-computes its own tokens and the context's last position again (the position that predicts its
-first token); the context's earlier tokens are never computed twice.
+continuation goes first and brings the context into the tree, and the context's last position,
+which predicts every continuation's first token, scores the others' first tokens too
+(`Request.score_alternatives`). A one-token continuation (an MMLU letter) is then done: a question
+with four one-letter choices is one prompt, and questions run together in one wave. A longer one
+is queued when the first is back and computes only its own tokens after the first (its prompt
+copies the context's last, partly filled chunk: two prompts in one wave cannot share a chunk still
+being written). The context's tokens are never computed twice. Where the context's last entry came
+from the tree (the same context and first continuation scored before), the alternatives are not
+known and each continuation computes its own first token's position again, as a prompt scored
+from the context's end.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class ChoiceScorer:
 
     def __init__(self) -> None:
         self.live: dict[Any, tuple[list[int], list[list[int]], list[ContinuationScore | None]]] = {}
+        # (key, index) -> the first token's (logprob, greedy) of a continuation queued for its rest
+        self.heads: dict[tuple[Any, int], tuple[float, bool]] = {}
 
     @staticmethod
     def owns(request_id: Any) -> bool:
@@ -80,28 +87,55 @@ class ChoiceScorer:
 
     def start(self, key: Any, context: list[int], continuations: list[list[int]]) -> Request:
         self.live[key] = (context, continuations, [None] * len(continuations))
-        return Request((CHOICE, key, 0), context + continuations[0], SCORE_ONLY, len(context))
+        others = tuple(c[0] for c in continuations[1:])
+        return Request((CHOICE, key, 0), context + continuations[0], SCORE_ONLY, len(context), others)
 
     def finished(self, res: Result) -> tuple[list[Request], Any, list[ContinuationScore] | str | None]:
         """(requests to add, the job's key, its scores when all are in, or its error, else None)."""
         _, key, i = res.id
+        head = self.heads.pop((key, i), None)
         if key not in self.live:  # a continuation of a job that failed already
             return [], key, None
         context, continuations, scores = self.live[key]
         if res.error:
-            del self.live[key]  # its other continuations, if queued, are dropped as they come back
+            self._drop(key)  # its other continuations, if queued, are dropped as they come back
             return [], key, res.error
-        scores[i] = _continuation(res, len(context), continuations[i])
+        if head is None:
+            scores[i] = _continuation(res, len(context), continuations[i])
+        else:  # scored after its first token, whose logprob came with the first continuation
+            rest = _continuation(res, len(context) + 1, continuations[i][1:])
+            lps = [head[0], *rest.token_logprobs]
+            scores[i] = ContinuationScore(sum(lps), len(lps), head[1] and rest.greedy, lps)
         follow = []
-        if i == 0 and len(scores) > 1:  # the context is in the tree now: the other continuations
-            follow = [
-                Request((CHOICE, key, j), context + c, SCORE_ONLY, len(context))
-                for j, c in enumerate(continuations[1:], 1)
-            ]
+        if i == 0 and len(scores) > 1:
+            follow = self._others(key, context, continuations, scores, res)
         if all(s is not None for s in scores):
             del self.live[key]
             return follow, key, scores  # type: ignore[return-value]
         return follow, key, None
+
+    def _others(self, key, context, continuations, scores, res: Result) -> list[Request]:
+        """The context is in the tree now: the continuations after the first, done at once where one
+        token long and their first token scored already, else as prompts of their own."""
+        first = res.prompt_logprobs[len(context)] if res.prompt_logprobs else None
+        alts = res.alternative_logprobs
+        follow = []
+        for j, c in enumerate(continuations[1:], 1):
+            if alts is None or first is None:
+                follow.append(Request((CHOICE, key, j), context + c, SCORE_ONLY, len(context)))
+                continue
+            lp, greedy = alts[j - 1], bool(first.top) and first.top[0].token_id == c[0]
+            if len(c) == 1:
+                scores[j] = ContinuationScore(lp, 1, greedy, [lp])
+            else:
+                self.heads[(key, j)] = (lp, greedy)
+                follow.append(Request((CHOICE, key, j), context + c, SCORE_ONLY, len(context) + 1))
+        return follow
+
+    def _drop(self, key: Any) -> None:
+        del self.live[key]
+        for k in [k for k in self.heads if k[0] == key]:
+            del self.heads[k]
 
 
 CHOICE = object()  # marks a choice job's requests among others in one engine

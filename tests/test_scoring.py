@@ -56,8 +56,9 @@ def test_greedy_continuation_is_greedy(tiny_llm):
 
 
 def test_context_prefilled_once(tiny_model):
-    """A context's tokens are computed once; each further continuation computes its own tokens and
-    the context's last position."""
+    """A context's tokens are computed once; its last position scores every continuation's first
+    token, so a one-token continuation after the first computes nothing and a longer one only its
+    own tokens."""
     llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=8)
     rnd = random.Random(1)
     contexts = [[1] + [rnd.randrange(3, 300) for _ in range(rnd.randrange(5, 70))] for _ in range(6)]
@@ -65,15 +66,41 @@ def test_context_prefilled_once(tiny_model):
     jobs = [ChoiceJob(i, c, k) for i, (c, k) in enumerate(zip(contexts, conts))]
     results = {r.id: r for r in score_stream(llm.engine, jobs, max_jobs=2)}
     assert sorted(results) == list(range(6))
-    # Each context once, each continuation its own tokens (its leading tokens shared with another once).
-    minimum = sum(
-        len(c) + len({tuple(t[:n]) for t in k for n in range(1, len(t) + 1)}) for c, k in zip(contexts, conts)
-    )
-    assert minimum <= llm.engine.stats.prefill_rows <= minimum + sum(len(k) - 1 for k in conts)
+    # At least every position that predicts a token (the context, each continuation's leading
+    # tokens once), at most that plus the last token of each prompt.
+    needed = sum(len(c) + len({tuple(t[:n]) for t in k for n in range(1, len(t))}) for c, k in zip(contexts, conts))
+    most = sum(len(c) + len(k[0]) + sum(len(t) for t in k[1:] if len(t) > 1) for c, k in zip(contexts, conts))
+    assert needed <= llm.engine.stats.prefill_rows <= most
     hf = _hf(tiny_model)
     for i, r in results.items():
         for cont, sc in zip(conts[i], r.choices):
-            assert abs(sc.logprob - _loglikelihood(hf, contexts[i], cont)[0]) <= 1e-4 * len(cont)
+            ref, greedy = _loglikelihood(hf, contexts[i], cont)
+            assert abs(sc.logprob - ref) <= 1e-4 * len(cont) and sc.greedy == greedy
+
+
+def test_one_token_choices_one_prompt_per_question(tiny_model):
+    """MMLU's shape: a shared few-shot prefix, questions, one-token answers. Each question computes
+    its own tokens and its first answer's, nothing else; scored again, every entry comes from the
+    tree and the answers' first tokens are computed as prompts of their own, with equal scores."""
+    llm = LLM(model=str(tiny_model), dtype="fp32", chunk_size=16, kv_memory="64MiB", max_batch=8)
+    rnd = random.Random(2)
+    prefix = [1] + [rnd.randrange(3, 300) for _ in range(40)]
+    jobs = [
+        ChoiceJob(q, prefix + [rnd.randrange(3, 300) for _ in range(9)], [[a] for a in rnd.sample(range(3, 300), 4)])
+        for q in range(8)
+    ]
+    first = {r.id: r for r in score_stream(llm.engine, jobs)}
+    assert llm.engine.stats.prefill_rows == len(prefix) + 8 * (9 + 1)
+    rows = llm.engine.stats.prefill_rows
+    again = {r.id: r for r in score_stream(llm.engine, jobs)}
+    # each other answer: its own token and the question's last position, which predicts it
+    assert llm.engine.stats.prefill_rows == rows + 8 * 3 * 2
+    hf = _hf(tiny_model)
+    for job in jobs:
+        for cont, a, b in zip(job.continuations, first[job.id].choices, again[job.id].choices, strict=True):
+            ref, greedy = _loglikelihood(hf, job.context, cont)
+            for sc in (a, b):
+                assert abs(sc.logprob - ref) <= 1e-4 and sc.greedy == greedy and sc.num_tokens == 1
 
 
 def test_rolling_windows_cover_every_token_once():

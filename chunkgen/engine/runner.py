@@ -40,8 +40,11 @@ class PrefillItem:
     path_slots: list[int]
     want_logits: bool = True
     # Alternatives kept per scored token (prompt_scores.stored_width), or None: the logprobs of
-    # tokens [start + 1, len(tokens)) are computed too.
+    # tokens [score_first, len(tokens)) are computed too (score_first > start; default start + 1).
     score_width: int | None = None
+    score_first: int | None = None
+    # Token ids whose logprobs are wanted at the position before score_first as well.
+    alternatives: tuple[int, ...] = ()
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -173,25 +176,29 @@ class ModelRunner:
         """Run a wave: last-position logits [vocab] for the items that want them, None for the others."""
         return self.prefill_scored(items)[0]
 
-    def prefill_scored(self, items: list[PrefillItem]) -> tuple[list[torch.Tensor | None], list[list[Entry] | None]]:
-        """As prefill, and per item with a score_width the entries of its tokens [start + 1, len)."""
+    def prefill_scored(
+        self, items: list[PrefillItem]
+    ) -> tuple[list[torch.Tensor | None], list[tuple[list[Entry], list[float]] | None]]:
+        """As prefill, and per item with a score_width the entries of its tokens [score_first, len)
+        and the logprobs of its alternatives (prompt_scores.score_spans)."""
         invariant.set_enabled(self.batch_invariant)
         step = self.prepare_prefill(items)
         spans, row = [], 0
         for it in items:
             if it.score_width is not None:
-                spans.append(ScoreSpan(row, len(it.tokens) - it.start, it.tokens[it.start + 1 :], it.score_width))
+                first = it.start + 1 if it.score_first is None else it.score_first
+                spans.append(ScoreSpan(row + first - 1 - it.start, it.tokens[first:], it.score_width, it.alternatives))
             row += len(it.tokens) - it.start
         if not spans:
             logits = self.model.prefill(step, self.pool)
-            entries: list[list[Entry] | None] = [None] * len(items)
+            scores: list[tuple[list[Entry], list[float]] | None] = [None] * len(items)
         else:
             hidden = self.model.prefill_hidden(step, self.pool)
             logits = self.model._logits(hidden[step.logit_rows]) if step.logit_rows else None
             got = iter(score_spans(self.model, hidden, spans))
-            entries = [next(got) if it.score_width is not None else None for it in items]
+            scores = [next(got) if it.score_width is not None else None for it in items]
         picked = iter(logits if logits is not None else ())
-        return [next(picked) if it.want_logits else None for it in items], entries
+        return [next(picked) if it.want_logits else None for it in items], scores
 
     def prepare_prefill(self, items: list[PrefillItem]) -> PrefillStep:
         C = self.pool.chunk_size

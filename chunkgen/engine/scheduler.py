@@ -42,8 +42,20 @@ class Batch:
 # max_batch alone. The price is decode steps at part of max_batch in a job of about one batch:
 # each step's fixed cost is paid more often, so the rule holds only where the batch is the engine's
 # choice (`--max-batch auto`): a batch asked for by number runs that wide.
+#
+# Rounds alone still leave the first answers late: when answers are of one length (the worst case),
+# the first round ends at a SHARE_OF_KNOWN share of the job's steps, after the shared prompt's
+# prefill too, and every later round ends in one step with a whole round's rows. So a job with more
+# rows than the cap ramps up over its first answer: the cap opens in RAMP_STAGES equal parts, one
+# each RAMP_STAGES-th of an answer's length in decode steps (max_new_tokens until a row finishes,
+# then the steps that first answer took). The first rows run in a small, cheap batch and finish
+# early, and the parts admitted a stage apart finish a stage apart, so rows leave (and others take
+# their places) in parts of a round from then on, not all at once. The price is the ramp's steps
+# below the cap, about (RAMP_STAGES - 1) / (2 * RAMP_STAGES) of one answer's steps; no part is
+# smaller than MIN_RUNNING / RAMP_STAGES rows, below which a step's fixed cost is most of it.
 SHARE_OF_KNOWN = 5
 MIN_RUNNING = 32
+RAMP_STAGES = 4
 
 # What the engine knows of the rows it has not been given yet (Scheduler.later_rows):
 # unknown: anything may come (a caller adding requests as it goes): finished rows' chunks stay
@@ -90,6 +102,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first; includes the wave being prefilled
         self.preemptions = 0
         self.finished_since_idle = 0  # sequences finished since the engine last had no work
+        self.decode_steps_since_idle = 0
+        self.answer_steps: int | None = None  # decode steps of the first answer since idle (the ramp's length)
         self.pending: PendingPrefixes | None = None  # the queued prompts, kept while later_rows is not unknown
         self._later_rows = "unknown"
 
@@ -156,15 +170,29 @@ class Scheduler:
         batch.prefill = self._form_wave(batch)
         if not batch.prefill and self.running:
             self._reserve_decode(batch)
+            self.decode_steps_since_idle += 1
         return batch
 
     @property
     def running_cap(self) -> int:
-        """Sequences allowed to run at once now (SHARE_OF_KNOWN)."""
+        """Sequences allowed to run at once now: a SHARE_OF_KNOWN share of the known rows, opened
+        in RAMP_STAGES parts over the first answer when the job has more rows than that."""
         if not self.answers_throughout:
             return self.max_batch
         known = len(self.waiting) + len(self.running) + self.finished_since_idle
-        return min(self.max_batch, max(MIN_RUNNING, -(-known // SHARE_OF_KNOWN)))
+        cap = min(self.max_batch, max(MIN_RUNNING, -(-known // SHARE_OF_KNOWN)))
+        if known <= cap:
+            return cap  # one round: nothing to stagger
+        length = self.answer_steps or self._longest_answer()
+        stage = 1 + RAMP_STAGES * self.decode_steps_since_idle // max(1, length)
+        if stage >= RAMP_STAGES:
+            return cap
+        return min(cap, max(MIN_RUNNING // RAMP_STAGES, -(-cap * stage // RAMP_STAGES)))
+
+    def _longest_answer(self) -> int:
+        """An answer's length before any has finished: max_new_tokens of the oldest row."""
+        seq = self.running[0] if self.running else self.waiting[0] if self.waiting else None
+        return seq.params.max_new_tokens if seq is not None else 1
 
     # -- admission ----------------------------------------------------------------------------
     def _form_wave(self, batch: Batch) -> list[Admission]:
@@ -254,7 +282,11 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """The engine is done with a running sequence: its chunks become cache."""
         self._remove(seq)
+        if self.answer_steps is None:
+            self.answer_steps = self.decode_steps_since_idle
         self.finished_since_idle = self.finished_since_idle + 1 if self.has_work else 0
+        if not self.has_work:  # idle: the next rows are a new job
+            self.decode_steps_since_idle, self.answer_steps = 0, None
 
     def abort(self, seqs: list[Sequence]) -> None:
         """A prefill failed: drop its sequences (their unwritten chunks are freed, not cached)."""

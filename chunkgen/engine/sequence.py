@@ -20,6 +20,9 @@ class Request:
     # With params.prompt_logprobs: the first prompt position scored (1: every token but the first,
     # as vLLM; a continuation scored after its context starts at the context's length).
     score_from: int = 1
+    # With params.prompt_logprobs: token ids whose logprobs at position score_from - 1 are wanted too
+    # (the first tokens of a context's other continuations): Result.alternative_logprobs.
+    score_alternatives: tuple[int, ...] = ()
 
 
 @dataclass
@@ -42,6 +45,9 @@ class Result:
     # With params.prompt_logprobs: one entry per prompt token, None before the request's score_from.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_texts: list[str] | None = None  # each prompt token decoded alone, with prompt_logprobs
+    # With score_alternatives: their logprobs, in order; None when that position's entry came from
+    # the tree instead of being computed (the alternatives are then not known).
+    alternative_logprobs: list[float] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -96,6 +102,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set at its first prefill when asked
         self.prompt_token_texts: list[str] | None = None
+        self.alternative_logprobs: list[float] | None = None
 
     @property
     def params(self) -> SamplingParams:

@@ -1,6 +1,6 @@
 """`chunkgen bench score`: the MMLU-shaped workload's scores through chunkgen equal lm-evaluation-
-harness's hf backend on the same token ids, and chunkgen computes the tree's minimum (plus the
-context's last position again for each further choice)."""
+harness's hf backend on the same token ids, and chunkgen computes each prefix and question once
+and one answer per question (the question's last position scores all four letters)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,12 @@ def test_chunkgen_equals_lm_eval_hf(tiny_model):
     theirs = run_backend("hf", str(tiny_model), "fp32", work, batch_size=4)
     assert sorted(ours["scores"]) == sorted(theirs["scores"])
     assert max_difference(ours["scores"], theirs["scores"]) <= 1e-4
-    extra = work.subjects * work.questions * (work.choices - 1)  # each further choice's last context position
-    assert work.minimum_tokens <= ours["prefilled_tokens"] <= work.minimum_tokens + extra
+    # every prefix and question once (a question may share its first tokens with another's in the
+    # tree), and at most one answer a question
+    needed = work.subjects * (work.prefix_tokens + work.questions * work.question_tokens)
+    assert (
+        needed - work.subjects * work.questions <= ours["prefilled_tokens"] <= needed + work.subjects * work.questions
+    )
     assert theirs["prefilled_tokens"] >= work.subjects * work.questions * (work.prefix_tokens + work.question_tokens)
 
 
@@ -39,4 +43,10 @@ def test_bench_score_command(tiny_model, tmp_path):
     assert res.exit_code == 0, res.output
     figures = json.loads(out.read_text())["chunkgen"]
     assert figures["minimum_tokens"] == 30 + 2 * (5 + 4) and figures["peak_rss_bytes"] > 0
-    assert run_cli("bench", "score", "--backends", "vllm").exit_code != 0
+    assert run_cli("bench", "score", "--backends", "vllm,nope").exit_code != 0
+
+
+def test_vllm_backend_without_its_venv_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHUNKGEN_VLLM_PYTHON", str(tmp_path / "absent" / "python"))
+    res = run_cli("bench", "score", "--backends", "chunkgen,vllm")
+    assert res.exit_code != 0 and "CHUNKGEN_VLLM_PYTHON" in res.output and "absent" in res.output

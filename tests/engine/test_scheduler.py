@@ -202,15 +202,16 @@ def test_a_large_cap_lets_the_kv_budget_set_the_batch():
     assert len(wide.prefill) == 20 and not wide.held_back  # room for all: every row at once
 
 
-def _work_and_rows(n: int, max_batch: int) -> list[tuple[int, int]]:
-    """(work so far, rows finished so far) after each step of a job of n rows with answers of 30 to
-    50 tokens; a step's work is its rows plus 8 (a step's fixed cost, in rows, on a CPU)."""
+def _job_trace(n: int, max_batch: int, answer_tokens, answers_throughout: bool = True) -> list[tuple[int, int]]:
+    """(work so far, rows finished so far) after each step of a job of n rows sharing a 3-chunk
+    prompt, row i's answer answer_tokens(i) tokens long; a step's work is its rows plus 8 (a step's
+    fixed cost, in rows, on a CPU)."""
     tree, sched = setup(slots=4096, max_batch=max_batch)
+    sched.answers_throughout = answers_throughout
+    shared = list(range(100, 100 + 3 * C))
     sched.add(
         [
-            Sequence(
-                Request(i, [1000 + i] * 3, SamplingParams(max_new_tokens=30 + i * 7 % 21, ignore_eos=True)), 0, None
-            )
+            Sequence(Request(i, [*shared, 1000 + i], SamplingParams(answer_tokens(i), ignore_eos=True)), 0, None)
             for i in range(n)
         ]
     )
@@ -223,16 +224,59 @@ def _work_and_rows(n: int, max_batch: int) -> list[tuple[int, int]]:
     return trace
 
 
+def _varied(i: int) -> int:
+    return 30 + i * 7 % 21
+
+
+def _equal(i: int) -> int:
+    return 64
+
+
 def test_answers_finish_throughout_a_job_not_all_at_its_end():
-    """A job with more rows than it needs to run at once finishes them in rounds: at a quarter, half
+    """A job with more rows than it needs to run at once finishes them throughout: at a quarter, half
     and three quarters of its work, at least 15%, 35% and 60% of its rows are done (kept by an
-    interrupt), where a batch filled at once finished none before half its work."""
-    for n, max_batch in ((300, 256), (256, 256), (1000, 256)):
-        trace = _work_and_rows(n, max_batch)
+    interrupt), answers of one length (the worst case) included, where a batch filled at once
+    finished none before half its work."""
+    for n, max_batch, answer_tokens in (
+        (300, 256, _varied),
+        (256, 256, _varied),
+        (1000, 256, _varied),
+        (300, 256, _equal),
+    ):
+        trace = _job_trace(n, max_batch, answer_tokens)
         total = trace[-1][0]
         for share, rows in ((0.25, 0.15), (0.5, 0.35), (0.75, 0.6)):
             done = max(f for w, f in trace if w <= share * total)
-            assert done >= rows * n, (n, share, done)
+            assert done >= rows * n, (n, answer_tokens.__name__, share, done)
+    off = _job_trace(300, 256, _varied, answers_throughout=False)
+    assert max(f for w, f in off if w <= off[-1][0] / 2) == 0
+
+
+def test_the_first_answers_come_early_even_when_all_are_of_one_length():
+    """Answers of one length, the worst case for rounds: the first row finishes within the first
+    20% of the job's steps (prefill waves included) and the first 15% of its work, where rounds of
+    a fifth of the rows without the ramp end the first one at 20% of the steps and past 20% of
+    the work."""
+    for n, answer_tokens in ((300, _equal), (300, lambda i: 128), (1000, _equal)):
+        trace = _job_trace(n, 256, answer_tokens)
+        first_step = next(step for step, (_, finished) in enumerate(trace, 1) if finished)
+        first_work = next(work for work, finished in trace if finished)
+        assert first_step < 0.2 * len(trace), (n, first_step, len(trace))
+        assert first_work < 0.15 * trace[-1][0], (n, first_work, trace[-1][0])
+
+
+def test_the_ramp_admits_the_cap_in_parts_a_stage_of_an_answer_apart():
+    from chunkgen.engine.scheduler import RAMP_STAGES
+
+    tree, sched = setup(slots=4096, max_batch=256)
+    sched.add(seqs([[1000 + i] * 3 for i in range(300)], max_new_tokens=40))
+    running = []
+    for _ in range(40):
+        run(tree, sched, sched.schedule())
+        running.append(sched.num_running)
+    assert running[0] == 60 // RAMP_STAGES  # 300 rows: a cap of 60 (a fifth), opened a quarter at a time
+    assert sorted(set(running)) == [15, 30, 45, 60]
+    assert running.index(30) > running.index(15) + 40 // RAMP_STAGES - 2  # a stage of the answer apart
 
 
 def test_a_job_within_the_smallest_batch_runs_at_once():
