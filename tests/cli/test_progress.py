@@ -47,7 +47,8 @@ def test_lines_while_loading_and_during_a_long_step(tiny_model, tmp_path, monkey
     from chunkgen.device import choose_device, detect
 
     device = choose_device("auto", detect()).device  # the default --device, as the run resolves it
-    assert lines[0].startswith(f"loading {tiny_model.name} (auto, {device})")  # the default --dtype
+    # the default --dtype and --quantize
+    assert lines[0].startswith(f"loading {tiny_model.name} (auto, {device}, --quantize auto)")
     assert re.match(rf"loaded {tiny_model.name} in [0-9.]+ s", lines[1])
     waiting = [l for l in lines if "first prefill wave running for" in l]
     assert len(waiting) >= 3  # about every 0.4 s of the 2 s step, not one line after it
