@@ -177,15 +177,17 @@ class ChunkPool:
         kv_dtype: torch.dtype | None = None,
     ) -> ChunkPool:
         """The pool a run's `Config` asks for, for a model's (layers, kv_heads, head_dim): its chunk
-        size, K/V dtype (`kv_dtype` where the config has none yet) and budget, with the slots of a
-        full batch backed from the start."""
+        size, K/V dtype (`kv_dtype` where the config has none yet) and budget, with the slots of
+        the scheduler's first wave backed from the start."""
+        from chunkgen.engine.scheduler import first_wave_rows  # here: the engine package imports this one
+
         return cls(
             *shape,
             config.chunk_size,
             config.kv_dtype or kv_dtype,
             config.kv_memory,
             device=device,
-            ready_rows=config.max_batch,
+            ready_rows=first_wave_rows(config.max_batch, "max_batch" in config.auto),
         )
 
     @classmethod

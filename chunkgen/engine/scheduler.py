@@ -57,6 +57,16 @@ SHARE_OF_KNOWN = 5
 MIN_RUNNING = 32
 RAMP_STAGES = 4
 
+
+def first_wave_rows(max_batch: int, batch_is_auto: bool) -> int:
+    """The most rows a first prefill wave admits: max_batch when the batch is asked by number;
+    under `--max-batch auto` a job of at most MIN_RUNNING rows, or the ramp's first part of a
+    larger one (what the KV pool backs ahead of use)."""
+    if not batch_is_auto:
+        return max_batch
+    return min(max_batch, max(MIN_RUNNING, -(-max_batch // RAMP_STAGES)))
+
+
 # What the engine knows of the rows it has not been given yet (Scheduler.later_rows):
 # unknown: anything may come (a caller adding requests as it goes): finished rows' chunks stay
 #   cached until the pool needs their slots, least recently used first;

@@ -285,6 +285,21 @@ def test_a_job_within_the_smallest_batch_runs_at_once():
     assert len(sched.schedule().prefill) == 32
 
 
+@pytest.mark.parametrize("rows", [1, 20, 32, 33, 300, 5000])
+@pytest.mark.parametrize("max_batch", [8, 64, 256])
+def test_the_first_wave_is_at_most_what_the_pool_backs_ahead(rows, max_batch):
+    """The KV pool backs the slots of first_wave_rows rows before the first wave: under --max-batch
+    auto the first wave never admits more (a number as the batch: that many)."""
+    from chunkgen.engine.scheduler import first_wave_rows
+
+    for auto in (True, False):
+        tree, sched = setup(slots=1 << 14, max_batch=max_batch, max_prefill_tokens=1 << 20)
+        sched.answers_throughout = auto
+        sched.add(seqs([[1000 + i] * 3 for i in range(rows)], max_new_tokens=40))
+        assert len(sched.schedule().prefill) <= first_wave_rows(max_batch, auto)
+    assert first_wave_rows(256, True) < 256  # the ramp's first part, not the whole batch
+
+
 def _cached_after_each_step(later_rows: str, prompts: list[list[int]], max_batch: int = 8) -> list[int]:
     """Chunks cached (in the pool, read by no running row) after each step of a 1-token job."""
     tree, sched = setup(slots=4096, max_batch=max_batch)
