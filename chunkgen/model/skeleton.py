@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from chunkgen.model.folder import read_json
+
 
 class SkeletonError(RuntimeError):
     """A parameter the model needs has no source (the message names it)."""
@@ -88,9 +90,11 @@ def from_folder(path: Path, config, dtype: torch.dtype, source):
         return opened[file].get_tensor(name).to(param.dtype)
 
     _fill(model, source, read)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:  # none saved: the config's own
+    # Read as every other file of a folder is (bounded, checked), not through from_pretrained.
+    saved = Path(path) / "generation_config.json"
+    if saved.is_file():
+        model.generation_config = GenerationConfig.from_dict(read_json(saved))
+    else:  # none saved: the config's own
         model.generation_config = GenerationConfig.from_model_config(config)
     return model
 
