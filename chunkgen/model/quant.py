@@ -446,15 +446,9 @@ def weight_source(quantize: str, device: str, model_path, config, seed: int = 0)
 
 
 def is_direct(source) -> bool:
+    """Whether the source makes its products without a float model (a GGUF's own blocks, random
+    blocks): model/skeleton.py builds the rest; int8 quantizes the loaded float weights."""
     return isinstance(source, (GGUFSource, RandomSource))
-
-
-def linear_factory(quantize: str, device: str, hf_model, model_path, seed: int = 0, float_linear=None):
-    """The LinearFactory `--quantize` asks for on this model (see weight_source), or None."""
-    from chunkgen.model import llama
-
-    source = weight_source(quantize, device, model_path, hf_model.config, seed)
-    return None if source is None else quantized_linears(hf_model, source, float_linear or llama.float_linear)
 
 
 def describe(make) -> str:
