@@ -60,9 +60,12 @@ def family_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
+    """The default model's cache folder with its float copy (the GGUF dequantized by transformers,
+    made once per cache): what the parity tests load into transformers."""
     from chunkgen.model import ModelNotFound, resolve_model
+    from chunkgen.model.loading import float_weights
 
     try:
-        return resolve_model(None)
+        return float_weights(resolve_model(None))
     except ModelNotFound as exc:  # the README's set-up (make test) installs it
         pytest.skip(f"real_model test skipped: {exc}")

@@ -111,8 +111,10 @@ def transformers_model(llm: LLM):
 
         hf = random_model(llm.model.config, llm.model.dtype, llm.device, llm.config.seed, attn_implementation="sdpa")
     else:
+        from chunkgen.model.loading import float_weights
+
         hf = AutoModelForCausalLM.from_pretrained(
-            llm.model_path, dtype=llm.model.dtype, attn_implementation="sdpa", trust_remote_code=False
+            float_weights(llm.model_path), dtype=llm.model.dtype, attn_implementation="sdpa", trust_remote_code=False
         )
     return hf.to(llm.device).eval()
 

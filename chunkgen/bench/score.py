@@ -78,9 +78,12 @@ def _hf(model: str | None, dtype: str, work: ScoreWorkload, batch_size: int) -> 
 
     from chunkgen.llm import prefix_token
     from chunkgen.model import resolve_model
+    from chunkgen.model.loading import float_weights
 
     torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
-    lm = HFLM(pretrained=str(resolve_model(model)), dtype=torch_dtype, device="cpu", batch_size=batch_size)
+    lm = HFLM(
+        pretrained=str(float_weights(resolve_model(model))), dtype=torch_dtype, device="cpu", batch_size=batch_size
+    )
     jobs = work.jobs(lm.model.config.get_text_config().vocab_size, prefix_token(lm.tokenizer))
     fed = [0]
     call = lm._model_call
@@ -106,9 +109,9 @@ def _vllm(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, Any]:
     vLLM's own venv): the scoring call's wall time, its model load outside it."""
     from chunkgen.llm import prefix_token
     from chunkgen.model import resolve_model
-    from chunkgen.model.loading import load_tokenizer, model_config
+    from chunkgen.model.loading import float_weights, load_tokenizer, model_config
 
-    folder = str(resolve_model(model))
+    folder = str(float_weights(resolve_model(model)))
     vocab = model_config(folder).get_text_config().vocab_size
     jobs = work.jobs(vocab, prefix_token(load_tokenizer(folder)))
     with tempfile.TemporaryDirectory() as tmp:

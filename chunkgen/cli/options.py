@@ -199,22 +199,31 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
             )
 
 
-def resolve_model(model: str | None) -> Path:
-    """The model's directory, checked (architecture, weights) without loading any weights."""
+def resolve_model(model: str | None, config: Config | None = None) -> Path:
+    """The model's directory, checked (architecture, weights) without loading any weights; for a
+    GGUF whose run (`config`) takes float weights, its float copy made first, said as it is."""
     from chunkgen.model import ModelNotFound, check_model_dir, resolve_model, stale_copies
-    from chunkgen.model.loading import copy_size
+    from chunkgen.model.loading import copy_size, float_weights
+    from chunkgen.model.quant import needs_float_weights
 
-    def notice(gguf: Path, target: Path, size: int | None) -> None:
-        if size is None:
+    def notice(gguf: Path, target: Path, size: int | None, floats: bool) -> None:
+        if size is None and floats:
+            why = "on the GPU" if config is not None and config.device != "cpu" else "with --quantize none"
             err.print(
-                f"first use of {gguf.name}: converting it once to full-precision weights in {target} "
+                f"{gguf.name} runs in floats {why}: converting it once to full-precision weights in {target} "
                 "(later runs load that copy)",
                 highlight=False,
             )
             return
-        err.print(
-            f"converted: {human_bytes(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)", highlight=False
-        )
+        if size is None:
+            err.print(
+                f"first use of {gguf.name}: reading its config and tokenizer once into {target} "
+                "(the weights are read from the file itself)",
+                highlight=False,
+            )
+            return
+        made = "converted" if floats else "prepared"
+        err.print(f"{made}: {human_bytes(size)} in {target} (set CHUNKGEN_CACHE to keep it elsewhere)", highlight=False)
         for old in stale_copies(target):
             err.print(
                 f"an older copy of this model (from an earlier version of the file or of chunkgen) "
@@ -225,6 +234,8 @@ def resolve_model(model: str | None) -> Path:
     try:
         path = resolve_model(model, on_convert=notice)
         check_model_dir(path)
+        if config is not None and needs_float_weights(config.quantize, config.device):
+            float_weights(path, on_convert=notice)
     except ModelNotFound as exc:
         fail(str(exc))
     return path

@@ -116,7 +116,7 @@ def run(
     with source:
         if part is not None and not source.plan.rows(part.index):
             return _write_empty_shard(out, queries, part, source.plan.loads, resume, json_log)
-        model_dir = resolve_model(model)
+        model_dir = resolve_model(model, config)
         config = config.replace(model=str(model_dir))
         check_kv_fits(model_dir, config)
         check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)

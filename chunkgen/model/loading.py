@@ -2,10 +2,14 @@
 cache (org/name, as vLLM and transformers name models), or the embedded default (SmolLM2 in a PyPI
 wheel). Nothing is ever fetched from a model hub.
 
-A .gguf is dequantized once by transformers and stored as a safetensors directory in the user
-cache, so later loads skip the dequantization (seconds instead of about 40 s). The copy is keyed on
-the file's content (its size and a hash of its first bytes, which hold the header), not its path:
-the same model installed in another environment finds the copy already made.
+A .gguf gets a folder in the user cache, made once from its metadata: the config, the tokenizer
+(converted by transformers, which takes seconds) and the generation config, and a note naming the
+file. Its weights stay in the GGUF: a quantized load (model/skeleton.py) reads every tensor from
+there. Only the float routes (--quantize none, the GPU, transformers' own model in the benches and
+the parity tests) need the GGUF dequantized into safetensors; `float_weights` does that once, into
+the same folder. The folder is keyed on the file's content (its size and a hash of its first
+bytes, which hold the header), not its path: the same model installed in another environment
+finds it already made.
 """
 
 from __future__ import annotations
@@ -63,14 +67,16 @@ def default_gguf() -> Path:
     return path
 
 
-# (gguf file, cache directory it is converted into, bytes written: None before, the size after)
-ConvertNotice = Callable[[Path, Path, "int | None"], None]
+# (gguf file, its cache folder, bytes written: None before, the folder's size after, whether the
+# float weights are made: False for the first folder of config and tokenizer)
+ConvertNotice = Callable[[Path, Path, "int | None", bool], None]
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the Hugging Face Hub spells them
 
 
 def resolve_model(spec: str | os.PathLike | None, on_convert: ConvertNotice | None = None) -> Path:
-    """A directory transformers can load (config.json + weights + tokenizer). With no spec: the
-    model CHUNKGEN_MODEL names (any of the forms above), else the embedded default."""
+    """A model directory: config.json, tokenizer and weights, or for a GGUF its cache folder, whose
+    weights are the GGUF's (gguf_of; float_weights makes a float copy). With no spec: the model
+    CHUNKGEN_MODEL names (any of the forms above), else the embedded default."""
     if spec is None:
         spec = os.environ.get("CHUNKGEN_MODEL") or None
     if spec is None:
@@ -192,11 +198,95 @@ def stale_copies(target: Path) -> list[Path]:
 
 
 def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
-    target = cache_root() / "models" / f"{gguf.stem}-{content_key(gguf)}"
+    """The cache folder of `gguf`: its config, tokenizer and generation config, made from the
+    file's metadata once (no tensor is read)."""
+    key = content_key(gguf)
+    target = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
+        if gguf_of(target) is None:  # the file it was made from moved or is gone: this one is the same
+            _note_source(target, gguf, key)
         return target
     if on_convert:
-        on_convert(gguf, target, None)
+        on_convert(gguf, target, None, False)
+    from transformers import AutoConfig, GenerationConfig
+
+    _quiet_transformers()
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
+        _tokenizer_facts_of(gguf, tokenizer)
+    except Exception as exc:  # an architecture transformers cannot read from GGUF, a damaged file
+        raise ModelNotFound(f"{gguf}: cannot read this GGUF file ({type(exc).__name__}: {exc})") from None
+    config.dtype = torch.float32  # the dtype of its float copy (float_weights): a GPU's "auto"
+    config.architectures = [_causal_lm_class(config)]  # what a saved model's config names
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        _note_source(tmp, gguf, key)
+        os.replace(tmp, target)  # atomic: a concurrent or killed conversion never leaves half a folder
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    if on_convert:
+        on_convert(gguf, target, copy_size(target), False)
+    return target
+
+
+def _causal_lm_class(config) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
+
+
+def _note_source(folder: Path, gguf: Path, key: str) -> None:
+    """Names in `folder` the GGUF it stands for, as found now (the folder is found by content: the
+    file it was made from may have moved, or its environment been removed)."""
+    note = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "key": key}
+    tmp = folder / f".{SOURCE_FILE}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(note) + "\n")
+        os.replace(tmp, folder / SOURCE_FILE)
+    except OSError:  # a read-only cache: the folder still names a file of the same content, or none
+        tmp.unlink(missing_ok=True)
+
+
+def gguf_of(path: Path) -> Path | None:
+    """The GGUF file a cache folder was made from, when it is still there with the content the
+    folder was made from (its size and header); None for any other folder."""
+    try:
+        note = json.loads((Path(path) / SOURCE_FILE).read_text())
+        gguf = Path(note["gguf"])
+        if gguf.is_file() and gguf.stat().st_size == note["size"] and content_key(gguf) == note["key"]:
+            return gguf
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def has_float_weights(path: Path) -> bool:
+    return (Path(path) / "model.safetensors").is_file() or (Path(path) / "model.safetensors.index.json").is_file()
+
+
+def float_weights(path: Path, on_convert: ConvertNotice | None = None) -> Path:
+    """`path`, with float weights transformers can load: for the cache folder of a GGUF that holds
+    none yet, the GGUF dequantized by transformers (every tensor in fp32: about 40 s and 516 MiB
+    for the default model, and the whole float model in memory while it is made) and saved into
+    the folder, once. Only the float routes need it; a quantized load reads the GGUF itself."""
+    path = Path(path)
+    if not (path / SOURCE_FILE).is_file() or has_float_weights(path):
+        return path
+    gguf = gguf_of(path)
+    if gguf is None:
+        raise ModelNotFound(
+            f"{path}: the GGUF file this folder was made from ({_noted_file(path)}) is gone or changed; "
+            "give the .gguf file itself"
+        )
+    if on_convert:
+        on_convert(gguf, path, None, True)
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -208,8 +298,6 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     if bar is not None:
         gguf_utils.tqdm = lambda iterable, **_: iterable
     try:
-        tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
-        _tokenizer_facts_of(gguf, tokenizer)
         model, info = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
             gguf_file=gguf.name,
@@ -231,24 +319,28 @@ def _converted(gguf: Path, on_convert: ConvertNotice | None = None) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    tmp = Path(tempfile.mkdtemp(dir=path, prefix=".convert-"))
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        (tmp / SOURCE_FILE).write_text(
-            json.dumps({"gguf": str(gguf.resolve()), "size": gguf.stat().st_size, "key": target.name.rsplit("-", 1)[1]})
-            + "\n"
-        )
-        os.replace(tmp, target)  # atomic: a concurrent or killed conversion never leaves half a model
-    except OSError:
+        # the weight files only (the folder keeps its own config); the index last: with it or
+        # model.safetensors in place, the copy is whole
+        index = tmp / "model.safetensors.index.json"
+        for file in sorted(tmp.glob("*.safetensors")):
+            os.replace(file, path / file.name)
+        if index.is_file():
+            os.replace(index, path / index.name)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
     if on_convert:
-        on_convert(gguf, target, sum(f.stat().st_size for f in target.iterdir()))
-    return target
+        on_convert(gguf, path, copy_size(path), True)
+    return path
+
+
+def _noted_file(path: Path) -> str:
+    try:
+        return str(json.loads((path / SOURCE_FILE).read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
 
 
 def _tokenizer_facts_of(gguf: Path, tokenizer) -> None:
@@ -257,13 +349,12 @@ def _tokenizer_facts_of(gguf: Path, tokenizer) -> None:
     whether BOS and EOS are added (tokenizer.ggml.add_*_token; 4.57 saves a gpt2 tokenizer as a
     Llama one that adds BOS), and no clean-up of spaces in decoded text, which llama.cpp never does
     (4.57 and 5.17 turn it on; it also makes streamed text differ from the whole text's decode)."""
-    from gguf import GGUFReader
+    from chunkgen.model.gguf_file import GGUFFile
 
-    fields = GGUFReader(gguf).fields
+    fields = GGUFFile(gguf).fields
 
     def value(key: str):
-        field = fields.get(f"tokenizer.ggml.{key}")
-        return None if field is None or not field.data else field.parts[field.data[0]][0]
+        return fields.get(f"tokenizer.ggml.{key}")
 
     for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         token_id = value(f"{key}_token_id")
@@ -332,7 +423,13 @@ def read_config(path: Path, error: type[Exception] | None = None):
 def check_model_dir(path: Path):
     """The model's config, after checking (without loading weights) that chunkgen can run it: no
     code named, no file linked from outside, sizes that fit the machine and the weight files."""
-    if not any(next(path.glob(p), None) for p in WEIGHT_FILES):
+    if (path / SOURCE_FILE).is_file() and not has_float_weights(path):
+        if gguf_of(path) is None:  # a GGUF's cache folder: its weights are the file's
+            raise ModelNotFound(
+                f"{path}: the GGUF file this folder was made from ({_noted_file(path)}) is gone or changed; "
+                "give the .gguf file itself"
+            )
+    elif not any(next(path.glob(p), None) for p in WEIGHT_FILES):
         raise ModelNotFound(f"{path}: no weights (*.safetensors or *.bin files) in this folder")
     return read_config(path)
 
@@ -358,8 +455,9 @@ def load_hf(
     spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu", skeleton_of=None
 ):
     """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own.
-    skeleton_of: a quantized weight source (quant.GGUFSource): the linear weights it holds are left
-    unmade, everything else read tensor by tensor (model/skeleton.py); CPU only."""
+    skeleton_of: a quantized weight source (quant.weight_source, is_direct): the linear weights it
+    holds are left unmade, everything else read tensor by tensor from the file it reads
+    (model/skeleton.py); CPU only. Without one, a GGUF's float copy is made first (float_weights)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -378,6 +476,7 @@ def load_hf(
         except (skeleton.SkeletonError, OSError) as exc:
             raise ModelNotFound(f"{path}: cannot load the weights ({exc})") from None
         return model, tokenizer, path
+    path = float_weights(path)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True

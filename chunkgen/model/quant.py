@@ -11,7 +11,7 @@ rows a batch looks up).
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,19 +219,24 @@ def int8_per_channel(w: torch.Tensor) -> QuantWeight:
     """Symmetric int8 per output channel (vLLM-CPU's and SGLang's W8A8 weights), refined to one
     scale per channel and block of 32 (Q8_0's grid, fp32 scales): q = round(w / s), s = max|block|
     / 127. The same kernel and bytes as one scale a channel, and a finer grid: one scale a whole
-    channel lost +1.3% perplexity on the default model, over the +1% this mode is held to. Rows
-    are converted a slice at a time: no fp32 copy of the whole W."""
-    n, k = w.shape
+    channel lost +1.3% perplexity on the default model, over the +1% this mode is held to."""
+    return int8_rows(lambda start, stop: w[start:stop], *w.shape)
+
+
+def int8_rows(rows: Callable[[int, int], torch.Tensor], n: int, k: int) -> QuantWeight:
+    """int8_per_channel of W [n, k] given as `rows(start, stop)`, W's rows start:stop (a slice of
+    a tensor, or read from a mapped file): converted a few MiB of rows at a time, so neither W
+    nor an fp32 copy of it is ever held whole."""
     if k % BLOCK:
         raise ValueError(f"int8 weights need k a multiple of {BLOCK}, got {k}")
     qs = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, k // BLOCK, dtype=torch.float32)
-    step = max(1, (1 << 22) // k)
+    step = max(1, (1 << 18) // k)  # 1 MiB of fp32 rows: the temporaries stay small
     for i in range(0, n, step):
-        rows = w[i : i + step].float().view(-1, k // BLOCK, BLOCK)
-        s = rows.abs().amax(dim=-1) / 127.0
+        part = rows(i, min(n, i + step)).float().view(-1, k // BLOCK, BLOCK)
+        s = part.abs().amax(dim=-1) / 127.0
         scales[i : i + step] = s
-        qs[i : i + step] = torch.round(rows / torch.where(s > 0, s, 1.0)[..., None]).to(torch.int8).view(-1, k)
+        qs[i : i + step] = torch.round(part / torch.where(s > 0, s, 1.0)[..., None]).to(torch.int8).view(-1, k)
     return QuantWeight(S8, qs.view(torch.uint8), scales, None, n, k, "int8")
 
 
@@ -335,18 +340,21 @@ def quantized_linears(hf_model, source, float_linear):
 
 
 def int8_source(name: str, module) -> QuantWeight | None:
+    """int8 of a float model's loaded weight (a checkpoint without safetensors files, whose
+    weights cannot be read a tensor at a time)."""
     return int8_per_channel(module.weight.detach()) if module.weight.shape[1] % BLOCK == 0 else None
 
 
 class RandomSource:
-    """Random weights of a GGUF type (--dummy-weights with --quantize q4_k, ...): drawn directly
-    as blocks, of the order of an initialised model's weights, one product at a time."""
+    """Random weights of a GGUF type or int8 (--dummy-weights with --quantize q4_k, int8, ...),
+    of the order of an initialised model's weights, one product at a time: a GGUF type drawn
+    directly as blocks, int8 drawn in floats a slice of rows at a time and quantized at once."""
 
     tied = False
 
     def __init__(self, qtype_name: str, seed: int) -> None:
-        self.qtype = GGUF_TYPES[qtype_name]
-        self.block = GGML_QUANT_SIZES[self.qtype][0]
+        self.qtype = None if qtype_name == "int8" else GGUF_TYPES[qtype_name]
+        self.block = BLOCK if self.qtype is None else GGML_QUANT_SIZES[self.qtype][0]
         self.rng = np.random.default_rng(seed)
 
     def has(self, name: str, module) -> bool:
@@ -356,33 +364,88 @@ class RandomSource:
         if not self.has(name, module):
             return None
         n, k = module.weight.shape
+        if self.qtype is None:
+            generator = torch.Generator().manual_seed(int(self.rng.integers(1 << 62)))
+            return int8_rows(lambda start, stop: torch.randn(stop - start, k, generator=generator) * 0.02, n, k)
         return from_gguf(random_gguf(self.qtype, n, k, 0.02, self.rng), self.qtype, n, k)
 
     def embedding(self) -> None:
         return None  # drawn in floats by the load (transformers' initialisation)
 
 
+class Int8Source:
+    """--quantize int8 of a checkpoint's float weights, never a float model: each linear weight
+    read alone (from a folder's safetensors, a slice of rows at a time through the mapping; from a
+    GGUF, its one tensor dequantized) and made per-channel int8 at once. `float_tensors(model)`
+    binds it to the model's module tree and gives the load (model/skeleton.py) the same tensors
+    for everything else; an output layer tied to the embedding is quantized from the embedding's
+    tensor, which stays in floats for the lookup."""
+
+    tied = False
+
+    def __init__(self, tensors_of: Callable) -> None:
+        self._tensors_of = tensors_of  # model -> tensors.FolderTensors or tensors.GGUFTensors
+        self.tensors = None
+        self.names: dict[str, str] = {}  # module name -> the tensor its weight is read from
+
+    def float_tensors(self, model):
+        self.tensors = self._tensors_of(model)
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        names = {id(m): name for name, m in model.named_modules()}
+        tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+        if tied and head is not None and f"{names[id(head)]}.weight" not in self.tensors:
+            self.names[names[id(head)]] = f"{names[id(embed)]}.weight"
+        return self.tensors
+
+    def _name(self, name: str) -> str:
+        return self.names.get(name, f"{name}.weight")
+
+    def has(self, name: str, module) -> bool:
+        return self.tensors is not None and module.weight.shape[1] % BLOCK == 0 and self._name(name) in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors.shape(self._name(name))
+
+    def __call__(self, name: str, module) -> QuantWeight | None:
+        if not self.has(name, module):
+            return None
+        tensor = self._name(name)
+        n, k = self.tensors.shape(tensor)
+        return int8_rows(lambda start, stop: self.tensors.rows(tensor, start, stop), n, k)
+
+    def embedding(self) -> None:
+        return None  # read in floats by the load
+
+
 class GGUFSource:
     """The linear weights of a GGUF file, as shipped, by the transformers module name they were
     converted to: q and k rows put back in the order transformers uses (llama.cpp's converter
-    interleaves each head's rotary halves for the llama architecture)."""
+    interleaves each head's rotary halves for the llama architecture). Its other tensors, in
+    floats, through `float_tensors` (tensors.GGUFTensors)."""
 
     def __init__(self, path, config) -> None:
         import gguf
 
-        self.reader = gguf.GGUFReader(path)  # maps the file: tensors are read when repacked
-        field = self.reader.fields["general.architecture"]
-        self.arch = bytes(field.parts[field.data[0]]).decode()
-        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch)
+        from chunkgen.model.gguf_file import GGUFError, GGUFFile
+
+        file = GGUFFile(path)  # maps the file: tensors are read when repacked
+        self.arch = file.field("general.architecture")
+        arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch), None)
+        if arch is None:
+            raise GGUFError(f"{path}: architecture {self.arch!r} is not one the gguf package names")
         self.names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = file.tensors
+        self.config = config
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         # the output layer is the token embedding (no output tensor of its own)
         self.tied = "output.weight" not in self.tensors and "token_embd.weight" in self.tensors
-        # The parsed metadata (the vocabulary: ~150 MB of small arrays for a 49k-token model) is
-        # not needed past here; the tensors keep their views of the mapped file.
-        self.reader.fields = {}
+
+    def float_tensors(self, model):
+        """The file's tensors in floats, by their names in `model` (the load's module tree)."""
+        from chunkgen.model.tensors import GGUFTensors
+
+        return GGUFTensors(self.tensors, self.arch, self.names, self.config, model)
 
     def _tensor(self, name: str):
         base = name[len("model.") :] if name.startswith("model.") else name
@@ -390,18 +453,23 @@ class GGUFSource:
         tensor = self.tensors.get(f"{key}.weight") if key else None
         if tensor is None and name == "lm_head":  # tied: the token embedding serves as the output
             tensor = self.tensors.get("token_embd.weight")
-        if tensor is None or GGMLQuantizationType(tensor.tensor_type) not in TYPE_NAMES:
+        if tensor is None or tensor.tensor_type not in TYPE_NAMES:
             return None
         return tensor
 
     def has(self, name: str, module) -> bool:
         return self._tensor(name) is not None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """(n, k) of the tensor the product `name` is made from."""
+        k, n = (int(d) for d in self._tensor(name).shape[:2])
+        return n, k
+
     def __call__(self, name: str, module) -> QuantWeight | None:
         tensor = self._tensor(name)
         if tensor is None:
             return None
-        k, n = (int(d) for d in tensor.shape[:2])
+        n, k = self.shape(name)
         w = from_gguf(tensor.data, tensor.tensor_type, n, k)
         if self.arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = self.heads if name.endswith("q_proj") else self.kv_heads
@@ -411,7 +479,7 @@ class GGUFSource:
 
     def has_embedding(self) -> bool:
         tensor = self.tensors.get("token_embd.weight")
-        return tensor is not None and GGMLQuantizationType(tensor.tensor_type) in TYPE_NAMES
+        return tensor is not None and tensor.tensor_type in TYPE_NAMES
 
     def embedding(self) -> QuantWeight | None:
         """The token embedding as shipped (row layout: rows are looked up, not multiplied)."""
@@ -424,31 +492,38 @@ class GGUFSource:
 
 def weight_source(quantize: str, device: str, model_path, config, seed: int = 0):
     """Where `--quantize` takes this model's linear weights from, or None for float weights: auto
-    runs a GGUF file's own types (the model folder a GGUF was converted into names its file), int8
-    makes per-channel int8 weights from the float ones, a GGUF type name draws random weights of
-    it. CPU only: on a GPU a GGUF's weights run dequantized to floats. A GGUFSource or RandomSource
-    needs no float weight (`direct`: the load never makes them); int8 needs the float model."""
-    from chunkgen.model.loading import SOURCE_FILE
+    runs a GGUF file's own types (the cache folder of a GGUF names its file, loading.gguf_of),
+    int8 makes per-channel int8 weights from the file's float (or dequantized) tensors, a GGUF
+    type name or int8 without a model (--dummy-weights) draws random weights of it. CPU only: on
+    a GPU a GGUF's weights run dequantized to floats. Every source but int8_source needs no float
+    model (`is_direct`: model/skeleton.py builds the rest)."""
+    from chunkgen.model.loading import gguf_of
+    from chunkgen.model.tensors import FolderTensors
 
-    if quantize == "none" or not str(device).startswith("cpu"):
+    if needs_float_weights(quantize, device):
         return None
-    if quantize == "int8":
-        return int8_source
-    if quantize in GGUF_TYPES:
+    if quantize in GGUF_TYPES or (quantize == "int8" and model_path is None):
         return RandomSource(quantize, seed)
-    marker = None if model_path is None else Path(model_path) / SOURCE_FILE
-    if marker is None or not marker.is_file():
-        return None  # float weights: nothing shipped quantized
-    gguf_file = Path(json.loads(marker.read_text())["gguf"])
-    if not gguf_file.is_file():
-        return None
-    return GGUFSource(gguf_file, config)
+    gguf_file = None if model_path is None else gguf_of(Path(model_path))
+    if quantize == "int8":
+        if gguf_file is not None:
+            return Int8Source(GGUFSource(gguf_file, config).float_tensors)
+        if next(Path(model_path).glob("*.safetensors"), None) is not None:
+            return Int8Source(lambda model: FolderTensors(Path(model_path)))
+        return int8_source  # pickled weights: the float model is loaded, then quantized
+    return None if gguf_file is None else GGUFSource(gguf_file, config)
+
+
+def needs_float_weights(quantize: str, device: str) -> bool:
+    """Whether a load of a GGUF takes its float copy (loading.float_weights): where weight_source
+    gives no source, the GGUF runs dequantized to floats."""
+    return quantize == "none" or not str(device).startswith("cpu")
 
 
 def is_direct(source) -> bool:
     """Whether the source makes its products without a float model (a GGUF's own blocks, random
-    blocks): model/skeleton.py builds the rest; int8 quantizes the loaded float weights."""
-    return isinstance(source, (GGUFSource, RandomSource))
+    blocks, int8 read from the file tensor by tensor): model/skeleton.py builds the rest."""
+    return isinstance(source, (GGUFSource, RandomSource, Int8Source))
 
 
 def describe(make) -> str:

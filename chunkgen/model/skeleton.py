@@ -2,11 +2,13 @@
 
 The module tree is built with its parameters on the meta device (shapes only; buffers such as the
 rotary tables are real), then every parameter the quantized source does not replace (norms, a float
-embedding, a product the file holds in floats) is made one tensor at a time: read from the model
-folder's safetensors (a GGUF converted once, loading.py) or drawn as transformers initialises it
-(--dummy-weights). The linear layers' weights come from the source when LlamaModel builds each
-product (quant.quantized_linears): tensor by tensor from the GGUF's mapped file, or drawn as blocks.
-So a load holds the weights once, in the layouts the forward reads, never a whole float model.
+embedding, a product the file holds in floats) is made one tensor at a time: read from the file the
+source reads (a GGUF's tensor dequantized alone, a safetensors tensor through its mapping:
+model/tensors.py) or drawn as transformers initialises it (--dummy-weights). The linear layers'
+weights come from the source when LlamaModel builds each product (quant.quantized_linears): tensor
+by tensor from the GGUF's mapped file, read and made int8, or drawn as blocks. So a load holds the
+weights once, in the layouts the forward reads, never a whole float model. Every tensor is checked
+against the config's shapes before anything is made (a file is data: its shapes are claims).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _fill(model, source, make) -> None:
     """Every parameter the source does not replace, made by `make(name, module, param)`, one at a
     time; the output layer re-tied to the embedding where the config ties them."""
     taken = _quantized(model, source)
+    _check_products(model, source)
     for name, module in list(model.named_modules()):
         for pname, param in list(module.named_parameters(recurse=False)):
             if param.device.type != "meta" or id(param) in taken:
@@ -68,26 +71,40 @@ def _fill(model, source, make) -> None:
         raise SkeletonError(f"no weights for {', '.join(left[:4])}{' ...' if len(left) > 4 else ''}")
 
 
+def _check_products(model, source) -> None:
+    """Each product the source makes from a file has the shape the config gives its module."""
+    shape = getattr(source, "shape", None)
+    if shape is None:  # drawn to the module's shape
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and source.has(name, m):
+            found = tuple(shape(name))
+            if found != tuple(m.weight.shape):
+                raise SkeletonError(
+                    f"{name}.weight is {_shape(found)} in the file, {_shape(m.weight.shape)} in the config"
+                )
+
+
+def _shape(shape) -> str:
+    return " x ".join(str(d) for d in shape)
+
+
 def from_folder(path: Path, config, dtype: torch.dtype, source):
-    """The model of a folder (a GGUF converted into safetensors) with the parameters `source`
-    replaces left unmade: the rest read tensor by tensor from the folder's safetensors files."""
-    from safetensors import safe_open
+    """The model of a folder with the parameters `source` replaces left unmade: the rest read
+    tensor by tensor from the file the source reads (source.float_tensors: a GGUF, the folder's
+    safetensors)."""
     from transformers import GenerationConfig
 
     model = skeleton(config, dtype)
-    files = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            files.update(dict.fromkeys(f.keys(), file))
-    opened = {}
+    tensors = source.float_tensors(model)
 
     def read(name: str, module, param) -> torch.Tensor:
-        file = files.get(name)
-        if file is None:
-            raise SkeletonError(f"{path}: no tensor {name} in the weight files")
-        if file not in opened:
-            opened[file] = safe_open(file, framework="pt")
-        return opened[file].get_tensor(name).to(param.dtype)
+        if name not in tensors:
+            raise SkeletonError(f"{path}: no tensor {name} in the weights")
+        found = tensors.shape(name)
+        if tuple(found) != tuple(param.shape):
+            raise SkeletonError(f"{name} is {_shape(found)} in the weights, {_shape(param.shape)} in the config")
+        return tensors.get(name).to(param.dtype)
 
     _fill(model, source, read)
     # Read as every other file of a folder is (bounded, checked), not through from_pretrained.

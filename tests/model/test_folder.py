@@ -167,8 +167,8 @@ def test_a_chat_template_linked_from_outside_the_folder_is_refused(tiny_model, t
 
 
 def test_gguf_conversion_refuses_missing_tensors(tmp_path, monkeypatch):
-    """The GGUF path reads its loading report the same way: a converted model missing a tensor is
-    refused, never saved with random weights."""
+    """The GGUF's float copy reads transformers' loading report the same way: a converted model
+    missing a tensor is refused, never saved with random weights."""
     from transformers import AutoModelForCausalLM
 
     from chunkgen.model import loading
@@ -178,11 +178,13 @@ def test_gguf_conversion_refuses_missing_tensors(tmp_path, monkeypatch):
         return torch.nn.Module(), info
 
     gguf = loading.default_gguf()
+    folder = tmp_path / "models" / "copy"
+    folder.mkdir(parents=True)
+    loading._note_source(folder, gguf, loading.content_key(gguf))  # the cache folder of that GGUF
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lacking)
-    monkeypatch.setenv("CHUNKGEN_CACHE", str(tmp_path))
     with pytest.raises(ModelNotFound, match="missing model.layers.0.mlp.up_proj.weight"):
-        loading._converted(gguf)
-    assert not list((tmp_path / "models").glob("*/config.json")) if (tmp_path / "models").exists() else True
+        loading.float_weights(folder)
+    assert not list(folder.glob("*.safetensors"))
 
 
 def test_no_transformers_call_may_run_remote_code():

@@ -101,6 +101,38 @@ def test_conversion_cache_is_keyed_on_content_not_path(default_model_dir, tmp_pa
     assert content_key(moved) != content_key(gguf)
 
 
+def test_a_gguf_folder_follows_its_file_when_it_moves(tmp_path, monkeypatch):
+    """The cache folder of a GGUF names the file its weights are read from: when that file is gone
+    (its environment removed) and the same content is found elsewhere, the folder names that one."""
+    from chunkgen.model.loading import SOURCE_FILE, _note_source, gguf_of
+
+    gguf = default_gguf()
+    monkeypatch.setenv("CHUNKGEN_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / f"{gguf.stem}-{content_key(gguf)}"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # made before; only the note matters here
+    gone = tmp_path / "old-env" / gguf.name
+    gone.parent.mkdir()
+    shutil.copyfile(gguf, gone)
+    _note_source(folder, gone, content_key(gguf))
+    gone.unlink()
+    assert gguf_of(folder) is None
+    assert resolve_model(gguf) == folder
+    assert gguf_of(folder) == gguf.resolve()
+    assert json.loads((folder / SOURCE_FILE).read_text())["gguf"] == str(gguf.resolve())
+
+
+def test_a_gguf_folder_without_its_file_is_refused_by_name(tmp_path):
+    """A cache folder whose GGUF is gone or changed holds no weights: the load says so, naming it."""
+    from chunkgen.model import check_model_dir
+    from chunkgen.model.loading import SOURCE_FILE
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / SOURCE_FILE).write_text(json.dumps({"gguf": "/nowhere/m.gguf", "size": 1, "key": "abc"}))
+    with pytest.raises(ModelNotFound, match=r"the GGUF file this folder was made from \(/nowhere/m.gguf\) is gone"):
+        check_model_dir(tmp_path)
+
+
 def test_stale_copies_are_other_keys_of_the_same_file_name(tmp_path):
     models = tmp_path / "models"
     for name in ("M.Q4-aaaaaaaaaaaa", "M.Q4-bbbbbbbbbbbb", "M.Q4-extra-cccccccccccc", "Other-dddddddddddd"):
