@@ -225,13 +225,13 @@ def int8_per_channel(w: torch.Tensor) -> QuantWeight:
 
 def int8_rows(rows: Callable[[int, int], torch.Tensor], n: int, k: int) -> QuantWeight:
     """int8_per_channel of W [n, k] given as `rows(start, stop)`, W's rows start:stop (a slice of
-    a tensor, or read from a mapped file): converted a few MiB of rows at a time, so neither W
-    nor an fp32 copy of it is ever held whole."""
+    a tensor, or read from a mapped file): converted 1 MiB of fp32 rows at a time, so neither W
+    nor an fp32 copy of it is ever held whole, and the temporaries stay small."""
     if k % BLOCK:
         raise ValueError(f"int8 weights need k a multiple of {BLOCK}, got {k}")
     qs = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, k // BLOCK, dtype=torch.float32)
-    step = max(1, (1 << 18) // k)  # 1 MiB of fp32 rows: the temporaries stay small
+    step = max(1, (1 << 18) // k)
     for i in range(0, n, step):
         part = rows(i, min(n, i + step)).float().view(-1, k // BLOCK, BLOCK)
         s = part.abs().amax(dim=-1) / 127.0
