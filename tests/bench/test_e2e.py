@@ -108,6 +108,21 @@ def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, 
     assert bad.exit_code == 2 and "--max-batch" in bad.output
 
 
+def test_bench_e2e_auto_batch_admits_rows_as_run_does(tiny_config, tmp_path):
+    """`--max-batch auto` is run's auto: the admission rule (a share of the rows at once, at least
+    MIN_RUNNING) holds, so the bench measures what a run does; a number runs that wide."""
+    from chunkgen.engine.scheduler import MIN_RUNNING
+
+    out = tmp_path / "rows.json"
+    rows = MIN_RUNNING + 8
+    args = ["bench", "e2e", "--dummy-weights", str(tiny_config), "--dtype", "fp32", "--n-shared", "40"]
+    args += ["--n-queries", str(rows), "--max-new-tokens", "2", "--systems", "chunkgen", "--max-batch", f"auto,{rows}"]
+    res = runner.invoke(app, [*args, "--json", str(out)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    by_batch = {r["max_batch"]: r for r in json.loads(out.read_text())}
+    assert by_batch["auto"]["peak_batch"] == MIN_RUNNING and by_batch[str(rows)]["peak_batch"] == rows
+
+
 @pytest.mark.real_model
 def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_dir, tmp_path):
     from chunkgen.bench.e2e import PeakRSS
