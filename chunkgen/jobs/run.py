@@ -240,7 +240,7 @@ def answer(
     scorer = ChoiceScorer()  # rows with choices: each choice scored after the row's prompt
     usage: dict[int, list[int]] = {}  # such a row's prompt and cached tokens so far, over its choices
     answer_ids = _choice_tokenizer(getattr(engine, "tokenizer", None))
-    exhausted = False
+    exhausted = idle = False
     warned = warned_batch = False
     before = engine.later_rows
     engine.later_rows = keep = "prefix" if in_prefix_order else before
@@ -288,6 +288,8 @@ def answer(
             if not engine.has_work:
                 if exhausted:
                     return
+                if idle and on_step:
+                    on_step()  # the source is busy (the prefix order's keying): no step is running
                 continue
             for res in engine.step():
                 if not scorer.owns(res.id):
