@@ -13,7 +13,7 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout
 from chunkgen.cli.loading import dtype_line, load_llm
-from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_MEMORY, MAX_BATCHES, MODEL, QUANTIZE
+from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_DTYPE, KV_MEMORY, MAX_BATCHES, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
 from chunkgen.cli.progress import PROGRESS_EVERY_S, Ticker
 from chunkgen.config import (
@@ -43,6 +43,7 @@ def bench_e2e(
     quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
+    kv_dtype: KV_DTYPE = None,
     dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     weights_seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from (run's --seed is the sampling seed)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
@@ -66,7 +67,7 @@ def bench_e2e(
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=weights_seed, dtype=dtype, device=device,
-                            kv_memory=kv_memory, max_batch=max(batches.values()), quantize=quantize,
+                            kv_memory=kv_memory, kv_dtype=kv_dtype, max_batch=max(batches.values()), quantize=quantize,
                             batch_invariant=batch_invariant)
     if config.kv_memory is None and "hf" in chosen:  # auto on a GPU would leave the hf system no memory
         config = config.replace(kv_memory=HF_BESIDE_KV)
