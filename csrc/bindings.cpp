@@ -497,6 +497,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(float32): causal, query r at position first + r reads positions [0, first + r] only",
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n_tokens"), py::arg("scale"),
         py::arg("first") = -1);
+  m.def("causal_attention", &chunkgen::causal_attention,
+        "Several lone sequences' causal products (prefix_attention with first >= 0) in one call, into out "
+        "[R, Hq, d]: spans int64 [N, 4] of (row, count, first position, offset into slots), in row order",
+        py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("spans"), py::arg("scale"),
+        py::arg("out"));
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("batch_invariant", &chunkgen::batch_invariant,
         "whether the CPU kernels give each row the same reduction order whatever the batch (csrc/invariant.h)");

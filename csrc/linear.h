@@ -10,7 +10,8 @@ namespace chunkgen {
 // Rows of x the packed product takes in one pass (more go in panels of these; the model sends
 // more to the general GEMM unless its numerics are batch-invariant, csrc/invariant.h).
 constexpr int64_t kPackedLinearMaxRows = 32;
-// fp32: the product keeps its rate at every decode batch (x stays in L2 while the blocks pass).
+// fp32: the product keeps its rate at every decode batch (x stays in L2 while the blocks pass);
+// more rows go in panels of these.
 constexpr int64_t kPackedLinearFp32MaxRows = 256;
 
 // W [n, k] bfloat16 -> [ceil(n / 32), ceil(k / 32) * 16, 32, 2] bfloat16: block b holds output
@@ -26,6 +27,7 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
 
 torch::Tensor pack_linear_fp32(const torch::Tensor& w);
 int64_t packed_linear_fp32_cols();
-void packed_linear_fp32(const float* x, int64_t ldx, int rows, const float* w, int64_t k, int64_t n, float* y);
+// Any number of rows, in panels of kPackedLinearFp32MaxRows inside one parallel region.
+void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t k, int64_t n, float* y);
 
 }  // namespace chunkgen

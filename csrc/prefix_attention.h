@@ -18,4 +18,12 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
                                                           const torch::Tensor& v_layer, const torch::Tensor& slots,
                                                           int64_t n_tokens, double scale, int64_t first = -1);
 
+// Several lone sequences' causal products (prefix_attention with first >= 0, lse not made) in one
+// parallel region, into out [R, Hq, d] (q's shape and dtype, contiguous): span i = (row, count,
+// first, at) of spans int64 [N, 4] is rows [row, row + count) of q at positions first..first + count
+// - 1, its path the ceil((first + count) / C) chunks slots[at...]. Spans in row order, disjoint; rows
+// of no span are not written. Each row gets the same bits as from its sequence's own call.
+void causal_attention(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
+                      const torch::Tensor& slots, const torch::Tensor& spans, double scale, torch::Tensor& out);
+
 }  // namespace chunkgen

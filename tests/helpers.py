@@ -192,24 +192,12 @@ TINY_CONFIG = {
 RUN_DEFAULTS = {"chunk_size": 16, "kv_memory": "64MiB", "quiet": True, "max_new_tokens": 12, "dtype": "fp32"}
 
 
-def base_args(
-    model,
-    out,
-    queries=PROMPTS / "arithmetic_cot.queries.jsonl",
-    template=PROMPTS / "arithmetic_cot.toml",
-    **options,
-) -> list[str]:
-    """The argv of `chunkgen run` (the one place the tests build it): template, queries, out and
-    model (None: the embedded default; template None: no --template, as for OpenAI rows), then
-    RUN_DEFAULTS updated by `options`, each as its option: max_new_tokens=2 -> --max-new-tokens 2,
-    True -> the flag alone, False or None -> left out, a list -> the option once per item."""
-    argv = ["run"]
-    if template is not None:
-        argv += ["--template", str(template)]
-    argv += ["--queries", str(queries), "--out", str(out)]
-    if model is not None:
-        argv += ["--model", str(model)]
-    for name, value in {**RUN_DEFAULTS, **options}.items():
+def cli_args(command: list[str], **options) -> list[str]:
+    """`command` (e.g. ["bench", "e2e"]) followed by `options`, each as its option:
+    max_new_tokens=2 -> --max-new-tokens 2, True -> the flag alone, False or None -> left out, a
+    list -> the option once per item."""
+    argv = list(command)
+    for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
@@ -219,6 +207,25 @@ def base_args(
         elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv
+
+
+def base_args(
+    model,
+    out,
+    queries=PROMPTS / "arithmetic_cot.queries.jsonl",
+    template=PROMPTS / "arithmetic_cot.toml",
+    **options,
+) -> list[str]:
+    """The argv of `chunkgen run` (the one place the tests build it): template, queries, out and
+    model (None: the embedded default; template None: no --template, as for OpenAI rows), then
+    RUN_DEFAULTS updated by `options` (as cli_args writes them)."""
+    argv = ["run"]
+    if template is not None:
+        argv += ["--template", str(template)]
+    argv += ["--queries", str(queries), "--out", str(out)]
+    if model is not None:
+        argv += ["--model", str(model)]
+    return cli_args(argv, **{**RUN_DEFAULTS, **options})
 
 
 def rows_of(*lines: str | bytes) -> list:

@@ -299,7 +299,9 @@ def run_e2e(
                     row, gen = run_llama_cpp(llm, work)
                 else:
                     schema = tool_calls_schema() if system == "chunkgen_schema" else None
-                    row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system], max_batch=batches[batch])
+                    # "auto" as run takes it: the admission rule of a batch the engine chooses (scheduler.py)
+                    max_batch = "auto" if batch == "auto" else batches[batch]
+                    row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system], max_batch=max_batch)
                 comparable = reference is not None and system != "chunkgen_schema"  # constrained: other answers
                 if system == "chunkgen":
                     ours = ours or gen

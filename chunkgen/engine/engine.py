@@ -268,6 +268,12 @@ class Engine:
         self.stats.kv_given_back_bytes += self.pool.end_step()
         self.stats.kv_peak_bytes = max(self.stats.kv_peak_bytes, self.tree.live_peak * self.pool.bytes_per_slot)
 
+    def _note_unshared(self) -> None:
+        """The peak of what the live sequences would hold without sharing, beside the live peak."""
+        self.stats.kv_unshared_peak_bytes = max(
+            self.stats.kv_unshared_peak_bytes, unshared_chunks(self.tree) * self.pool.bytes_per_slot
+        )
+
     # -- prefill ------------------------------------------------------------------------------
     def _run_wave(self, wave: list[Admission], done: list[Sequence]) -> None:
         t0 = time.perf_counter()
@@ -277,6 +283,7 @@ class Engine:
             self.scheduler.abort([a.seq for a in wave])  # their unwritten chunks are freed
             raise
         self.stats.prefill_s += time.perf_counter() - t0
+        self._note_unshared()  # before rows answered by the wave alone (one new token) leave the tree
         for seq, _, _ in wave:
             if seq.finish_reason:
                 self._finish(seq, done)
@@ -355,9 +362,7 @@ class Engine:
     def _decode(self, batch: Batch, done: list[Sequence]) -> None:
         """One token for every sequence of the batch; the scheduler reserved their positions."""
         t0 = time.perf_counter()
-        self.stats.kv_unshared_peak_bytes = max(
-            self.stats.kv_unshared_peak_bytes, unshared_chunks(self.tree) * self.pool.bytes_per_slot
-        )
+        self._note_unshared()
         ctx = self.runner.ctx
         ctx.refresh()
         by_id = {s.seq_id: s for s in batch.decode}

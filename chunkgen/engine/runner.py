@@ -25,7 +25,7 @@ from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.engine.prompt_scores import Entry, ScoreSpan, score_spans
 from chunkgen.kernels import invariant, workspace_for
-from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, plan_groups
+from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, lone_spans, plan_groups
 from chunkgen.model.llama import LlamaModel
 
 
@@ -217,6 +217,7 @@ class ModelRunner:
         dev = self.device
         # Usually every new row is written: then K/V go to the pool without a gather first.
         every_row = w_rows == list(range(row))
+        groups = plan_groups(spans, C, self.model.dtype, dev, alone=self.batch_invariant and dev.type == "cpu")
         return PrefillStep(
             tokens=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
@@ -224,6 +225,7 @@ class ModelRunner:
             write_offsets=torch.tensor(w_offs, dtype=torch.long),
             write_rows=None if every_row else torch.tensor(w_rows, dtype=torch.long, device=dev),
             writes=bool(w_rows),
-            groups=plan_groups(spans, C, self.model.dtype, dev, alone=self.batch_invariant and dev.type == "cpu"),
+            groups=groups,
             logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
+            lone=lone_spans(groups) if dev.type == "cpu" else None,
         )

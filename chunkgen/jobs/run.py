@@ -99,7 +99,8 @@ class JobSummary:
     interrupted: bool = False
     prefilled_tokens: int = 0  # prompt tokens computed, recomputation after preemption included
     order: str = "input"  # the order rows were answered in: input, or prefix
-    order_s: float = 0.0  # of wall_s, the prefix-order pass that keys every row before the first runs
+    order_s: float = 0.0  # of wall_s, the prefix-order pass that keys every row (order.py)
+    order_head: int = 0  # rows answered in file order while the pass ran
     dtype: str = ""  # what the model ran in and why, e.g. "bf16 (auto: the CPU has native bf16 arithmetic (AMX))"
     device: str = ""  # where, and why, e.g. "cuda:0 (auto: a CUDA GPU and chunkgen's CUDA kernels)"
     kv_memory: str = ""  # the KV budget and why, e.g. "60.2 GiB (auto: 85% of the 70.8 GiB GPU memory free ...)"
@@ -239,7 +240,7 @@ def answer(
     scorer = ChoiceScorer()  # rows with choices: each choice scored after the row's prompt
     usage: dict[int, list[int]] = {}  # such a row's prompt and cached tokens so far, over its choices
     answer_ids = _choice_tokenizer(getattr(engine, "tokenizer", None))
-    exhausted = False
+    exhausted = idle = False
     warned = warned_batch = False
     before = engine.later_rows
     engine.later_rows = keep = "prefix" if in_prefix_order else before
@@ -287,6 +288,8 @@ def answer(
             if not engine.has_work:
                 if exhausted:
                     return
+                if idle and on_step:
+                    on_step()  # the source is busy (the prefix order's keying): no step is running
                 continue
             for res in engine.step():
                 if not scorer.owns(res.id):
@@ -378,5 +381,5 @@ def run_job(
     writer.close(complete=not interrupted)
     summary = summarize(counts, [engine.stats], len(writer.changed), time.perf_counter() - t0, interrupted)
     if order is not None:
-        summary.order, summary.order_s = "prefix", order.stats.seconds
+        summary.order, summary.order_s, summary.order_head = "prefix", order.stats.seconds, order.stats.head
     return summary

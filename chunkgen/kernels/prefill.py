@@ -83,6 +83,31 @@ class PrefillStep:
     writes: bool
     groups: list[Group]
     logit_rows: list[int]
+    lone: LoneSpans | None = None  # the lone groups as one causal product a layer (lone_spans)
+
+
+@dataclass
+class LoneSpans:
+    """A wave's lone sequences as one native causal_attention call a layer (planned once a wave):
+    spans int64 [N, 4] of (first row, rows, first position, offset into slots), in row order, and
+    slots (int32) every one's path in turn."""
+
+    spans: torch.Tensor
+    slots: torch.Tensor
+
+
+def lone_spans(groups: list[Group]) -> LoneSpans | None:
+    """The lone groups of a wave (each sequence attended over its whole path; with batch-invariant
+    numerics every sequence of the wave), or None where there are none."""
+    lone = sorted((g for g in groups if g.key_idx is None), key=lambda g: g.contiguous[0])
+    if not lone:
+        return None
+    spans, at = [], 0
+    for g in lone:
+        a, b = g.contiguous
+        spans.append((a, b - a, g.prefix_len, at))
+        at += len(g.path_slots)
+    return LoneSpans(torch.tensor(spans, dtype=torch.long), torch.cat([g.path_slots for g in lone]))
 
 
 def plan_groups(
@@ -335,18 +360,24 @@ def prefill_attention(
     out: torch.Tensor,
     window: int = 0,
     softcap: float = 0.0,
+    lone: LoneSpans | None = None,
 ) -> None:
     """out[rows] = attention of the wave's new tokens over their paths: q `[rows, q_heads, d]`,
     k, v `[rows, kv_heads, d]` (the new tokens' own K/V, also already written to the pool).
 
     window > 0: a token at position t attends positions t - window + 1..t only (transformers'
-    sliding window); softcap > 0: scaled scores s become softcap * tanh(s / softcap)."""
+    sliding window); softcap > 0: scaled scores s become softcap * tanh(s / softcap).
+    lone: the lone groups as one product (lone_spans(groups)), where they are read in place: the
+    same bits as one call each, in one OpenMP region instead of one a sequence."""
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0 (0: off), got {window} and {softcap}")
     if window or softcap:
         for g in groups:
             _masked_group(g, layer, q, k, v, pool, scale, out, window, softcap)
         return
+    if lone is not None and _causal_in_place(q, pool):
+        native().causal_attention(q, pool.k[layer], pool.v[layer], lone.slots, lone.spans, scale, out)
+        groups = [g for g in groups if g.key_idx is not None]
     for g in groups:
         a_b = g.contiguous
         qg = q[a_b[0] : a_b[1]] if a_b else q[g.rows]

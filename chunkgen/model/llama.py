@@ -513,7 +513,17 @@ class LlamaModel:
                 rows_kv = (k, v) if step.write_rows is None else (k[step.write_rows], v[step.write_rows])
                 pool.write(i, step.write_slots, step.write_offsets, *rows_kv)
             prefill_attention(
-                step.groups, i, q, k, v, pool, self.scale, attn, window=self.layers[i].window, softcap=self.softcap
+                step.groups,
+                i,
+                q,
+                k,
+                v,
+                pool,
+                self.scale,
+                attn,
+                window=self.layers[i].window,
+                softcap=self.softcap,
+                lone=step.lone,
             )
             return attn.view(rows, -1)
 

@@ -171,11 +171,7 @@ torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor&
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();
-  // Panels of rows that keep x in L2 while the blocks pass; a row's sums are the same in any panel.
-  for (int64_t r0 = 0; r0 < rows; r0 += kPackedLinearFp32MaxRows)
-    packed_linear_fp32(xc.data_ptr<float>() + r0 * xc.stride(0), xc.stride(0),
-                       static_cast<int>(std::min(kPackedLinearFp32MaxRows, rows - r0)), packed.data_ptr<float>(), k, n,
-                       y.data_ptr<float>() + r0 * n);
+  packed_linear_fp32(xc.data_ptr<float>(), xc.stride(0), rows, packed.data_ptr<float>(), k, n, y.data_ptr<float>());
   return y;
 }
 

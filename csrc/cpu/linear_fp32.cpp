@@ -97,23 +97,31 @@ torch::Tensor pack_linear_fp32(const torch::Tensor& w) {
 
 int64_t packed_linear_fp32_cols() { return kCols; }
 
-void packed_linear_fp32(const float* x, int64_t ldx, int rows, const float* w, int64_t k, int64_t n, float* y) {
+void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t k, int64_t n, float* y) {
   const int64_t blocks = (n + kCols - 1) / kCols;
+  // One parallel region for every panel: threads write disjoint columns, so no panel waits for
+  // another (on a busy machine each region's barrier waits for a descheduled thread).
 #pragma omp parallel
   {
     // Contiguous block ranges: each thread streams one run of memory.
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int groups = (rows + kGroup - 1) / kGroup;
-    for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
-      const float* wb = w + b * k * kCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kCols, n - b * kCols));
-      const float* next = b + 1 < end ? wb + k * kCols : nullptr;
-      float* yb = y + b * kCols;
-      int r = 0, g = 0;
-      for (; r + kGroup <= rows; r += kGroup, ++g)
-        fma_rows<kGroup>(x + r * ldx, ldx, wb, k, yb + r * n, n, cols, {next, g, groups});
-      if (r < rows)
-        fma_rows_tail<kGroup - 1>(rows - r, x + r * ldx, ldx, wb, k, yb + r * n, n, cols, {next, g, groups});
+    const int64_t b_first = blocks * t / nt, b_end = blocks * (t + 1) / nt;
+    // Panels of rows that keep x in L2 while the blocks pass; a row's sums are the same in any panel.
+    for (int64_t p0 = 0; p0 < rows; p0 += kPackedLinearFp32MaxRows) {
+      const int panel = static_cast<int>(std::min(kPackedLinearFp32MaxRows, rows - p0));
+      const float* xp = x + p0 * ldx;
+      const int groups = (panel + kGroup - 1) / kGroup;
+      for (int64_t b = b_first; b < b_end; ++b) {
+        const float* wb = w + b * k * kCols;
+        const int cols = static_cast<int>(std::min<int64_t>(kCols, n - b * kCols));
+        const float* next = b + 1 < b_end ? wb + k * kCols : nullptr;
+        float* yb = y + p0 * n + b * kCols;
+        int r = 0, g = 0;
+        for (; r + kGroup <= panel; r += kGroup, ++g)
+          fma_rows<kGroup>(xp + r * ldx, ldx, wb, k, yb + r * n, n, cols, {next, g, groups});
+        if (r < panel)
+          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldx, ldx, wb, k, yb + r * n, n, cols, {next, g, groups});
+      }
     }
   }
 }

@@ -4,7 +4,10 @@
 // fp32 its register-blocked products and online softmax (online_softmax.h), in bf16 its packed
 // blocks on AMX tiles or AVX512_BF16 dot products (decode_chunk_first_bf16.h). No gathered copy of
 // the prefix, each chunk read once per block of rows. The normalized output and log-sum-exp merge
-// with the attention over the rest of each row's path (kernels/prefill.py).
+// with the attention over the rest of each row's path (kernels/prefill.py). The same code reads a
+// lone sequence's whole path causally, and a wave's lone sequences all in one parallel region
+// (causal_attention): one OpenMP region a layer, not one a sequence, whose barrier on a busy
+// machine waits for a descheduled thread each time.
 #include "../prefix_attention.h"
 
 #include <omp.h>
@@ -22,7 +25,7 @@ namespace chunkgen {
 namespace {
 
 // Rows [r0, r1) of one KV head's item, from its running state (state row (r - r0) * G + g: position
-// r, query head h * G + g): the normalized output and the log-sum-exp.
+// r, query head h * G + g): the normalized output and the log-sum-exp (where lse is not null).
 template <typename T>
 void write_rows(T* out, float* lse, const float* o, const float* m, const float* l, int r0, int r1, int h, int G,
                 int Hq, int d) {
@@ -31,64 +34,113 @@ void write_rows(T* out, float* lse, const float* o, const float* m, const float*
       const int s = (r - r0) * G + g;
       const size_t row = static_cast<size_t>(r) * Hq + h * G + g;
       decode::write_normalized(out + row * d, o + static_cast<size_t>(s) * d, l[s], d);
-      lse[row] = m[s] + std::log(l[s]);
+      if (lse != nullptr) lse[row] = m[s] + std::log(l[s]);
     }
 }
 
-// first < 0: every row reads all n_tokens. first >= 0: causal, row r sits at position first + r and
-// reads positions [0, first + r] (a lone sequence's whole path, its new tokens already stored):
-// the chunks before a block's first position are read by all its rows at once, the one or two
-// chunks its positions end in by each position's rows alone, up to that position. The products in
-// fp32 (Q: q and out float or bf16, T: the pool's float or bf16 K/V).
+// One product in fp32 arithmetic (Q: q and out float or bf16, T: the pool's float or bf16 K/V),
+// cut into items of a block of query rows x one KV head, each computed whole by one thread: what a
+// row gets depends on its own product only, never on the items beside it.
 template <typename T, typename Q>
-void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
-                 const int32_t* slot, int64_t nc, int64_t n_tokens, int64_t first, double scale, torch::Tensor& out,
-                 torch::Tensor& lse) {
-  const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
-  const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3));
-  const Q* qp = static_cast<const Q*>(q.data_ptr());
-  const T* K = static_cast<const T*>(k_layer.data_ptr());
-  const T* V = static_cast<const T*>(v_layer.data_ptr());
-  Q* op = static_cast<Q*>(out.data_ptr());
-  float* lp = lse.data_ptr<float>();
-  const int G = Hq / Hk, per_block = std::max(1, decode::kRowBlock / G);
-  const int blocks = (R + per_block - 1) / per_block, items = blocks * Hk;
+struct Product {
+  const Q* q;  // [R, Hq, d]
+  Q* out;      // [R, Hq, d]
+  float* lse;  // [R, Hq], or null: not wanted
+  const int32_t* slot;
+  int64_t nc, n_tokens;
+  // < 0: every row reads all n_tokens. >= 0: causal, row r sits at position first + r and reads
+  // positions [0, first + r] (a lone sequence's whole path, its new tokens already stored).
+  int64_t first;
+  int R;
+};
+
+struct Shape {
+  const void* k;  // the pool layer [S, Hk, d, C], K stored transposed
+  const void* v;  // [S, Hk, C, d]
+  int Hq, Hk, d, C;
+  float scale;
+  int G() const { return Hq / Hk; }
+  int per_block() const { return std::max(1, decode::kRowBlock / G()); }
+};
+
+Shape shape_of(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer, double scale) {
+  return {k_layer.data_ptr(),          v_layer.data_ptr(),
+          static_cast<int>(q.size(1)), static_cast<int>(k_layer.size(1)),
+          static_cast<int>(q.size(2)), static_cast<int>(k_layer.size(3)),
+          static_cast<float>(scale)};
+}
+
+// Item (blk, h) of a product: the chunks before the block's first position read by all its rows at
+// once, the one or two chunks its positions end in (causal) by each position's rows alone, up to
+// that position.
+template <typename T, typename Q>
+void attend_item(const Product<T, Q>& p, const Shape& sh, int blk, int h, decode::Scratch& sc) {
+  const int G = sh.G(), d = sh.d, C = sh.C, Hq = sh.Hq, Hk = sh.Hk;
+  const T* K = static_cast<const T*>(sh.k);
+  const T* V = static_cast<const T*>(sh.v);
   const size_t head_elems = static_cast<size_t>(d) * C;
+  const int r0 = blk * sh.per_block(), r1 = std::min(p.R, r0 + sh.per_block()), rows = (r1 - r0) * G;
+  sc.reserve(rows, d, C);
+  for (int r = r0; r < r1; ++r)  // state row (r - r0) * G + g: position r, query head h * G + g
+    for (int i = 0; i < G * d; ++i)
+      sc.q[static_cast<size_t>(r - r0) * G * d + i] =
+          decode::to_f32(p.q[(static_cast<size_t>(r) * Hq + h * G) * d + i]) * sh.scale;
+  sc.reset_state(rows, d);
+  const int64_t whole = p.first < 0 ? p.nc : (p.first + r0 + 1) / C;  // chunks every row reads whole
+  for (int64_t c = 0; c < whole; ++c) {
+    const int n = static_cast<int>(std::min<int64_t>(C, p.n_tokens - c * C));
+    const size_t off = (static_cast<size_t>(p.slot[c]) * Hk + h) * head_elems;
+    decode::attend_chunk<T, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(),
+                                   sc.s.data(), sc.alpha.data());
+  }
+  if (p.first >= 0)
+    for (int r = r0; r < r1; ++r) {
+      const int64_t pos = p.first + r;
+      const size_t s0 = static_cast<size_t>(r - r0) * G;
+      for (int64_t c = whole; c <= pos / C; ++c) {
+        const size_t off = (static_cast<size_t>(p.slot[c]) * Hk + h) * head_elems;
+        decode::attend_chunk<T, false>(
+            sc.q.data() + s0 * d, G, K + off, V + off, static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C, d,
+            sc.o.data() + s0 * d, sc.m.data() + s0, sc.l.data() + s0, sc.s.data(), sc.alpha.data());
+      }
+    }
+  write_rows(p.out, p.lse, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
+}
+
+// Every item of several products in one parallel region: the costliest (longest path) first, for
+// the dynamic schedule.
+template <typename T, typename Q>
+void attend_products(const std::vector<Product<T, Q>>& products, const Shape& sh) {
+  struct Item {
+    int product, blk, h;
+    int64_t cost;  // tokens the block's last row reads
+  };
+  std::vector<Item> items;
+  const int per_block = sh.per_block();
+  for (int i = 0; i < static_cast<int>(products.size()); ++i) {
+    const auto& p = products[i];
+    for (int blk = 0; blk * per_block < p.R; ++blk) {
+      const int64_t cost = p.first < 0 ? p.n_tokens : p.first + std::min(p.R, (blk + 1) * per_block);
+      for (int h = 0; h < sh.Hk; ++h) items.push_back({i, blk, h, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int n_items = static_cast<int>(items.size());
 #pragma omp parallel
   {
     thread_local decode::Scratch sc;
 #pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < items; ++it) {
-      // Causal blocks grow with their position: the last (longest) first, for the dynamic schedule.
-      const int blk = first < 0 ? it / Hk : blocks - 1 - it / Hk, h = it % Hk;
-      const int r0 = blk * per_block, r1 = std::min(R, r0 + per_block), rows = (r1 - r0) * G;
-      sc.reserve(rows, d, C);
-      for (int r = r0; r < r1; ++r)  // state row (r - r0) * G + g: position r, query head h * G + g
-        for (int i = 0; i < G * d; ++i)
-          sc.q[static_cast<size_t>(r - r0) * G * d + i] =
-              decode::to_f32(qp[(static_cast<size_t>(r) * Hq + h * G) * d + i]) * static_cast<float>(scale);
-      sc.reset_state(rows, d);
-      const int64_t whole = first < 0 ? nc : (first + r0 + 1) / C;  // chunks every row reads whole
-      for (int64_t c = 0; c < whole; ++c) {
-        const int n = static_cast<int>(std::min<int64_t>(C, n_tokens - c * C));
-        const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
-        decode::attend_chunk<T, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(),
-                                       sc.l.data(), sc.s.data(), sc.alpha.data());
-      }
-      if (first >= 0)
-        for (int r = r0; r < r1; ++r) {
-          const int64_t pos = first + r;
-          const size_t s0 = static_cast<size_t>(r - r0) * G;
-          for (int64_t c = whole; c <= pos / C; ++c) {
-            const size_t off = (static_cast<size_t>(slot[c]) * Hk + h) * head_elems;
-            decode::attend_chunk<T, false>(
-                sc.q.data() + s0 * d, G, K + off, V + off, static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C,
-                d, sc.o.data() + s0 * d, sc.m.data() + s0, sc.l.data() + s0, sc.s.data(), sc.alpha.data());
-          }
-        }
-      write_rows(op, lp, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
-    }
+    for (int it = 0; it < n_items; ++it) attend_item(products[items[it].product], sh, items[it].blk, items[it].h, sc);
   }
+}
+
+template <typename T, typename Q>
+void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
+                 const int32_t* slot, int64_t nc, int64_t n_tokens, int64_t first, double scale, torch::Tensor& out,
+                 torch::Tensor& lse) {
+  attend_products<T, Q>({{static_cast<const Q*>(q.data_ptr()), static_cast<Q*>(out.data_ptr()), lse.data_ptr<float>(),
+                          slot, nc, n_tokens, first, static_cast<int>(q.size(0))}},
+                        shape_of(q, k_layer, v_layer, scale));
 }
 
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
@@ -154,45 +206,57 @@ void prefix_bf16(const torch::Tensor& q, const torch::Tensor& k_layer, const tor
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
-                                                          const torch::Tensor& v_layer, const torch::Tensor& slots,
-                                                          int64_t n_tokens, double scale, int64_t first) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k_layer.dim() == 4 && v_layer.dim() == 4 && slots.dim() == 1,
-                    "prefix_attention: q [R, Hq, d], k_layer [S, Hk, d, C], v_layer [S, Hk, C, d], slots [n], got ",
-                    q.sizes(), ", ", k_layer.sizes(), ", ", v_layer.sizes(), ", ", slots.sizes());
+namespace {
+
+// What both entry points check: q [R, Hq, d] against one pool layer of its dtype, and slots.
+void check_pool_product(const char* op, const torch::Tensor& q, const torch::Tensor& k_layer,
+                        const torch::Tensor& v_layer, const torch::Tensor& slots) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k_layer.dim() == 4 && v_layer.dim() == 4 && slots.dim() == 1, op,
+                    ": q [R, Hq, d], k_layer [S, Hk, d, C], v_layer [S, Hk, C, d], slots [n], got ", q.sizes(), ", ",
+                    k_layer.sizes(), ", ", v_layer.sizes(), ", ", slots.sizes());
   const auto dtype = q.scalar_type();
   TORCH_CHECK_TYPE((dtype == torch::kFloat || dtype == torch::kBFloat16) && k_layer.scalar_type() == dtype &&
                        v_layer.scalar_type() == dtype && slots.scalar_type() == torch::kInt,
-                   "prefix_attention: q, k_layer, v_layer all float32 or all bfloat16, and slots int32, got ",
-                   q.scalar_type(), ", ", k_layer.scalar_type(), ", ", v_layer.scalar_type(), ", ",
-                   slots.scalar_type());
+                   op, ": q, k_layer, v_layer all float32 or all bfloat16, and slots int32, got ", q.scalar_type(),
+                   ", ", k_layer.scalar_type(), ", ", v_layer.scalar_type(), ", ", slots.scalar_type());
+  TORCH_CHECK_VALUE(q.device().is_cpu() && k_layer.device().is_cpu() && v_layer.device().is_cpu() &&
+                        slots.device().is_cpu() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
+                        slots.is_contiguous(),
+                    op, ": CPU tensors, the pool layers and slots contiguous");
+  const int64_t d = q.size(2), Hq = q.size(1), Hk = k_layer.size(1), C = k_layer.size(3), S = k_layer.size(0);
+  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0 && k_layer.size(2) == d && v_layer.size(0) == S && v_layer.size(1) == Hk &&
+                        v_layer.size(2) == C && v_layer.size(3) == d,
+                    op, ": shapes do not fit: q ", q.sizes(), ", k_layer ", k_layer.sizes(), ", v_layer ",
+                    v_layer.sizes());
+  // The score and value vectors span 16 floats at most: whole vectors of every chunk and head.
+  TORCH_CHECK_VALUE(d > 0 && d % 16 == 0 && C > 0 && C % 16 == 0, op,
+                    ": head_dim and chunk size must be positive multiples of 16, got ", d, " and ", C);
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  for (int64_t i = 0; i < slots.size(0); ++i)
+    TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < S, op, ": slot ", slot[i], " outside the pool layer's ", S);
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
+                                                          const torch::Tensor& v_layer, const torch::Tensor& slots,
+                                                          int64_t n_tokens, double scale, int64_t first) {
+  check_pool_product("prefix_attention", q, k_layer, v_layer, slots);
   TORCH_CHECK_VALUE(first < 0 || first + q.size(0) <= n_tokens, "prefix_attention: the last query (position ",
                     first + q.size(0) - 1, ") of a causal product (first >= 0) must be inside the ", n_tokens,
                     " tokens");
   // bf16 K/V: bf16 products on AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA
   // lowering) for a group's prefix; the fp32 products (bf16 read, fp32 arithmetic) for a causal
   // product, batch-invariant numerics, or where the CPU has no bf16 products.
+  const auto dtype = q.scalar_type();
   const Isa isa = dtype == torch::kBFloat16 ? current_isa() : Isa::Fp32;
   const bool bf16_products = dtype == torch::kBFloat16 && isa != Isa::Fp32 && first < 0 && !batch_invariant();
-  TORCH_CHECK_VALUE(q.device().is_cpu() && k_layer.device().is_cpu() && v_layer.device().is_cpu() &&
-                        slots.device().is_cpu() && k_layer.is_contiguous() && v_layer.is_contiguous() &&
-                        slots.is_contiguous(),
-                    "prefix_attention: CPU tensors, the pool layers and slots contiguous");
   const int R = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
-  const int Hk = static_cast<int>(k_layer.size(1)), C = static_cast<int>(k_layer.size(3));
-  const int64_t S = k_layer.size(0), nc = slots.size(0);
-  TORCH_CHECK_VALUE(Hk > 0 && Hq % Hk == 0 && k_layer.size(2) == d && v_layer.size(0) == S && v_layer.size(1) == Hk &&
-                        v_layer.size(2) == C && v_layer.size(3) == d,
-                    "prefix_attention: shapes do not fit: q ", q.sizes(), ", k_layer ", k_layer.sizes(), ", v_layer ",
-                    v_layer.sizes());
-  // The score and value vectors span 16 floats at most: whole vectors of every chunk and head.
-  TORCH_CHECK_VALUE(d > 0 && d % 16 == 0 && C > 0 && C % 16 == 0,
-                    "prefix_attention: head_dim and chunk size must be positive multiples of 16, got ", d, " and ", C);
+  const int C = static_cast<int>(k_layer.size(3));
+  const int64_t nc = slots.size(0);
   TORCH_CHECK_VALUE(n_tokens > 0 && nc == (n_tokens + C - 1) / C, "prefix_attention: ", nc,
                     " slots cannot hold a prefix of ", n_tokens, " tokens in chunks of ", C);
   const int32_t* slot = slots.data_ptr<int32_t>();
-  for (int64_t i = 0; i < nc; ++i)
-    TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < S, "prefix_attention: slot ", slot[i], " outside the pool layer's ", S);
 
   const auto qc = q.contiguous();
   auto out = torch::empty({R, Hq, d}, q.options());
@@ -212,6 +276,50 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
 #endif
   prefix_fp32<uint16_t, uint16_t>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
   return {out, lse};
+}
+
+void causal_attention(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
+                      const torch::Tensor& slots, const torch::Tensor& spans, double scale, torch::Tensor& out) {
+  check_pool_product("causal_attention", q, k_layer, v_layer, slots);
+  TORCH_CHECK_VALUE(
+      out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device().is_cpu() && out.is_contiguous(),
+      "causal_attention: out must be a contiguous CPU tensor of q's shape and dtype, got ", out.sizes(), " ",
+      out.scalar_type());
+  TORCH_CHECK_VALUE(spans.dim() == 2 && spans.size(1) == 4 && spans.scalar_type() == torch::kLong &&
+                        spans.device().is_cpu() && spans.is_contiguous(),
+                    "causal_attention: spans int64 [N, 4] (row, count, first, slot offset), got ", spans.sizes(), " ",
+                    spans.scalar_type());
+  const auto qc = q.contiguous();
+  const int64_t rows = q.size(0), row_elems = q.size(1) * q.size(2), C = k_layer.size(3), n_slots = slots.size(0);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  const bool fp32 = q.scalar_type() == torch::kFloat;
+  std::vector<Product<float, float>> f32;
+  std::vector<Product<uint16_t, uint16_t>> b16;
+  int64_t end = 0;  // rows before it belong to earlier spans
+  for (int64_t i = 0; i < spans.size(0); ++i) {
+    const int64_t row = sp[4 * i], count = sp[4 * i + 1], first = sp[4 * i + 2], at = sp[4 * i + 3];
+    const int64_t n_tokens = first + count, nc = (n_tokens + C - 1) / C;
+    TORCH_CHECK_VALUE(row >= end && count >= 0 && row + count <= rows && first >= 0, "causal_attention: span ", i,
+                      " (rows ", row, " + ", count, ", first position ", first,
+                      ") overlaps an earlier span or leaves q's ", rows, " rows");
+    TORCH_CHECK_VALUE(at >= 0 && at + nc <= n_slots, "causal_attention: span ", i, " needs slots [", at, ", ", at + nc,
+                      ") of ", n_slots);
+    end = row + count;
+    if (count == 0) continue;
+    if (fp32)
+      f32.push_back({qc.data_ptr<float>() + row * row_elems, out.data_ptr<float>() + row * row_elems, nullptr,
+                     slot + at, nc, n_tokens, first, static_cast<int>(count)});
+    else
+      b16.push_back({static_cast<const uint16_t*>(qc.data_ptr()) + row * row_elems,
+                     static_cast<uint16_t*>(out.data_ptr()) + row * row_elems, nullptr, slot + at, nc, n_tokens, first,
+                     static_cast<int>(count)});
+  }
+  const Shape sh = shape_of(q, k_layer, v_layer, scale);
+  if (fp32)
+    attend_products(f32, sh);
+  else
+    attend_products(b16, sh);
 }
 
 }  // namespace chunkgen

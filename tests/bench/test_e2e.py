@@ -14,6 +14,7 @@ from chunkgen import device as devmod
 from chunkgen.bench.e2e import decode_kernels_per_step, is_kernel
 from chunkgen.cli import app
 from chunkgen.model import dummy
+from tests.helpers import cli_args
 
 runner = CliRunner()
 
@@ -41,26 +42,17 @@ def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_conf
     out = tmp_path / "rows.json"
     res = runner.invoke(
         app,
-        [
-            "bench",
-            "e2e",
-            "--dummy-weights",
-            str(tiny_config),
-            "--dtype",
-            "fp32",
-            "--n-shared",
-            "80",
-            "--n-queries",
-            "3",
-            "--max-new-tokens",
-            "6",
-            "--systems",
-            "hf,chunkgen",
-            "--device",
-            "cpu",
-            "--json",
-            str(out),
-        ],
+        cli_args(
+            ["bench", "e2e"],
+            dummy_weights=tiny_config,
+            dtype="fp32",
+            n_shared=80,
+            n_queries=3,
+            max_new_tokens=6,
+            systems="hf,chunkgen",
+            device="cpu",
+            json=out,
+        ),
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
@@ -75,28 +67,18 @@ def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, 
     out = tmp_path / "rows.json"
     res = runner.invoke(
         app,
-        [
-            "bench",
-            "e2e",
-            "--dummy-weights",
-            str(tiny_config),
-            "--dtype",
-            "fp32",
-            "--n-shared",
-            "40",
-            "--n-queries",
-            "3",
-            "--max-new-tokens",
-            "3",
-            "--repeat",
-            "2",
-            "--systems",
-            "chunkgen",
-            "--max-batch",
-            "auto,2",
-            "--json",
-            str(out),
-        ],
+        cli_args(
+            ["bench", "e2e"],
+            dummy_weights=tiny_config,
+            dtype="fp32",
+            n_shared=40,
+            n_queries=3,
+            max_new_tokens=3,
+            repeat=2,
+            systems="chunkgen",
+            max_batch="auto,2",
+            json=out,
+        ),
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
@@ -106,6 +88,21 @@ def test_bench_e2e_gives_a_row_per_batch_and_the_first_round_apart(tiny_config, 
     assert "round 1 gen tok/s" in res.output and "auto (peak 3)" in res.output
     bad = runner.invoke(app, ["bench", "e2e", "--dummy-weights", str(tiny_config), "--max-batch", "auto,zero"])
     assert bad.exit_code == 2 and "--max-batch" in bad.output
+
+
+def test_bench_e2e_auto_batch_admits_rows_as_run_does(tiny_config, tmp_path):
+    """`--max-batch auto` is run's auto: the admission rule (a share of the rows at once, at least
+    MIN_RUNNING) holds, so the bench measures what a run does; a number runs that wide."""
+    from chunkgen.engine.scheduler import MIN_RUNNING
+
+    out = tmp_path / "rows.json"
+    rows = MIN_RUNNING + 8
+    args = cli_args(["bench", "e2e"], dummy_weights=tiny_config, dtype="fp32", n_shared=40, n_queries=rows)
+    args += cli_args([], max_new_tokens=2, systems="chunkgen", max_batch=f"auto,{rows}", json=out)
+    res = runner.invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    by_batch = {r["max_batch"]: r for r in json.loads(out.read_text())}
+    assert by_batch["auto"]["peak_batch"] == MIN_RUNNING and by_batch[str(rows)]["peak_batch"] == rows
 
 
 @pytest.mark.real_model
@@ -123,26 +120,17 @@ def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_
     out = tmp_path / "rows.json"
     res = runner.invoke(
         app,
-        [
-            "bench",
-            "e2e",
-            "--dummy-weights",
-            "smollm2-135m",
-            "--dtype",
-            "bf16",
-            "--device",
-            "cpu",
-            "--n-shared",
-            "64",
-            "--n-queries",
-            "2",
-            "--max-new-tokens",
-            "3",
-            "--systems",
-            "chunkgen_paged,chunkgen",
-            "--json",
-            str(out),
-        ],
+        cli_args(
+            ["bench", "e2e"],
+            dummy_weights="smollm2-135m",
+            dtype="bf16",
+            device="cpu",
+            n_shared=64,
+            n_queries=2,
+            max_new_tokens=3,
+            systems="chunkgen_paged,chunkgen",
+            json=out,
+        ),
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output

@@ -102,6 +102,20 @@ def test_n_samples_share_the_prompt_and_stop_strings_cut_text(tiny_llm):
     assert not cut.text.startswith(decode(ids[: n + 1]))
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 4])
+def test_the_peak_without_sharing_counts_rows_answered_by_their_prefill(tiny_llm, max_new_tokens):
+    """Rows of one new token finish in their prefill wave, with no decode step: the figure of what
+    they would have held unshared still counts them (it was 0), and exceeds the shared peak."""
+    engine = tiny_llm.new_engine(max_batch=8)
+    reqs = [
+        Request(i, tiny_llm.encode(p), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        for i, p in enumerate(template_prompts("tool_dispatcher", 8))
+    ]
+    list(engine.stream(reqs))
+    s = engine.stats
+    assert s.kv_unshared_peak_bytes > s.kv_peak_bytes > 0
+
+
 def test_later_requests_reuse_the_cached_system_prompt(tiny_llm):
     engine = tiny_llm.new_engine()
     prompts = template_prompts("document_qa", 2)

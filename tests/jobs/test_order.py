@@ -138,6 +138,45 @@ def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
     row_file.close()
 
 
+def test_a_large_file_hands_on_its_head_while_the_rest_is_keyed(tmp_path, monkeypatch):
+    """Past HEAD_AFTER rows, the first HEAD_ROWS go on in file order and the pass yields None
+    between slices; every other row follows once, in key order (one run per document)."""
+    from chunkgen.jobs import order as order_mod
+
+    monkeypatch.setattr(order_mod, "HEAD_AFTER", 8)
+    monkeypatch.setattr(order_mod, "HEAD_ROWS", 3)
+    monkeypatch.setattr(order_mod, "SLICE_ROWS", 4)
+    rng = random.Random(2)
+    rows = [{"id": f"{d}-{q}", "question": f"doc {d} " * 3 + f"question {q}"} for d in range(6) for q in range(4)]
+    rng.shuffle(rows)
+    templates = load_templates(PROMPTS / "document_qa.toml")
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row_file = RowFile(str(path))
+    order, items = PrefixOrder.reading(
+        row_file, read_rows(row_file.lines()), lambda rows: template_jobs(rows, templates, {}), run_rows=5
+    )
+    got = list(order.apply(enumerate(items), chunk_size=1))
+    row_file.close()
+    first_none = got.index(None)
+    assert [job.id for _, job in got[:first_none]] == [r["id"] for r in rows[:3]]  # the head, in file order
+    # None after the 8th row and each 4th after it, before the keying ends at 24 rows: 8, 12, 16, 20, 24
+    assert got.count(None) == 5 and got[first_none:].count(None) == 5 and first_none == 3
+    rest = [job.id for item in got[first_none:] if item is not None for job in [item[1]]]
+    assert sorted(rest + [r["id"] for r in rows[:3]]) == sorted(r["id"] for r in rows)  # each row once
+    docs = [i.split("-")[0] for i in rest]
+    assert len([d for j, d in enumerate(docs) if j == 0 or d != docs[j - 1]]) == 6  # one run per document
+    assert order.stats.head == 3 and order.stats.rows == len(rows)
+
+
+def test_a_file_of_at_most_head_after_rows_is_ordered_whole(tmp_path):
+    lines = [json.dumps({"id": f"{d}-{q}", "question": f"doc {d} " * 3 + f"q {q}"}) for q in range(3) for d in range(5)]
+    got, order = _order_of(tmp_path, lines, run_rows=100)
+    assert order.stats.head == 0 and len(got) == len(lines)
+    docs = [i.split("-")[0] for _, i, _ in got]
+    assert len([d for j, d in enumerate(docs) if j == 0 or d != docs[j - 1]]) == 5
+
+
 # -- whole runs on the tiny model -------------------------------------------------------------------
 def _docqa(tmp_path, tiny_model, docs=10, questions=3, doc_tokens=(150, 200)):
     from transformers import AutoTokenizer
@@ -186,6 +225,22 @@ def test_prefix_order_prefills_less_and_answers_the_same(tiny_model, tmp_path):
     assert by_prefix["cache_hit_rate"] > by_input["cache_hit_rate"] + 0.2
     assert by_prefix["cached_tokens"] == by_prefix["prompt_tokens"] - by_prefix["prefilled_tokens"]
     assert _texts(tmp_path / "input.jsonl") == _texts(tmp_path / "prefix.jsonl")  # greedy: same answers
+
+
+def test_a_head_answered_while_the_file_is_keyed_gives_the_same_answers(tiny_model, tmp_path, monkeypatch):
+    from chunkgen.jobs import order as order_mod
+
+    template, queries = _docqa(tmp_path, tiny_model, docs=6)
+    whole = _run(tiny_model, template, queries, tmp_path / "whole.jsonl")
+    monkeypatch.setattr(order_mod, "HEAD_AFTER", 6)
+    monkeypatch.setattr(order_mod, "HEAD_ROWS", 4)
+    monkeypatch.setattr(order_mod, "SLICE_ROWS", 2)
+    headed = _run(tiny_model, template, queries, tmp_path / "headed.jsonl")
+    assert whole["order_head"] == 0 and headed["order_head"] == 4
+    first = [json.loads(l)["line"] for l in (tmp_path / "headed.jsonl").read_text().splitlines()]
+    assert sorted(first[:4]) == [1, 2, 3, 4]  # the head's records come first (max_batch 4)
+    assert _texts(tmp_path / "headed.jsonl") == _texts(tmp_path / "whole.jsonl")
+    assert len(first) == len(set(first)) == whole["requests"]
 
 
 def test_ordered_output_resume_and_stdin_keep_working_in_prefix_order(tiny_model, tmp_path):

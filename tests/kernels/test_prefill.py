@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool
-from chunkgen.kernels.prefill import PrefillSpan, plan_groups, prefill_attention
+from chunkgen.kernels import invariant
+from chunkgen.kernels.prefill import PrefillSpan, lone_spans, plan_groups, prefill_attention
 from tests.helpers import PATHS, dense_lse_reference, forced, prefill_reference, random_wave, store_new_tokens
 
 
@@ -36,6 +37,72 @@ def test_prefill_attention_matches_naive(seed, n_seqs, chunk, heads, head_dim, d
     want = prefill_reference(q, k, v, pool, spans, scale)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+
+
+@pytest.fixture
+def invariant_on():
+    """Batch-invariant numerics (the engine's default): bf16 lone sequences are read in place too."""
+    invariant.set_enabled(True)
+    yield
+    invariant.set_enabled(False)
+
+
+# The fixture sets one switch, the same for every example: not reset between them on purpose.
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 8),
+    chunk=st.sampled_from([16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    alone=st.booleans(),
+)
+def test_lone_sequences_in_one_call_give_the_bits_of_one_call_each(
+    invariant_on, seed, n_seqs, chunk, heads, dtype, alone
+):
+    """A wave's lone sequences through one causal_attention call (lone_spans) against the same
+    groups one prefix_attention call each: equal bits, every sequence's rows, whatever the wave;
+    and within tolerance of the naive reference."""
+    hq, hk = heads
+    pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, 64, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q, k, v = (torch.randn(rows, h, 64, generator=gen).to(dtype) for h in (hq, hk, hk))
+    store_new_tokens(pool, spans, k, v)
+    groups = plan_groups(spans, chunk, dtype, q.device, alone=alone)
+    each, batched = (torch.full((rows, hq, 64), float("nan"), dtype=dtype) for _ in range(2))
+    prefill_attention(groups, 0, q, k, v, pool, 0.125, each)
+    lone = lone_spans(groups)
+    assert lone is not None or not alone
+    prefill_attention(groups, 0, q, k, v, pool, 0.125, batched, lone=lone)
+    assert torch.equal(batched, each)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    want = prefill_reference(q, k, v, pool, spans, 0.125)
+    assert torch.allclose(batched.double(), want, atol=tol, rtol=tol)
+
+
+def test_one_causal_call_refuses_spans_that_do_not_fit():
+    from chunkgen._native import native
+
+    k_layer, v_layer = torch.zeros(4, 2, 32, 16), torch.zeros(4, 2, 16, 32)
+    q, out, slots = torch.zeros(6, 4, 32), torch.zeros(6, 4, 32), torch.tensor([0, 1, 2], dtype=torch.int32)
+    op = native().causal_attention
+
+    def spans(*rows):
+        return torch.tensor(rows, dtype=torch.long)
+
+    op(q, k_layer, v_layer, slots, spans((0, 3, 13, 0), (3, 3, 0, 2)), 1.0, out)  # 16 tokens: 1 chunk; 3: 1
+    with pytest.raises(ValueError, match="overlaps an earlier span"):
+        op(q, k_layer, v_layer, slots, spans((0, 3, 0, 0), (2, 3, 0, 1)), 1.0, out)
+    with pytest.raises(ValueError, match="leaves q's 6 rows"):
+        op(q, k_layer, v_layer, slots, spans((4, 3, 0, 0)), 1.0, out)
+    with pytest.raises(ValueError, match=r"needs slots \[2, 4\) of 3"):
+        op(q, k_layer, v_layer, slots, spans((0, 3, 14, 2)), 1.0, out)  # 17 tokens: 2 chunks
+    with pytest.raises(ValueError, match="out must be"):
+        op(q, k_layer, v_layer, slots, spans((0, 3, 0, 0)), 1.0, out[:5])
+    with pytest.raises(ValueError, match="spans int64"):
+        op(q, k_layer, v_layer, slots, spans((0, 3, 0, 0)).int(), 1.0, out)
+    with pytest.raises(ValueError, match="outside the pool layer"):
+        op(q, k_layer, v_layer, torch.tensor([0, 9], dtype=torch.int32), spans((0, 3, 0, 0)), 1.0, out)
 
 
 def test_a_shared_prefix_is_one_group_read_once():
