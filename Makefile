@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test lint bench-kernel cuda-check gpu-check clean-venv
+.PHONY: install install-test demo test test-llama-cpp lint bench-kernel cuda-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,19 @@ demo: install
 # -rs: the summary ends with one line per skipped test and why it was skipped.
 test: install-test
 	$(PY) -m pytest -q -rs
+
+# llama.cpp on the same GGUF file as chunkgen: `bench e2e --systems llama_cpp` and the agreement
+# test the suite leaves out (pytest -m llama_cpp). llama-cpp-python is an sdist that compiles
+# llama.cpp (several minutes): built for this machine's CPU, without its multimodal library; its
+# build backend installed first, as the editable install below builds without isolation.
+$(VENV)/.installed-llamacpp: $(VENV)/.installed-test
+	$(PIP) install "scikit-build-core[pyproject]>=0.9.2"
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CHUNKGEN_NATIVE=0 \
+	  $(PIP) install --no-build-isolation -e ".[llamacpp]" $(TORCH)
+	@touch $@
+
+test-llama-cpp: $(VENV)/.installed-llamacpp $(NATIVE)
+	$(PY) -m pytest -q -rs -s -m llama_cpp
 
 # Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA; and the
 # documentation's links (README, docs/, benchmarks/: every relative link resolves, every docs page

@@ -4,7 +4,9 @@ system, all systems measured in one process one after the other.
 
 `chunkgen_schema` is chunkgen with every answer constrained to a JSON array of the shipped
 tool-dispatcher's function calls, long enough that no answer can end before max_new_tokens: the
-same number of tokens as `chunkgen`, each step paying for a real schema's token masks."""
+same number of tokens as `chunkgen`, each step paying for a real schema's token masks.
+
+`llama_cpp` is llama.cpp on the model's GGUF file, fed the same token ids (bench/llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from chunkgen.cache import kv_shape
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
 
-SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen", "chunkgen_schema")
+SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen", "chunkgen_schema", "llama_cpp")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 
 
@@ -279,11 +281,12 @@ def run_e2e(
     throughput: a neighbour's burst of load then slows one round of every system, not every run of
     one. `on_start(system, n_shared, round)` is called as each run begins, `on_row(row)` as it ends."""
     batches = batches or {str(llm.config.max_batch): llm.config.max_batch}
-    runs_of = [(s, None) if s == "hf" else (s, b) for s in systems for b in ([None] if s == "hf" else batches)]
+    one_run = ("hf", "llama_cpp")  # not chunkgen's engines: no batch setting
+    runs_of = [(s, None) if s in one_run else (s, b) for s in systems for b in ([None] if s in one_run else batches)]
     rows = []
     for ns in n_shared:
         work = build_workload(llm, ns, n_queries, max_new_tokens)
-        reference = None
+        reference = ours = None
         runs: dict[tuple, list[dict]] = {key: [] for key in runs_of}
         for round_ in range(repeat):
             for system, batch in runs_of:
@@ -292,12 +295,18 @@ def run_e2e(
                 if system == "hf":
                     row, gen = run_hf(llm, work)
                     reference = reference or gen
+                elif system == "llama_cpp":
+                    from chunkgen.bench.llamacpp import run_llama_cpp
+
+                    row, gen = run_llama_cpp(llm, work)
                 else:
                     schema = tool_calls_schema() if system == "chunkgen_schema" else None
                     # "auto" as run takes it: the admission rule of a batch the engine chooses (scheduler.py)
                     max_batch = "auto" if batch == "auto" else batches[batch]
                     row, gen = run_engine(llm, work, schema, **ENGINE_SETTINGS[system], max_batch=max_batch)
                 comparable = reference is not None and system != "chunkgen_schema"  # constrained: other answers
+                if system == "chunkgen":
+                    ours = ours or gen
                 row = {
                     "system": system,
                     "n_shared": ns,
@@ -307,6 +316,9 @@ def run_e2e(
                     "max_batch": batch,
                     **row,
                     "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference)) if comparable else None),
+                    "outputs_equal_to_chunkgen": (
+                        sum(a == b for a, b in zip(gen, ours)) if system == "llama_cpp" and ours else None
+                    ),
                     "round": round_ + 1,
                 }
                 runs[system, batch].append(row)

@@ -19,6 +19,9 @@ RECENT_STEPS = 32
 MIN_RUN_BYTES = 64 << 20
 
 
+PREFAULT_BYTES = 512 << 20  # at most this much of the pool is backed ahead of use
+
+
 class PoolExhausted(RuntimeError):
     """The memory budget has no free slot left; the caller decides (evict, wait, preempt)."""
 
@@ -112,8 +115,11 @@ class ChunkPool:
             for t in (self.k, self.v):
                 advise_huge_pages(t)
             # The slots handed out first (lowest first, see _grow), backed ahead of use: a first
-            # wave's private chunk a row and two slabs for what the rows share, in whole slabs.
+            # wave's private chunk a row and two slabs for what the rows share, in whole slabs, and
+            # no more than PREFAULT_BYTES: a large model's slots are large (a 7B model's 64-token
+            # chunk is 32 MiB in bf16, two slabs 4 GiB) and its prefill slow beside the faults.
             first = min(stored, -(-ready_rows // self.slab_slots) * self.slab_slots + 2 * self.slab_slots)
+            first = min(first, max(1, PREFAULT_BYTES // self.bytes_per_slot))
             self.prefault = populate_in_background(
                 [t[layer, :first] for t in (self.k, self.v) for layer in range(num_layers)]
             )

@@ -1,5 +1,5 @@
 """`chunkgen bench e2e`: whole runs side by side on one workload (transformers' generate, chunkgen
-without sharing, paged, full, constrained), with a line per round as it ends."""
+without sharing, paged, full, constrained, llama.cpp), with a line per round as it ends."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout
 from chunkgen.cli.loading import dtype_line, load_llm
-from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_MEMORY, MAX_BATCHES, MODEL, QUANTIZE
+from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_DTYPE, KV_MEMORY, MAX_BATCHES, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
 from chunkgen.cli.progress import PROGRESS_EVERY_S, Ticker
 from chunkgen.config import (
@@ -43,17 +43,19 @@ def bench_e2e(
     quantize: QUANTIZE = "none",
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
+    kv_dtype: KV_DTYPE = None,
     dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     weights_seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from (run's --seed is the sampling seed)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
-                                     "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking)."),
+                                     "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking), "
+                                     "llama_cpp (llama.cpp on the model's GGUF file, the same token ids; needs the extra llamacpp)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
 ) -> None:
-    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained."""
+    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained, llama.cpp."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
@@ -66,13 +68,15 @@ def bench_e2e(
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=weights_seed, dtype=dtype, device=device,
-                            kv_memory=kv_memory, max_batch=max(batches.values()), quantize=quantize,
+                            kv_memory=kv_memory, kv_dtype=kv_dtype, max_batch=max(batches.values()), quantize=quantize,
                             batch_invariant=batch_invariant)
     if config.kv_memory is None and "hf" in chosen:  # auto on a GPU would leave the hf system no memory
         config = config.replace(kv_memory=HF_BESIDE_KV)
         err.print(f"--kv-memory auto on a GPU beside the hf system: {HF_BESIDE_KV} (give a size to change it)",
                   highlight=False)
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
+    if "llama_cpp" in chosen:
+        _check_llama_cpp(config, n_queries)
     llm = load_llm(config)
     dtype = dtype_line(llm.config) + ("" if llm.quantized == "none" else f", quantized: {llm.quantized}")
     current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
@@ -116,6 +120,8 @@ def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: s
     )
     # With rounds, the first one apart: a fresh process's first run is what every `chunkgen run` is.
     first = ("round 1 gen tok/s",) if repeat > 1 else ()
+    # llama.cpp's outputs against chunkgen's: the agreement of two engines on the same quantized file
+    against_ours = ("= chunkgen",) if any(r.get("outputs_equal_to_chunkgen") is not None for r in rows) else ()
     for col in (
         "system",
         "n_shared",
@@ -130,6 +136,7 @@ def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: s
         "KV peak",
         "RSS peak",
         "= hf",
+        *against_ours,
     ):
         table.add_column(col, justify="right")
     for r in rows:
@@ -148,8 +155,32 @@ def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: s
             human_bytes(r["kv_peak_bytes"]),
             human_bytes(r["rss_peak_bytes"]),
             "-" if r["outputs_equal_to_hf"] is None else f"{r['outputs_equal_to_hf']}/{r['n_queries']}",
+            *([_of(r.get("outputs_equal_to_chunkgen"), r["n_queries"])] if against_ours else []),
         )
     stdout.print(table)
+    for r in rows:
+        if r.get("llama_cpp"):
+            stdout.print(f"llama_cpp: {r['llama_cpp']}", highlight=False)
+
+
+def _of(count: int | None, n: int) -> str:
+    return "-" if count is None else f"{count}/{n}"
+
+
+def _check_llama_cpp(config: Config, n_queries: int) -> None:
+    """Before the model loads: llama-cpp-python is installed, the model is a GGUF file, the rows fit
+    one llama.cpp context."""
+    from chunkgen.bench.llamacpp import MAX_ROWS, LlamaCppUnavailable, gguf_file, llama_cpp_version
+
+    try:
+        gguf_file(config.model, config.dummy_weights)
+        llama_cpp_version()
+    except LlamaCppUnavailable as exc:
+        fail(str(exc))
+    if config.device != "cpu":
+        fail(f"llama_cpp runs on the CPU here; give --device cpu (not {config.device})")
+    if n_queries > MAX_ROWS:
+        fail(f"llama_cpp decodes at most {MAX_ROWS} rows together (llama.cpp's LLAMA_MAX_SEQ); --n-queries {n_queries}")
 
 
 def _check_dummy_fits(config: Config, copies: int) -> None:

@@ -243,7 +243,8 @@ def one_line(text: str) -> str:
 
 
 def fail(message: str) -> NoReturn:
-    err.print(f"[bold red]error:[/] {one_line(message)}", highlight=False, markup=True)
+    # The message is text: brackets in it ('chunkgen[eval]', a path) are not rich markup.
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", highlight=False, markup=True)
     raise typer.Exit(EXIT_ERROR)
 
 

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from chunkgen.cli.boundary import app, stdout
-from chunkgen.cli.option_types import CHUNK_SIZE, DTYPE, KV_MEMORY, MAX_BATCH, MODEL
+from chunkgen.cli.option_types import CHUNK_SIZE, DTYPE, KV_DTYPE, KV_MEMORY, MAX_BATCH, MODEL
 from chunkgen.cli.options import check_kv_fits, resolve_config, resolve_model, said_as_mistakes
 from chunkgen.config import DEFAULT_CHUNK_SIZE, DEFAULT_DTYPE, DEFAULT_KV_MEMORY, DEFAULT_MAX_BATCH, DEFAULT_MODEL
 from chunkgen.device import human_bytes
@@ -34,6 +34,7 @@ def inspect_tree(
     id_field: str = typer.Option("id", metavar="FIELD", help="Field of each row that holds its id."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Write the figures as JSON here."),
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
+    kv_dtype: KV_DTYPE = None,
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
 ) -> None:
     """Insert every prompt into a prefix tree (no model run) and show sharing, memory, and the cache
@@ -45,7 +46,7 @@ def inspect_tree(
     with said_as_mistakes():
         check_format(fmt)
         config = resolve_config(device="cpu", dtype=dtype, chunk_size=chunk_size,
-                                kv_memory=kv_memory, max_batch=max_batch)
+                                kv_memory=kv_memory, kv_dtype=kv_dtype, max_batch=max_batch)
         check_queries_path(queries)
         source = JobSource.open(queries, template, fmt, {}, id_field, prefix_order=True)
     with source:

@@ -67,7 +67,11 @@ def dtype_text(config: Config) -> str:
 
 
 def kv_text(config: Config) -> str:
-    return f"{human_bytes(config.kv_memory)} ({config.why['kv_memory']})"
+    """The budget and why, and the K/V dtype where it is not the model's (--kv-dtype)."""
+    from chunkgen.model.precision import DTYPE_NAMES
+
+    own = "" if config.kv_dtype in (None, config.dtype) else f" of {DTYPE_NAMES[config.kv_dtype]} K/V"
+    return f"{human_bytes(config.kv_memory)}{own} ({config.why['kv_memory']})"
 
 
 def dtype_line(config: Config) -> str:

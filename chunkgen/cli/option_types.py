@@ -81,6 +81,15 @@ QUANTIZE = Annotated[
         "per row to int8 blocks. On a GPU, GGUF weights run dequantized.",
     ),
 ]
+KV_DTYPE = Annotated[
+    str | None,
+    typer.Option(
+        "--kv-dtype",
+        metavar="DTYPE",
+        help="The K/V cache's dtype: fp32 or bf16 (fp16 too on a GPU) [default: --dtype's; fp32 for an fp16 "
+        "model on the CPU]. bf16 halves the cache of an fp32 run (what a 7-8B model's cache needs to fit).",
+    ),
+]
 KV_MEMORY = Annotated[
     str,
     typer.Option(

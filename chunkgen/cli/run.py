@@ -24,6 +24,7 @@ from chunkgen.cli.option_types import (
     CHUNK_SIZE,
     DEVICE,
     DTYPE,
+    KV_DTYPE,
     KV_MEMORY,
     MAX_BATCH,
     MODEL,
@@ -74,6 +75,7 @@ def run(
     sampling: dict[str, Any] = ...,  # one option per SamplingParams field (sampling_options)
     max_batch: MAX_BATCH = DEFAULT_MAX_BATCH,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
+    kv_dtype: KV_DTYPE = None,
     chunk_size: CHUNK_SIZE = DEFAULT_CHUNK_SIZE,
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: skip rows already answered in --out."),
     rerun_changed: bool = typer.Option(False, "--rerun-changed", help="With --resume: answer again the rows whose request changed since they were answered."),
@@ -104,7 +106,7 @@ def run(
         check_queries_path(queries)
         check_out(out, queries)
         config = resolve_config(device=device, dtype=dtype, quantize=quantize, chunk_size=chunk_size, kv_memory=kv_memory,
-                                max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
+                                kv_dtype=kv_dtype, max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
                                 enforce_eager=True if enforce_eager else None, batch_invariant=batch_invariant,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
         defaults = sampling_defaults(sampling)

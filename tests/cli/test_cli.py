@@ -34,6 +34,22 @@ def test_run_writes_one_record_per_query_and_refuses_overwrite(tiny_model, tmp_p
     assert records(out) == recs  # untouched
 
 
+def test_kv_dtype_sets_the_caches_dtype_beside_the_models(tiny_model, tmp_path):
+    """--kv-dtype bf16 in an fp32 run: the same rows hold half the K/V bytes, the summary says so."""
+    peaks = {}
+    for kv in (None, "bf16"):
+        out = tmp_path / f"out-{kv}.jsonl"
+        res = run_cli(*base_args(tiny_model, out, dtype="fp32", kv_dtype=kv, json_log=True, quiet=None))
+        assert res.exit_code == 0, res.output
+        (summary,) = [json.loads(l) for l in res.output.splitlines() if l.startswith('{"event": "summary"')]
+        peaks[kv] = summary["kv_peak_bytes"]
+        assert ("of bf16 K/V" in summary["kv_memory"]) == (kv == "bf16") and summary["dtype"].startswith("fp32")
+        assert len(records(out)) == 12
+    assert peaks["bf16"] * 2 == peaks[None] > 0
+    bad = run_cli(*base_args(tiny_model, tmp_path / "bad.jsonl", kv_dtype="int4"))
+    assert bad.exit_code == 2 and "--kv-dtype" in bad.output
+
+
 def test_bad_lines_become_error_records_and_good_ones_are_answered(tiny_model, tmp_path):
     queries = tmp_path / "q.jsonl"
     lines = [
