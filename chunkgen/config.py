@@ -35,6 +35,10 @@ DEFAULT_BATCH_INVARIANT = "on"  # a row's answer does not depend on the rows bes
 # models that are not GGUF run in floats (docs/quantized.md).
 DEFAULT_QUANTIZE = "auto"
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # new tokens computed in one batched prefill wave
+# New tokens a wave may carry into a decode step's forward (engine/scheduler.py, mixed steps): small
+# enough that the running sequences' steps stay short, large enough that a job's refills (a few rows
+# of a few dozen tokens as others finish) join the steps whole.
+DEFAULT_MIXED_PREFILL_TOKENS = 256
 ORDERS = ("prefix", "input")
 
 
@@ -104,6 +108,9 @@ class Config:
     share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
     chunk_first: bool = True  # off: the paged baseline kernel
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    # while sequences decode, a wave of at most this many new tokens runs in their step's forward
+    # (on the CPU); 0: a wave runs alone, the decoding sequences waiting for it
+    mixed_prefill_tokens: int = DEFAULT_MIXED_PREFILL_TOKENS
     enforce_eager: bool | None = None  # None: CUDA graphs on the GPU, plain eager steps on the CPU
     chat_template: bool = True  # off: chat messages joined by blank lines as plain text
     order: str = "prefix"  # a job's processing order: rows sharing a prompt prefix together, or file order
@@ -136,6 +143,7 @@ class Config:
         dummy_weights: str | None = None,
         seed: int = 0,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        mixed_prefill_tokens: int = DEFAULT_MIXED_PREFILL_TOKENS,
         quantize: str = DEFAULT_QUANTIZE,
         found: Accelerator | None = None,
     ) -> Config:
@@ -146,6 +154,14 @@ class Config:
             raise OptionError("--order", f"must be prefix or input, not {order!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size % 16:
             raise OptionError("--chunk-size", f"must be a multiple of 16 (16, 32, 64, ...), not {chunk_size}")
+        if (
+            isinstance(mixed_prefill_tokens, bool)
+            or not isinstance(mixed_prefill_tokens, int)
+            or mixed_prefill_tokens < 0
+        ):
+            raise OptionError(
+                "--mixed-prefill-tokens", f"must be a whole number >= 0 (0: off), not {mixed_prefill_tokens}"
+            )
         invariant = _on_off("--batch-invariant", batch_invariant)
         batch = _option("--max-batch", choose_max_batch, max_batch)
         dev = _device(device, found)
@@ -175,6 +191,7 @@ class Config:
             share_prefix=share_prefix,
             chunk_first=chunk_first,
             max_prefill_tokens=max_prefill_tokens,
+            mixed_prefill_tokens=mixed_prefill_tokens,
             enforce_eager=enforce_eager,
             chat_template=chat_template,
             order=order,

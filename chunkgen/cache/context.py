@@ -78,6 +78,7 @@ class KernelContext:
         self.version = -1
         self.order: list[SeqId] = []
         self.row_of: dict[SeqId, int] = {}
+        self.excluded: frozenset[SeqId] = frozenset()  # live sequences left out of the rows (refresh)
         self.rows = 0
         self.rebuilds = 0
         self.layouts = 0  # bumped when capacities grow: shapes change (recompile, recapture)
@@ -163,9 +164,12 @@ class KernelContext:
         raise ValueError(f"a batch of {batch} sequences exceeds the largest bucket ({self.buckets[-1]})")
 
     # -- keeping up with the tree ---------------------------------------------------------------
-    def refresh(self) -> None:
-        """Bring the arrays up to date with the tree, as cheaply as its changes allow."""
-        if self.version != self.tree.version:
+    def refresh(self, exclude: frozenset[SeqId] = frozenset()) -> None:
+        """Bring the arrays up to date with the tree, as cheaply as its changes allow. `exclude`:
+        live sequences that are not rows of this step (a prefill wave run in the same step: its
+        sequences are in the tree, and decode only from the next step on)."""
+        if self.version != self.tree.version or exclude != self.excluded:
+            self.excluded = exclude
             self.rebuild()
             return
         paths = self.tree.paths
@@ -188,7 +192,7 @@ class KernelContext:
     def rebuild(self) -> None:
         """Recompute every array from the tree (what a structure change needs), in place."""
         tree = self.tree
-        self.order = tree.batch_order()
+        self.order = [s for s in tree.batch_order() if s not in self.excluded]
         self.row_of = {seq: i for i, seq in enumerate(self.order)}
         shared_index: dict[int, int] = {}
         shared: list[Chunk] = []
@@ -318,7 +322,9 @@ class KernelContext:
     def check(self) -> None:
         """Every shared chunk covers exactly the rows whose path holds it, and they are contiguous."""
         for c, chunk in enumerate(self.shared_chunks):
-            rows = sorted(self.row_of[s] for s, p in self.tree.paths.items() if any(x is chunk for x in p))
+            rows = sorted(
+                self.row_of[s] for s, p in self.tree.paths.items() if s in self.row_of and any(x is chunk for x in p)
+            )
             assert rows == list(range(int(self.shared_begin[c]), int(self.shared_end[c]))), (
                 f"shared chunk {c} covers rows {rows}, context says "
                 f"[{int(self.shared_begin[c])}, {int(self.shared_end[c])})"

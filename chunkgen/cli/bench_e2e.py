@@ -13,7 +13,17 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout
 from chunkgen.cli.loading import dtype_line, load_llm
-from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, KV_DTYPE, KV_MEMORY, MAX_BATCHES, MODEL, QUANTIZE
+from chunkgen.cli.option_types import (
+    BATCH_INVARIANT,
+    DEVICE,
+    DTYPE,
+    KV_DTYPE,
+    KV_MEMORY,
+    MAX_BATCHES,
+    MIXED_PREFILL_TOKENS,
+    MODEL,
+    QUANTIZE,
+)
 from chunkgen.cli.options import resolve_config
 from chunkgen.cli.progress import PROGRESS_EVERY_S, Ticker
 from chunkgen.config import (
@@ -22,6 +32,7 @@ from chunkgen.config import (
     DEFAULT_DTYPE,
     DEFAULT_KV_MEMORY,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MIXED_PREFILL_TOKENS,
     DEFAULT_MODEL,
     Config,
 )
@@ -54,6 +65,7 @@ def bench_e2e(
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
+    mixed_prefill_tokens: MIXED_PREFILL_TOKENS = DEFAULT_MIXED_PREFILL_TOKENS,
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained, llama.cpp."""
     from chunkgen.bench.e2e import SYSTEMS, run_e2e
@@ -69,7 +81,7 @@ def bench_e2e(
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=weights_seed, dtype=dtype, device=device,
                             kv_memory=kv_memory, kv_dtype=kv_dtype, max_batch=max(batches.values()), quantize=quantize,
-                            batch_invariant=batch_invariant)
+                            batch_invariant=batch_invariant, mixed_prefill_tokens=mixed_prefill_tokens)
     if config.kv_memory is None and "hf" in chosen:  # auto on a GPU would leave the hf system no memory
         config = config.replace(kv_memory=HF_BESIDE_KV)
         err.print(f"--kv-memory auto on a GPU beside the hf system: {HF_BESIDE_KV} (give a size to change it)",

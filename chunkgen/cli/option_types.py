@@ -24,6 +24,7 @@ from chunkgen.config import (
     DEFAULT_DTYPE,
     DEFAULT_KV_MEMORY,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MIXED_PREFILL_TOKENS,
     DEFAULT_MODEL,
 )
 from chunkgen.engine.params import SAMPLING_FIELDS, SamplingParams
@@ -128,6 +129,16 @@ BATCH_INVARIANT = Annotated[
         "near ties (docs/batch-invariance.md).",
     ),
 ]
+MIXED_PREFILL_TOKENS = Annotated[
+    int,
+    typer.Option(
+        "--mixed-prefill-tokens",
+        metavar="N",
+        min=0,
+        help="On the CPU, rows admitted while others decode (at most N new prompt tokens a step) run in the "
+        "same forward as the decode step, so running rows do not wait for them; 0: a prefill wave runs alone.",
+    ),
+]
 
 # The defaults of the types above, by option: every command that takes one of these options
 # declares it with its type and this default (tests/cli/test_option_types.py checks every command).
@@ -139,6 +150,7 @@ ENGINE_DEFAULTS = {
     "--max-batch": DEFAULT_MAX_BATCH,
     "--chunk-size": DEFAULT_CHUNK_SIZE,
     "--batch-invariant": DEFAULT_BATCH_INVARIANT,
+    "--mixed-prefill-tokens": DEFAULT_MIXED_PREFILL_TOKENS,
 }
 
 

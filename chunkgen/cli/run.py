@@ -27,6 +27,7 @@ from chunkgen.cli.option_types import (
     KV_DTYPE,
     KV_MEMORY,
     MAX_BATCH,
+    MIXED_PREFILL_TOKENS,
     MODEL,
     QUANTIZE,
     sampling_options,
@@ -49,6 +50,7 @@ from chunkgen.config import (
     DEFAULT_DTYPE,
     DEFAULT_KV_MEMORY,
     DEFAULT_MAX_BATCH,
+    DEFAULT_MIXED_PREFILL_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_QUANTIZE,
     ORDERS,
@@ -87,6 +89,7 @@ def run(
     no_share: bool = typer.Option(False, "--no-share", help="Disable prefix sharing (for comparisons)."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Send each prompt's messages as plain text joined by blank lines instead of through the model's chat template (a base model, or one without a template: refused otherwise)."),
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
+    mixed_prefill_tokens: MIXED_PREFILL_TOKENS = DEFAULT_MIXED_PREFILL_TOKENS,
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="On the GPU, run every decode step eagerly instead of replaying one CUDA graph per batch size (the CPU always runs eagerly)."),
     shard: str | None = typer.Option(None, metavar="I/N", help="i/N: run only shard i of N (planned over the whole file: prompt-prefix groups kept whole where the balance allows)."),
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
@@ -107,7 +110,7 @@ def run(
         check_out(out, queries)
         config = resolve_config(device=device, dtype=dtype, quantize=quantize, chunk_size=chunk_size, kv_memory=kv_memory,
                                 kv_dtype=kv_dtype, max_batch=max_batch, share_prefix=not no_share, chat_template=not no_chat_template,
-                                enforce_eager=True if enforce_eager else None, batch_invariant=batch_invariant,
+                                enforce_eager=True if enforce_eager else None, batch_invariant=batch_invariant, mixed_prefill_tokens=mixed_prefill_tokens,
                                 order="input" if use_ray else order)  # Ray groups rows by prefix on the cluster
         defaults = sampling_defaults(sampling)
         part = _shard(shard, queries)

@@ -31,7 +31,10 @@ class EngineStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     mask_s: float = 0.0  # of prefill_s + decode_s: steps waiting for constraint masks and applying them
-    decode_steps: int = 0
+    decode_steps: int = 0  # mixed steps included
+    mixed_steps: int = (
+        0  # decode steps that ran a prefill wave in the same forward (split between prefill_s and decode_s by rows)
+    )
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
     prefill_rows: int = 0  # positions run through the model at prefill: prefilled_tokens plus those computed again
@@ -99,8 +102,15 @@ class Engine:
             cfg.max_prefill_tokens,
             group_prefix_tokens=4 * cfg.chunk_size,
             answers_throughout="max_batch" in cfg.auto,
+            mixed_prefill_tokens=cfg.mixed_prefill_tokens if self._mixes(cfg) else 0,
         )
         self.scheduler.later_rows = self._later_rows
+
+    def _mixes(self, cfg: Config) -> bool:
+        """Whether a wave may share a forward with a decode step: on the CPU, whose steps run
+        eagerly (a GPU replays each decode bucket as one captured graph), where the model's forward
+        can take both (LlamaModel.mixes)."""
+        return cfg.mixed_prefill_tokens > 0 and self.runner.enforce_eager and self.model.mixes(self.pool.k)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -254,7 +264,9 @@ class Engine:
                 seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
             self.stats.finished += 1
             done.append(seq)
-        if batch.prefill:
+        if batch.prefill and batch.decode:
+            self._mixed(batch, done)
+        elif batch.prefill:
             self._run_wave(batch.prefill, done)
         elif batch.decode:
             self._decode(batch, done)
@@ -289,6 +301,21 @@ class Engine:
                 self._finish(seq, done)
 
     def _prefill(self, wave: list[Admission]) -> None:
+        items, owners = self._wave_items(wave)
+        early = self._early_masks([seq for seq, item in zip(owners, items) if item.want_logits])
+        logits, scores = self.runner.prefill_scored(items) if items else ([], [])
+        sampled = self._wave_ran(wave, owners, items, logits, scores)
+        if sampled:
+            picks = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]), early)
+            for (seq, _), (token, entry) in zip(sampled, picks):
+                self._accept(seq, token, entry)
+
+    def _early_masks(self, seqs: list[Sequence]) -> Future | None:
+        """The constraint masks of `seqs`, started now, while the forward that needs them runs."""
+        return self.constraints.fill_async([s.matcher for s in seqs]) if self._num_constrained and seqs else None
+
+    def _wave_items(self, wave: list[Admission]) -> tuple[list[PrefillItem], list[Sequence]]:
+        """What the wave computes: one item per sequence with positions to run, and its owner."""
         items, owners = [], []
         C = self.pool.chunk_size
         for seq, kv_tokens, cached in wave:
@@ -323,9 +350,13 @@ class Engine:
                 )
                 owners.append(seq)
                 self.stats.prefill_rows += n - start
-        wanted = [seq.matcher for seq, item in zip(owners, items) if item.want_logits]
-        early = self.constraints.fill_async(wanted) if self._num_constrained and wanted else None
-        logits, scores = self.runner.prefill_scored(items) if items else ([], [])
+        return items, owners
+
+    def _wave_ran(
+        self, wave: list[Admission], owners: list[Sequence], items: list[PrefillItem], logits: list, scores: list
+    ) -> list[tuple[Sequence, torch.Tensor]]:
+        """After the wave's forward: prompt scores kept, its chunks ready, scored-only sequences
+        finished; returns the sequences to sample with their logits (those that wanted them)."""
         for seq, item, scored in zip(owners, items, scores):
             if scored is not None:
                 entries, alternative_logprobs = scored
@@ -336,11 +367,7 @@ class Engine:
             self.tree.mark_ready(seq.seq_id)
             if not seq.preempted and seq.params.max_new_tokens == 0:  # scored only
                 seq.finish_reason = "length"
-        sampled = [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]  # the wanted ones
-        if sampled:
-            picks = self._sample([s for s, _ in sampled], torch.stack([lg for _, lg in sampled]), early)
-            for (seq, _), (token, entry) in zip(sampled, picks):
-                self._accept(seq, token, entry)
+        return [(seq, lg) for seq, lg in zip(owners, logits) if lg is not None]  # the wanted ones
 
     def _keep_prompt_scores(self, seq: Sequence, tokens: list[int], first: int, computed: list) -> None:
         """The prompt's entries from score_from on: those computed now, of positions from `first`
@@ -379,6 +406,50 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.batch_sizes.append(len(order))
         self.stats.decode_s += time.perf_counter() - t0
+
+    # -- mixed --------------------------------------------------------------------------------
+    def _mixed(self, batch: Batch, done: list[Sequence]) -> None:
+        """A decode step and a prefill wave in one forward (Scheduler's mixed steps): the linear
+        layers read their weights once for both, and the running sequences do not wait for the
+        wave. Each row's numbers are those of the separate steps."""
+        t0 = time.perf_counter()
+        wave = batch.prefill
+        ctx = self.runner.ctx
+        ctx.refresh(exclude=frozenset(a.seq.seq_id for a in wave))  # the wave's sequences decode from the next step
+        by_id = {s.seq_id: s for s in batch.decode}
+        order = [by_id[s] for s in ctx.order]
+        try:
+            items, owners = self._wave_items(wave)
+            wanted = [seq for seq, item in zip(owners, items) if item.want_logits]
+            early = self._early_masks(order + wanted)
+            tokens = [s.tokens[-1] for s in order]
+            positions = [len(s.tokens) - 1 for s in order]
+            slots = [batch.slots[s.seq_id] for s in order]
+            if items:
+                logits, wave_logits, scores = self.runner.mixed(tokens, positions, slots, items)
+            else:  # the wave's K/V were all cached (re-admitted sequences): nothing of it to compute
+                logits, wave_logits, scores = self.runner.decode(tokens, positions, slots), [], []
+        except BaseException:
+            self.scheduler.abort([a.seq for a in wave])  # their unwritten chunks are freed
+            raise
+        sampled = self._wave_ran(wave, owners, items, wave_logits, scores)
+        self._note_unshared()
+        if sampled:
+            logits = torch.cat([logits, torch.stack([lg for _, lg in sampled]).to(logits.dtype)])
+        rows = order + [s for s, _ in sampled]
+        for seq, (token, entry) in zip(rows, self._sample(rows, logits, early)):
+            self._accept(seq, token, entry)
+        for seq in order + [a.seq for a in wave]:
+            if seq.finish_reason:
+                self._finish(seq, done)
+        elapsed = time.perf_counter() - t0
+        wave_rows = sum(len(it.tokens) - it.start for it in items)
+        share = wave_rows / (wave_rows + len(order))
+        self.stats.prefill_s += elapsed * share
+        self.stats.decode_s += elapsed * (1 - share)
+        self.stats.decode_steps += 1
+        self.stats.mixed_steps += 1
+        self.stats.batch_sizes.append(len(order))
 
     # -- tokens and endings -------------------------------------------------------------------
     def _accept(self, seq: Sequence, token: int, entry: TokenLogprob | None = None) -> None:

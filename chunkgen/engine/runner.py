@@ -183,22 +183,34 @@ class ModelRunner:
         and the logprobs of its alternatives (prompt_scores.score_spans)."""
         invariant.set_enabled(self.batch_invariant)
         step = self.prepare_prefill(items)
-        spans, row = [], 0
-        for it in items:
-            if it.score_width is not None:
-                first = it.start + 1 if it.score_first is None else it.score_first
-                spans.append(ScoreSpan(row + first - 1 - it.start, it.tokens[first:], it.score_width, it.alternatives))
-            row += len(it.tokens) - it.start
+        spans = _score_spans(items)
         if not spans:
-            logits = self.model.prefill(step, self.pool)
-            scores: list[tuple[list[Entry], list[float]] | None] = [None] * len(items)
-        else:
-            hidden = self.model.prefill_hidden(step, self.pool)
-            logits = self.model._logits(hidden[step.logit_rows]) if step.logit_rows else None
-            got = iter(score_spans(self.model, hidden, spans))
-            scores = [next(got) if it.score_width is not None else None for it in items]
-        picked = iter(logits if logits is not None else ())
-        return [next(picked) if it.want_logits else None for it in items], scores
+            return _per_item(items, self.model.prefill(step, self.pool)), [None] * len(items)
+        hidden = self.model.prefill_hidden(step, self.pool)
+        logits = self.model._logits(hidden[step.logit_rows]) if step.logit_rows else None
+        return _per_item(items, logits), _scores(self.model, items, hidden, spans)
+
+    def mixed(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        write_rows: list[tuple[int, int]],
+        items: list[PrefillItem],
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None], list[tuple[list[Entry], list[float]] | None]]:
+        """A decode step for the sequences in `ctx.order` (as decode) and a prefill wave (as
+        prefill_scored) in one forward: the step's logits [batch, vocab], then the wave's per item."""
+        invariant.set_enabled(self.batch_invariant)
+        self.prepare(tokens, positions, write_rows)
+        wave = self.prepare_prefill(items)
+        hidden = self.model.mixed_hidden(
+            self.ctx.arrays(), self.pool.k, self.pool.v, self.workspace(), self.chunk_first, wave, self.pool
+        )
+        d_rows, b = self.ctx.rows, len(tokens)
+        wanted = list(range(b)) + [d_rows + r for r in wave.logit_rows]
+        logits = self.model._logits(hidden[wanted])
+        spans = _score_spans(items)
+        scores = _scores(self.model, items, hidden[d_rows:], spans) if spans else [None] * len(items)
+        return logits[:b], _per_item(items, logits[b:] if wave.logit_rows else None), scores
 
     def prepare_prefill(self, items: list[PrefillItem]) -> PrefillStep:
         C = self.pool.chunk_size
@@ -229,3 +241,28 @@ class ModelRunner:
             logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
             lone=lone_spans(groups) if dev.type == "cpu" else None,
         )
+
+
+def _score_spans(items: list[PrefillItem]) -> list[ScoreSpan]:
+    """The scored items' spans over the wave's rows."""
+    spans, row = [], 0
+    for it in items:
+        if it.score_width is not None:
+            first = it.start + 1 if it.score_first is None else it.score_first
+            spans.append(ScoreSpan(row + first - 1 - it.start, it.tokens[first:], it.score_width, it.alternatives))
+        row += len(it.tokens) - it.start
+    return spans
+
+
+def _scores(
+    model: LlamaModel, items: list[PrefillItem], hidden: torch.Tensor, spans: list[ScoreSpan]
+) -> list[tuple[list[Entry], list[float]] | None]:
+    """Per item, its scored entries (items without a score_width: None), read off the wave's hidden states."""
+    got = iter(score_spans(model, hidden, spans))
+    return [next(got) if it.score_width is not None else None for it in items]
+
+
+def _per_item(items: list[PrefillItem], logits: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The wave's logits rows (one per item that wants them, in order) given to their items."""
+    picked = iter(logits if logits is not None else ())
+    return [next(picked) if it.want_logits else None for it in items]

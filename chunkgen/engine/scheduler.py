@@ -23,7 +23,7 @@ class Admission(NamedTuple):
 
 @dataclass
 class Batch:
-    """One step of work: a prefill wave or a decode step, never both."""
+    """One step of work: a prefill wave, a decode step, or both in one forward (mixed steps)."""
 
     prefill: list[Admission] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)  # each has a position reserved for its last token
@@ -98,9 +98,12 @@ class Scheduler:
         max_prefill_tokens: int,
         group_prefix_tokens: int,
         answers_throughout: bool = True,
+        mixed_prefill_tokens: int = 0,
     ) -> None:
         """answers_throughout: run at most a SHARE_OF_KNOWN share of the known rows at once (see above);
-        off, max_batch alone limits the rows running."""
+        off, max_batch alone limits the rows running. mixed_prefill_tokens: while sequences decode,
+        a wave of at most this many new tokens (at least one sequence) joins their decode step, as
+        one forward; 0: a wave runs alone and the running sequences wait for it."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.tree = tree
@@ -108,6 +111,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.group_prefix_tokens = group_prefix_tokens
         self.answers_throughout = answers_throughout
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; includes the wave being prefilled
         self.preemptions = 0
@@ -175,11 +179,19 @@ class Scheduler:
                 self.pending.add(_LAST_QUEUED, self._kv_tokens(queued[-1]))
 
     def schedule(self) -> Batch:
-        """Prefill first: a wave whenever a waiting sequence can be admitted, else a decode step."""
+        """A wave whenever a waiting sequence can be admitted, and a decode step of the sequences
+        running before it: in one step when mixing (its wave kept to mixed_prefill_tokens), else
+        the wave first and the decode step when no sequence can be admitted.
+
+        The wave is admitted first, so a prompt matches only K/V already written (a decode step's
+        reserved position is written during the step); if the decode step then lacks a chunk, the
+        wave goes back to the queue and the running sequences keep their places."""
         batch = Batch()
-        batch.prefill = self._form_wave(batch)
-        if not batch.prefill and self.running:
-            self._reserve_decode(batch)
+        decoding = list(self.running)
+        mix = self.mixed_prefill_tokens > 0 and bool(decoding)
+        batch.prefill = self._form_wave(batch, self.mixed_prefill_tokens if mix else self.max_prefill_tokens)
+        if decoding and (mix or not batch.prefill):
+            self._reserve_decode(batch, decoding)
             self.decode_steps_since_idle += 1
         return batch
 
@@ -205,7 +217,7 @@ class Scheduler:
         return seq.params.max_new_tokens if seq is not None else 1
 
     # -- admission ----------------------------------------------------------------------------
-    def _form_wave(self, batch: Batch) -> list[Admission]:
+    def _form_wave(self, batch: Batch, budget: int) -> list[Admission]:
         """Admit waiting sequences, in order, for one batched prefill.
 
         A prompt that would reuse chunks still being prefilled in this wave waits for the next
@@ -215,7 +227,6 @@ class Scheduler:
         """
         tree = self.tree
         wave: list[Admission] = []
-        budget = self.max_prefill_tokens
         cap = self.running_cap
         while self.waiting and len(self.running) < cap:
             seq = self.waiting[0]
@@ -249,19 +260,25 @@ class Scheduler:
             seq.finish_reason = "error"
 
     # -- decode -------------------------------------------------------------------------------
-    def _reserve_decode(self, batch: Batch) -> None:
-        """A position for every running sequence's last token. When the pool is full (the tree
-        has already evicted all cache), the youngest sequence is preempted and will recompute; the
-        oldest always progresses, so preemption cannot ping-pong. A sequence that is the only one
-        left and still gets no chunk has outgrown the whole budget: it ends with "length"."""
+    def _reserve_decode(self, batch: Batch, decoding: list[Sequence]) -> None:
+        """A position for the last token of every sequence in `decoding` (the running ones, the
+        step's wave aside). When the pool is full (the tree has already evicted all cache), the
+        step's wave goes back to the queue first; then the youngest sequence is preempted and will
+        recompute; the oldest always progresses, so preemption cannot ping-pong. A sequence that
+        is the only one left and still gets no chunk has outgrown the whole budget: it ends with
+        "length"."""
         gone: set[int] = set()
-        for seq in list(self.running):  # oldest first, so victims (youngest) never appended yet
+        for seq in decoding:  # oldest first, so victims (youngest) never appended yet
             if seq.seq_id in gone:
                 continue
             while True:
                 try:
                     slot, offset, _ = self.tree.append(seq.seq_id, seq.tokens[-1])
                 except PoolExhausted:
+                    if batch.prefill:
+                        self._requeue(batch.prefill)
+                        batch.prefill = []
+                        continue
                     if len(self.running) == 1:
                         self._remove(seq)
                         seq.finish_reason = "length"
@@ -277,6 +294,15 @@ class Scheduler:
                 batch.slots[seq.seq_id] = (slot, offset)
                 break
         batch.decode = [s for s in self.running if s.seq_id in batch.slots]
+
+    def _requeue(self, wave: list[Admission]) -> None:
+        """A wave that has not run back at the head of the queue, in its order; its chunks,
+        never written, are freed."""
+        for seq, _, _ in reversed(wave):
+            self._remove(seq)
+            self.waiting.appendleft(seq)
+            if self.pending is not None:
+                self.pending.add(seq.seq_id, self._kv_tokens(seq))
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to the front of the queue; it recomputes its K/V when memory allows (the ready

@@ -509,25 +509,88 @@ class LlamaModel:
         q = torch.empty_like(attn)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if step.writes:
-                rows_kv = (k, v) if step.write_rows is None else (k[step.write_rows], v[step.write_rows])
-                pool.write(i, step.write_slots, step.write_offsets, *rows_kv)
-            prefill_attention(
-                step.groups,
-                i,
-                q,
-                k,
-                v,
-                pool,
-                self.scale,
-                attn,
-                window=self.layers[i].window,
-                softcap=self.softcap,
-                lone=step.lone,
-            )
+            self._prefill_attend(step, pool, i, q, k, v, attn)
             return attn.view(rows, -1)
 
         return self._layers(x, step.positions, q, attend)
+
+    def _prefill_attend(
+        self,
+        step: PrefillStep,
+        pool: ChunkPool,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Layer i of a wave's attention: its new K/V stored in the pool, then out[rows] over each
+        sequence's path (kernels/prefill.py)."""
+        if step.writes:
+            rows_kv = (k, v) if step.write_rows is None else (k[step.write_rows], v[step.write_rows])
+            pool.write(i, step.write_slots, step.write_offsets, *rows_kv)
+        prefill_attention(
+            step.groups,
+            i,
+            q,
+            k,
+            v,
+            pool,
+            self.scale,
+            out,
+            window=self.layers[i].window,
+            softcap=self.softcap,
+            lone=step.lone,
+        )
+
+    def mixes(self, k_cache: torch.Tensor) -> bool:
+        """Whether a decode step and a prefill wave can run as one forward over this pool: their
+        queries must share a dtype (decode takes fp32 queries where the pool's dtype is not the
+        model's; prefill always the model's)."""
+        return self.dtype in (k_cache.dtype, torch.float32)
+
+    @torch.inference_mode()
+    def mixed_hidden(
+        self,
+        step: ContextArrays,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        workspace: torch.Tensor,
+        chunk_first: bool,
+        wave: PrefillStep,
+        pool: ChunkPool,
+    ) -> torch.Tensor:
+        """A decode step and a prefill wave in one forward: the final-normed hidden states of the
+        step's rows (padded to its bucket) followed by the wave's. Every linear layer reads its
+        weights once for both; attention runs apart (each part as in `decode` and `prefill_hidden`),
+        so each row's numbers are what the separate forwards give it."""
+        d_rows = step.tokens.numel()
+        x = torch.cat([self._embed(step.tokens), self._embed(wave.tokens)])
+        positions = torch.cat([step.positions.to(wave.positions.dtype), wave.positions])
+        rows = x.shape[0]
+        q = torch.empty(rows, self.q_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(q)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            decode_step_attention(
+                q[:d_rows],
+                k[:d_rows],
+                v[:d_rows],
+                k_cache,
+                v_cache,
+                i,
+                step,
+                workspace,
+                out[:d_rows],
+                self.scale,
+                chunk_first,
+                window=self.layers[i].window,
+                softcap=self.softcap,
+            )
+            self._prefill_attend(wave, pool, i, q[d_rows:], k[d_rows:], v[d_rows:], out[d_rows:])
+            return out.view(rows, -1)
+
+        return self._layers(x, positions, q, attend)
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()

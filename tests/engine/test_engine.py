@@ -273,3 +273,28 @@ def test_releasing_what_no_row_to_come_can_share_changes_no_answer(tiny_llm):
     released.tree.check()
     # The peak counts what the running rows read, the same in both.
     assert kept.stats.kv_peak_bytes == released.stats.kv_peak_bytes < kept.pool.peak_bytes
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_waves_mixed_into_decode_steps_change_no_bit(tiny_model, dtype):
+    """Rows admitted while others decode run in the decode step's forward (mixed steps): each row's
+    tokens and logprobs are bit for bit those of separate waves and steps, with prompts of several
+    lengths, a shared prefix, and a budget that splits the refills over several steps."""
+    llm = LLM(model=str(tiny_model), dtype=dtype, chunk_size=16, kv_memory="64MiB", max_batch=4)
+    prompts = template_prompts("tool_dispatcher", 6)
+    prompts += template_prompts("arithmetic_cot", 5)
+    params = [SamplingParams(max_new_tokens=4 + 3 * (i % 4), ignore_eos=True, logprobs=2) for i in range(len(prompts))]
+
+    def run(mixed: int):
+        engine = llm.new_engine(mixed_prefill_tokens=mixed)
+        reqs = [Request(i, llm.encode(p), params[i]) for i, p in enumerate(prompts)]
+        got = {r.id: (r.token_ids, [(e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in r.completions[0].logprobs])
+               for r in engine.stream(reqs)}  # fmt: skip
+        engine.tree.check()
+        return got, engine.stats
+
+    apart, s0 = run(0)
+    mixed, s1 = run(40)
+    assert s0.mixed_steps == 0 and s1.mixed_steps > 0
+    assert mixed == apart
+    assert s1.decode_steps < s0.decode_steps + s0.finished  # the waves rode on decode steps
