@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("CHUNKGEN_CHECK_CONTEXT", "1")  # every kernel context is fully validated
 
+import chunkgen  # noqa: E402, F401  (before torch loads: the OpenMP settings it makes)
 from tests.helpers import TINY_CONFIG, build_tiny_model  # noqa: E402  (after the environment above)
 
 

@@ -26,8 +26,14 @@ def report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) 
         table.add_row("requests answered", str(summary.requests))
         table.add_row("skipped (already in output)", str(summary.skipped))
         table.add_row("error records", str(summary.errors))
+        mixed = (
+            f"; {summary.mixed_steps} of {summary.decode_steps} decode steps ran a prefill wave too"
+            if summary.mixed_steps
+            else ""
+        )
         table.add_row(
-            "wall time", f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s)"
+            "wall time",
+            f"{summary.wall_s:.1f} s (prefill {summary.prefill_s:.1f} s, decode {summary.decode_s:.1f} s{mixed})",
         )
         table.add_row("generated tokens", f"{summary.completion_tokens} ({summary.tokens_per_s:.1f} tok/s)")
         table.add_row(

@@ -1,5 +1,5 @@
-"""The step loop: each step runs what the scheduler hands over, one prefill wave or one decode
-step for every running sequence, and returns the requests that finished in it."""
+"""The step loop: each step runs what the scheduler hands over, a prefill wave, a decode step for
+every running sequence, or both in one forward, and returns the requests that finished in it."""
 
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ class Engine:
 
     @on_model_device
     def step(self) -> list[Result]:
-        """One prefill wave or one decode step (the scheduler decides), then the requests whose
+        """A prefill wave, a decode step or both (the scheduler decides), then the requests whose
         samples have all finished: at prefill (e.g. max_new_tokens=1), decoding, or refused."""
         results, self._refused = self._refused, []
         if not self.scheduler.has_work:

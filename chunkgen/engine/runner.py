@@ -1,5 +1,5 @@
-"""ModelRunner: turns what the scheduler decided (a prefill wave or a decode batch) into the step's
-inputs on the model's device and runs the model over them; the engine samples from the logits.
+"""ModelRunner: turns what the scheduler decided (a prefill wave, a decode batch, or both) into the
+step's inputs on the model's device and runs the model over them; the engine samples from the logits.
 
 A prefill wave is prepared into a `PrefillStep`: each sequence's uncached tokens as rows of one
 batch, their positions, the pool slots their K/V are stored in, and the attention plan that groups

@@ -90,7 +90,7 @@ class JobSummary:
     cached_tokens: int  # of those, served from the prefix cache
     completion_tokens: int
     wall_s: float
-    prefill_s: float
+    prefill_s: float  # a mixed step's time is split between these two by its rows (EngineStats)
     decode_s: float
     kv_peak_bytes: int
     kv_unshared_peak_bytes: int
@@ -110,6 +110,8 @@ class JobSummary:
     workers: int = 1  # engines that answered (Ray actors; 1 for a local run)
     model_loads: int = 1  # a Ray worker that died and was replaced loads the model again
     kv_peak_bytes_per_worker: list[int] = field(default_factory=list)  # kv_peak_bytes is their largest
+    decode_steps: int = 0
+    mixed_steps: int = 0  # of decode_steps, those that ran a prefill wave in the same forward
 
     @property
     def tokens_per_s(self) -> float:
@@ -158,6 +160,8 @@ def summarize(
         prefilled_tokens=total.prefilled_tokens,
         kv_peak_bytes_per_worker=peaks,
         peak_batch=max((max(s.batch_sizes, default=0) for s in engines), default=0),
+        decode_steps=sum(s.decode_steps for s in engines),
+        mixed_steps=sum(s.mixed_steps for s in engines),
         held_back_steps=sum(s.held_back_steps for s in engines),
     )
 

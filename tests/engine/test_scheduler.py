@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkgen.cache import ChunkPool, PrefixTree
+from chunkgen.cache import ChunkPool, PoolExhausted, PrefixTree
 from chunkgen.engine.params import SamplingParams
 from chunkgen.engine.scheduler import Batch, Scheduler
 from chunkgen.engine.sequence import Request, Sequence
@@ -13,10 +13,15 @@ from chunkgen.engine.sequence import Request, Sequence
 C = 16
 
 
-def setup(slots: int, max_batch: int = 8, max_prefill_tokens: int = 8192) -> tuple[PrefixTree, Scheduler]:
+def setup(
+    slots: int, max_batch: int = 8, max_prefill_tokens: int = 8192, mixed_prefill_tokens: int = 0
+) -> tuple[PrefixTree, Scheduler]:
     pool = ChunkPool(1, 1, 16, C, torch.float32, budget_bytes=slots * 2 * 16 * C * 4, storage=False)
     tree = PrefixTree(pool)
-    return tree, Scheduler(tree, max_batch, max_prefill_tokens, group_prefix_tokens=4 * C)
+    sched = Scheduler(
+        tree, max_batch, max_prefill_tokens, group_prefix_tokens=4 * C, mixed_prefill_tokens=mixed_prefill_tokens
+    )
+    return tree, sched
 
 
 def seqs(prompts: list[list[int]], max_new_tokens: int = 1000) -> list[Sequence]:
@@ -66,6 +71,48 @@ def test_one_wave_per_schedule_and_prefill_before_decode():
         done = run(tree, sched, batch)
         assert len(done) == waves[-1] and sched.num_running == 0
     assert waves == [3, 3, 3, 1]
+
+
+def test_a_mixed_step_decodes_the_running_rows_and_admits_others_within_its_budget():
+    tree, sched = setup(slots=256, max_batch=64, mixed_prefill_tokens=2 * C)
+    sched.add(seqs([[i] * C for i in range(2)]))
+    first = sched.schedule()  # nothing runs yet: a wave alone, at the wave's own budget
+    assert len(first.prefill) == 2 and not first.decode
+    run(tree, sched, first)
+    sched.add(seqs([[50 + i] * (C // 2) for i in range(7)]))
+    sizes = []
+    while sched.num_waiting:
+        batch = sched.schedule()
+        assert [s.request.id for s in batch.decode] == [0, 1] + [s.request.id for s in batch.decode[2:]]
+        assert set(batch.slots) == {s.seq_id for s in batch.decode}  # the wave's rows decode from the next step
+        assert not {a.seq.seq_id for a in batch.prefill} & set(batch.slots)
+        sizes.append(sum(len(a.kv_tokens) - a.cached for a in batch.prefill))
+        run(tree, sched, batch)
+    assert sizes == [2 * C, 3 * C // 2]  # up to the budget, in queue order
+
+
+def test_a_mixed_step_whose_decode_lacks_a_chunk_puts_its_wave_back(monkeypatch):
+    """The running rows keep their places: a wave admitted in the same step goes back to the head of
+    the queue, in its order, its chunks freed, before any running row is preempted."""
+    tree, sched = setup(slots=256, max_batch=64, mixed_prefill_tokens=4 * C)
+    sched.add(seqs([[1] * C, [2] * C]))
+    run(tree, sched, sched.schedule())
+    sched.add(seqs([[60 + i] * C for i in range(3)]))
+    free = tree.pool.free_slots
+    append, calls = tree.append, []
+
+    def short_once(seq, token):
+        calls.append(seq)
+        if len(calls) == 1:
+            raise PoolExhausted("no chunk for the decode step")
+        return append(seq, token)
+
+    monkeypatch.setattr(tree, "append", short_once)
+    batch = sched.schedule()
+    assert batch.prefill == [] and len(batch.decode) == 2 and batch.preempted == 0
+    assert [s.request.id for s in sched.waiting] == [0, 1, 2]
+    assert tree.pool.free_slots == free - 2  # the running rows' next chunks: the wave's are freed
+    assert set(tree.paths) == {s.seq_id for s in batch.decode}
 
 
 def test_admission_keeps_a_free_chunk_per_running_sequence():
