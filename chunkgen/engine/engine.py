@@ -108,9 +108,14 @@ class Engine:
 
     def _mixes(self, cfg: Config) -> bool:
         """Whether a wave may share a forward with a decode step: on the CPU, whose steps run
-        eagerly (a GPU replays each decode bucket as one captured graph), where the model's forward
-        can take both (LlamaModel.mixes)."""
-        return cfg.mixed_prefill_tokens > 0 and self.runner.enforce_eager and self.model.mixes(self.pool.k)
+        eagerly (a GPU replays each decode bucket as one captured graph, and the mixed forward has
+        not been measured there), where the model's forward can take both (LlamaModel.mixes)."""
+        return (
+            cfg.mixed_prefill_tokens > 0
+            and torch.device(self.model.device).type == "cpu"
+            and self.runner.enforce_eager
+            and self.model.mixes(self.pool.k)
+        )
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
