@@ -93,7 +93,7 @@ def _kernel_parts(clock: dict | None, steps: int) -> dict:
 def profile_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
     """The split of the prefill of `prompts` (every wave until all are admitted; `prefill_*`, in
     seconds) and of the decode steps after it (ms a step, the mean of `steps`)."""
-    engine = llm.new_engine(max_batch=len(prompts))
+    engine = llm.new_engine(max_batch=len(prompts), mixed_prefill_tokens=0)  # waves apart, then whole-batch steps
     params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
     engine.add([Request(i, p, params) for i, p in enumerate(prompts)])
     model = type(llm.model)
@@ -167,7 +167,7 @@ def ops_per_step(llm: LLM, prompts: list[list[int]]) -> int:
     """Dispatcher ops (every op the profiler records, nested ones included) in one decode step."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.new_engine(max_batch=len(prompts))
+    engine = llm.new_engine(max_batch=len(prompts), mixed_prefill_tokens=0)  # waves apart, then whole-batch steps
     _decode_ready(engine, prompts, 2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
@@ -194,7 +194,9 @@ def host_floor_engine(tokenizer, layers: int = 30, hidden: int = 64, vocab: int 
         max_position_embeddings=4096,
     )
     model = LlamaModel(LlamaForCausalLM(cfg).eval())
-    return Engine(model, tokenizer, Config(chunk_size=64, kv_memory=1 << 30, max_batch=max_batch))
+    return Engine(
+        model, tokenizer, Config(chunk_size=64, kv_memory=1 << 30, max_batch=max_batch, mixed_prefill_tokens=0)
+    )
 
 
 class _AttentionDispatchOnly:
@@ -292,7 +294,7 @@ def host_floor_ms(engine, batch: int, steps: int = 20, prompt: int = 8, attentio
 
 def graph_breaks(llm: LLM, prompts: list[list[int]]) -> int:
     """Graph breaks torch.compile meets in the decode forward (torch._dynamo.explain, CPU)."""
-    engine = llm.new_engine(max_batch=len(prompts))
+    engine = llm.new_engine(max_batch=len(prompts), mixed_prefill_tokens=0)  # waves apart, then whole-batch steps
     _decode_ready(engine, prompts, 2)
     r = engine.runner
     explained = torch._dynamo.explain(llm.model.decode)(

@@ -72,8 +72,8 @@ def test_graph_replay_over_mirrored_buffers_equals_eager_with_preemption(llm):
     chunks = -(-max(map(len, prompts)) // CHUNK) + 4 * (-(-(20 + CHUNK) // CHUNK) + 1)
     tight = chunks * llm.new_engine().pool.bytes_per_slot
     requests = lambda: [Request(i, p, params) for i, p in enumerate(prompts)]  # noqa: E731
-    eager, _ = run(llm.new_engine(kv_memory=tight), requests())
-    engine = llm.new_engine(kv_memory=tight)
+    eager, _ = run(llm.new_engine(kv_memory=tight), requests())  # waves mixed into decode steps
+    engine = llm.new_engine(kv_memory=tight, mixed_prefill_tokens=0)  # every decode step replayed
     engine.runner = ModelRunner(llm.model, engine.pool, engine.tree, 8, enforce_eager=False, mirror=True)
     got, rows = run(engine, requests())
     assert engine.stats.preemptions > 0
