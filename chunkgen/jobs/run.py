@@ -231,11 +231,12 @@ def answer(
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread;
-    and between two steps no more than the engine can take soon: before the first step as many as
-    its first wave admits (first_wave_rows), then twice what the last step took from the queue, so
-    the queue grows to the window over a few steps instead of the engine waiting while a whole
-    window is read and tokenized (about 7 ms a row of a 1,700-token prompt on a 2-core Zen 3: 7 s
-    for a window of 1,024 rows, before the first answer).
+    and between two steps no more than the engine can take soon: one row before the first step
+    (in a job whose rows share a prompt the first wave is the first row alone anyway: the others
+    wait for the shared chunks it computes), then twice what the last step took from the queue, or
+    a first wave's worth (first_wave_rows) when that is more, so the queue grows to the window over
+    a few steps instead of the first answer waiting while a whole window is read and tokenized
+    (about 7 ms a row of a 1,700-token prompt on a 2-core Zen 3: 7 s for a window of 1,024 rows).
     A source may yield None for "nothing ready yet, more to come" (a Ray worker between deliveries):
     the engine steps on with what it has. `in_prefix_order`: the jobs come in prefix order, so the
     engine releases a finished row's chunks as soon as no queued row can share them (rows further
@@ -249,7 +250,7 @@ def answer(
     exhausted = idle = False
     warned = warned_batch = False
     first_fill = first_wave_rows(engine.config.max_batch, "max_batch" in engine.config.auto)
-    fill = first_fill  # the most rows queued before the next step
+    fill = 1  # the most rows queued before the next step
     before = engine.later_rows
     engine.later_rows = keep = "prefix" if in_prefix_order else before
     try:
