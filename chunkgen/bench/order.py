@@ -375,10 +375,7 @@ def ordering_pass(template: Path, queries: Path, chunk_size: int = 64, run_rows:
     n, groups, last = 0, 0, None
     with PeakRSS() as rss:
         t0 = time.perf_counter()
-        for item in order.apply(enumerate(items), chunk_size):
-            if item is None:  # the pass lets an engine step between its slices: none here
-                continue
-            job = item[1]
+        for _, job in order.apply(enumerate(items), chunk_size):
             n += 1
             persona = job.data[0]
             groups += persona != last

@@ -83,10 +83,8 @@ def _feed(forecast, source: JobSource, tokenizer, chunk_size: int) -> None:
             forecast.add_in_file_order(tokens)
             yield index, item
 
-    for item in source.prefix_order.apply(in_file_order(), chunk_size):
-        if item is not None:  # None: where a run's engine steps between slices of the pass
-            index = item[0]
-            forecast.add_in_prefix_order(tokens_of.pop(index), template_of.pop(index))
+    for index, _ in source.prefix_order.apply(in_file_order(), chunk_size):
+        forecast.add_in_prefix_order(tokens_of.pop(index), template_of.pop(index))
 
 
 def _print_figures(forecast, st, config) -> None:

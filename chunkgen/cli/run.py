@@ -262,8 +262,8 @@ def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, q
     if source.prefix_order is not None and not (quiet or json_log):
         err.print(
             "--order prefix: every row is read and keyed by its prompt's text, so rows sharing a prefix run "
-            "together (--order input skips this pass); in a file of over 8,192 rows the first 256 are answered "
-            "in file order while the rest are keyed",
+            "together (--order input skips this pass); in a file of over 2,048 rows the first 256, then one in "
+            "64 of the rest, are answered in file order while the rest are keyed",
             highlight=False,
         )
     on_progress, stop_progress = progress_printer(quiet, json_log, source.total)

@@ -43,7 +43,7 @@ def report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) 
             + (f", {summary.prefilled_tokens} computed" if summary.prefilled_tokens else ""),
         )
         if summary.order == "prefix":
-            head = f"; the first {summary.order_head} rows answered meanwhile" if summary.order_head else ""
+            head = f"; {summary.order_head} rows answered in file order meanwhile" if summary.order_head else ""
             table.add_row("order", f"prefix (every row keyed: {summary.order_s:.1f} s{head})")
         if summary.workers > 1 or summary.model_loads != 1:
             table.add_row("workers (model loads)", f"{summary.workers} ({summary.model_loads})")

@@ -36,15 +36,17 @@ from chunkgen.jobs.requests import STDIN, ErrorRecord, Job, read_rows
 KEY_CHUNKS = 16  # pieces of the prompt the key tells apart: rows agreeing on more stay in file order
 # Keying a large file takes a while (about 90 us a row: 200,000 rows, 17 s on a 2-core Zen 3), and
 # no answer would come before it ends. So once HEAD_AFTER rows are keyed and more remain, the first
-# HEAD_ROWS rows are handed on in file order and the rest of the pass runs in slices of SLICE_ROWS
-# rows with the engine stepping between them: the first answers come after the model's load and
-# the first wave, not after the pass. The price: at most HEAD_ROWS rows not in prefix order (a row
-# of the head whose prefix a later row shares may have it computed twice). A file of at most
-# HEAD_AFTER rows (keyed in under a second) is ordered whole. Counts, not times, decide, so
-# inspect-tree foresees the order a run takes.
-HEAD_AFTER = 8192
+# HEAD_ROWS rows are handed on in file order, and from then on every SAMPLE_EVERY-th row keyed is
+# handed on as soon as it is keyed: the engine is fed rows throughout the pass (each row it takes
+# costs SAMPLE_EVERY rows of keying), never idle while the pass runs alone, and the first answers
+# come after the model's load and the first wave, not after the pass. The price: at most HEAD_ROWS
+# rows and one row in SAMPLE_EVERY not in prefix order (such a row whose prefix a later row shares
+# may have it computed twice). A file of at most HEAD_AFTER rows (keyed in a fraction of a second)
+# is ordered whole. Counts, not times, decide which rows go first, so inspect-tree foresees the
+# order a run takes.
+HEAD_AFTER = 2048
 HEAD_ROWS = 256
-SLICE_ROWS = 1024
+SAMPLE_EVERY = 64
 HASH_BYTES = 8
 RUN_ROWS = 1 << 18  # keys held in memory before a sorted run is written to disk (~60 MB)
 
@@ -283,7 +285,7 @@ class OrderStats:
     rows: int = 0
     spilled_runs: int = 0
     seconds: float = 0.0  # the first pass: keying every row, keeping and sorting the keys
-    head: int = 0  # rows handed on in file order while the pass ran (HEAD_ROWS)
+    head: int = 0  # rows handed on in file order while the pass ran (the head and every SAMPLE_EVERY-th)
 
 
 @dataclass
@@ -315,17 +317,17 @@ class PrefixOrder:
 
     def apply(
         self, jobs: Iterable[tuple[int, Job]], chunk_size: int, should_stop: Callable[[], bool] = lambda: False
-    ) -> Iterator[tuple[int, Job] | None]:
+    ) -> Iterator[tuple[int, Job]]:
         """`jobs` (numbered in file order, as triage yields them) in prefix order, for a cache of
         chunks of `chunk_size` tokens. Every row is keyed (by its prompt's text: prompt_key) before
         the rows are handed on in key order; in a file of more than HEAD_AFTER rows the first
-        HEAD_ROWS go first, in file order, and the pass then yields None between slices ("nothing
-        ready yet, more to come": the engine steps on). A stop request ends the keying pass early
-        (the rows not handed on stay unanswered, for --resume). A key piece is chunk_size
-        characters: a chunk's worth of text or less (a token is one character or more), so rows
-        sharing a chunk share a piece."""
+        HEAD_ROWS, then every SAMPLE_EVERY-th row keyed, go on in file order while the pass runs.
+        The pass runs only as fast as the rows are taken, so it never holds the engine up. A stop
+        request ends the keying pass early (the rows not handed on stay unanswered, for --resume).
+        A key piece is chunk_size characters: a chunk's worth of text or less (a token is one
+        character or more), so rows sharing a chunk share a piece."""
         sorter = ExternalSort(self.run_rows, self.spill_dir)
-        keying = 0.0  # seconds of the pass itself, not of the engine's steps between its slices
+        keying = 0.0  # seconds of the pass itself, not of the engine's steps while rows were handed on
         head: list[tuple[int, Job]] | None = []  # the first rows, until handed on (None after)
         handed: set[int] = set()
         try:
@@ -338,14 +340,18 @@ class PrefixOrder:
                 sorter.add(prompt_key(_keyed_messages(job), chunk_size), index, job.line, offset, crc, occurrence)
                 if head is not None and len(head) < HEAD_ROWS:
                     head.append((index, job))
-                if n >= HEAD_AFTER and n % SLICE_ROWS == 0:
-                    keying += time.perf_counter() - t0
-                    if head is not None:
-                        handed = {i for i, _ in head}
-                        yield from head
-                        head = None
-                    yield None
-                    t0 = time.perf_counter()
+                if n <= HEAD_AFTER:
+                    continue
+                if head is not None:
+                    handing, head = head, None
+                elif n % SAMPLE_EVERY == 0:
+                    handing = [(index, job)]
+                else:
+                    continue
+                keying += time.perf_counter() - t0
+                handed.update(i for i, _ in handing)
+                yield from handing
+                t0 = time.perf_counter()
             merged = iter(sorter)
             keying += time.perf_counter() - t0
             self.stats = OrderStats(sorter.count, sorter.spilled_runs, keying, len(handed))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from chunkgen.engine import Engine, Request, Result
 from chunkgen.engine.engine import EngineStats
+from chunkgen.engine.scheduler import first_wave_rows
 from chunkgen.jobs.formats import RecordFormat
 from chunkgen.jobs.ledger import is_error
 from chunkgen.jobs.requests import ErrorRecord, Job
@@ -233,7 +234,13 @@ def answer(
     in_prefix_order: bool = False,
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
-    fewer than `window` wait, so the engine is never starved and the rest of the file stays unread.
+    fewer than `window` wait, so the engine is never starved and the rest of the file stays unread;
+    and between two steps no more than the engine can take soon: one row before the first step
+    (in a job whose rows share a prompt the first wave is the first row alone anyway: the others
+    wait for the shared chunks it computes), then twice what the last step took from the queue, or
+    a first wave's worth (first_wave_rows) when that is more, so the queue grows to the window over
+    a few steps instead of the first answer waiting while a whole window is read and tokenized
+    (about 7 ms a row of a 1,700-token prompt on a 2-core Zen 3: 7 s for a window of 1,024 rows).
     A source may yield None for "nothing ready yet, more to come" (a Ray worker between deliveries):
     the engine steps on with what it has. `in_prefix_order`: the jobs come in prefix order, so the
     engine releases a finished row's chunks as soon as no queued row can share them (rows further
@@ -246,13 +253,15 @@ def answer(
     answer_ids = _choice_tokenizer(getattr(engine, "tokenizer", None))
     exhausted = idle = False
     warned = warned_batch = False
+    first_fill = first_wave_rows(engine.config.max_batch, "max_batch" in engine.config.auto)
+    fill = 1  # the most rows queued before the next step
     before = engine.later_rows
     engine.later_rows = keep = "prefix" if in_prefix_order else before
     try:
         while not should_stop():
             if not exhausted and engine.num_waiting < window:
                 batch: list[Request] = []
-                want = window - engine.num_waiting
+                want = min(window - engine.num_waiting, fill)
                 taken = 0
                 idle = False
                 for item in itertools.islice(source, want):
@@ -295,7 +304,10 @@ def answer(
                 if idle and on_step:
                     on_step()  # the source is busy (the prefix order's keying): no step is running
                 continue
-            for res in engine.step():
+            queued = engine.num_waiting
+            results = engine.step()
+            fill = max(first_fill, 2 * (queued - engine.num_waiting))
+            for res in results:
                 if not scorer.owns(res.id):
                     yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
                     continue

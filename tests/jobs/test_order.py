@@ -138,35 +138,45 @@ def test_a_row_changed_between_the_passes_is_an_error_naming_its_line(tmp_path):
     row_file.close()
 
 
-def test_a_large_file_hands_on_its_head_while_the_rest_is_keyed(tmp_path, monkeypatch):
-    """Past HEAD_AFTER rows, the first HEAD_ROWS go on in file order and the pass yields None
-    between slices; every other row follows once, in key order (one run per document)."""
+def test_a_large_file_feeds_rows_in_file_order_while_the_rest_is_keyed(tmp_path, monkeypatch):
+    """Past HEAD_AFTER rows, the first HEAD_ROWS go on in file order, then every SAMPLE_EVERY-th row
+    as it is keyed (so the engine always has rows while the pass runs); every other row follows
+    once, in key order (one run per document); the rows handed on are a function of the counts."""
     from chunkgen.jobs import order as order_mod
 
     monkeypatch.setattr(order_mod, "HEAD_AFTER", 8)
     monkeypatch.setattr(order_mod, "HEAD_ROWS", 3)
-    monkeypatch.setattr(order_mod, "SLICE_ROWS", 4)
+    monkeypatch.setattr(order_mod, "SAMPLE_EVERY", 4)
     rng = random.Random(2)
     rows = [{"id": f"{d}-{q}", "question": f"doc {d} " * 3 + f"question {q}"} for d in range(6) for q in range(4)]
     rng.shuffle(rows)
     templates = load_templates(PROMPTS / "document_qa.toml")
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keyed: list[int] = []  # rows keyed when each row was handed on
+
+    def numbered(items):
+        for n, item in enumerate(items):
+            keyed.append(n + 1)
+            yield n, item
+
     row_file = RowFile(str(path))
     order, items = PrefixOrder.reading(
         row_file, read_rows(row_file.lines()), lambda rows: template_jobs(rows, templates, {}), run_rows=5
     )
-    got = list(order.apply(enumerate(items), chunk_size=1))
+    got, when = [], []
+    for index, job in order.apply(numbered(items), chunk_size=1):
+        got.append((index, job.id))
+        when.append(keyed[-1])
     row_file.close()
-    first_none = got.index(None)
-    assert [job.id for _, job in got[:first_none]] == [r["id"] for r in rows[:3]]  # the head, in file order
-    # None after the 8th row and each 4th after it, before the keying ends at 24 rows: 8, 12, 16, 20, 24
-    assert got.count(None) == 5 and got[first_none:].count(None) == 5 and first_none == 3
-    rest = [job.id for item in got[first_none:] if item is not None for job in [item[1]]]
-    assert sorted(rest + [r["id"] for r in rows[:3]]) == sorted(r["id"] for r in rows)  # each row once
-    docs = [i.split("-")[0] for i in rest]
+    # the head once 9 rows are keyed (more than HEAD_AFTER), then rows 12, 16, 20 and 24 as keyed
+    assert [i for i, _ in got[:3]] == [0, 1, 2] and when[:3] == [9, 9, 9]
+    assert [i for i, _ in got[3:7]] == [11, 15, 19, 23] and when[3:7] == [12, 16, 20, 24]
+    assert [job_id for _, job_id in got[:7]] == [rows[i]["id"] for i in [0, 1, 2, 11, 15, 19, 23]]
+    assert sorted(i for i, _ in got) == list(range(len(rows)))  # each row once
+    docs = [job_id.split("-")[0] for _, job_id in got[7:]]
     assert len([d for j, d in enumerate(docs) if j == 0 or d != docs[j - 1]]) == 6  # one run per document
-    assert order.stats.head == 3 and order.stats.rows == len(rows)
+    assert order.stats.head == 7 and order.stats.rows == len(rows)
 
 
 def test_a_file_of_at_most_head_after_rows_is_ordered_whole(tmp_path):
@@ -234,9 +244,10 @@ def test_a_head_answered_while_the_file_is_keyed_gives_the_same_answers(tiny_mod
     whole = _run(tiny_model, template, queries, tmp_path / "whole.jsonl")
     monkeypatch.setattr(order_mod, "HEAD_AFTER", 6)
     monkeypatch.setattr(order_mod, "HEAD_ROWS", 4)
-    monkeypatch.setattr(order_mod, "SLICE_ROWS", 2)
+    monkeypatch.setattr(order_mod, "SAMPLE_EVERY", 2)
     headed = _run(tiny_model, template, queries, tmp_path / "headed.jsonl")
-    assert whole["order_head"] == 0 and headed["order_head"] == 4
+    rows = whole["requests"]  # the head, then each 2nd row keyed past the 7th
+    assert whole["order_head"] == 0 and headed["order_head"] == 4 + len(range(8, rows + 1, 2))
     first = [json.loads(l)["line"] for l in (tmp_path / "headed.jsonl").read_text().splitlines()]
     assert sorted(first[:4]) == [1, 2, 3, 4]  # the head's records come first (max_batch 4)
     assert _texts(tmp_path / "headed.jsonl") == _texts(tmp_path / "whole.jsonl")

@@ -73,3 +73,45 @@ def test_rss_stays_flat_over_a_job_of_rows_that_share_nothing(wide_kv_model, tmp
     assert growth < 100 * CHUNK_BYTES, f"RSS grew {growth / 2**20:.0f} MiB over the job"
     # The summary's peak counts what the running rows read: a batch of 64 rows' chunks, not the cache.
     assert summary["kv_peak_bytes"] <= 80 * CHUNK_BYTES
+
+
+def test_rows_are_tokenized_a_wave_ahead_not_a_window_ahead(tiny_llm):
+    """Before the first step one row is tokenized (the first answer does not wait for a window's
+    tokenizing), then at most twice what the last step took from the queue (or a first wave's
+    size), so the queue grows to the window over steps; every row is answered once."""
+    from chunkgen.engine import SamplingParams
+    from chunkgen.engine.scheduler import first_wave_rows
+    from chunkgen.jobs.formats import RecordFormat
+    from chunkgen.jobs.requests import Job
+    from chunkgen.jobs.run import answer
+
+    engine = tiny_llm.new_engine()
+    rows, window = 150, 64
+    first = first_wave_rows(engine.config.max_batch, "max_batch" in engine.config.auto)
+    assert first < window  # else there is nothing to tell apart
+    encoded = 0
+
+    def encode(*args):
+        nonlocal encoded
+        encoded += 1
+        return tiny_llm.encode(*args)
+
+    seen: list[tuple[int, int, int]] = []  # (rows tokenized, queued before, queued after) at each step
+    step = engine.step
+
+    def counted_step():
+        before = engine.num_waiting
+        out = step()
+        seen.append((encoded, before, engine.num_waiting))
+        return out
+
+    engine.step = counted_step
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    jobs = (
+        (i, Job(f"r{i}", i + 1, [{"role": "user", "content": f"row {i} " * (1 + i % 5)}], params)) for i in range(rows)
+    )
+    got = [a.index for a in answer(engine, encode, RecordFormat("template", "m"), jobs, window)]
+    assert sorted(got) == list(range(rows))
+    assert seen[0][0] == 1  # a window would be 64
+    for (done, before, after), (now, _, _) in zip(seen, seen[1:]):
+        assert now - done <= max(first, 2 * (before - after))
