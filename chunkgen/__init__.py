@@ -10,9 +10,11 @@ __version__ = "0.1.0"
 # OpenMP threads that finish their share wait for the others asleep, not spinning. A spinning thread
 # holds its core while a thread it waits for has none: on a machine where another process takes a
 # core, each of a step's hundreds of parallel regions then waits out a scheduler time slice (a
-# 64-row decode step measured 2.3 s instead of 0.25 s beside one busy process). Read once, when
-# torch loads OpenMP: `import chunkgen` before torch, or set it in the environment yourself.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# 64-row decode step took 2.3 s instead of 0.25 s beside a test run: benchmarks/results/
+# 2026-11-27-openmp-wait.md). Read once, when torch loads OpenMP: `import chunkgen` before torch.
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment give spinning back (a machine kept for the job).
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __all__ = ["__version__", "native", "native_cpu_available", "native_cuda_available"]
 
