@@ -7,14 +7,16 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# OpenMP threads that finish their share wait for the others asleep, not spinning. A spinning thread
-# holds its core while a thread it waits for has none: on a machine where another process takes a
-# core, each of a step's hundreds of parallel regions then waits out a scheduler time slice (a
-# 64-row decode step took 2.3 s instead of 0.25 s beside a test run: benchmarks/results/
-# 2026-11-27-openmp-wait.md). Read once, when torch loads OpenMP: `import chunkgen` before torch.
-# OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment give spinning back (a machine kept for the job).
+# OpenMP threads that finish their share of a parallel region spin only briefly (2,000 rounds) before
+# they sleep, not libgomp's 300,000. A spinning thread holds its core while a thread it waits for
+# may have none: beside another busy process, each of a step's hundreds of parallel regions then
+# waits out a scheduler time slice (a 64-row decode step: 780 ms at libgomp's default, 538 ms here,
+# 315 ms with OMP_WAIT_POLICY=PASSIVE, about 240 ms alone; alone, the short spin costs nothing
+# measurable and sleeping at once about 10%: benchmarks/results/2026-11-27-openmp-wait.md). Read
+# once, when torch loads OpenMP: `import chunkgen` before torch. OMP_WAIT_POLICY or GOMP_SPINCOUNT
+# in the environment decide instead (PASSIVE on a machine shared with other work).
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["GOMP_SPINCOUNT"] = "2000"
 
 __all__ = ["__version__", "native", "native_cpu_available", "native_cuda_available"]
 
