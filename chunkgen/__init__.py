@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 # may have none: beside another busy process, each of a step's hundreds of parallel regions then
 # waits out a scheduler time slice (a 64-row decode step: 780 ms at libgomp's default, 538 ms here,
 # 315 ms with OMP_WAIT_POLICY=PASSIVE, about 240 ms alone; alone, the short spin costs nothing
-# measurable and sleeping at once about 10%: benchmarks/results/2026-11-27-openmp-wait.md). Read
+# measurable and sleeping at once about 15% of a whole run: benchmarks/results/2026-11-27-openmp-wait.md). Read
 # once, when torch loads OpenMP: `import chunkgen` before torch. OMP_WAIT_POLICY or GOMP_SPINCOUNT
 # in the environment decide instead (PASSIVE on a machine shared with other work).
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

@@ -108,8 +108,8 @@ class Config:
     share_prefix: bool = True  # off: every sequence owns its chunks (no prefix caching)
     chunk_first: bool = True  # off: the paged baseline kernel
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
-    # while sequences decode, a wave of at most this many new tokens runs in their step's forward
-    # (on the CPU); 0: a wave runs alone, the decoding sequences waiting for it
+    # while sequences decode, a wave runs in their step's forward, admitting rows until its new
+    # tokens reach this many (on the CPU); 0: a wave runs alone, the decoding sequences waiting for it
     mixed_prefill_tokens: int = DEFAULT_MIXED_PREFILL_TOKENS
     enforce_eager: bool | None = None  # None: CUDA graphs on the GPU, plain eager steps on the CPU
     chat_template: bool = True  # off: chat messages joined by blank lines as plain text

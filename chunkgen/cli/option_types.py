@@ -135,8 +135,8 @@ MIXED_PREFILL_TOKENS = Annotated[
         "--mixed-prefill-tokens",
         metavar="N",
         min=0,
-        help="On the CPU, rows admitted while others decode (at most N new prompt tokens a step) run in the "
-        "same forward as the decode step, so running rows do not wait for them; 0: a prefill wave runs alone.",
+        help="On the CPU, rows admitted while others decode run in the same forward as the decode step (rows join a "
+        "step until their new prompt tokens reach N), so running rows do not wait for them; 0: a prefill wave runs alone.",
     ),
 ]
 

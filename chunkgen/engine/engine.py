@@ -32,9 +32,9 @@ class EngineStats:
     decode_s: float = 0.0
     mask_s: float = 0.0  # of prefill_s + decode_s: steps waiting for constraint masks and applying them
     decode_steps: int = 0  # mixed steps included
-    mixed_steps: int = (
-        0  # decode steps that ran a prefill wave in the same forward (split between prefill_s and decode_s by rows)
-    )
+    # Decode steps that ran a prefill wave in the same forward; their time is split between
+    # prefill_s and decode_s by the rows each part ran.
+    mixed_steps: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually computed (the rest came from the cache)
     prefill_rows: int = 0  # positions run through the model at prefill: prefilled_tokens plus those computed again

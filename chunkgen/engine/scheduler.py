@@ -102,8 +102,8 @@ class Scheduler:
     ) -> None:
         """answers_throughout: run at most a SHARE_OF_KNOWN share of the known rows at once (see above);
         off, max_batch alone limits the rows running. mixed_prefill_tokens: while sequences decode,
-        a wave of at most this many new tokens (at least one sequence) joins their decode step, as
-        one forward; 0: a wave runs alone and the running sequences wait for it."""
+        a wave joins their decode step as one forward, admitting sequences until its new tokens
+        reach this many (at least one sequence); 0: a wave runs alone and the running sequences wait for it."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.tree = tree
