@@ -384,8 +384,14 @@ def test_signals_during_the_keying_pass(signals, tiny_model, tmp_path):
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
     assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}[signals[0]], stderr
     assert "--resume" in stderr.strip().splitlines()[-1]
-    done = [json.loads(l) for l in out.read_text().splitlines()] if out.exists() else []
-    assert not done  # stopped before the first row was answered: nothing half-done
+    # The head of a long file is answered while the pass still runs, so a stop may come after some
+    # rows are done: what is on disk is whole rows, each once, and the rest is left to --resume.
+    text = out.read_text() if out.exists() else ""
+    assert not text or text.endswith("\n")
+    done = [json.loads(line) for line in text.splitlines()]
+    ids = [row["id"] for row in done]
+    assert len(ids) == len(set(ids)) < 20_000
+    assert all(isinstance(row.get("text"), str) for row in done)
 
 
 def test_two_signals_while_decoding_stop_and_resume_finishes_every_row_once(tiny_model, tmp_path):
