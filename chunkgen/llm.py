@@ -32,9 +32,12 @@ class LLM:
 
     dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b,
     gemma-3-1b, phi-3-mini) or the path of a Hugging Face config.json, instead of `model`: random weights
-    drawn from `seed` (benchmarks)."""
+    drawn from `seed` (benchmarks). tokenizer: the model's tokenizer, already loaded from its folder
+    (load_tokenizer), to use instead of loading it again."""
 
-    def __init__(self, model: str | None = None, *, config: Config | None = None, **options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, config: Config | None = None, tokenizer: Any = None, **options: Any
+    ) -> None:
         if config is None:
             config = Config.resolve(model, **options)  # every bad value fails here, before the weights load
         elif model is not None or options:
@@ -50,7 +53,11 @@ class LLM:
                 self._reserve_early(config, path)
                 source = self._source(config, path)
                 hf_model, self.tokenizer, self.model_path = load_hf(
-                    path, config.dtype or "auto", dev, skeleton_of=source if is_direct(source) else None
+                    path,
+                    config.dtype or "auto",
+                    dev,
+                    skeleton_of=source if is_direct(source) else None,
+                    tokenizer=tokenizer,
                 )
                 if not config.chat_template:  # messages as plain text, joined by blank lines (encode_prompt)
                     self.tokenizer.chat_template = None

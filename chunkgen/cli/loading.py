@@ -12,8 +12,9 @@ from chunkgen.config import Config
 from chunkgen.device import human_bytes
 
 
-def load_llm(config: Config, announce: str = "line"):
-    """The LLM for `config` (`announce`: "line", "json" for --json-log, "none" for --quiet)."""
+def load_llm(config: Config, announce: str = "line", tokenizer=None):
+    """The LLM for `config` (`announce`: "line", "json" for --json-log, "none" for --quiet);
+    `tokenizer`: the model's, already loaded by a check."""
     from chunkgen.llm import LLM
     from chunkgen.model import ModelNotFound, UnsupportedModel, display_name
 
@@ -31,9 +32,9 @@ def load_llm(config: Config, announce: str = "line"):
             err.print(f"loading {what} ({detail})…", highlight=False)
         if announce == "line" and TTY:
             with err.status(f"loading {what} ({detail})…"):
-                llm = LLM(config=config)
+                llm = LLM(config=config, tokenizer=tokenizer)
         else:
-            llm = LLM(config=config)
+            llm = LLM(config=config, tokenizer=tokenizer)
     except (ModelNotFound, UnsupportedModel, ValueError) as exc:
         fail(str(exc))
     seconds = time.perf_counter() - t0

@@ -158,10 +158,11 @@ def check_defaults(defaults: dict[str, Any]) -> None:
         usage(SAMPLING_OPTIONS.get(exc.field, exc.field), exc.message)
 
 
-def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool = True) -> None:
+def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool = True):
     """Before the weights load: the model's tokenizer loads, it has a usable chat template (unless
     --no-chat-template), and no template's own text (system prompt and user message, before any
-    row's values) is longer than the model's context, which would fail every row."""
+    row's values) is longer than the model's context, which would fail every row. Returns the
+    tokenizer, for the load to take rather than read again."""
     from chunkgen.llm import check_chat_template, encode_prompt
     from chunkgen.model.llama import context_length
     from chunkgen.model.loading import load_tokenizer, model_config
@@ -187,7 +188,7 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
     except ValueError as exc:
         fail(str(exc))
     if not templates:
-        return
+        return tokenizer
     context = context_length(model_config(model_dir))
     for t in templates.values():
         n = len(encode_prompt(tokenizer, t.messages({f: "" for f in t.fields})))
@@ -197,6 +198,7 @@ def check_tokenizer(templates: dict | None, model_dir: Path, chat_template: bool
                 f"context holds {context} (with room for one generated token); shorten its system prompt "
                 "or use a model with a longer context"
             )
+    return tokenizer
 
 
 def resolve_model(model: str | None, config: Config | None = None) -> Path:

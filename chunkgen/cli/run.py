@@ -124,8 +124,8 @@ def run(
         model_dir = resolve_model(model, config)
         config = config.replace(model=str(model_dir))
         check_kv_fits(model_dir, config)
-        check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
-        writing = dict(model_dir=model_dir, resume=resume, ordered=ordered or output_order == "input",
+        tokenizer = check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
+        writing = dict(model_dir=model_dir, tokenizer=tokenizer, resume=resume, ordered=ordered or output_order == "input",
                        rerun_changed=rerun_changed, id_field=id_field)
         summary, signum = _answer(source, config, out, writing, quiet, json_log,
                                   ray=dict(workers=workers, address=ray_address) if use_ray else None)
@@ -220,7 +220,7 @@ def _answer(
         if ray is not None:
             summary = _run_ray(source, writer, config, stop_flag, **ray)
         else:
-            summary = _run_local(source, writer, config, stop_flag, quiet, json_log)
+            summary = _run_local(source, writer, config, stop_flag, quiet, json_log, writing["tokenizer"])
     except (OutputError, QueryFileChanged, TempSpaceError) as exc:
         fail(str(exc))
     except Interrupted as exc:  # during the model load: nothing was answered, nothing to keep
@@ -254,11 +254,13 @@ def _answer(
     return summary, stop_flag.signum if summary.interrupted else None
 
 
-def _run_local(source: JobSource, writer, config: Config, stop_flag: StopFlag, quiet: bool, json_log: bool):
+def _run_local(
+    source: JobSource, writer, config: Config, stop_flag: StopFlag, quiet: bool, json_log: bool, tokenizer=None
+):
     from chunkgen.jobs.run import run_job
 
     with stop_flag.at_once():  # a signal during the load ends the run now, not after the load
-        llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line")
+        llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line", tokenizer=tokenizer)
     if source.prefix_order is not None and not (quiet or json_log):
         err.print(
             "--order prefix: every row is read and keyed by its prompt's text, so rows sharing a prefix run "

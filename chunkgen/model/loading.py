@@ -452,19 +452,24 @@ def _unpickling_error(exc: BaseException | None) -> pickle.UnpicklingError | Non
 
 
 def load_hf(
-    spec: str | os.PathLike | None, dtype: torch.dtype | str = torch.float32, device: str = "cpu", skeleton_of=None
+    spec: str | os.PathLike | None,
+    dtype: torch.dtype | str = torch.float32,
+    device: str = "cpu",
+    skeleton_of=None,
+    tokenizer=None,
 ):
     """(transformers model, tokenizer, directory) for a model spec; dtype "auto" keeps the model's own.
     skeleton_of: a quantized weight source (quant.weight_source, is_direct): the linear weights it
     holds are left unmade, everything else read tensor by tensor from the file it reads
-    (model/skeleton.py); CPU only. Without one, a GGUF's float copy is made first (float_weights)."""
+    (model/skeleton.py); CPU only. Without one, a GGUF's float copy is made first (float_weights).
+    tokenizer: the folder's, already loaded (load_tokenizer), taken as it is."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     path = resolve_model(spec)
     config = check_model_dir(path)
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
     except Exception as exc:
         raise ModelNotFound(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None
     if skeleton_of is not None:

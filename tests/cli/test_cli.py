@@ -34,6 +34,23 @@ def test_run_writes_one_record_per_query_and_refuses_overwrite(tiny_model, tmp_p
     assert records(out) == recs  # untouched
 
 
+def test_a_run_reads_the_tokenizer_once(tiny_model, tmp_path, monkeypatch):
+    """The check before the weights load and the load itself take one tokenizer, read once."""
+    from chunkgen.model import loading
+
+    loads = []
+    real = loading.load_tokenizer
+
+    def counted(path, **kwargs):
+        loads.append(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(loading, "load_tokenizer", counted)
+    res = run_cli(*base_args(tiny_model, tmp_path / "out.jsonl"))
+    assert res.exit_code == 0, res.output
+    assert len(loads) == 1, loads
+
+
 def test_kv_dtype_sets_the_caches_dtype_beside_the_models(tiny_model, tmp_path):
     """--kv-dtype bf16 in an fp32 run: the same rows hold half the K/V bytes, the summary says so."""
     peaks = {}
