@@ -261,6 +261,8 @@ def _run_local(
 
     with stop_flag.at_once():  # a signal during the load ends the run now, not after the load
         llm = load_llm(config, announce="none" if quiet else "json" if json_log else "line", tokenizer=tokenizer)
+    if any(t.output for t in (source.templates or {}).values()):
+        llm.engine.constraints.prepare()  # a template's constraint: its rows need llguidance's tokenizer
     if source.prefix_order is not None and not (quiet or json_log):
         err.print(
             "--order prefix: every row is read and keyed by its prompt's text, so rows sharing a prefix run "

@@ -3,7 +3,8 @@ tokens may come next; the engine masks every other token's logit before sampling
 
 Grammars are compiled once per distinct spec (the spec string is the cache key); each sequence
 (each of a request's n samples) walks its own LLMatcher. The llguidance tokenizer costs about a
-second to build, so an engine builds it only when its first constrained request arrives."""
+second to build, so an engine builds it only when its first constrained request arrives, or on a
+thread from the moment a job knows its rows are constrained (`prepare`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Constraints:
         self.vocab_size = vocab_size  # logits' width; may exceed the tokenizer's (padded embeddings)
         self.eos_ids = sorted(eos_ids)
         self._tokenizer = None
+        self._building: Future | None = None  # the tokenizer being built on a thread (prepare)
         self._executor = None
         # A matcher at the start of each spec seen lately: building one costs milliseconds (the
         # grammar's lexer against this vocabulary), a copy of it about a microsecond.
@@ -50,14 +52,35 @@ class Constraints:
         self._turn = 0
         self._index: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last rows' index on the device
 
+    def prepare(self) -> None:
+        """Start building the llguidance tokenizer on a thread, for a job that knows before its
+        first row that rows are constrained: the build releases the GIL for most of its time, so
+        it overlaps the job's start and the first wave's prefill instead of preceding them."""
+        if self._tokenizer is None and self._building is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llguidance-tokenizer")
+            self._building = pool.submit(self._build_tokenizer)
+            pool.shutdown(wait=False)
+
+    def _build_tokenizer(self):
+        llg = llguidance_module()
+        # every EOS the engine stops on is the grammar's end-of-text token too
+        eos = self.eos_ids or None
+        backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.padding is None and backend.truncation is None:
+            # llguidance.hf.from_tokenizer's own steps but its copy of the tokenizer (a third of
+            # the build), which only turns padding and truncation off: they are off
+            return llg.LLTokenizer(
+                backend.to_str(), n_vocab=self.vocab_size, eos_token=eos if eos else self.hf_tokenizer.eos_token_id
+            )
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+
     def _ll_tokenizer(self):
         if self._tokenizer is None:
-            llg = llguidance_module()
-            from llguidance.hf import from_tokenizer
-
-            # every EOS the engine stops on is the grammar's end-of-text token too
-            self._tokenizer = from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
-            self._executor = llg.LLExecutor()
+            building, self._building = self._building, None
+            self._tokenizer = building.result() if building is not None else self._build_tokenizer()
+            self._executor = llguidance_module().LLExecutor()
         return self._tokenizer
 
     def matcher(self, params):

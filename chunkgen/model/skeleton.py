@@ -92,10 +92,13 @@ def _shape(shape) -> str:
 def from_folder(path: Path, config, dtype: torch.dtype, source):
     """The model of a folder with the parameters `source` replaces left unmade: the rest read
     tensor by tensor from the file the source reads (source.float_tensors: a GGUF, the folder's
-    safetensors)."""
+    safetensors). The module tree is chunkgen's own where model/tree.py mirrors the family, so a
+    run's load does not import transformers' modeling code."""
     from transformers import GenerationConfig
 
-    model = skeleton(config, dtype)
+    from chunkgen.model.tree import module_tree
+
+    model = module_tree(config, dtype) or skeleton(config, dtype)
     tensors = source.float_tensors(model)
 
     def read(name: str, module, param) -> torch.Tensor:

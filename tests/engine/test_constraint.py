@@ -352,3 +352,29 @@ def test_masks_fill_two_host_buffers_in_turn(tiny_llm):
         assert torch.equal(torch.isfinite(logits[row]), bits == 1)
     assert torch.isfinite(logits[1]).all()
     assert not torch.equal(torch.isfinite(logits[0]), torch.isfinite(logits[2]))
+
+
+def test_a_tokenizer_built_ahead_masks_as_llguidances_own(tiny_llm):
+    """`prepare` builds llguidance's tokenizer on a thread, from the tokenizer's JSON without
+    from_tokenizer's copy: every spec's masks, walked a few tokens, equal those of from_tokenizer's."""
+    from llguidance.hf import from_tokenizer
+
+    from chunkgen.engine.params import llguidance_module
+
+    ahead = tiny_llm.new_engine().constraints
+    ahead.prepare()
+    assert ahead._building is not None
+    own = tiny_llm.new_engine().constraints
+    own._tokenizer = from_tokenizer(own.hf_tokenizer, n_vocab=own.vocab_size, eos_token=own.eos_ids or None)
+    own._executor = llguidance_module().LLExecutor()
+    walk = tiny_llm.tokenizer.encode('{"city": "Oslo", "days": 3', add_special_tokens=False)
+    for params in (SamplingParams(json_schema=SCHEMA), SamplingParams(regex="[0-9]+(\\.[0-9]+)?"), SamplingParams()):
+        a, b = ahead.matcher(params), own.matcher(params)
+        if a is None:
+            assert b is None
+            continue
+        for token in walk[:6]:
+            assert torch.equal(ahead.fill([a]).bits, own.fill([b]).bits)
+            if not (a.consume_token(token) and b.consume_token(token)):
+                break
+    assert ahead._building is None and ahead._tokenizer is not None
