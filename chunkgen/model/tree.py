@@ -181,7 +181,10 @@ class CausalLM(nn.Module):
         self.generation_config = None
         self._dtype = dtype
         inner = nn.Module()
-        inner.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta", dtype=dtype)
+        # given its weight, the embedding skips its init: normal_ on the meta device alone imports
+        # torch._dynamo (about 2 s)
+        weight = torch.empty(config.vocab_size, config.hidden_size, device="meta", dtype=dtype)
+        inner.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         inner.layers = nn.ModuleList(Layer(config, family, dtype) for _ in range(config.num_hidden_layers))
         inner.norm = Norm(config.hidden_size, dtype)
         inner.rotary_emb = (RotaryPerLayerType if family.rope_per_layer_type else Rotary)(config, family)
