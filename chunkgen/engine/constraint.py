@@ -112,8 +112,6 @@ class Constraints:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        from llguidance.torch import fill_next_token_bitmask_par
-
         words = (self.vocab_size + 31) // 32
         self._turn ^= 1
         buf = self._buffers[self._turn]
@@ -121,8 +119,12 @@ class Constraints:
             buf = self._buffers[self._turn] = host_buffer(
                 (max(len(rows), 2 * (0 if buf is None else buf.shape[0])), words), torch.int32, self.device
             )
-        bitmask = buf[: len(rows)]
-        fill_next_token_bitmask_par(self._executor, [(matchers[i], j) for j, i in enumerate(rows)], bitmask)
+        bitmask = buf[: len(rows)]  # contiguous int32 rows of `words` words, on the host
+        # What llguidance.torch.fill_next_token_bitmask_par does, without importing that module:
+        # its import runs torch.compile on a function of its own, which imports torch._dynamo
+        # (about 2 s holding the GIL, on this worker while the first wave's forward runs).
+        pairs = [(matchers[i], j) for j, i in enumerate(rows)]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
         return Bitmask(rows, bitmask)
 
     @torch.inference_mode()  # the model's logits are inference tensors: in-place only in this mode

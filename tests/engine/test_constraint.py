@@ -378,3 +378,25 @@ def test_a_tokenizer_built_ahead_masks_as_llguidances_own(tiny_llm):
             if not (a.consume_token(token) and b.consume_token(token)):
                 break
     assert ahead._building is None and ahead._tokenizer is not None
+
+
+def test_a_constrained_run_on_quantized_weights_imports_no_compiler(tiny_model, tmp_path):
+    """Nothing on a direct load's path to its first answer imports torch._dynamo (about 2 s, and
+    a worker thread importing it holds the GIL while the first wave's forward runs): not the
+    module tree, not the masks (llguidance.torch compiles a function as it is imported)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.jsonl"
+    argv = base_args(tiny_model, out, dtype=None, regex="[0-9]{1,4}", quantize="int8")
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('dynamo imported:', 'torch._dynamo' in sys.modules, file=sys.stderr))\n"
+        f"sys.argv = ['chunkgen', *{argv!r}]\n"
+        "from chunkgen.entry import main\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert all(re.fullmatch("[0-9]{1,4}", r["text"]) for r in records(out))
+    assert "dynamo imported: False" in proc.stderr, proc.stderr[-2000:]
