@@ -53,10 +53,24 @@ def module_tree(config, dtype: torch.dtype) -> nn.Module | None:
     rope = getattr(config, "rope_parameters", None)
     if family is None or not isinstance(rope, dict):
         return None
-    tables = [rope[t] for t in sorted(set(config.layer_types))] if family.rope_per_layer_type else [rope]
-    if any(not isinstance(t, dict) or t.get("rope_type", "default") in _LENGTH_DEPENDENT for t in tables):
+    if family.rope_per_layer_type:
+        types = getattr(config, "layer_types", None)
+        tables = [rope.get(t) for t in sorted(set(types))] if types else [None]
+    else:
+        tables = [rope]
+    if any(not _static_table(t) for t in tables):
         return None
     return CausalLM(config, dtype, family)
+
+
+def _static_table(params) -> bool:
+    """Whether one rope table's parameters are what this file computes: a rope type with a base,
+    whose frequencies do not follow the sequence length."""
+    return (
+        isinstance(params, dict)
+        and "rope_theta" in params
+        and params.get("rope_type", "default") not in _LENGTH_DEPENDENT
+    )
 
 
 def _head_dim(config) -> int:
