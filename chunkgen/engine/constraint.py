@@ -62,16 +62,14 @@ class Constraints:
             pool.shutdown(wait=False)
 
     def _build_tokenizer(self):
-        llg = llguidance_module()
-        # every EOS the engine stops on is the grammar's end-of-text token too
-        eos = self.eos_ids or None
+        # every EOS the engine stops on is the grammar's end-of-text token too (the tokenizer's own
+        # where the engine knows none, as from_tokenizer does)
+        eos = self.eos_ids or self.hf_tokenizer.eos_token_id
         backend = getattr(self.hf_tokenizer, "backend_tokenizer", None)
         if backend is not None and backend.padding is None and backend.truncation is None:
             # llguidance.hf.from_tokenizer's own steps but its copy of the tokenizer (a third of
             # the build), which only turns padding and truncation off: they are off
-            return llg.LLTokenizer(
-                backend.to_str(), n_vocab=self.vocab_size, eos_token=eos if eos else self.hf_tokenizer.eos_token_id
-            )
+            return llguidance_module().LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
         from llguidance.hf import from_tokenizer
 
         return from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos)
