@@ -16,6 +16,7 @@ import re
 import signal
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -24,6 +25,7 @@ Prompt = str | list[dict[str, str]] | list[int]
 Layout = Sequence[Sequence[str | int]]
 
 RENDER_SECONDS = 10.0  # a chat template renders a prompt in well under a millisecond
+PREFIXES_KEPT = 64  # shared prompt beginnings remembered per tokenizer (see SharedPrefixes)
 PROBE = {"system": "chunkgen probe: system text 7d1e", "user": "chunkgen probe: user text 3b9a"}
 
 
@@ -190,8 +192,10 @@ def encode_prompt(
     plain = rendered is None
     if plain:
         rendered = "\n\n".join(m["content"] for m in prompt)
+    last = prompt[-1]["content"]
+    cut = rendered.rfind(last) if last else -1  # where the last message's own text starts
     if not any(data):
-        return _tokens(tokenizer, rendered, limit, add_special_tokens=plain)
+        return _tokens(tokenizer, rendered, limit, add_special_tokens=plain, cut=cut)
     layout = layout if layout is not None else layout_of(prompt, data)
     start, end = _markers([*(m["content"] for m in prompt), *data, str(getattr(tokenizer, "chat_template", ""))])
     masked = [
@@ -214,7 +218,7 @@ def encode_prompt(
         at += n
     same = "".join(p if isinstance(p, str) else data[p] for p in pieces) == rendered
     if same and not _overlaps(tokenizer, rendered, spans):
-        return _tokens(tokenizer, rendered, limit, add_special_tokens=plain)
+        return _tokens(tokenizer, rendered, limit, add_special_tokens=plain, cut=cut)
     # A control string reaches into a value (or the template changed the values as it rendered
     # them): the template's pieces as usual, each value as text.
     ids: list[int] = list(tokenizer("", add_special_tokens=True)["input_ids"]) if plain else []
@@ -263,7 +267,86 @@ def _check_size(tokenizer, characters: int, max_tokens: int | None) -> None:
         )
 
 
-def _tokens(tokenizer, text: str, limit: int | None, add_special_tokens: bool) -> list[int]:
+def _tokens(tokenizer, text: str, limit: int | None, add_special_tokens: bool, cut: int = -1) -> list[int]:
+    """`text`'s ids (the first `limit`); where a cached beginning of it ends at a control token
+    before `cut`, only the rest is tokenized (SharedPrefixes)."""
+    if cut > 0 and getattr(tokenizer, "is_fast", False) and getattr(tokenizer, "truncation_side", "") == "right":
+        ids = SharedPrefixes.of(tokenizer).ids(text, cut, add_special_tokens)
+        if ids is not None:
+            return ids if limit is None else ids[:limit]
     if limit is None:
         return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     return tokenizer(text, add_special_tokens=add_special_tokens, truncation=True, max_length=limit)["input_ids"]
+
+
+class SharedPrefixes:
+    """The ids of prompt beginnings many rows share (a long system prompt, few-shot turns), so each
+    row tokenizes only its own rest: a 2,000-token system prompt costs milliseconds a row to
+    tokenize again, more than the row's own share of a decode step.
+
+    A fast tokenizer cuts its input at control tokens and tokenizes the text between them on its
+    own, so the ids of a text cut at a control token are the beginning's followed by the rest's,
+    the rest taken from the control token on (so its text is not the input's first word, which
+    some pre-tokenizers mark). What can still differ sits at the cut alone (a control token that
+    strips the blanks after it): so the key is the text up to the first character after the
+    control token that is not blank, and a key is trusted only once its first use has matched the
+    whole text's ids; a key that does not is never cut again. A key is checked at its second sight,
+    so rows that share no beginning cost nothing more."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = weakref.ref(tokenizer)
+        # key -> None (seen once), the beginning's ids (checked), or False (cutting it changes ids)
+        self._known: OrderedDict[str, list[int] | bool | None] = OrderedDict()
+
+    @classmethod
+    def of(cls, tokenizer) -> SharedPrefixes:
+        try:
+            return _prefixes[tokenizer]
+        except KeyError:
+            _prefixes[tokenizer] = found = cls(tokenizer)
+            return found
+
+    def ids(self, text: str, cut: int, add_special_tokens: bool) -> list[int] | None:
+        """`text`'s whole ids, or None where no checked beginning applies (the caller tokenizes
+        it whole)."""
+        found = self._split(text, cut)
+        if found is None:
+            return None
+        at, end = found
+        blank = len(text) - len(text[end:].lstrip())
+        key = text[: min(len(text), blank + 1)] + ("\x00" if add_special_tokens else "")
+        known = self._known.get(key, _UNSEEN)
+        if known is _UNSEEN:
+            self._remember(key, None)
+            return None
+        if known is False:
+            return None
+        tokenizer = self._tokenizer()
+        rest = tokenizer(text[at:], add_special_tokens=False)["input_ids"]
+        if known is None:  # its second sight: checked against the whole text's ids once
+            whole = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            fits = len(whole) > len(rest) and whole[len(whole) - len(rest) :] == rest
+            self._remember(key, whole[: len(whole) - len(rest)] if fits else False)
+            return whole
+        self._known.move_to_end(key)
+        return known + rest
+
+    def _split(self, text: str, cut: int) -> tuple[int, int] | None:
+        """Where the last control string before `cut` starts and ends, if any."""
+        pattern = _facts(self._tokenizer())[0]
+        if pattern is None:
+            return None
+        last = None
+        for found in pattern.finditer(text, 0, cut):  # each fits before cut: the lookahead stops there
+            last = found
+        return None if last is None else (last.start(), last.start() + len(last.group(1)))
+
+    def _remember(self, key: str, value: list[int] | bool | None) -> None:
+        self._known[key] = value
+        self._known.move_to_end(key)
+        while len(self._known) > PREFIXES_KEPT:
+            self._known.popitem(last=False)
+
+
+_prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNSEEN = object()

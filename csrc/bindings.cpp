@@ -27,6 +27,7 @@
 namespace chunkgen {
 
 double fma_peak_gflops(int64_t iters);
+double int8_peak_gops(int64_t iters);
 void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const torch::Tensor& slots, int64_t n,
                torch::Tensor k_out, torch::Tensor v_out);
 
@@ -524,6 +525,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("reset") = false);
   m.def("fma_peak_gflops", &chunkgen::fma_peak_gflops, "measured fp32 FMA GFLOP/s on all OpenMP threads",
         py::arg("iters") = 200000000);
+  m.def("int8_peak_gops", &chunkgen::int8_peak_gops,
+        "measured int8 multiply-adds x 2 per second of the quantized kernel's AVX2 inner step (vpmaddubsw + "
+        "vpaddw) on all OpenMP threads; 0 without AVX2",
+        py::arg("iters") = 100000000);
 #ifdef CHUNKGEN_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -117,3 +117,58 @@ def test_a_chat_template_that_never_ends_is_stopped(tok):
         assert time.perf_counter() - t0 < 5
     finally:
         tok.chat_template = original
+
+
+# -- shared beginnings: a long system prompt tokenized once ------------------------------------
+
+
+@pytest.fixture(scope="module", params=["metaspace", "byte-level"])
+def marked_tok(request, tiny_model):
+    """Tokenizers whose chat markers are control tokens: the tiny sentencepiece one with them added
+    as special tokens (a pre-tokenizer that marks the input's first word), and the default model's
+    (byte-level BPE)."""
+    if request.param == "metaspace":
+        tok = load_tokenizer(tiny_model)
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        return tok
+    from chunkgen.model import ModelNotFound, resolve_model
+
+    try:
+        return load_tokenizer(resolve_model(None))
+    except ModelNotFound as exc:
+        pytest.skip(f"real_model test skipped: {exc}")
+
+
+def _whole(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+blanky = st.text(st.sampled_from("ab é\n\t<|>_"), max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(system=blanky, users=st.lists(blanky, min_size=3, max_size=5), values=st.booleans())
+def test_rows_sharing_a_system_prompt_get_the_whole_texts_ids(marked_tok, system, users, values):
+    """Rows whose prompts begin alike are tokenized from a cached beginning once it is checked:
+    every row's ids are still those of its whole text, whatever blanks sit at the cut."""
+    system = "Label the review. " * 8 + system
+    for user in users:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        data = (system, user) if values else ()
+        assert encode_prompt(marked_tok, messages, data) == _whole(marked_tok, messages)
+
+
+def test_a_row_after_the_check_tokenizes_only_its_rest(marked_tok, monkeypatch):
+    system = "You label customer reviews of a shop. " * 40
+    rows = [[{"role": "system", "content": system}, {"role": "user", "content": f"review {i}"}] for i in range(3)]
+    for messages in rows[:2]:  # first sight, then the check against the whole text
+        encode_prompt(marked_tok, messages, (messages[1]["content"],))
+    seen: list[int] = []
+    call = type(marked_tok).__call__
+    monkeypatch.setattr(
+        type(marked_tok), "__call__", lambda self, text, **kw: seen.append(len(text)) or call(self, text, **kw)
+    )
+    ids = encode_prompt(marked_tok, rows[2], (rows[2][1]["content"],))
+    assert ids == _whole(marked_tok, rows[2])  # (this call tokenizes the whole text itself)
+    assert seen[0] < len(system) / 4  # encode_prompt's own call: the rest alone

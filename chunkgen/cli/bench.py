@@ -297,12 +297,16 @@ def bench_linear(
 # fmt: off
 @bench_app.command("machine")
 def bench_machine() -> None:
-    """The ceilings the kernel is compared with: fp32 FMA GFLOP/s and streaming-read GB/s."""
+    """The ceilings the kernels are compared with: fp32 FMA GFLOP/s, the quantized linear layers'
+    int8 products (AVX2 vpmaddubsw + vpaddw) and streaming-read GB/s."""
     from chunkgen.bench.machine import machine_ceilings
 
     r = machine_ceilings()
     stdout.print(f"fp32 FMA peak {r['fma_gflops']:.0f} GFLOP/s ({r['simd_lanes']} lanes, all threads); "
                  f"streaming read {r['read_gb_s']:.1f} GB/s (torch sum over {r['read_mib']} MiB)")
+    if r["int8_gops"]:
+        stdout.print(f"quantized linear layers' inner step (int8 vpmaddubsw + int16 vpaddw, no scales or loads): "
+                     f"{r['int8_gops']:.0f} GOP/s, {r['int8_gops'] / r['fma_gflops']:.2f}x the fp32 FMA peak")
 # fmt: on
 
 
