@@ -297,6 +297,7 @@ class SharedPrefixes:
         self._tokenizer = weakref.ref(tokenizer)
         # key -> None (seen once), the beginning's ids (checked), or False (cutting it changes ids)
         self._known: OrderedDict[str, list[int] | bool | None] = OrderedDict()
+        self._lock = threading.Lock()  # an LLM may tokenize from several threads
 
     @classmethod
     def of(cls, tokenizer) -> SharedPrefixes:
@@ -315,7 +316,8 @@ class SharedPrefixes:
         at, end = found
         blank = len(text) - len(text[end:].lstrip())
         key = text[: min(len(text), blank + 1)] + ("\x00" if add_special_tokens else "")
-        known = self._known.get(key, _UNSEEN)
+        with self._lock:
+            known = self._known.get(key, _UNSEEN)
         if known is _UNSEEN:
             self._remember(key, None)
             return None
@@ -328,7 +330,7 @@ class SharedPrefixes:
             fits = len(whole) > len(rest) and whole[len(whole) - len(rest) :] == rest
             self._remember(key, whole[: len(whole) - len(rest)] if fits else False)
             return whole
-        self._known.move_to_end(key)
+        self._remember(key, known)
         return known + rest
 
     def _split(self, text: str, cut: int) -> tuple[int, int] | None:
@@ -342,10 +344,11 @@ class SharedPrefixes:
         return None if last is None else (last.start(), last.start() + len(last.group(1)))
 
     def _remember(self, key: str, value: list[int] | bool | None) -> None:
-        self._known[key] = value
-        self._known.move_to_end(key)
-        while len(self._known) > PREFIXES_KEPT:
-            self._known.popitem(last=False)
+        with self._lock:
+            self._known[key] = value
+            self._known.move_to_end(key)
+            while len(self._known) > PREFIXES_KEPT:
+                self._known.popitem(last=False)
 
 
 _prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
