@@ -301,7 +301,7 @@ def bench_machine() -> None:
     int8 products (AVX2 vpmaddubsw + vpaddw) and streaming-read GB/s."""
     from chunkgen.bench.machine import machine_ceilings
 
-    r = machine_ceilings()
+    r = machine_ceilings(int8=True)
     stdout.print(f"fp32 FMA peak {r['fma_gflops']:.0f} GFLOP/s ({r['simd_lanes']} lanes, all threads); "
                  f"streaming read {r['read_gb_s']:.1f} GB/s (torch sum over {r['read_mib']} MiB)")
     if r["int8_gops"]:
