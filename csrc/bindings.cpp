@@ -28,6 +28,8 @@ namespace chunkgen {
 
 double fma_peak_gflops(int64_t iters);
 double int8_peak_gops(int64_t iters);
+double vnni_peak_gops(int64_t iters);
+double bf16_peak_gflops(int64_t iters);
 void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const torch::Tensor& slots, int64_t n,
                torch::Tensor k_out, torch::Tensor v_out);
 
@@ -529,6 +531,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "measured int8 multiply-adds x 2 per second of the quantized kernel's AVX2 inner step (vpmaddubsw + "
         "vpaddw) on all OpenMP threads; 0 without AVX2",
         py::arg("iters") = 100000000);
+  m.def("vnni_peak_gops", &chunkgen::vnni_peak_gops,
+        "measured int8 multiply-adds x 2 per second of AVX512_VNNI vpdpbusd (the quantized kernel's instruction "
+        "there) on all OpenMP threads; 0 where the build has no AVX512_VNNI",
+        py::arg("iters") = 50000000);
+  m.def("bf16_peak_gflops", &chunkgen::bf16_peak_gflops,
+        "measured bf16 multiply-adds x 2 per second of AVX512_BF16 vdpbf16ps on all OpenMP threads; 0 where the "
+        "build has no AVX512_BF16",
+        py::arg("iters") = 50000000);
 #ifdef CHUNKGEN_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -1,6 +1,7 @@
-"""One linear product at a time, quantized against fp32, side by side in one process: the fp32
+"""One linear product at a time, quantized against float, side by side in one process: the fp32
 product the engine runs (model/llama.py's Linear: chunkgen's packed decode product up to 256 rows,
-oneDNN above) and the quantized kernel on the same shape, random weights of each type."""
+oneDNN above), on a CPU with a bf16 path (AMX or AVX512_BF16) the bf16 product it runs as well,
+and the quantized kernel on the same shape, random weights of each type."""
 
 from __future__ import annotations
 
@@ -44,24 +45,30 @@ def _quantized(kind: str, w: torch.Tensor, seed: int):
 def run_linear(
     shapes=SMOLLM2_SHAPES, rows=ROWS, types=TYPES, min_seconds: float = 0.3, on_row: Callable | None = None
 ) -> list[dict]:
-    """Per shape, rows and type: best time in ms, GFLOP/s (2 n k rows) and speed against fp32."""
+    """Per shape, rows and type: best time in ms, GFLOP/s (2 n k rows) and speed against fp32 (and
+    against bf16, `vs_bf16`, where this CPU has a bf16 path; else None)."""
     from chunkgen.model import quant
-    from chunkgen.model.llama import Linear
+    from chunkgen.model.llama import Linear, decode_product_available
+
+    bf16 = decode_product_available()
 
     out = []
     gen = torch.Generator().manual_seed(0)
     for n, k in shapes:
         w = torch.randn(n, k, generator=gen) * 0.02
         products = {"fp32": Linear(w, None)}
+        if bf16:
+            products["bf16"] = Linear(w.bfloat16(), None)
         for i, kind in enumerate(types):
             if kind == "int8" or k % quant.GGML_QUANT_SIZES[quant.GGUF_TYPES[kind]][0] == 0:
                 products[kind] = _quantized(kind, w, seed=i)  # a K-quant needs k a multiple of 256
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            fp32_ms = None
+            times = {}
             for name, product in products.items():
-                ms = best_ms(lambda p=product, x=x: p(x), min_seconds)
-                fp32_ms = ms if name == "fp32" else fp32_ms
+                xin = x.bfloat16() if name == "bf16" else x  # a bf16 model's activations are bf16
+                times[name] = best_ms(lambda p=product, x=xin: p(x), min_seconds)
+            for name, ms in times.items():
                 row = {
                     "n": n,
                     "k": k,
@@ -69,7 +76,8 @@ def run_linear(
                     "type": name,
                     "ms": ms,
                     "gflops": 2 * n * k * m / ms / 1e6,
-                    "vs_fp32": fp32_ms / ms,
+                    "vs_fp32": times["fp32"] / ms,
+                    "vs_bf16": times["bf16"] / ms if "bf16" in times else None,
                 }
                 out.append(row)
                 if on_row:

@@ -255,14 +255,14 @@ def bench_step(
 # fmt: off
 @bench_app.command("linear")
 def bench_linear(
-    types: str = typer.Option("q4_0,q4_1,q4_k,q5_k,q6_k,q8_0,int8", metavar="TYPE[,TYPE...]", help="Quantized types timed against fp32."),
+    types: str = typer.Option("q4_0,q4_1,q4_k,q5_k,q6_k,q8_0,int8", metavar="TYPE[,TYPE...]", help="Quantized types timed against fp32 (and bf16)."),
     rows: str = typer.Option("1,32,256,2048", metavar="M[,M...]", help="Rows of x (a decode step's rows, a prefill's tokens)."),
     shapes: str = typer.Option("576x576,1536x576,576x1536,49152x576", metavar="NxK[,NxK...]", help="Products as output x input features (default: SmolLM2-135M's; a K-quant needs K a multiple of 256, else it is left out)."),
     threads: int | None = typer.Option(None, metavar="N", help="torch threads (default: torch's)."),
     min_seconds: float = typer.Option(0.3, metavar="S", help="Time each cell at least this long (best call reported)."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
 ) -> None:
-    """One linear product: the quantized kernel against the fp32 product, side by side, random weights."""
+    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights."""
     import torch
 
     from chunkgen.bench.linear import TYPES, run_linear
@@ -282,11 +282,12 @@ def bench_linear(
     err.print(f"{torch.get_num_threads()} threads; quantized path {torch.ops.chunkgen.quant_isa()}", highlight=False)
     result = run_linear(nk, ms, chosen, min_seconds, on_row=lambda r: err.print(
         f"  {r['n']}x{r['k']} rows {r['rows']:>5} {r['type']:>5}: {r['ms']:9.3f} ms {r['gflops']:7.1f} GFLOP/s "
-        f"{r['vs_fp32']:5.2f}x fp32", highlight=False))
-    table = Table("n x k", "rows", "type", "ms", "GFLOP/s", "vs fp32")
+        f"{r['vs_fp32']:5.2f}x fp32" + (f" {r['vs_bf16']:5.2f}x bf16" if r["vs_bf16"] else ""), highlight=False))
+    with_bf16 = any(r["vs_bf16"] for r in result)
+    table = Table("n x k", "rows", "type", "ms", "GFLOP/s", "vs fp32", *(["vs bf16"] if with_bf16 else []))
     for r in result:
         table.add_row(f"{r['n']}x{r['k']}", str(r["rows"]), r["type"], f"{r['ms']:.3f}", f"{r['gflops']:.1f}",
-                      f"{r['vs_fp32']:.2f}x")
+                      f"{r['vs_fp32']:.2f}x", *([f"{r['vs_bf16']:.2f}x"] if with_bf16 else []))
     stdout.print(table)
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
@@ -298,7 +299,8 @@ def bench_linear(
 @bench_app.command("machine")
 def bench_machine() -> None:
     """The ceilings the kernels are compared with: fp32 FMA GFLOP/s, the quantized linear layers'
-    int8 products (AVX2 vpmaddubsw + vpaddw) and streaming-read GB/s."""
+    int8 products (AVX2 vpmaddubsw + vpaddw; AVX512_VNNI vpdpbusd), bf16 dot products (AVX512_BF16
+    vdpbf16ps) and streaming-read GB/s."""
     from chunkgen.bench.machine import machine_ceilings
 
     r = machine_ceilings(int8=True)
@@ -307,6 +309,12 @@ def bench_machine() -> None:
     if r["int8_gops"]:
         stdout.print(f"quantized linear layers' inner step (int8 vpmaddubsw + int16 vpaddw, no scales or loads): "
                      f"{r['int8_gops']:.0f} GOP/s, {r['int8_gops'] / r['fma_gflops']:.2f}x the fp32 FMA peak")
+    if r["vnni_gops"]:
+        stdout.print(f"AVX512_VNNI vpdpbusd (int8, the quantized linear layers' instruction here): "
+                     f"{r['vnni_gops']:.0f} GOP/s, {r['vnni_gops'] / r['fma_gflops']:.2f}x the fp32 FMA peak")
+    if r["bf16_gflops"]:
+        stdout.print(f"AVX512_BF16 vdpbf16ps (bf16 dot products): {r['bf16_gflops']:.0f} GFLOP/s, "
+                     f"{r['bf16_gflops'] / r['fma_gflops']:.2f}x the fp32 FMA peak")
 # fmt: on
 
 

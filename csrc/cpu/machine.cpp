@@ -1,13 +1,17 @@
 // The machine's fp32 FMA ceiling, measured the way the kernel computes (same SIMD width, all
 // OpenMP threads), so `bench` can put the kernel's GFLOP/s next to it; and the ceiling of the
 // quantized linear layers' inner loop on AVX2 (quant_linear.cpp: vpmaddubsw products summed in
-// int16), which is what their speed against fp32 can reach on this core.
+// int16), which is what their speed against fp32 can reach on this core; where the build has them,
+// the same for AVX512_VNNI's vpdpbusd (the quantized tile's instruction there) and AVX512_BF16's
+// vdpbf16ps (the bf16 products'), so the two dot-product paths are held against their own peaks.
 #include <omp.h>
 
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
 
 #if defined(__AVX2__)
-#include <immintrin.h>
+#include "intrinsics.h"
 #endif
 
 namespace chunkgen {
@@ -89,6 +93,68 @@ double int8_peak_gops(int64_t iters) {
   }
   const double dt = omp_get_wtime() - t0;
   return sink == 12345 ? 0.0 : ops / dt / 1e9;
+#else
+  return 0.0 * static_cast<double>(iters);
+#endif
+}
+
+// Multiply-adds x 2 per second of 512-bit dot-product instructions, twelve independent chains (their
+// latency x throughput is up to 6 x 2 on current cores), all threads: `dot(acc, a, b)` is one
+// instruction of `macs` multiply-adds.
+template <typename Acc, typename In, typename Dot>
+double dot_peak(int64_t iters, In a, In b, Acc zero, int macs, Dot dot) {
+  double ops = 0;
+  const double t0 = omp_get_wtime();
+  int sink = 0;
+#pragma omp parallel reduction(+ : sink) reduction(+ : ops)
+  {
+    In w = a;
+    Acc c0 = zero, c1 = zero, c2 = zero, c3 = zero, c4 = zero, c5 = zero, c6 = zero, c7 = zero, c8 = zero, c9 = zero,
+        c10 = zero, c11 = zero;
+    for (int64_t i = 0; i < iters; ++i) {
+      c0 = dot(c0, w, b);
+      c1 = dot(c1, w, b);
+      c2 = dot(c2, w, b);
+      c3 = dot(c3, w, b);
+      c4 = dot(c4, w, b);
+      c5 = dot(c5, w, b);
+      c6 = dot(c6, w, b);
+      c7 = dot(c7, w, b);
+      c8 = dot(c8, w, b);
+      c9 = dot(c9, w, b);
+      c10 = dot(c10, w, b);
+      c11 = dot(c11, w, b);
+      asm volatile(""
+                   : "+v"(w), "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5), "+v"(c6), "+v"(c7), "+v"(c8),
+                     "+v"(c9), "+v"(c10), "+v"(c11));
+    }
+    for (const Acc& c : {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11}) {
+      int v;
+      std::memcpy(&v, &c, sizeof v);
+      sink += v & 1;
+    }
+    ops += 2.0 * macs * 12 * static_cast<double>(iters);
+  }
+  const double dt = omp_get_wtime() - t0;
+  return sink == -1 ? 0.0 : ops / dt / 1e9;
+}
+
+// AVX512_VNNI vpdpbusd: 64 u8 x s8 multiply-adds into int32; 0 where the build has no AVX512_VNNI.
+double vnni_peak_gops(int64_t iters) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return dot_peak(iters, _mm512_set1_epi8(3), _mm512_set1_epi8(1), _mm512_setzero_si512(), 64,
+                  [](__m512i c, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(c, a, b); });
+#else
+  return 0.0 * static_cast<double>(iters);
+#endif
+}
+
+// AVX512_BF16 vdpbf16ps: 32 bf16 x bf16 multiply-adds into fp32; 0 where the build has no AVX512_BF16.
+double bf16_peak_gflops(int64_t iters) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512bh one = (__m512bh)_mm512_set1_epi16(0x3f80);
+  return dot_peak(iters, one, one, _mm512_setzero_ps(), 32,
+                  [](__m512 c, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(c, a, b); });
 #else
   return 0.0 * static_cast<double>(iters);
 #endif

@@ -27,9 +27,12 @@
 // rows of x; threads split the channel groups, and each walks its groups in panels that stay in
 // cache while every tile of x rows passes over them.
 //
-// The portable scalar path (CHUNKGEN_QUANT_ISA=scalar selects it at run time) computes the same
-// integer block sums from the same layout; the paths differ only in fp32 rounding (FMA vs
-// multiply and add). No AVX512_VNNI / AVX-VNNI / AMX path yet.
+// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once, 16 channels x up to 8 rows.
+//
+// The portable scalar path computes the same integer block sums from the same layout; the paths
+// differ only in fp32 rounding (FMA vs multiply and add, and where the scales are applied).
+// CHUNKGEN_QUANT_ISA=avx2|scalar lowers the path at run time (a test runs every path the machine
+// has). No AVX-VNNI (256-bit) or AMX int8 path yet.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -37,11 +40,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 
 #if defined(__AVX2__)
 #include "intrinsics.h"
 #endif
+#include "quant_tile_vnni.h"
 
 namespace chunkgen {
 namespace {
@@ -54,13 +60,30 @@ enum Kind : int64_t { kU4 = 0, kS8 = 1, kS8Half = 2, kS5 = 3 };
 constexpr int64_t group_block_bytes(int64_t kind) { return kind == kU4 ? 128 : 256; }
 constexpr int halves(int64_t kind) { return kind == kS8Half ? 2 : 1; }
 
-bool use_avx2() {
-#if defined(__AVX2__)
-  const char* env = std::getenv("CHUNKGEN_QUANT_ISA");
-  return env == nullptr || std::string(env) != "scalar";
+// The kernel's paths, lowest first; the build has those up to best_path().
+enum class Path { Scalar, Avx2, Avx512Vnni };
+
+Path best_path() {
+#if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+  return Path::Avx512Vnni;
+#elif defined(__AVX2__)
+  return Path::Avx2;
 #else
-  return false;
+  return Path::Scalar;
 #endif
+}
+
+const char* path_name(Path p) { return p == Path::Avx512Vnni ? "avx512_vnni" : p == Path::Avx2 ? "avx2" : "scalar"; }
+
+// best_path(), lowered by CHUNKGEN_QUANT_ISA (read on every call, so tests switch paths in one process).
+Path current_path() {
+  const Path best = best_path();
+  const char* env = std::getenv("CHUNKGEN_QUANT_ISA");
+  if (env == nullptr || *env == '\0') return best;
+  const std::string want(env);
+  for (Path p : {Path::Scalar, Path::Avx2, Path::Avx512Vnni})
+    if (want == path_name(p)) return std::min(p, best);
+  throw std::invalid_argument("CHUNKGEN_QUANT_ISA=" + want + " is not one of avx512_vnni, avx2, scalar");
 }
 
 // One row of x (k floats) -> k int8 and k / 32 scales, and each block's scale * sum(q).
@@ -275,8 +298,57 @@ struct QuantArgs {
   float* y;
 };
 
+#if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+// The AVX512_VNNI path: tiles of two groups x 8 rows, then 4, 2, 1 for the rows left.
 template <int kind, bool has_min>
-void quant_product(const QuantArgs& a, bool avx2) {
+void quant_product_vnni(const QuantArgs& a) {
+  constexpr int64_t bb = group_block_bytes(kind);
+  constexpr int nh = halves(kind);
+  const int64_t groups = (a.n + kGroup - 1) / kGroup, pairs = (groups + 1) / 2, k = a.nb * kBlock;
+  const int64_t group_bytes = a.nb * bb;
+  const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * group_bytes));  // pairs whose weights stay in L2
+  const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
+  at::parallel_for(0, pairs, 1, [&](int64_t p0_, int64_t p1_) {
+    for (int64_t p0 = p0_; p0 < p1_; p0 += panel) {
+      const int64_t p1 = std::min(p1_, p0 + panel);
+      for (int64_t m0 = 0; m0 < a.rows;) {
+        const int64_t left = a.rows - m0;
+        const int rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
+          const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - g0 * kGroup));
+          const float* wm0 = has_min ? a.wm + g0 * a.nb * kGroup : nullptr;
+          const float* wm1 = has_min ? a.wm + g1 * a.nb * kGroup : nullptr;
+          const auto args =
+              std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes, a.ws + g0 * a.nb * nh * kGroup,
+                              a.ws + g1 * a.nb * nh * kGroup, wm0, wm1, a.nb, xq + m0 * k, k, a.xs + m0 * a.nb,
+                              a.xsum + m0 * a.nb, a.y + m0 * a.n + g0 * kGroup, a.n, channels);
+          switch (rows) {
+            case 8:
+              std::apply(vnni::tile<kind, has_min, 8>, args);
+              break;
+            case 4:
+              std::apply(vnni::tile<kind, has_min, 4>, args);
+              break;
+            case 2:
+              std::apply(vnni::tile<kind, has_min, 2>, args);
+              break;
+            default:
+              std::apply(vnni::tile<kind, has_min, 1>, args);
+          }
+        }
+        m0 += rows;
+      }
+    }
+  });
+}
+#endif
+
+template <int kind, bool has_min>
+void quant_product(const QuantArgs& a, Path path) {
+#if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+  if (path == Path::Avx512Vnni) return quant_product_vnni<kind, has_min>(a);
+#endif
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   const int64_t groups = (a.n + kGroup - 1) / kGroup, k = a.nb * kBlock;
@@ -298,7 +370,7 @@ void quant_product(const QuantArgs& a, bool avx2) {
           float* y = a.y + m0 * a.n + g * kGroup;
           const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
 #if defined(__AVX2__)
-          if (avx2) {
+          if (path != Path::Scalar) {
             switch (rows) {
               case 4:
                 tile_avx2<kind, has_min, 4>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
@@ -322,17 +394,22 @@ void quant_product(const QuantArgs& a, bool avx2) {
   });
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale, float* qsum, bool avx2) {
+// x's int8 values per row; `offset`: stored as x + 128 (unsigned), the operand the VNNI tile
+// multiplies signed weights by.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale, float* qsum, Path path,
+                   bool offset = false) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t nb = k / kBlock;
+      int8_t* qr = q + r * k;
 #if defined(__AVX2__)
-      if (avx2) {
-        quantize_row_avx2(x + r * k, k, q + r * k, scale + r * nb, qsum + r * nb);
-        continue;
-      }
+      if (path != Path::Scalar)
+        quantize_row_avx2(x + r * k, k, qr, scale + r * nb, qsum + r * nb);
+      else
 #endif
-      quantize_row_scalar(x + r * k, k, q + r * k, scale + r * nb, qsum + r * nb);
+        quantize_row_scalar(x + r * k, k, qr, scale + r * nb, qsum + r * nb);
+      if (offset)
+        for (int64_t j = 0; j < k; ++j) qr[j] = static_cast<int8_t>(static_cast<uint8_t>(qr[j]) ^ 0x80u);
     }
   });
 }
@@ -351,7 +428,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
   auto scale = torch::empty({rows, k / kBlock}, x.options());
   auto qsum = torch::empty({rows, k / kBlock}, x.options());
   quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), scale.data_ptr<float>(), qsum.data_ptr<float>(),
-                use_avx2());
+                current_path());
   return {q, scale, qsum};
 }
 
@@ -375,11 +452,12 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
         mins->is_contiguous() && mins->scalar_type() == torch::kFloat32 && mins->numel() == groups * nb * kGroup,
         "mins must be ", groups * nb * kGroup, " contiguous float32");
   TORCH_CHECK_VALUE(!(kind == kS8Half && has_min), "layout 2 has no mins");
-  const bool avx2 = use_avx2();
+  const Path path = current_path();
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto xs = torch::empty({rows, nb}, x.options());
   auto xsum = torch::empty({rows, nb}, x.options());
-  quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), avx2);
+  quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), path,
+                path == Path::Avx512Vnni && kind != kU4);
   auto y = torch::empty({rows, n}, x.options());
   const QuantArgs a{static_cast<const uint8_t*>(qs.data_ptr()),
                     scales.data_ptr<float>(),
@@ -392,23 +470,23 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
                     rows,
                     y.data_ptr<float>()};
   if (kind == kU4 && has_min)
-    quant_product<kU4, true>(a, avx2);
+    quant_product<kU4, true>(a, path);
   else if (kind == kU4)
-    quant_product<kU4, false>(a, avx2);
+    quant_product<kU4, false>(a, path);
   else if (kind == kS5 && has_min)
-    quant_product<kS5, true>(a, avx2);
+    quant_product<kS5, true>(a, path);
   else if (kind == kS5)
-    quant_product<kS5, false>(a, avx2);
+    quant_product<kS5, false>(a, path);
   else if (kind == kS8 && has_min)
-    quant_product<kS8, true>(a, avx2);
+    quant_product<kS8, true>(a, path);
   else if (kind == kS8)
-    quant_product<kS8, false>(a, avx2);
+    quant_product<kS8, false>(a, path);
   else
-    quant_product<kS8Half, false>(a, avx2);
+    quant_product<kS8Half, false>(a, path);
   return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
 }
 
-std::string quant_isa_op() { return use_avx2() ? "avx2" : "scalar"; }
+std::string quant_isa_op() { return path_name(current_path()); }
 
 }  // namespace
 }  // namespace chunkgen

@@ -1,5 +1,5 @@
-"""`bench linear`: every cell timed against the fp32 product on the same shape and rows; a K-quant
-left out where k is not whole super-blocks."""
+"""`bench linear`: every cell timed against the fp32 product on the same shape and rows (and the bf16
+one where the CPU has a bf16 path); a K-quant left out where k is not whole super-blocks."""
 
 from __future__ import annotations
 
@@ -14,18 +14,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_rows_against_fp32():
+def test_rows_against_fp32_and_bf16():
     from chunkgen.bench.linear import run_linear
+    from chunkgen.model.llama import decode_product_available
 
+    bf16 = decode_product_available()
     rows = run_linear(((16, 256), (8, 96)), (1, 5), ("q4_k", "q8_0", "int8"), min_seconds=0.0)
     cells = {(r["n"], r["k"], r["rows"], r["type"]) for r in rows}
-    assert cells == {
-        (n, k, m, t) for n, k in ((16, 256), (8, 96)) for m in (1, 5) for t in ("fp32", "q4_k", "q8_0", "int8")
-    } - {(8, 96, m, "q4_k") for m in (1, 5)}
+    types = ("fp32", "q4_k", "q8_0", "int8") + (("bf16",) if bf16 else ())
+    assert cells == {(n, k, m, t) for n, k in ((16, 256), (8, 96)) for m in (1, 5) for t in types} - {
+        (8, 96, m, "q4_k") for m in (1, 5)
+    }
     for r in rows:
         assert r["ms"] > 0 and r["gflops"] == pytest.approx(2 * r["n"] * r["k"] * r["rows"] / r["ms"] / 1e6)
         if r["type"] == "fp32":
             assert r["vs_fp32"] == 1.0
+        assert (r["vs_bf16"] is not None) == bf16
+        if r["type"] == "bf16":
+            assert r["vs_bf16"] == 1.0
 
 
 def test_cli_refuses_bad_types_and_shapes():

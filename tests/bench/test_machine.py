@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chunkgen._native import native_cpu_available
+from chunkgen._native import native, native_cpu_available
 
 pytestmark = pytest.mark.skipif(not native_cpu_available(), reason="chunkgen's CPU kernels are not built")
 
@@ -22,6 +22,24 @@ def test_ceilings_are_measured_on_this_machine():
         assert r["int8_gops"] > r["fma_gflops"]
     else:
         assert r["int8_gops"] == 0
+    # the dot-product peaks exist where the build has the instruction, and count what they ran
+    has_vnni = hasattr(torch.ops.chunkgen, "quant_isa") and _best_quant_path() == "avx512_vnni"
+    assert (r["vnni_gops"] > r["fma_gflops"]) if has_vnni else r["vnni_gops"] == 0
+    has_bf16 = native().cpu_kernel_isa() in ("amx", "avx512_bf16")
+    assert (r["bf16_gflops"] > 0) if has_bf16 else r["bf16_gflops"] == 0
+
+
+def _best_quant_path() -> str:
+    import os
+
+    import torch
+
+    old = os.environ.pop("CHUNKGEN_QUANT_ISA", None)
+    try:
+        return torch.ops.chunkgen.quant_isa()
+    finally:
+        if old is not None:
+            os.environ["CHUNKGEN_QUANT_ISA"] = old
 
 
 def test_the_cli_prints_both_peaks(capsys):
@@ -34,3 +52,4 @@ def test_the_cli_prints_both_peaks(capsys):
     assert "fp32 FMA peak" in out and "GB/s" in out
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert "int8 vpmaddubsw" in out and "x the fp32 FMA peak" in out
+    assert ("AVX512_VNNI vpdpbusd" in out) == (_best_quant_path() == "avx512_vnni")

@@ -1,9 +1,11 @@
 """Quantized linear layers against an independent reference: every GGUF type's repacked weights
 equal gguf's own dequantizer, and the kernel's product equals dequantize(W) @ x in float64 within
-the bound the int8 quantization of x allows, on both paths (AVX2 and the scalar reference)."""
+the bound the int8 quantization of x allows, on every path this machine has (AVX512_VNNI, AVX2 and
+the scalar reference)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -25,18 +27,20 @@ TYPES = list(quant.GGUF_TYPES.values())
 K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 
+PATHS = ("avx512_vnni", "avx2", "scalar")  # best first
+
+
 def _paths() -> list[str]:
-    """The kernel's paths this machine runs (CHUNKGEN_QUANT_ISA=scalar forces the reference)."""
-    best = torch.ops.chunkgen.quant_isa()
-    return [best, "scalar"] if best != "scalar" else ["scalar"]
+    """The kernel's paths this machine runs: its best and every lower one (CHUNKGEN_QUANT_ISA lowers
+    the path; scalar is the reference)."""
+    if not native_cpu_available() or not hasattr(torch.ops.chunkgen, "quant_isa"):
+        return ["scalar"]
+    return list(PATHS[PATHS.index(torch.ops.chunkgen.quant_isa()) :])
 
 
 @pytest.fixture(params=_paths())
 def path(request, monkeypatch):
-    if request.param == "scalar":
-        monkeypatch.setenv("CHUNKGEN_QUANT_ISA", "scalar")
-    else:
-        monkeypatch.delenv("CHUNKGEN_QUANT_ISA", raising=False)
+    monkeypatch.setenv("CHUNKGEN_QUANT_ISA", request.param)
     assert torch.ops.chunkgen.quant_isa() == request.param
     return request.param
 
@@ -80,9 +84,10 @@ def test_product_matches_dequantized_weights(qtype, path):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_product_on_tile_edges(qtype, path):
-    """Rows not a multiple of the kernel's 4-row tile and channels not a multiple of its 8-channel
-    group (the packed layout's padding), each alone and together."""
-    for n, rows in ((19, 6), (8, 4), (1, 1), (13, 9)):
+    """Rows not a multiple of the kernel's tiles (4 rows on AVX2; 8, 4, 2, 1 on AVX512_VNNI) and
+    channels not a multiple of its groups (8 channels, the packed layout's padding; two groups a
+    tile on AVX512_VNNI, so a lone last group too), each alone and together."""
+    for n, rows in ((19, 6), (8, 4), (1, 1), (13, 9), (24, 15), (16, 8), (40, 7), (33, 3)):
         w, reference = _weight(qtype, n, 256, seed=n + rows)
         _check_product(w, reference, torch.randn(rows, 256))
 
@@ -115,41 +120,48 @@ def test_extreme_values_do_not_saturate(qtype, path):
     _check_product(quant.from_gguf(raw, qtype, n, k), reference, x)
 
 
-@settings(max_examples=25, deadline=None)
+@contextlib.contextmanager
+def _on_path(name: str):
+    """Runs the kernel on path `name` inside a hypothesis test (a fixture would not change per example)."""
+    old = os.environ.get("CHUNKGEN_QUANT_ISA")
+    os.environ["CHUNKGEN_QUANT_ISA"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("CHUNKGEN_QUANT_ISA")
+        if old is not None:
+            os.environ["CHUNKGEN_QUANT_ISA"] = old
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     qtype=st.sampled_from(TYPES),
     n=st.integers(1, 41),
     blocks=st.integers(1, 3),
     rows=st.integers(1, 20),
     seed=st.integers(0, 2**31),
-    scalar=st.booleans(),
+    path=st.sampled_from(_paths()),
 )
-def test_product_on_random_shapes(qtype, n, blocks, rows, seed, scalar):
+def test_product_on_random_shapes(qtype, n, blocks, rows, seed, path):
     k = blocks * (256 if qtype in K_QUANTS else 64)
     w, reference = _weight(qtype, n, k, seed)
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32))
-    old = os.environ.pop("CHUNKGEN_QUANT_ISA", None)
-    try:
-        if scalar:
-            os.environ["CHUNKGEN_QUANT_ISA"] = "scalar"
+    with _on_path(path):
         _check_product(w, reference, x)
-    finally:
-        os.environ.pop("CHUNKGEN_QUANT_ISA", None)
-        if old is not None:
-            os.environ["CHUNKGEN_QUANT_ISA"] = old
 
 
-def test_paths_agree_within_fp32_rounding():
-    """Both paths quantize x to the same int8 values; only the order of fp32 sums differs."""
-    w, _ = _weight(GGMLQuantizationType.Q4_K, 64, 1024, seed=3)
-    x = torch.randn(17, 1024)
-    fast = quant.quantized_linear(x, w)
-    os.environ["CHUNKGEN_QUANT_ISA"] = "scalar"
-    try:
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_paths_agree_within_fp32_rounding(qtype):
+    """Every path quantizes x to the same int8 values and forms the same integer block sums; only
+    the order of fp32 sums differs. Rows and channels past the fast paths' tiles included."""
+    k = 1024 if qtype in K_QUANTS else 512
+    w, _ = _weight(qtype, 37, k, seed=3)
+    x = torch.randn(19, k)
+    with _on_path("scalar"):
         slow = quant.quantized_linear(x, w)
-    finally:
-        del os.environ["CHUNKGEN_QUANT_ISA"]
-    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    for path in _paths()[:-1]:
+        with _on_path(path):
+            torch.testing.assert_close(quant.quantized_linear(x, w), slow, rtol=1e-5, atol=1e-5, msg=path)
 
 
 @settings(max_examples=20, deadline=None)
@@ -159,15 +171,8 @@ def test_activation_quantization_error_bound(rows, blocks, seed, scalar):
     block sums the kernel keeps for mins are scale * sum(q)."""
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, 32 * blocks)).astype(np.float32))
     x *= torch.rand(rows, blocks).repeat_interleave(32, 1) * 10
-    old = os.environ.pop("CHUNKGEN_QUANT_ISA", None)
-    try:
-        if scalar:
-            os.environ["CHUNKGEN_QUANT_ISA"] = "scalar"
+    with _on_path("scalar" if scalar else _paths()[0]):
         q, scale, qsum = torch.ops.chunkgen.quantize_rows(x)
-    finally:
-        os.environ.pop("CHUNKGEN_QUANT_ISA", None)
-        if old is not None:
-            os.environ["CHUNKGEN_QUANT_ISA"] = old
     step = x.abs().view(rows, blocks, 32).amax(-1) / 127
     torch.testing.assert_close(scale, step)
     back = q.float().view(rows, blocks, 32) * scale[..., None]
