@@ -124,34 +124,39 @@ inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int6
   }
 }
 
+// Any number of rows: each thread walks its weight blocks, and every row group passes over a block
+// while it is in cache (the weights are read once a call, whatever the rows). A row's sums are the
+// same whichever group it is in (its own chain of dot products over k), so the result for a row
+// does not depend on how many rows the call has.
 void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp, int64_t n,
                           uint16_t* y) {
   constexpr int kGroup = 14;  // 28 accumulators, two weight vectors, one broadcast: 31 registers
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
 #pragma omp parallel
   {
-    alignas(64) float c[32 * 32];
+    alignas(64) float c[kGroup * 32];
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
       const uint16_t* wb = w + b * block_elems;
-      int r = 0;
-      for (; r + kGroup <= rows; r += kGroup) dpbf16_rows<kGroup>(x + r * ldx, ldx, wb, kp, c + r * 32);
-      // clang-format off
-      switch (rows - r) {
-#define CHUNKGEN_ROWS(m) \
-  case m: dpbf16_rows<m>(x + r * ldx, ldx, wb, kp, c + r * 32); break;
-        CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
-        CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
-        CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13)
-#undef CHUNKGEN_ROWS
-        default: break;
-      }
-      // clang-format on
       const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
       const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-      for (int rr = 0; rr < rows; ++rr) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + rr * 32 + 16), _mm512_load_ps(c + rr * 32));
-        _mm512_mask_storeu_epi16(y + rr * n + n0, m, (__m512i)v);
+      for (int r = 0; r < rows; r += kGroup) {
+        const int g = std::min(kGroup, rows - r);
+        // clang-format off
+        switch (g) {
+#define CHUNKGEN_ROWS(m) \
+  case m: dpbf16_rows<m>(x + r * ldx, ldx, wb, kp, c); break;
+          CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
+          CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
+          CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13) CHUNKGEN_ROWS(14)
+#undef CHUNKGEN_ROWS
+          default: break;
+        }
+        // clang-format on
+        for (int rr = 0; rr < g; ++rr) {
+          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + rr * 32 + 16), _mm512_load_ps(c + rr * 32));
+          _mm512_mask_storeu_epi16(y + (r + rr) * n + n0, m, (__m512i)v);
+        }
       }
     }
   }
@@ -182,7 +187,9 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
                     " on ", x.device());
   if (x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat)
     return packed_linear_fp32_op(x, packed, n);
-  if (x.size(0) > kPackedLinearMaxRows) {  // panels of rows: a row's sums are the same in any panel
+  // AMX's tiles take 16 or 32 rows: panels of rows (a row's sums are the same in any panel). The
+  // AVX512_BF16 product takes any rows at once.
+  if (x.size(0) > kPackedLinearMaxRows && current_isa() == Isa::Amx) {
     std::vector<torch::Tensor> parts;
     for (int64_t r0 = 0; r0 < x.size(0); r0 += kPackedLinearMaxRows)
       parts.push_back(packed_linear_op(x.slice(0, r0, std::min(x.size(0), r0 + kPackedLinearMaxRows)), packed, n));
@@ -204,11 +211,13 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
   const int rt = rows > 16 ? 2 : 1;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t ldx = x.stride(0);
-  // The tiles read 16 or 32 full rows of k padded to 32: x as it is when it has them, else a
-  // zero-padded copy (this thread's own, so that calls from other threads do not share it).
+  // The tiles read 16 or 32 full rows of k padded to 32, the dot products each row's k padded to
+  // 32: x as it is when it has them, else a zero-padded copy (this thread's own, so that calls from
+  // other threads do not share it).
   thread_local std::vector<uint16_t> padded;
-  if (rows != 16 * rt || k != kp || x.stride(1) != 1) {
-    padded.assign(static_cast<size_t>(16 * rt) * kp, 0);
+  const int64_t padded_rows = isa == Isa::Amx ? 16 * rt : rows;
+  if ((isa == Isa::Amx && rows != padded_rows) || k != kp || x.stride(1) != 1) {
+    padded.assign(static_cast<size_t>(padded_rows) * kp, 0);
     const int64_t step = x.stride(1);
     for (int64_t r = 0; r < rows; ++r)
       if (step == 1)

@@ -26,7 +26,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=80, deadline=None)
 @given(
     path=st.sampled_from(BF16_PATHS or ["none"]),
-    rows=st.integers(0, 32),
+    rows=st.one_of(st.integers(0, 32), st.integers(33, 300)),
     n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
     k=st.sampled_from([1, 31, 32, 40, 64, 200, 576]),
     strided=st.booleans(),
@@ -48,6 +48,20 @@ def test_the_product_is_x_times_w_transposed(path, rows, n, k, strided, seed):
     # plus fp32's of a sum of k terms
     bound = want.abs() * 2**-8 + (x.double().abs() @ w.double().abs().t()) * k * 2**-23 + 1e-30
     assert ((got.double() - want).abs() <= bound).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_a_rows_result_does_not_depend_on_the_calls_rows(path):
+    """AMX takes panels of 32 rows, the AVX512_BF16 product any rows in groups of 14 per weight
+    block: a row's output is bit-identical in calls of 1 to 300 rows, wherever it falls."""
+    w = torch.randn(100, 200).bfloat16()
+    x = torch.randn(300, 200).bfloat16()
+    with forced(path):
+        full = packed_linear(x, w)
+        for rows in (1, 7, 14, 15, 33, 256):
+            for start in (0, 5, 300 - rows):
+                assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
 
 
 @needs_bf16
