@@ -33,14 +33,6 @@
 namespace chunkgen {
 namespace decode {
 
-// The pool's layout: a slot holds every KV head's [d, C] keys (transposed) and [C, d] values.
-struct PoolView {
-  size_t head_elems, slot_elems;
-  explicit PoolView(const DecodeProblem& p)
-      : head_elems(static_cast<size_t>(p.head_dim) * p.chunk), slot_elems(head_elems * p.kv_heads) {}
-  size_t at(int64_t slot, int head) const { return slot * slot_elems + head * head_elems; }
-};
-
 // One chunk into the running state of R query rows; with a window or soft-capping, each row's
 // first token inside its window (lo) and the cap go with it.
 template <typename T>
@@ -211,7 +203,7 @@ inline std::pair<int, int> segment_chunks(const Workspace& ws, int b, int seg) {
 // Phase 2: each row of item w over its segment of its own chunks, then written out (or kept as the
 // segment's partial for phase 3).
 template <typename T, typename Q>
-void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Scratch& sc) {
+void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, Scratch& sc) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
   const PoolView pool(p);
   const T* K = static_cast<const T*>(p.k);
@@ -226,8 +218,18 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Scratch& 
       prefetch_chunks<T>(p, ws, pool, next_lo, next_hi, h);
     }
     if (ws.item_writes[b] && w.seg == nseg - 1) store_new_kv<T>(p, b, h);  // its segment has the last chunk
+    const bool resume = p.invariant && p.chunk_first && p.seq_shared_ptr[b + 1] > p.seq_shared_ptr[b];
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+    if (p.invariant && isa != Isa::Fp32) {  // bf16 K/V: the products phase 1 ran, one chunk at a time
+      thread_local Bf16Scratch bsc;
+      own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, bsc);
+      continue;
+    }
+#else
+    (void)isa;
+#endif
     load_queries<Q>(p, sc, b, b + 1, h);
-    if (p.invariant && p.chunk_first && p.seq_shared_ptr[b + 1] > p.seq_shared_ptr[b])
+    if (resume)
       running_state(p, ws, sc, b, b + 1, h, false);  // where its shared chunks left it
     else
       sc.reset_state(G, d);
@@ -273,8 +275,15 @@ template <typename T, typename Q>
 inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Scratch& sc) {
   const int n_items = static_cast<int>(ws.shared_items.size());
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  thread_local Bf16Scratch bsc;
+  if (isa != Isa::Fp32 && p.invariant) {  // level by level, each row's state continued chunk by chunk
+    for (size_t level = 0; level + 1 < ws.level_ptr.size(); ++level)
+#pragma omp for schedule(dynamic, 1)
+      for (int it = ws.level_ptr[level]; it < ws.level_ptr[level + 1]; ++it)
+        shared_item_bf16_invariant<Q>(p, ws, ws.shared_items[it], bsc);
+    return;
+  }
   if (isa != Isa::Fp32) {
-    thread_local Bf16Scratch bsc;
 #if defined(CHUNKGEN_HAVE_AMX)
     static const bf16::TileConfig tile_config;
     if (isa == Isa::Amx) _tile_loadconfig(&tile_config);  // tile configuration is per thread
@@ -317,9 +326,10 @@ inline void count_flop(const DecodeProblem& p, const Workspace& ws) {
 template <typename T, typename Q>
 void run(DecodeProblem p, Isa isa) {
   const double t0 = omp_get_wtime();
-  // Batch-invariant: phase 1 on the fp32 path, whose per-row arithmetic is phase 2's; with a
-  // window, every row reads its chunks itself (a window's rows of a shared chunk need not nest).
-  if (p.invariant) isa = Isa::Fp32;
+  // Batch-invariant: both phases run each row's arithmetic chunk by chunk, the same in either (bf16
+  // K/V: AVX512_BF16 products, AMX's tiles being another order of sums; fp32 K/V: the fp32 path);
+  // with a window, every row reads its chunks itself (a window's rows of a shared chunk need not nest).
+  if (p.invariant && isa == Isa::Amx) isa = Isa::Avx512Bf16;
   if (p.invariant && p.window > 0) p.chunk_first = false;
   const int nthreads = omp_get_max_threads();
   Workspace& ws = workspace();
@@ -355,7 +365,7 @@ void run(DecodeProblem p, Isa isa) {
 #pragma omp master
     t2 = omp_get_wtime();
 #pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < n_seq_items; ++it) seq_item<T, Q>(p, ws, ws.seq_items[it], sc);
+    for (int it = 0; it < n_seq_items; ++it) seq_item<T, Q>(p, ws, ws.seq_items[it], isa, sc);
 #pragma omp master
     t3 = omp_get_wtime();
     // No segments: no loop, one barrier less, which matters when the cores are shared and a

@@ -19,6 +19,7 @@
 #include "../attention.h"
 #include "decode_plan.h"
 #include "isa.h"
+#include "online_softmax.h"
 
 namespace chunkgen {
 namespace decode {
@@ -52,8 +53,8 @@ struct Bf16Block {
 // The item's queries as bf16 rows of dp (zero padded; rows past R are padding); every row's max
 // starts at -inf and its 16 lane sums of l at 0 (reduced once at the end: no horizontal add per chunk).
 template <typename Q>
-inline void pack_queries(const DecodeProblem& p, const SharedItem& w, int R, int Rp, int dp, Bf16Scratch& sc) {
-  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, h = w.head;
+inline void pack_queries(const DecodeProblem& p, int b0, int h, int R, int Rp, int dp, Bf16Scratch& sc) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
   const Q* q = static_cast<const Q*>(p.q);
   for (int r = 0; r < Rp; ++r) {
     uint16_t* dst = sc.q.data() + static_cast<size_t>(r) * dp;
@@ -62,7 +63,7 @@ inline void pack_queries(const DecodeProblem& p, const SharedItem& w, int R, int
       std::fill_n(dst, dp, uint16_t{0});
       continue;
     }
-    const Q* src = q + (static_cast<size_t>(w.begin + r / G) * Hq + h * G + r % G) * d;
+    const Q* src = q + (static_cast<size_t>(b0 + r / G) * Hq + h * G + r % G) * d;
     if constexpr (sizeof(Q) == 2)
       std::memcpy(dst, src, sizeof(uint16_t) * d);
     else
@@ -238,7 +239,7 @@ void attend_item_bf16(const DecodeProblem& p, const Workspace& ws, const SharedI
   grow(sc.s, static_cast<size_t>(kBf16Rows) * Nb);
   grow(sc.p, static_cast<size_t>(kBf16Rows) * Kb);
   grow(sc.lv, static_cast<size_t>(Rp) * 16);
-  pack_queries<Q>(p, w, R, Rp, dp, sc);
+  pack_queries<Q>(p, w.begin, w.head, R, Rp, dp, sc);
   Bf16Block blk;
   for (int i0 = w.first; i0 < w.last; i0 += per_block) {
     blk.nc = std::min(per_block, w.last - i0);
@@ -276,6 +277,121 @@ template <typename Q>
 void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Isa isa, Bf16Scratch& sc) {
   attend_item_bf16<Q>(p, ws, w, isa, sc);
   store_partials(p, ws, w, w.begin, w.end, sc.o.data(), sc.m.data(), sc.l.data());
+}
+
+// Batch-invariant: the rows of sequences [b0, b1) (head h's query heads) continue their running
+// state over n chunks, one chunk at a time, with the same bf16 products and softmax whichever phase
+// calls it and whatever other rows share the call: phase 1 for a level's shared group (the state
+// from the workspace, left there again), phase 2 for a row's own chunks. Every row's arithmetic is
+// its own chain (the products' sums per row and column, the softmax per row, l's 16 lane sums
+// carried as they are), so a row's bits do not depend on the rows beside it or on where its path
+// is cut into shared groups. chunk(i) gives chunk i's (slot, valid tokens, first position), lo(i,
+// r) row r's first token inside its window. Always the AVX512_BF16 products (AMX's tiles are
+// another order of sums).
+struct ChunkRef {
+  int64_t slot;
+  int len, pos;
+};
+
+template <typename Q, typename ChunkAt, typename LoAt>
+void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
+                        LoAt lo, Bf16Scratch& sc) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
+  const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
+  const int R = (b1 - b0) * G, Rp = bf16::round_up(R, 8);  // the products' register blocks are 8 rows
+  grow(sc.kp, static_cast<size_t>(dp) * C);
+  grow(sc.vp, static_cast<size_t>(Kn) * d);
+  grow(sc.q, static_cast<size_t>(Rp) * dp);
+  grow(sc.o, static_cast<size_t>(Rp) * d);
+  grow(sc.m, Rp);
+  grow(sc.l, Rp);
+  grow(sc.s, static_cast<size_t>(kBf16Rows) * C);
+  grow(sc.p, static_cast<size_t>(kBf16Rows) * Kn);
+  grow(sc.lv, static_cast<size_t>(Rp) * 16);
+  pack_queries<Q>(p, b0, h, R, Rp, dp, sc);  // m = -inf, lv = 0
+  std::fill_n(sc.o.data(), static_cast<size_t>(Rp) * d, 0.f);
+  if (resume)
+    for (int r = 0; r < R; ++r) {
+      const size_t at = static_cast<size_t>(b0 + r / G) * Hq + h * G + r % G;
+      std::memcpy(sc.o.data() + static_cast<size_t>(r) * d, ws.part_o.data() + at * d, sizeof(float) * d);
+      std::memcpy(sc.lv.data() + static_cast<size_t>(r) * 16, ws.part_lv.data() + at * 16, sizeof(float) * 16);
+      sc.m[r] = ws.part_m[at];
+    }
+  const PoolView pool(p);
+  const uint16_t* K = static_cast<const uint16_t*>(p.k);
+  const uint16_t* V = static_cast<const uint16_t*>(p.v);
+  Bf16Block blk;
+  blk.nc = 1;
+  blk.N = C;
+  blk.Kn = Kn;
+  blk.first = false;  // the state is always continued (a fresh one is o = 0, m = -inf)
+  for (int i = 0; i < n; ++i) {
+    const ChunkRef c = chunk(i);
+    if (c.len <= 0) continue;
+    blk.len[0] = c.len;
+    blk.pos[0] = c.pos;
+    const size_t off = pool.at(c.slot, h);
+    bf16::pack_pairs(K + off, C, d, dp, C, c.len, sc.kp.data(), C);
+    bf16::pack_pairs(V + off, d, c.len, C, d, d, sc.vp.data());
+    std::fill(sc.vp.data() + static_cast<size_t>(C) * d, sc.vp.data() + static_cast<size_t>(Kn) * d, uint16_t{0});
+    for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
+      const int rows = std::min(kBf16Rows, Rp - r0);
+      bf16::gemm_dpbf16(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, C, sc.s.data(), C, rows,
+                        false);
+      for (int rr = 0; rr < rows; ++rr) {
+        const int r = r0 + rr;
+        uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
+        if (r >= R) {  // padding rows carry no weight
+          std::fill_n(pr, Kn, uint16_t{0});
+          continue;
+        }
+        blk.lo[0] = p.window > 0 ? lo(i, r) : 0;
+        row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * C, pr);
+      }
+      bf16::gemm_dpbf16(sc.p.data(), Kn, sc.vp.data(), Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
+    }
+  }
+}
+
+// Phase 1, batch-invariant: item w's rows continue their states over its shared group.
+template <typename Q>
+void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Bf16Scratch& sc) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
+  continue_rows_bf16<Q>(
+      p, ws, w.begin, w.end, w.head, w.level > 0, w.last - w.first,
+      [&](int i) {
+        const int c = ws.group_chunks[w.first + i];
+        return ChunkRef{p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0};
+      },
+      [&](int i, int r) {
+        const int c = ws.group_chunks[w.first + i];
+        return window_lo(ws, w.begin + r / G, ws.shared_pos[c], p.shared_len[c]);
+      },
+      sc);
+  for (int r = 0; r < (w.end - w.begin) * G; ++r) {
+    const size_t at = static_cast<size_t>(w.begin + r / G) * Hq + w.head * G + r % G;
+    std::memcpy(ws.part_o.data() + at * d, sc.o.data() + static_cast<size_t>(r) * d, sizeof(float) * d);
+    std::memcpy(ws.part_lv.data() + at * 16, sc.lv.data() + static_cast<size_t>(r) * 16, sizeof(float) * 16);
+    ws.part_m[at] = sc.m[r];
+  }
+}
+
+// Phase 2, batch-invariant: row b continues its state (from its shared groups, if it has any) over
+// own chunks [lo, hi) and is written out.
+template <typename Q>
+void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int h, bool resume, int lo, int hi,
+                               Bf16Scratch& sc) {
+  const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
+  continue_rows_bf16<Q>(
+      p, ws, b, b + 1, h, resume, hi - lo,
+      [&](int i) { return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i], 0}; },
+      [&](int i, int) { return ws.chunk_lo[lo + i]; }, sc);
+  Q* out = static_cast<Q*>(p.out);
+  for (int g = 0; g < G; ++g) {
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(g) * 16));
+    write_normalized(out + (static_cast<size_t>(b) * Hq + h * G + g) * d, sc.o.data() + static_cast<size_t>(g) * d, l,
+                     d);
+  }
 }
 
 }  // namespace decode

@@ -47,12 +47,22 @@ struct Workspace {
   std::vector<uint8_t> item_writes;  // row b's new K/V are stored by its sequence-first item
   // Batch-invariant plan: shared_items ordered by level, level L's items at
   // [level_ptr[L], level_ptr[L + 1]); each row's running state (o, m, l per query head) after the
-  // shared chunks read so far lives in part_o / part_m / part_l at row b * q_heads + query head.
+  // shared chunks read so far lives in part_o / part_m / part_l at row b * q_heads + query head
+  // (the bf16 path keeps l as 16 lane sums, part_lv).
   std::vector<int32_t> level_ptr;
+  std::vector<float> part_lv;
   // Sliding windows: rows [eff_begin, eff_end) of each shared chunk read it (all its rows without a
   // window); with one, each shared chunk's first position, each row's window start, and the first
   // token inside the window of each chunk a row reads itself.
   std::vector<int32_t> eff_begin, eff_end, shared_pos, row_lo, chunk_lo;
+};
+
+// The pool's layout: a slot holds every KV head's [d, C] keys (transposed) and [C, d] values.
+struct PoolView {
+  size_t head_elems, slot_elems;
+  explicit PoolView(const DecodeProblem& p)
+      : head_elems(static_cast<size_t>(p.head_dim) * p.chunk), slot_elems(head_elems * p.kv_heads) {}
+  size_t at(int64_t slot, int head) const { return slot * slot_elems + head * head_elems; }
 };
 
 inline Workspace& workspace() {
@@ -217,6 +227,7 @@ inline void plan_shared_items(const DecodeProblem& p, Workspace& ws, int nthread
   grow(ws.part_o, part_rows * p.head_dim);
   grow(ws.part_m, part_rows);
   grow(ws.part_l, part_rows);
+  if (p.invariant) grow(ws.part_lv, part_rows * 16);
 }
 
 // The chunks each row reads itself in phase 2 (its private chunks, and its shared ones when phase 1

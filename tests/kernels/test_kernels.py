@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
-from chunkgen.kernels import decode_attention, decode_step_attention, workspace_for
+from chunkgen.kernels import decode_attention, decode_step_attention, invariant, workspace_for
 from chunkgen.kernels.reference import reference_decode_attention
 from tests.helpers import PATHS, build_tree, forced, nan_outside_windows
 
@@ -130,10 +130,13 @@ def test_the_best_path_is_reported_and_lower_ones_can_be_forced(monkeypatch):
     q_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     decode_steps=st.integers(0, 3),
     chunk_first=st.booleans(),
+    batch_invariant=st.booleans(),
 )
 def test_every_cpu_path_matches_reference_in_bf16(
-    cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim, q_dtype, decode_steps, chunk_first
+    cpu_path, seed, n_seqs, shared_len, chunk, heads, head_dim, q_dtype, decode_steps, chunk_first, batch_invariant
 ):
+    """Both plans: the fast one (per-chunk partials merged) and the batch-invariant one (each row's
+    state continued chunk by chunk through both phases)."""
     q_heads, kv_heads = heads
     pool, tree = build_tree(
         seed, n_seqs, shared_len, chunk, kv_heads, head_dim, torch.bfloat16, max_private=150, decode_steps=decode_steps
@@ -142,8 +145,12 @@ def test_every_cpu_path_matches_reference_in_bf16(
     q = torch.randn(ctx.batch_size, q_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(q_dtype)
     scale = head_dim**-0.5
-    with forced(cpu_path):
-        out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale)
+    invariant.set_enabled(batch_invariant)
+    try:
+        with forced(cpu_path):
+            out = decode_attention(q, pool.k[0], pool.v[0], ctx, scale)
+    finally:
+        invariant.set_enabled(False)  # the process default
     assert out.dtype == q_dtype
     ref = reference_decode_attention(q, pool, tree, 0, ctx.order, scale)
     torch.testing.assert_close(out.double(), ref, **tolerance(cpu_path, torch.bfloat16, q_dtype))
