@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -27,10 +28,12 @@ class StopFlag:
 
     Stopping at once raises KeyboardInterrupt in the main thread, so the writer closes without the
     final rewrite. Raised wherever the main thread happens to be, it can land in a generator's cleanup
-    or a finaliser and be swallowed ("Exception ignored"); so the second signal also arms a timer
-    that, unless the run has stopped by then (`settle`), exits the process. Nothing is lost by that
-    exit: every record was written whole by one system call, the lock goes with the process, and a
-    rewrite's copy left behind is removed by the next --resume."""
+    or a finaliser (a weakref callback) and be swallowed; so the second signal also arms a timer
+    that, unless the run has stopped by then (`settle`), exits the process, and such a swallowed
+    KeyboardInterrupt is not printed as "Exception ignored ... Traceback" (sys.unraisablehook, while
+    the flag is armed). Nothing is lost by that exit: every record was written whole by one system
+    call, the lock goes with the process, and a rewrite's copy left behind is removed by the next
+    --resume."""
 
     GRACE_S = 3.0
 
@@ -40,6 +43,14 @@ class StopFlag:
         self._timer: threading.Timer | None = None
         self._at_once = False
         self._old = {s: signal.signal(s, self._handle) for s in EXIT_SIGNAL}
+        self._old_unraisable = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+
+    def _unraisable(self, unraisable) -> None:
+        # our own second signal, raised inside a finaliser: the timer stops the run, nothing to print
+        if self.signum is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            return
+        self._old_unraisable(unraisable)
 
     @contextlib.contextmanager
     def at_once(self):
@@ -88,6 +99,8 @@ class StopFlag:
         has nothing left to stop; it is noted, never raised. The boundary puts the handlers that were
         there before back when the command returns (in a process that goes on, e.g. a test's)."""
         self.settle()
+        if sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._old_unraisable
         for s in self._old:
             signal.signal(s, self._late)
 

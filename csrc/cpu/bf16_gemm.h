@@ -71,12 +71,13 @@ inline void pack_pairs(const uint16_t* src, int src_stride, int rows_valid, int 
   }
 }
 
-// out[r, n] (+)= sum_k A[r, k] B[k, n] for r < R (a multiple of 16), K a multiple of 32, N of 16;
+// out[r, n] (+)= sum_k A[r, k] B[k, n] for r < R (a multiple of RB), K a multiple of 32, N of 16;
 // A bf16 row-major (stride lda elements), B packed by pack_pairs (N columns), out fp32 (stride
-// ldo); `accumulate` adds to out instead of overwriting it.
+// ldo); `accumulate` adds to out instead of overwriting it. Each output is its own chain of dot
+// products over k, the same whatever RB and R.
+template <int RB = 8>  // rows per register block: RB x 2 accumulators + 2 B vectors
 inline void gemm_dpbf16(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out, int ldo, int R,
                         bool accumulate) {
-  constexpr int RB = 8;  // rows per register block: RB x 2 accumulators + 2 B vectors
   for (int n = 0; n < N; n += 32) {
     const bool two = n + 16 < N;
     for (int r0 = 0; r0 < R; r0 += RB) {

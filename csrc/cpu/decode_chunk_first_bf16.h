@@ -221,9 +221,9 @@ void attend_item_bf16(const DecodeProblem& p, const Workspace& ws, const SharedI
 #if defined(CHUNKGEN_HAVE_AMX)
                                     bf16::gemm_amx
 #else
-                                    bf16::gemm_dpbf16
+                                    bf16::gemm_dpbf16<>
 #endif
-                                    : bf16::gemm_dpbf16;
+                                    : bf16::gemm_dpbf16<>;
   // Chunks go through in blocks of up to kBlockTokens tokens: one product per block, not per
   // chunk, since each hand-over between the AMX tiles and the vector units goes through memory and
   // waits for it; a longer product also keeps more tile operations in flight.
@@ -298,7 +298,10 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
                         LoAt lo, Bf16Scratch& sc) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
-  const int R = (b1 - b0) * G, Rp = bf16::round_up(R, 8);  // the products' register blocks are 8 rows
+  // The products' register blocks: 8 rows, or 4 for a row's own chunks in phase 2 (one sequence's
+  // query heads, 3 in a GQA group of 3: fewer padding rows).
+  const int R = (b1 - b0) * G, Rp = bf16::round_up(R, R <= 4 ? 4 : 8);
+  const auto gemm = R <= 4 ? bf16::gemm_dpbf16<4> : bf16::gemm_dpbf16<8>;
   grow(sc.kp, static_cast<size_t>(dp) * C);
   grow(sc.vp, static_cast<size_t>(Kn) * d);
   grow(sc.q, static_cast<size_t>(Rp) * dp);
@@ -336,8 +339,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
     std::fill(sc.vp.data() + static_cast<size_t>(C) * d, sc.vp.data() + static_cast<size_t>(Kn) * d, uint16_t{0});
     for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
       const int rows = std::min(kBf16Rows, Rp - r0);
-      bf16::gemm_dpbf16(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, C, sc.s.data(), C, rows,
-                        false);
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, C, sc.s.data(), C, rows, false);
       for (int rr = 0; rr < rows; ++rr) {
         const int r = r0 + rr;
         uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
@@ -348,7 +350,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
         blk.lo[0] = p.window > 0 ? lo(i, r) : 0;
         row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * C, pr);
       }
-      bf16::gemm_dpbf16(sc.p.data(), Kn, sc.vp.data(), Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
+      gemm(sc.p.data(), Kn, sc.vp.data(), Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
     }
   }
 }

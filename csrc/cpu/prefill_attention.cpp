@@ -224,9 +224,9 @@ void run(const PrefillProblem& p, Isa isa) {
 #if defined(CHUNKGEN_HAVE_AMX)
                                     bf16::gemm_amx
 #else
-                                    bf16::gemm_dpbf16
+                                    bf16::gemm_dpbf16<>
 #endif
-                                    : bf16::gemm_dpbf16;
+                                    : bf16::gemm_dpbf16<>;
   const int n_blocks = B * Hk * nkb, n_items = static_cast<int>(ws.items.size());
 
 #pragma omp parallel
