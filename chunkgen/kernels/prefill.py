@@ -247,9 +247,9 @@ def _pool_readable(q: torch.Tensor, pool: ChunkPool) -> bool:
 
 
 def _causal_in_place(q: torch.Tensor, pool: ChunkPool) -> bool:
-    """Whether a lone sequence's whole path is read in place, causally, by the prefix product's fp32
-    arithmetic: in fp32, and in bf16 with batch-invariant numerics (the decode kernel's per-chunk
-    fold, whatever the wave and the CPU's bf16 products)."""
+    """Whether a lone sequence's whole path is read in place, causally, by the prefix product's
+    kernel: in fp32, and in bf16 with batch-invariant numerics (each row one chunk at a time, the
+    same whatever the wave: on the bf16 products where the CPU has them, else in fp32 arithmetic)."""
     if q.dtype == torch.float32:
         return _prefix_in_place(q, pool)
     return q.dtype == torch.bfloat16 and invariant.enabled() and _pool_readable(q, pool)

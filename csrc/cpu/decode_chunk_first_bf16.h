@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../attention.h"
@@ -285,17 +286,18 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 // from the workspace, left there again), phase 2 for a row's own chunks. Every row's arithmetic is
 // its own chain (the products' sums per row and column, the softmax per row, l's 16 lane sums
 // carried as they are), so a row's bits do not depend on the rows beside it or on where its path
-// is cut into shared groups. chunk(i) gives chunk i's (slot, valid tokens, first position), lo(i,
-// r) row r's first token inside its window. Always the AVX512_BF16 products (AMX's tiles are
-// another order of sums).
+// is cut into shared groups. chunk(i) gives chunk i's (slot, valid tokens, first position), span(i,
+// r) the tokens [lo, len) of it row r reads (its window's first token; a causal row's last). A
+// chunk a row reads none of leaves its state as it was, bit for bit. Always the AVX512_BF16
+// products (AMX's tiles are another order of sums).
 struct ChunkRef {
   int64_t slot;
   int len, pos;
 };
 
-template <typename Q, typename ChunkAt, typename LoAt>
+template <typename Q, typename ChunkAt, typename SpanAt>
 void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
-                        LoAt lo, Bf16Scratch& sc) {
+                        SpanAt span, Bf16Scratch& sc) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
   // The products' register blocks: 8 rows, or 4 for a row's own chunks in phase 2 (one sequence's
@@ -347,7 +349,9 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
           std::fill_n(pr, Kn, uint16_t{0});
           continue;
         }
-        blk.lo[0] = p.window > 0 ? lo(i, r) : 0;
+        const std::pair<int, int> lo_len = span(i, r);
+        blk.lo[0] = lo_len.first;
+        blk.len[0] = lo_len.second;
         row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * C, pr);
       }
       gemm(sc.p.data(), Kn, sc.vp.data(), Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
@@ -366,8 +370,8 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
         return ChunkRef{p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0};
       },
       [&](int i, int r) {
-        const int c = ws.group_chunks[w.first + i];
-        return window_lo(ws, w.begin + r / G, ws.shared_pos[c], p.shared_len[c]);
+        const int c = ws.group_chunks[w.first + i], n = p.shared_len[c];
+        return std::pair<int, int>(p.window > 0 ? window_lo(ws, w.begin + r / G, ws.shared_pos[c], n) : 0, n);
       },
       sc);
   for (int r = 0; r < (w.end - w.begin) * G; ++r) {
@@ -387,7 +391,8 @@ void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int
   continue_rows_bf16<Q>(
       p, ws, b, b + 1, h, resume, hi - lo,
       [&](int i) { return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i], 0}; },
-      [&](int i, int) { return ws.chunk_lo[lo + i]; }, sc);
+      [&](int i, int) { return std::pair<int, int>(p.window > 0 ? ws.chunk_lo[lo + i] : 0, ws.chunk_len[lo + i]); },
+      sc);
   Q* out = static_cast<Q*>(p.out);
   for (int g = 0; g < G; ++g) {
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(g) * 16));

@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../invariant.h"
@@ -107,6 +109,64 @@ void attend_item(const Product<T, Q>& p, const Shape& sh, int blk, int h, decode
   write_rows(p.out, p.lse, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
 }
 
+// Query rows (positions x the GQA group) of a causal bf16 product per item on the bf16 products:
+// each chunk's packing serves many rows (a row's results do not depend on its item).
+constexpr int kBf16CausalRows = 192;
+
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+// Item (blk, h) of a causal product (first >= 0) with bf16 K/V on the bf16 products: each
+// position's rows continue one state over chunks [0, its own] in order, one chunk at a time, up to
+// and including the position (decode::continue_rows_bf16: a row's bits are its own, whatever the
+// item's other rows, the wave or whether the prefix was cached).
+void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, int blk, int h, decode::Bf16Scratch& sc) {
+  const int G = sh.G(), d = sh.d, C = sh.C, Hq = sh.Hq;
+  const int per_item = std::max(1, kBf16CausalRows / G);
+  const int r0 = blk * per_item, r1 = std::min(pr.R, r0 + per_item);
+  DecodeProblem p{};
+  p.q = pr.q;
+  p.q_type = KVType::BF16;
+  p.k = sh.k;
+  p.v = sh.v;
+  p.kv_type = KVType::BF16;
+  p.q_heads = Hq;
+  p.kv_heads = sh.Hk;
+  p.head_dim = d;
+  p.chunk = C;
+  p.scale = sh.scale;
+  decode::Workspace unused;  // a fresh state: nothing resumed
+  const int64_t last = pr.first + r1 - 1;
+  decode::continue_rows_bf16<uint16_t>(
+      p, unused, r0, r1, h, false, static_cast<int>(last / C + 1),
+      [&](int i) {
+        return decode::ChunkRef{pr.slot[i], static_cast<int>(std::min<int64_t>(C, pr.n_tokens - int64_t{i} * C)), 0};
+      },
+      [&](int i, int r) {
+        const int64_t pos = pr.first + r0 + r / G, n = std::min<int64_t>(C, pr.n_tokens - int64_t{i} * C);
+        return std::pair<int, int>(0, static_cast<int>(std::clamp<int64_t>(pos - int64_t{i} * C + 1, 0, n)));
+      },
+      sc);
+  for (int r = r0; r < r1; ++r)
+    for (int g = 0; g < G; ++g) {
+      const int s = (r - r0) * G + g;
+      const size_t row = static_cast<size_t>(r) * Hq + h * G + g;
+      const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(s) * 16));
+      decode::write_normalized(pr.out + row * d, sc.o.data() + static_cast<size_t>(s) * d, l, d);
+      if (pr.lse != nullptr) pr.lse[row] = sc.m[s] + std::log(l);
+    }
+}
+#endif
+
+// Whether a causal product with bf16 K/V takes the bf16 products (this CPU has them, CHUNKGEN_CPU_ISA
+// lowering), else the fp32 arithmetic.
+template <typename T, typename Q>
+bool causal_bf16() {
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  return std::is_same_v<T, uint16_t> && std::is_same_v<Q, uint16_t> && current_isa() != Isa::Fp32;
+#else
+  return false;
+#endif
+}
+
 // Every item of several products in one parallel region: the costliest (longest path) first, for
 // the dynamic schedule.
 template <typename T, typename Q>
@@ -116,7 +176,10 @@ void attend_products(const std::vector<Product<T, Q>>& products, const Shape& sh
     int64_t cost;  // tokens the block's last row reads
   };
   std::vector<Item> items;
-  const int per_block = sh.per_block();
+  // bf16 on the bf16 products: causal products only (a prefix product, first < 0, is prefix_bf16's)
+  bool bf16 = causal_bf16<T, Q>();
+  for (const auto& p : products) bf16 = bf16 && p.first >= 0;
+  const int per_block = bf16 ? std::max(1, kBf16CausalRows / sh.G()) : sh.per_block();
   for (int i = 0; i < static_cast<int>(products.size()); ++i) {
     const auto& p = products[i];
     for (int blk = 0; blk * per_block < p.R; ++blk) {
@@ -129,8 +192,20 @@ void attend_products(const std::vector<Product<T, Q>>& products, const Shape& sh
 #pragma omp parallel
   {
     thread_local decode::Scratch sc;
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+    if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<Q, uint16_t>) {
+      if (bf16) {
+        thread_local decode::Bf16Scratch bsc;
 #pragma omp for schedule(dynamic, 1)
-    for (int it = 0; it < n_items; ++it) attend_item(products[items[it].product], sh, items[it].blk, items[it].h, sc);
+        for (int it = 0; it < n_items; ++it)
+          attend_item_bf16(products[items[it].product], sh, items[it].blk, items[it].h, bsc);
+      }
+    }
+#endif
+    if (!bf16) {
+#pragma omp for schedule(dynamic, 1)
+      for (int it = 0; it < n_items; ++it) attend_item(products[items[it].product], sh, items[it].blk, items[it].h, sc);
+    }
   }
 }
 
@@ -246,8 +321,9 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
                     first + q.size(0) - 1, ") of a causal product (first >= 0) must be inside the ", n_tokens,
                     " tokens");
   // bf16 K/V: bf16 products on AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA
-  // lowering) for a group's prefix; the fp32 products (bf16 read, fp32 arithmetic) for a causal
-  // product, batch-invariant numerics, or where the CPU has no bf16 products.
+  // lowering) for a group's prefix; for a causal product the bf16 products one chunk at a time
+  // (attend_item_bf16, AVX512_BF16); the fp32 products (bf16 read, fp32 arithmetic) for a prefix
+  // with batch-invariant numerics, or where the CPU has no bf16 products.
   const auto dtype = q.scalar_type();
   const Isa isa = dtype == torch::kBFloat16 ? current_isa() : Isa::Fp32;
   const bool bf16_products = dtype == torch::kBFloat16 && isa != Isa::Fp32 && first < 0 && !batch_invariant();

@@ -27,12 +27,13 @@
 // rows of x; threads split the channel groups, and each walks its groups in panels that stay in
 // cache while every tile of x rows passes over them.
 //
-// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once, 16 channels x up to 8 rows.
+// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once, 16 channels x up to 8 rows;
+// AVX-VNNI (the same file): the AVX2 tile with vpdpbusd.
 //
 // The portable scalar path computes the same integer block sums from the same layout; the paths
 // differ only in fp32 rounding (FMA vs multiply and add, and where the scales are applied).
-// CHUNKGEN_QUANT_ISA=avx2|scalar lowers the path at run time (a test runs every path the machine
-// has). No AVX-VNNI (256-bit) or AMX int8 path yet.
+// CHUNKGEN_QUANT_ISA=avx_vnni|avx2|scalar lowers the path at run time (a test runs every path the
+// machine has). No AMX int8 path yet.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -61,11 +62,13 @@ constexpr int64_t group_block_bytes(int64_t kind) { return kind == kU4 ? 128 : 2
 constexpr int halves(int64_t kind) { return kind == kS8Half ? 2 : 1; }
 
 // The kernel's paths, lowest first; the build has those up to best_path().
-enum class Path { Scalar, Avx2, Avx512Vnni };
+enum class Path { Scalar, Avx2, AvxVnni, Avx512Vnni };
 
 Path best_path() {
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
   return Path::Avx512Vnni;
+#elif defined(CHUNKGEN_HAVE_AVX_VNNI)
+  return Path::AvxVnni;
 #elif defined(__AVX2__)
   return Path::Avx2;
 #else
@@ -73,7 +76,18 @@ Path best_path() {
 #endif
 }
 
-const char* path_name(Path p) { return p == Path::Avx512Vnni ? "avx512_vnni" : p == Path::Avx2 ? "avx2" : "scalar"; }
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::Avx512Vnni:
+      return "avx512_vnni";
+    case Path::AvxVnni:
+      return "avx_vnni";
+    case Path::Avx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
 
 // best_path(), lowered by CHUNKGEN_QUANT_ISA (read on every call, so tests switch paths in one process).
 Path current_path() {
@@ -81,9 +95,14 @@ Path current_path() {
   const char* env = std::getenv("CHUNKGEN_QUANT_ISA");
   if (env == nullptr || *env == '\0') return best;
   const std::string want(env);
-  for (Path p : {Path::Scalar, Path::Avx2, Path::Avx512Vnni})
-    if (want == path_name(p)) return std::min(p, best);
-  throw std::invalid_argument("CHUNKGEN_QUANT_ISA=" + want + " is not one of avx512_vnni, avx2, scalar");
+  for (Path p : {Path::Scalar, Path::Avx2, Path::AvxVnni, Path::Avx512Vnni})
+    if (want == path_name(p)) {
+#if !defined(CHUNKGEN_HAVE_AVX_VNNI)
+      if (p == Path::AvxVnni) return std::min(Path::Avx2, best);  // this build has no AVX-VNNI tile
+#endif
+      return std::min(p, best);
+    }
+  throw std::invalid_argument("CHUNKGEN_QUANT_ISA=" + want + " is not one of avx512_vnni, avx_vnni, avx2, scalar");
 }
 
 // One row of x (k floats) -> k int8 and k / 32 scales, and each block's scale * sum(q).
@@ -369,6 +388,24 @@ void quant_product(const QuantArgs& a, Path path) {
           const float* wm = has_min ? a.wm + g * a.nb * kGroup : nullptr;
           float* y = a.y + m0 * a.n + g * kGroup;
           const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
+#if defined(CHUNKGEN_HAVE_AVX_VNNI)
+          if (path == Path::AvxVnni) {
+            switch (rows) {
+              case 4:
+                avx_vnni::tile<kind, has_min, 4>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                break;
+              case 3:
+                avx_vnni::tile<kind, has_min, 3>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                break;
+              case 2:
+                avx_vnni::tile<kind, has_min, 2>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                break;
+              default:
+                avx_vnni::tile<kind, has_min, 1>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+            }
+            continue;
+          }
+#endif
 #if defined(__AVX2__)
           if (path != Path::Scalar) {
             switch (rows) {

@@ -27,15 +27,27 @@ TYPES = list(quant.GGUF_TYPES.values())
 K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 
-PATHS = ("avx512_vnni", "avx2", "scalar")  # best first
+PATHS = ("avx512_vnni", "avx_vnni", "avx2", "scalar")  # best first
 
 
 def _paths() -> list[str]:
-    """The kernel's paths this machine runs: its best and every lower one (CHUNKGEN_QUANT_ISA lowers
-    the path; scalar is the reference)."""
+    """The kernel's paths this build and CPU run, best first: each that CHUNKGEN_QUANT_ISA can select
+    (it lowers the path; a path the build lacks, e.g. AVX-VNNI on Zen 4, falls to a lower one; scalar
+    is the reference)."""
     if not native_cpu_available() or not hasattr(torch.ops.chunkgen, "quant_isa"):
         return ["scalar"]
-    return list(PATHS[PATHS.index(torch.ops.chunkgen.quant_isa()) :])
+    old = os.environ.get("CHUNKGEN_QUANT_ISA")
+    found = []
+    try:
+        for name in PATHS:
+            os.environ["CHUNKGEN_QUANT_ISA"] = name
+            if torch.ops.chunkgen.quant_isa() == name:
+                found.append(name)
+    finally:
+        os.environ.pop("CHUNKGEN_QUANT_ISA")
+        if old is not None:
+            os.environ["CHUNKGEN_QUANT_ISA"] = old
+    return found
 
 
 @pytest.fixture(params=_paths())
