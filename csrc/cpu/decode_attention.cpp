@@ -277,6 +277,15 @@ inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Sc
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
   thread_local Bf16Scratch bsc;
   if (isa != Isa::Fp32 && p.invariant) {  // level by level, each row's state continued chunk by chunk
+    // Every live shared chunk packed once for all the items (row pieces) that read it. The
+    // workspace was sized by run(), before the threads started.
+    const int n_packed = static_cast<int>(ws.group_chunks.size()) * p.kv_heads;
+#pragma omp for schedule(static)
+    for (int i = 0; i < n_packed; ++i) {
+      const int c = ws.group_chunks[i / p.kv_heads];
+      pack_chunk(p, p.shared_slot[c], i % p.kv_heads, p.shared_len[c],
+                 ws.packed_chunks.data() + static_cast<size_t>(i) * packed_chunk_elems(p));
+    }
     for (size_t level = 0; level + 1 < ws.level_ptr.size(); ++level)
 #pragma omp for schedule(dynamic, 1)
       for (int it = ws.level_ptr[level]; it < ws.level_ptr[level + 1]; ++it)
@@ -339,6 +348,10 @@ void run(DecodeProblem p, Isa isa) {
 #endif
   plan_windows(p, ws);
   plan_shared_items(p, ws, nthreads, block);
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+  if (isa != Isa::Fp32 && p.invariant && sizeof(T) == 2)
+    grow(ws.packed_chunks, ws.group_chunks.size() * p.kv_heads * packed_chunk_elems(p));
+#endif
   plan_own_chunks(p, ws);
   plan_seq_items(p, ws, 4 * nthreads);
   // The step's K/V: a live row writes into its last private chunk, which only it reads, so its

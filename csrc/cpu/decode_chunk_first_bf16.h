@@ -293,7 +293,24 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 struct ChunkRef {
   int64_t slot;
   int len, pos;
+  const uint16_t* packed = nullptr;  // K^T then V as pack_chunk left them; null: packed here
 };
+
+// Chunk `slot`'s K^T [dp, C] (pairs along d) then V [Kn, d] (pairs along tokens), head h, its
+// first len tokens (zero past them) into dst: what the bf16 products of one chunk read.
+inline void pack_chunk(const DecodeProblem& p, int64_t slot, int h, int len, uint16_t* dst) {
+  const int d = p.head_dim, C = p.chunk, dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
+  const PoolView pool(p);
+  const size_t off = pool.at(slot, h);
+  uint16_t* vp = dst + static_cast<size_t>(dp) * C;
+  bf16::pack_pairs(static_cast<const uint16_t*>(p.k) + off, C, d, dp, C, len, dst, C);
+  bf16::pack_pairs(static_cast<const uint16_t*>(p.v) + off, d, len, C, d, d, vp);
+  std::fill(vp + static_cast<size_t>(C) * d, vp + static_cast<size_t>(Kn) * d, uint16_t{0});
+}
+inline size_t packed_chunk_elems(const DecodeProblem& p) {
+  return static_cast<size_t>(bf16::round_up(p.head_dim, 32)) * p.chunk +
+         static_cast<size_t>(bf16::round_up(p.chunk, 32)) * p.head_dim;
+}
 
 template <typename Q, typename ChunkAt, typename SpanAt>
 void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
@@ -304,8 +321,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
   // query heads, 3 in a GQA group of 3: fewer padding rows).
   const int R = (b1 - b0) * G, Rp = bf16::round_up(R, R <= 4 ? 4 : 8);
   const auto gemm = R <= 4 ? bf16::gemm_dpbf16<4> : bf16::gemm_dpbf16<8>;
-  grow(sc.kp, static_cast<size_t>(dp) * C);
-  grow(sc.vp, static_cast<size_t>(Kn) * d);
+  grow(sc.kp, packed_chunk_elems(p));  // one chunk's K^T and V, packed
   grow(sc.q, static_cast<size_t>(Rp) * dp);
   grow(sc.o, static_cast<size_t>(Rp) * d);
   grow(sc.m, Rp);
@@ -322,9 +338,6 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
       std::memcpy(sc.lv.data() + static_cast<size_t>(r) * 16, ws.part_lv.data() + at * 16, sizeof(float) * 16);
       sc.m[r] = ws.part_m[at];
     }
-  const PoolView pool(p);
-  const uint16_t* K = static_cast<const uint16_t*>(p.k);
-  const uint16_t* V = static_cast<const uint16_t*>(p.v);
   Bf16Block blk;
   blk.nc = 1;
   blk.N = C;
@@ -335,13 +348,12 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
     if (c.len <= 0) continue;
     blk.len[0] = c.len;
     blk.pos[0] = c.pos;
-    const size_t off = pool.at(c.slot, h);
-    bf16::pack_pairs(K + off, C, d, dp, C, c.len, sc.kp.data(), C);
-    bf16::pack_pairs(V + off, d, c.len, C, d, d, sc.vp.data());
-    std::fill(sc.vp.data() + static_cast<size_t>(C) * d, sc.vp.data() + static_cast<size_t>(Kn) * d, uint16_t{0});
+    if (c.packed == nullptr) pack_chunk(p, c.slot, h, c.len, sc.kp.data());
+    const uint16_t* kp = c.packed != nullptr ? c.packed : sc.kp.data();
+    const uint16_t* vp = kp + static_cast<size_t>(dp) * C;
     for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
       const int rows = std::min(kBf16Rows, Rp - r0);
-      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, sc.kp.data(), dp, C, sc.s.data(), C, rows, false);
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, kp, dp, C, sc.s.data(), C, rows, false);
       for (int rr = 0; rr < rows; ++rr) {
         const int r = r0 + rr;
         uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
@@ -354,7 +366,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
         blk.len[0] = lo_len.second;
         row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * C, pr);
       }
-      gemm(sc.p.data(), Kn, sc.vp.data(), Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
+      gemm(sc.p.data(), Kn, vp, Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
     }
   }
 }
@@ -367,7 +379,9 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
       p, ws, w.begin, w.end, w.head, w.level > 0, w.last - w.first,
       [&](int i) {
         const int c = ws.group_chunks[w.first + i];
-        return ChunkRef{p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0};
+        return ChunkRef{
+            p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0,
+            ws.packed_chunks.data() + (static_cast<size_t>(w.first + i) * p.kv_heads + w.head) * packed_chunk_elems(p)};
       },
       [&](int i, int r) {
         const int c = ws.group_chunks[w.first + i], n = p.shared_len[c];
