@@ -27,8 +27,10 @@
 // rows of x; threads split the channel groups, and each walks its groups in panels that stay in
 // cache while every tile of x rows passes over them.
 //
-// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once, 16 channels x up to 8 rows;
-// AVX-VNNI (the same file): the AVX2 tile with vpdpbusd.
+// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once, 16 channels x up to 8 rows.
+// AVX-VNNI (the same instruction on 256-bit vectors: Intel's client cores, which have no AVX-512;
+// Zen 5 has both): the AVX2 tile with each step's vpmaddubsw + vpaddw (+ vpmaddwd) one vpdpbusd,
+// summed in int32; signed weights keep the sign trick, so x stays as it is.
 //
 // The portable scalar path computes the same integer block sums from the same layout; the paths
 // differ only in fp32 rounding (FMA vs multiply and add, and where the scales are applied).
@@ -49,6 +51,9 @@
 #include "intrinsics.h"
 #endif
 #include "quant_tile_vnni.h"
+#if defined(__AVXVNNI__)
+#define CHUNKGEN_HAVE_AVX_VNNI 1
+#endif
 
 namespace chunkgen {
 namespace {
@@ -188,6 +193,20 @@ inline __m256i pair_products(__m256i w, __m256i w_abs, __m256i x) {
     return _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
 }
 
+// A tile's R rows of sums into y (rows ldy apart), `channels` <= 8 of each.
+template <int R>
+inline void store_rows(const __m256 (&acc)[R], float* y, int64_t ldy, int channels) {
+  for (int r = 0; r < R; ++r) {
+    if (channels == kGroup) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float out[kGroup];
+      _mm256_store_ps(out, acc[r]);
+      std::memcpy(y + r * ldy, out, sizeof(float) * channels);
+    }
+  }
+}
+
 // One tile: 8 channels of group `w` x R rows of x, over all nb blocks; y rows are ldy apart.
 template <int kind, bool has_min, int R>
 void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
@@ -262,15 +281,72 @@ void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, c
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (channels == kGroup) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float out[kGroup];
-      _mm256_store_ps(out, acc[r]);
-      std::memcpy(y + r * ldy, out, sizeof(float) * channels);
+  store_rows<R>(acc, y, ldy, channels);
+}
+
+#if defined(CHUNKGEN_HAVE_AVX_VNNI)
+// tile_avx2 on AVX-VNNI: every step's products summed into int32 by one vpdpbusd.
+template <int kind, bool has_min, int R>
+void tile_avx_vnni(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
+                   const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+  constexpr int64_t bb = group_block_bytes(kind);
+  constexpr int nh = halves(kind);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * bb;
+    const int8_t* xb = xq + b * kBlock;
+#pragma GCC unroll 2
+    for (int h = 0; h < nh; ++h) {
+      __m256i s32[R];
+      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+      if constexpr (kind == kU4) {
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+          const __m256i lo = _mm256_and_si256(raw, mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          for (int r = 0; r < R; ++r) {
+            s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
+            s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], hi, broadcast4(xb + r * k + 16 + 4 * c)));
+          }
+        }
+      } else {
+        constexpr int steps = 8 / nh;  // of this block (or half)
+#pragma GCC unroll 8
+        for (int j = 0; j < steps; ++j) {
+          const int s = h * steps + j;
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+          const __m256i wa = _mm256_sign_epi8(wv, wv);
+          for (int r = 0; r < R; ++r)
+            s32[r] =
+                in_order(_mm256_dpbusd_avx_epi32(s32[r], wa, _mm256_sign_epi8(broadcast4(xb + r * k + 4 * s), wv)));
+        }
+      }
+      const __m256 sw = _mm256_loadu_ps(ws + (b * nh + h) * kGroup);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
+    }
+    if constexpr (has_min) {
+      const __m256 mw = _mm256_loadu_ps(wm + b * kGroup);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
+  store_rows<R>(acc, y, ldy, channels);
+}
+#endif
+
+// The 256-bit tile of `path` (AVX-VNNI or AVX2).
+template <int kind, bool has_min, int R>
+void tile_256(Path path, const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
+              const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+#if defined(CHUNKGEN_HAVE_AVX_VNNI)
+  if (path == Path::AvxVnni) return tile_avx_vnni<kind, has_min, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
+#else
+  (void)path;
+#endif
+  tile_avx2<kind, has_min, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
 }
 #endif
 
@@ -388,38 +464,20 @@ void quant_product(const QuantArgs& a, Path path) {
           const float* wm = has_min ? a.wm + g * a.nb * kGroup : nullptr;
           float* y = a.y + m0 * a.n + g * kGroup;
           const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
-#if defined(CHUNKGEN_HAVE_AVX_VNNI)
-          if (path == Path::AvxVnni) {
-            switch (rows) {
-              case 4:
-                avx_vnni::tile<kind, has_min, 4>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                break;
-              case 3:
-                avx_vnni::tile<kind, has_min, 3>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                break;
-              case 2:
-                avx_vnni::tile<kind, has_min, 2>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                break;
-              default:
-                avx_vnni::tile<kind, has_min, 1>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-            }
-            continue;
-          }
-#endif
 #if defined(__AVX2__)
           if (path != Path::Scalar) {
             switch (rows) {
               case 4:
-                tile_avx2<kind, has_min, 4>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, 4>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
                 break;
               case 3:
-                tile_avx2<kind, has_min, 3>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, 3>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
                 break;
               case 2:
-                tile_avx2<kind, has_min, 2>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, 2>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
                 break;
               default:
-                tile_avx2<kind, has_min, 1>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, 1>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
             }
             continue;
           }

@@ -12,11 +12,7 @@
 // Signed weights (S8, S5, S8H) take x shifted to unsigned, x + 128 (x XOR 0x80, done once per row
 // at quantization), and the sum is corrected by 128 sum(w) per block (or half), itself one
 // vpdpbusd of the weights against 128 per step, shared by every row of the tile.
-//
-// AVX-VNNI (the same instruction on 256-bit vectors, CPUs without AVX-512: Intel's client cores
-// since Alder Lake; Zen 5 has both) takes the AVX2 tile's shape, one group x up to 4 rows in 16
-// vector registers, with each step's vpmaddubsw + vpaddw (+ vpmaddwd) one vpdpbusd; signed
-// weights through the AVX2 path's sign trick (|w| against x with w's sign), so x stays as it is.
+#pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CHUNKGEN_HAVE_AVX512_VNNI 1
@@ -111,87 +107,5 @@ void tile(const uint8_t* w0, const uint8_t* w1, const float* ws0, const float* w
 }
 
 }  // namespace vnni
-}  // namespace chunkgen
-#endif
-
-#if defined(__AVXVNNI__)
-#define CHUNKGEN_HAVE_AVX_VNNI 1
-#include "intrinsics.h"
-
-namespace chunkgen {
-namespace avx_vnni {
-
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256i in_order(__m256i v) {
-  __asm__("" : "+x"(v));
-  return v;
-}
-
-// One tile: 8 channels of group `w` x R rows of x over all nb blocks (quant_linear.cpp's tile_avx2
-// with vpdpbusd); y rows are ldy apart, `channels` of them stored.
-template <int kind, bool has_min, int R>
-void tile(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k, const float* xs,
-          const float* xsum, float* y, int64_t ldy, int channels) {
-  constexpr int64_t bb = kind == 0 ? 128 : 256;  // group_block_bytes
-  constexpr int nh = kind == 2 ? 2 : 1;          // halves
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * bb;
-    const int8_t* xb = xq + b * 32;
-#pragma GCC unroll 2
-    for (int h = 0; h < nh; ++h) {
-      __m256i s32[R];
-      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
-      if constexpr (kind == 0) {
-        const __m256i mask = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-          const __m256i lo = _mm256_and_si256(raw, mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-          for (int r = 0; r < R; ++r) {
-            s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
-            s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], hi, broadcast4(xb + r * k + 16 + 4 * c)));
-          }
-        }
-      } else {
-        constexpr int steps = 8 / nh;
-#pragma GCC unroll 8
-        for (int j = 0; j < steps; ++j) {
-          const int s = h * steps + j;
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
-          const __m256i wa = _mm256_sign_epi8(wv, wv);
-          for (int r = 0; r < R; ++r)
-            s32[r] =
-                in_order(_mm256_dpbusd_avx_epi32(s32[r], wa, _mm256_sign_epi8(broadcast4(xb + r * k + 4 * s), wv)));
-        }
-      }
-      const __m256 sw = _mm256_loadu_ps(ws + (b * nh + h) * 8);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
-    }
-    if constexpr (has_min) {
-      const __m256 mw = _mm256_loadu_ps(wm + b * 8);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if (channels == 8) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[r]);
-      std::memcpy(y + r * ldy, out, sizeof(float) * channels);
-    }
-  }
-}
-
-}  // namespace avx_vnni
 }  // namespace chunkgen
 #endif
