@@ -30,8 +30,8 @@ class LLM:
     `config.why` why. chat_template=False joins chat messages with blank lines as plain text instead
     of using the model's chat template.
 
-    dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b,
-    gemma-3-1b, phi-3-mini) or the path of a Hugging Face config.json, instead of `model`: random weights
+    dummy_weights: a shipped config name (smollm2-135m, llama-3.2-1b, llama-2-7b, llama-3.1-8b,
+    qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or the path of a Hugging Face config.json, instead of `model`: random weights
     drawn from `seed` (benchmarks). tokenizer: the model's tokenizer, already loaded from its folder
     (load_tokenizer), to use instead of loading it again."""
 

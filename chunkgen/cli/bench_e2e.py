@@ -55,7 +55,7 @@ def bench_e2e(
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     kv_dtype: KV_DTYPE = None,
-    dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, llama-3.1-8b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
     weights_seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from (run's --seed is the sampling seed)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
@@ -79,6 +79,8 @@ def bench_e2e(
         n_shared, n_queries, max_new_tokens = "512", 8, 16
     lengths = [int(x) for x in n_shared.split(",")]
     batches = {b.strip(): choose_max_batch(b).rows for b in max_batch.split(",")}  # label: rows
+    if dummy_weights is not None and "llama_cpp" in chosen:
+        model, dummy_weights, quantize = _dummy_gguf(dummy_weights, quantize, weights_seed), None, "auto"
     config = resolve_config(model=model, dummy_weights=dummy_weights, seed=weights_seed, dtype=dtype, device=device,
                             kv_memory=kv_memory, kv_dtype=kv_dtype, max_batch=max(batches.values()), quantize=quantize,
                             batch_invariant=batch_invariant, mixed_prefill_tokens=mixed_prefill_tokens)
@@ -193,6 +195,40 @@ def _check_llama_cpp(config: Config, n_queries: int) -> None:
         fail(f"llama_cpp runs on the CPU here; give --device cpu (not {config.device})")
     if n_queries > MAX_ROWS:
         fail(f"llama_cpp decodes at most {MAX_ROWS} rows together (llama.cpp's LLAMA_MAX_SEQ); --n-queries {n_queries}")
+
+
+def _dummy_gguf(spec: str, quantize: str, seed: int) -> str:
+    """--dummy-weights beside llama_cpp: the random weights written once as a GGUF file (cached),
+    which both systems then run, so they compare on the same weights."""
+    from chunkgen.bench.llamacpp import LlamaCppUnavailable, llama_cpp_version
+    from chunkgen.model import dummy_gguf
+    from chunkgen.model.dummy import DummyWeightsError
+    from chunkgen.model.quant import GGUF_TYPES
+
+    try:  # before a file of gigabytes is written for nothing
+        llama_cpp_version()
+    except LlamaCppUnavailable as exc:
+        fail(str(exc))
+    if quantize not in GGUF_TYPES:
+        fail(
+            f"--dummy-weights beside llama_cpp needs a GGUF type to write: --quantize {'|'.join(GGUF_TYPES)}, "
+            f"not {quantize}"
+        )
+    try:
+        path = dummy_gguf.cached_path(spec, quantize, seed)
+        if not path.is_file():
+            err.print(
+                f"writing random {quantize} weights of {spec} as {path} (once; both systems run it)…", highlight=False
+            )
+        path, _ = dummy_gguf.ensure(spec, quantize, seed)
+    except DummyWeightsError as exc:
+        fail(str(exc))
+    err.print(
+        f"--dummy-weights {spec} --quantize {quantize} beside llama_cpp: both run {path} "
+        f"({human_bytes(path.stat().st_size)})",
+        highlight=False,
+    )
+    return str(path)
 
 
 def _check_dummy_fits(config: Config, copies: int) -> None:

@@ -3,7 +3,7 @@ weights are not at hand: `chunkgen bench e2e --dummy-weights llama-2-7b`.
 
 The weights are drawn with a seed (the same seed, device and dtype give the same model, so a
 benchmark can build a second copy for transformers' side), directly in the asked dtype on the
-asked device: nothing larger is ever materialised. Shapes of three models ship with chunkgen
+asked device: nothing larger is ever materialised. Shapes of eight models ship with chunkgen
 (SHIPPED); any other config.json can be named by its path.
 
 The tokenizer is the default model's when every one of its ids is a valid id of the config's
@@ -19,7 +19,16 @@ from pathlib import Path
 import torch
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SHIPPED = ("smollm2-135m", "llama-3.2-1b", "llama-2-7b", "qwen3-0.6b", "qwen3-4b", "gemma-3-1b", "phi-3-mini")
+SHIPPED = (
+    "smollm2-135m",
+    "llama-3.2-1b",
+    "llama-2-7b",
+    "llama-3.1-8b",
+    "qwen3-0.6b",
+    "qwen3-4b",
+    "gemma-3-1b",
+    "phi-3-mini",
+)
 
 # Memory a model takes while chunkgen builds it, per byte of its weights: the transformers model
 # while LlamaModel fuses q/k/v and gate/up into new tensors (~1.7x), plus on the CPU the

@@ -47,6 +47,7 @@ class Tensor:
     shape: tuple[int, ...]  # ggml's order, the row length first (as gguf's ReaderTensor.shape)
     tensor_type: int  # a GGMLQuantizationType value
     data: np.ndarray  # a view of the mapped file: the values [rows..., k], or bytes [rows..., bytes a row]
+    offset: int = 0  # of its first byte in the file
 
 
 class GGUFFile:
@@ -79,6 +80,17 @@ class GGUFFile:
 
     def field(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+    def release(self, tensor: Tensor) -> None:
+        """Unmap the pages of a tensor that has been copied out (the file stays mapped; reading the
+        tensor again faults them back in from the page cache). A load reads each tensor once, and
+        the pages it touched would otherwise count in the process's memory until the file is
+        closed: a 3.6 GiB model's whole file on top of its repacked weights."""
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page
+        end = min(self._size, -(-(tensor.offset + tensor.data.nbytes) // page) * page)
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     # -- reading the header, bounds checked -------------------------------------------------------
     def _skip(self, n: int) -> int:
@@ -160,7 +172,7 @@ class GGUFFile:
             data = data.view(VALUES[qtype]).reshape(*shape[:-1], shape[-1] // width)
         else:
             data = data.reshape(shape)
-        return Tensor(name, dims, kind, data)
+        return Tensor(name, dims, kind, data, start)
 
 
 def _gguf_version() -> str:

@@ -429,6 +429,7 @@ class GGUFSource:
         from chunkgen.model.gguf_file import GGUFError, GGUFFile
 
         file = GGUFFile(path)  # maps the file: tensors are read when repacked
+        self.file = file
         self.arch = file.field("general.architecture")
         arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch), None)
         if arch is None:
@@ -471,6 +472,7 @@ class GGUFSource:
             return None
         n, k = self.shape(name)
         w = from_gguf(tensor.data, tensor.tensor_type, n, k)
+        self.file.release(tensor)  # copied: its mapped pages no longer count in the process's memory
         if self.arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = self.heads if name.endswith("q_proj") else self.kv_heads
             order = np.arange(n).reshape(heads, 2, n // heads // 2).swapaxes(1, 2).reshape(n)
@@ -487,7 +489,9 @@ class GGUFSource:
             return None
         tensor = self.tensors["token_embd.weight"]
         k, n = (int(d) for d in tensor.shape[:2])
-        return from_gguf(tensor.data, tensor.tensor_type, n, k)
+        w = from_gguf(tensor.data, tensor.tensor_type, n, k)
+        self.file.release(tensor)
+        return w
 
 
 def weight_source(quantize: str, device: str, model_path, config, seed: int = 0):

@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from chunkgen.bench import llamacpp
 from chunkgen.bench.llamacpp import LlamaCppUnavailable, cells_for, common_prefix, gguf_file
 from chunkgen.cli import app
 from chunkgen.model.loading import SOURCE_FILE
@@ -54,10 +55,15 @@ def test_the_gguf_is_the_file_the_model_option_names(tmp_path):
 
 def test_llama_cpp_refusals_come_before_the_model_loads(tiny_model, tiny_config, tmp_path, monkeypatch):
     base = ["bench", "e2e", "--systems", "chunkgen,llama_cpp", "--n-shared", "16", "--n-queries", "2"]
-    for model in (["--model", str(tiny_model)], ["--dummy-weights", str(tiny_config)]):
-        res = runner.invoke(app, [*base, *model])
-        assert res.exit_code == 1 and "llama_cpp runs a GGUF file" in res.output, res.output
-        assert "loading" not in res.output.lower()
+    res = runner.invoke(app, [*base, "--model", str(tiny_model)])
+    assert res.exit_code == 1 and "llama_cpp runs a GGUF file" in res.output, res.output
+    assert "loading" not in res.output.lower()
+    # --dummy-weights beside llama_cpp is written as a GGUF file first: only of a GGUF type
+    monkeypatch.setenv("CHUNKGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "0.0")
+    res = runner.invoke(app, [*base, "--dummy-weights", str(tiny_config)])
+    assert res.exit_code == 1 and "needs a GGUF type to write: --quantize q8_0|" in res.output, res.output
+    monkeypatch.undo()
     file = tmp_path / "m.gguf"
     file.write_bytes(b"GGUF")  # not a model: the checks must stop before anything reads it
     too_many = runner.invoke(app, [*base[:-1], "300", "--model", str(file)])
@@ -66,6 +72,10 @@ def test_llama_cpp_refusals_come_before_the_model_loads(tiny_model, tiny_config,
     res = runner.invoke(app, [*base, "--model", str(file)])
     assert res.exit_code == 1 and "llama-cpp-python is not installed" in res.output and "[llamacpp]" in res.output
     assert len(res.output.strip().splitlines()) == 1
+    monkeypatch.setenv("CHUNKGEN_CACHE", str(tmp_path / "cache"))
+    res = runner.invoke(app, [*base, "--dummy-weights", str(tiny_config), "--quantize", "q8_0"])
+    assert res.exit_code == 1 and "llama-cpp-python is not installed" in res.output
+    assert not (tmp_path / "cache").exists()  # nothing written for a run that cannot happen
 
 
 def _llama_cpp():

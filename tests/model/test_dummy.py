@@ -19,6 +19,7 @@ def test_shipped_configs_have_the_models_shapes():
     assert round(sizes["smollm2-135m"] / 1e6) == 135
     assert round(sizes["llama-3.2-1b"] / 1e9, 2) == 1.24
     assert round(sizes["llama-2-7b"] / 1e9, 2) == 6.74
+    assert round(sizes["llama-3.1-8b"] / 1e9, 2) == 8.03
     assert round(sizes["qwen3-0.6b"] / 1e6) == 596 and round(sizes["qwen3-4b"] / 1e9, 2) == 4.02
     assert round(sizes["gemma-3-1b"] / 1e6) == 1000 and round(sizes["phi-3-mini"] / 1e9, 2) == 3.82
     assert dummy.weight_bytes(dummy.load_config("llama-2-7b"), torch.bfloat16) == 2 * sizes["llama-2-7b"]
