@@ -23,6 +23,7 @@ def test_shipped_configs_have_the_models_shapes():
     assert round(sizes["qwen3-0.6b"] / 1e6) == 596 and round(sizes["qwen3-4b"] / 1e9, 2) == 4.02
     assert round(sizes["gemma-3-1b"] / 1e6) == 1000 and round(sizes["phi-3-mini"] / 1e9, 2) == 3.82
     assert dummy.weight_bytes(dummy.load_config("llama-2-7b"), torch.bfloat16) == 2 * sizes["llama-2-7b"]
+    assert sorted(dummy.SHIPPED) == sorted(p.stem for p in dummy.CONFIGS.glob("*.json"))
     with pytest.raises(dummy.DummyWeightsError, match="not a shipped config"):
         dummy.config_path("llama-9")
 

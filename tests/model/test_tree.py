@@ -14,16 +14,7 @@ from chunkgen.model import dummy
 from chunkgen.model.tree import module_tree
 from tests.model.families import FAMILIES, family_config
 
-SHIPPED = [
-    "smollm2-135m",
-    "llama-3.2-1b",
-    "llama-2-7b",
-    "llama-3.1-8b",
-    "qwen3-0.6b",
-    "qwen3-4b",
-    "gemma-3-1b",
-    "phi-3-mini",
-]
+SHIPPED = list(dummy.SHIPPED)
 # What transformers' own tree is left to: the multimodal layout, frequencies that follow the length.
 LEFT_TO_TRANSFORMERS = {"gemma3-multimodal", "phi3-longrope", "llama-dynamic"}
 
