@@ -122,7 +122,7 @@ def write(spec: str, qtype_name: str, path: Path, seed: int = 0) -> None:
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if qtype_name == "q4_k" else _file_type(qtype_name))
+    writer.add_file_type(_file_type(qtype_name))
     _add_tokenizer(writer, vocab)
     for name, n, k, t in tensors:
         if t is None:
@@ -141,9 +141,11 @@ def write(spec: str, qtype_name: str, path: Path, seed: int = 0) -> None:
 
 
 def _file_type(qtype_name: str):
+    """The file type llama.cpp's quantizer writes for this mix (q4_k: Q4_K_M, output in Q6_K)."""
     import gguf
 
     return {
+        "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
         "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
         "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
