@@ -27,6 +27,7 @@
 #include "decode_chunk_first_bf16.h"
 #include "decode_plan.h"
 #include "isa.h"
+#include "kv_lines.h"
 #include "online_softmax.h"
 #include "vec.h"
 
@@ -146,53 +147,6 @@ inline void prefetch_chunks(const DecodeProblem& p, const Workspace& ws, const P
   }
 }
 
-// One word of every cache line of x[0, n), in address order, into four independent chains.
-template <typename T>
-inline void load_lines(const T* x, size_t n, uint32_t (&a)[4]) {
-  constexpr size_t kLine = 64 / sizeof(T);
-  const auto word = [](const T* y) {
-    uint32_t w;
-    std::memcpy(&w, y, sizeof w);
-    return w;
-  };
-  size_t e = 0;
-  for (; e + 4 * kLine <= n; e += 4 * kLine) {
-    a[0] |= word(x + e);
-    a[1] |= word(x + e + kLine);
-    a[2] |= word(x + e + 2 * kLine);
-    a[3] |= word(x + e + 3 * kLine);
-  }
-  for (; e < n; e += kLine) a[0] |= word(x + e);
-}
-
-// Every cache line of own chunks [lo, hi) (head h, each chunk's first n tokens), loaded in address
-// order just before the products read them. The products read K^T and V in strided passes (a line
-// every 256 bytes in fp32, the next pass a line over), which keep few misses in flight; these
-// independent loads put all of the chunks' misses in flight at once, beside what the prefetch of
-// the row before already brought. Their values only feed an empty asm: nothing is computed.
-// (AVX2 build, 256 rows 58 tokens into their answers on 2,048 shared: the phase 102-109 ms a
-// step without, 85-92 with; level in bf16 on AVX-512, where the phase is closer to its arithmetic.)
-template <typename T>
-inline void load_chunks(const DecodeProblem& p, const Workspace& ws, const PoolView& pool, int lo, int hi, int h) {
-  const int C = p.chunk, d = p.head_dim;
-  uint32_t a[4] = {};
-  for (int i = lo; i < hi; ++i) {
-    const int n = ws.chunk_len[i];
-    if (n <= 0) continue;
-    const size_t off = pool.at(ws.chunk_slot[i], h);
-    const T* k = static_cast<const T*>(p.k) + off;
-    const T* v = static_cast<const T*>(p.v) + off;
-    // K^T's rows are C apart: a full chunk is one run of d * C, a partial one n of each row.
-    const size_t run = n == C ? static_cast<size_t>(d) * C : static_cast<size_t>(n);
-    for (int t = 0; t < (n == C ? 1 : d); ++t) load_lines(k + static_cast<size_t>(t) * C, run, a);
-    load_lines(v, static_cast<size_t>(n) * d, a);
-  }
-  asm volatile("" ::"r"(a[0] | a[1] | a[2] | a[3]));
-}
-// Own chunks loaded at once: a long tail is loaded a few chunks at a time, so that what is loaded
-// still sits in L2 when the products reach it (4 fp32 chunks of one head: 128 KiB).
-constexpr int kLoadChunks = 4;
-
 // Row b's segment seg of its own chunks: [lo, hi) of the own-chunk list.
 inline std::pair<int, int> segment_chunks(const Workspace& ws, int b, int seg) {
   const int nseg = ws.seq_nseg[b], c0 = ws.seq_chunk_ptr[b], nc = ws.seq_chunk_ptr[b + 1] - c0;
@@ -277,15 +231,7 @@ inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Sc
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
   thread_local Bf16Scratch bsc;
   if (isa != Isa::Fp32 && p.invariant) {  // level by level, each row's state continued chunk by chunk
-    // Every live shared chunk packed once for all the items (row pieces) that read it. The
-    // workspace was sized by run(), before the threads started.
-    const int n_packed = static_cast<int>(ws.group_chunks.size()) * p.kv_heads;
-#pragma omp for schedule(static)
-    for (int i = 0; i < n_packed; ++i) {
-      const int c = ws.group_chunks[i / p.kv_heads];
-      pack_chunk(p, p.shared_slot[c], i % p.kv_heads, p.shared_len[c],
-                 ws.packed_chunks.data() + static_cast<size_t>(i) * packed_chunk_elems(p));
-    }
+    pack_shared_chunks(p, ws);
     for (size_t level = 0; level + 1 < ws.level_ptr.size(); ++level)
 #pragma omp for schedule(dynamic, 1)
       for (int it = ws.level_ptr[level]; it < ws.level_ptr[level + 1]; ++it)
