@@ -391,7 +391,8 @@ inline void pack_shared_chunks(const DecodeProblem& p, Workspace& ws) {
       asm volatile("" ::"r"(a[0] | a[1] | a[2] | a[3]));
     }
     const int c = chunk_of(i);
-    pack_chunk(p, p.shared_slot[c], i % Hk, p.shared_len[c], ws.packed_chunks.data() + static_cast<size_t>(i) * packed_chunk_elems(p));
+    pack_chunk(p, p.shared_slot[c], i % Hk, p.shared_len[c],
+               ws.packed_chunks.data() + static_cast<size_t>(i) * packed_chunk_elems(p));
   }
 }
 
@@ -431,7 +432,8 @@ void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int
       [&](int i) {
         // Their lines in flight a few chunks at a time, as phase 2's fp32 path does (the same
         // shape: the phase 112 -> 79 us a layer).
-        if (i % kLoadChunks == 0) load_chunks<uint16_t>(p, ws, PoolView(p), lo + i, std::min(hi, lo + i + kLoadChunks), h);
+        if (i % kLoadChunks == 0)
+          load_chunks<uint16_t>(p, ws, PoolView(p), lo + i, std::min(hi, lo + i + kLoadChunks), h);
         return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i], 0};
       },
       [&](int i, int) { return std::pair<int, int>(p.window > 0 ? ws.chunk_lo[lo + i] : 0, ws.chunk_len[lo + i]); },
