@@ -231,7 +231,6 @@ inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Sc
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
   thread_local Bf16Scratch bsc;
   if (isa != Isa::Fp32 && p.invariant) {  // level by level, each row's state continued chunk by chunk
-    pack_shared_chunks(p, ws);
     for (size_t level = 0; level + 1 < ws.level_ptr.size(); ++level)
 #pragma omp for schedule(dynamic, 1)
       for (int it = ws.level_ptr[level]; it < ws.level_ptr[level + 1]; ++it)
@@ -294,10 +293,6 @@ void run(DecodeProblem p, Isa isa) {
 #endif
   plan_windows(p, ws);
   plan_shared_items(p, ws, nthreads, block);
-#if defined(CHUNKGEN_HAVE_AVX512_BF16)
-  if (isa != Isa::Fp32 && p.invariant && sizeof(T) == 2)
-    grow(ws.packed_chunks, ws.group_chunks.size() * p.kv_heads * packed_chunk_elems(p));
-#endif
   plan_own_chunks(p, ws);
   plan_seq_items(p, ws, 4 * nthreads);
   // The step's K/V: a live row writes into its last private chunk, which only it reads, so its

@@ -294,28 +294,64 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 struct ChunkRef {
   int64_t slot;
   int len, pos;
-  const uint16_t* packed = nullptr;  // K^T then V as pack_chunk left them; null: packed here
 };
 
-// Chunk `slot`'s K^T [dp, C] (pairs along d) then V [Kn, d] (pairs along tokens), head h, its
-// first len tokens (zero past them) into dst: what the bf16 products of one chunk read.
+// The columns of a chunk of len tokens that its products take: S's (K^T's columns, a multiple of
+// 16) and P.V's (V's rows, a multiple of 32). Past them every probability and every V row is 0, so
+// a partly filled chunk (a row's last) costs what its tokens do; both phases take a chunk alike.
+struct ChunkCols {
+  int s, pv;
+};
+inline ChunkCols chunk_cols(int len, int C) { return {std::min(C, bf16::round_up(len, 16)), bf16::round_up(len, 32)}; }
+
+// Chunk `slot`'s K^T [dp, cols.s] (pairs along d) then, at dp * C, V [cols.pv, d] (pairs along
+// tokens), head h, its first len tokens (zero past them) into dst: what the bf16 products of one
+// chunk read.
 inline void pack_chunk(const DecodeProblem& p, int64_t slot, int h, int len, uint16_t* dst) {
-  const int d = p.head_dim, C = p.chunk, dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
+  const int d = p.head_dim, C = p.chunk, dp = bf16::round_up(d, 32);
+  const ChunkCols cols = chunk_cols(len, C);
   const PoolView pool(p);
   const size_t off = pool.at(slot, h);
   uint16_t* vp = dst + static_cast<size_t>(dp) * C;
-  bf16::pack_pairs(static_cast<const uint16_t*>(p.k) + off, C, d, dp, C, len, dst, C);
-  bf16::pack_pairs(static_cast<const uint16_t*>(p.v) + off, d, len, C, d, d, vp);
-  std::fill(vp + static_cast<size_t>(C) * d, vp + static_cast<size_t>(Kn) * d, uint16_t{0});
+  bf16::pack_pairs(static_cast<const uint16_t*>(p.k) + off, C, d, dp, cols.s, len, dst, cols.s);
+  bf16::pack_pairs(static_cast<const uint16_t*>(p.v) + off, d, len, cols.pv, d, d, vp);
 }
 inline size_t packed_chunk_elems(const DecodeProblem& p) {
   return static_cast<size_t>(bf16::round_up(p.head_dim, 32)) * p.chunk +
          static_cast<size_t>(bf16::round_up(p.chunk, 32)) * p.head_dim;
 }
 
+// The next chunk's lines, toward L2 a share per softmax row of the chunk before it, for phase 1,
+// which packs each shared chunk as it reaches it (one pack per row piece; the second from L2 or
+// L3). A pass that packed every shared chunk once before the items read the step's shared K/V from
+// memory with nothing to overlap it, and its 1.5 MiB of packed chunks a layer made some processes'
+// steps 1.8x slower than others' (32 rows on 2,048 shared, SmolLM2's heads, Zen 5).
+struct NextChunkLines {
+  const char *k = nullptr, *v = nullptr;
+  int k_lines = 0, lines = 0;
+
+  NextChunkLines() = default;
+  NextChunkLines(const DecodeProblem& p, int h, const ChunkRef& c) {
+    if (c.len <= 0) return;
+    const size_t off = PoolView(p).at(c.slot, h);
+    k = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.k) + off);
+    v = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.v) + off);
+    k_lines = p.head_dim * p.chunk * 2 / 64;
+    lines = k_lines + (c.len * p.head_dim * 2 + 63) / 64;
+  }
+
+  void prefetch(int r, int Rp) const {
+    const int l_end = static_cast<int>(static_cast<int64_t>(r + 1) * lines / Rp);
+    for (int l = static_cast<int>(static_cast<int64_t>(r) * lines / Rp); l < l_end; ++l)
+      _mm_prefetch(l < k_lines ? k + 64 * l : v + 64 * (l - k_lines), _MM_HINT_T1);
+  }
+};
+
+// prefetch_next: bring each next chunk in while this one is read (phase 1's shared chunks; a row's
+// own chunks are loaded by the caller, load_chunks).
 template <typename Q, typename ChunkAt, typename SpanAt>
 void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
-                        SpanAt span, Bf16Scratch& sc) {
+                        SpanAt span, Bf16Scratch& sc, bool prefetch_next = false) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
   // The products' register blocks: 8 rows, or 4 for a row's own chunks in phase 2 (one sequence's
@@ -344,20 +380,27 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
   blk.N = C;
   blk.Kn = Kn;
   blk.first = false;  // the state is always continued (a fresh one is o = 0, m = -inf)
+  ChunkRef next = n > 0 ? chunk(0) : ChunkRef{};
+  if (prefetch_next) NextChunkLines(p, h, next).prefetch(0, 1);
   for (int i = 0; i < n; ++i) {
-    const ChunkRef c = chunk(i);
+    const ChunkRef c = next;
+    if (i + 1 < n) next = chunk(i + 1);
     if (c.len <= 0) continue;
     blk.len[0] = c.len;
     blk.pos[0] = c.pos;
-    if (c.packed == nullptr) pack_chunk(p, c.slot, h, c.len, sc.kp.data());
-    const uint16_t* kp = c.packed != nullptr ? c.packed : sc.kp.data();
+    pack_chunk(p, c.slot, h, c.len, sc.kp.data());
+    const uint16_t* kp = sc.kp.data();
     const uint16_t* vp = kp + static_cast<size_t>(dp) * C;
+    const NextChunkLines next_lines = prefetch_next && i + 1 < n ? NextChunkLines(p, h, next) : NextChunkLines();
+    // Scores past cols.s are left as they were: the softmax masks them.
+    const ChunkCols cols = chunk_cols(c.len, C);
     for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
       const int rows = std::min(kBf16Rows, Rp - r0);
-      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, kp, dp, C, sc.s.data(), C, rows, false);
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, kp, dp, cols.s, sc.s.data(), C, rows, false);
       for (int rr = 0; rr < rows; ++rr) {
         const int r = r0 + rr;
         uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
+        next_lines.prefetch(r, Rp);
         if (r >= R) {  // padding rows carry no weight
           std::fill_n(pr, Kn, uint16_t{0});
           continue;
@@ -367,32 +410,8 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
         blk.len[0] = lo_len.second;
         row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * C, pr);
       }
-      gemm(sc.p.data(), Kn, vp, Kn, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
+      gemm(sc.p.data(), Kn, vp, cols.pv, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
     }
-  }
-}
-
-// Phase 1, batch-invariant, first: every live shared chunk packed once a step for all the items
-// (row pieces) that read it, at [(group_chunks index) * kv_heads + head]. The pass reads the step's
-// shared K/V from memory with nothing to overlap it, so each pair of chunk heads has all its lines
-// in flight before it is packed (32 rows on 2,048 shared, SmolLM2's heads, Zen 5: the phase 345 ->
-// 290 us a layer). Called inside the parallel region; the workspace was sized before it.
-inline void pack_shared_chunks(const DecodeProblem& p, Workspace& ws) {
-  constexpr int kTogether = 2;
-  const int Hk = p.kv_heads, n = static_cast<int>(ws.group_chunks.size()) * Hk;
-  const PoolView pool(p);
-  const auto chunk_of = [&](int i) { return ws.group_chunks[i / Hk]; };
-#pragma omp for schedule(static)
-  for (int i = 0; i < n; ++i) {
-    if (i % kTogether == 0) {
-      uint32_t a[4] = {};
-      for (int j = i; j < std::min(n, i + kTogether); ++j)
-        load_slot<uint16_t>(p, pool, p.shared_slot[chunk_of(j)], j % Hk, p.shared_len[chunk_of(j)], a);
-      asm volatile("" ::"r"(a[0] | a[1] | a[2] | a[3]));
-    }
-    const int c = chunk_of(i);
-    pack_chunk(p, p.shared_slot[c], i % Hk, p.shared_len[c],
-               ws.packed_chunks.data() + static_cast<size_t>(i) * packed_chunk_elems(p));
   }
 }
 
@@ -404,15 +423,13 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
       p, ws, w.begin, w.end, w.head, w.level > 0, w.last - w.first,
       [&](int i) {
         const int c = ws.group_chunks[w.first + i];
-        return ChunkRef{
-            p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0,
-            ws.packed_chunks.data() + (static_cast<size_t>(w.first + i) * p.kv_heads + w.head) * packed_chunk_elems(p)};
+        return ChunkRef{p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0};
       },
       [&](int i, int r) {
         const int c = ws.group_chunks[w.first + i], n = p.shared_len[c];
         return std::pair<int, int>(p.window > 0 ? window_lo(ws, w.begin + r / G, ws.shared_pos[c], n) : 0, n);
       },
-      sc);
+      sc, true);
   for (int r = 0; r < (w.end - w.begin) * G; ++r) {
     const size_t at = static_cast<size_t>(w.begin + r / G) * Hq + w.head * G + r % G;
     std::memcpy(ws.part_o.data() + at * d, sc.o.data() + static_cast<size_t>(r) * d, sizeof(float) * d);

@@ -51,9 +51,6 @@ struct Workspace {
   // (the bf16 path keeps l as 16 lane sums, part_lv).
   std::vector<int32_t> level_ptr;
   std::vector<float> part_lv;
-  // Batch-invariant bf16 phase 1: each live shared chunk's K^T and V packed once a step, per KV
-  // head, at [(group_chunks index) * kv_heads + head], for every item that reads it.
-  std::vector<uint16_t> packed_chunks;
   // Sliding windows: rows [eff_begin, eff_end) of each shared chunk read it (all its rows without a
   // window); with one, each shared chunk's first position, each row's window start, and the first
   // token inside the window of each chunk a row reads itself.
