@@ -324,8 +324,8 @@ inline size_t packed_chunk_elems(const DecodeProblem& p) {
 // The next chunk's lines, toward L2 a share per softmax row of the chunk before it, for phase 1,
 // which packs each shared chunk as it reaches it (one pack per row piece; the second from L2 or
 // L3). A pass that packed every shared chunk once before the items read the step's shared K/V from
-// memory with nothing to overlap it, and its 1.5 MiB of packed chunks a layer made some processes'
-// steps 1.8x slower than others' (32 rows on 2,048 shared, SmolLM2's heads, Zen 5).
+// memory with nothing to overlap it, and with its 1.5 MiB of packed chunks a layer some processes
+// ran the phase 1.4-1.8x slower than others (32 rows on 2,048 shared, SmolLM2's heads, Zen 5).
 struct NextChunkLines {
   const char *k = nullptr, *v = nullptr;
   int k_lines = 0, lines = 0;
