@@ -170,7 +170,10 @@ class Config:
         budget = _kv_budget(kv_memory, dev.device)
         notes = ()
         if not dev.device.startswith("cuda") and dtype_choice.dtype == torch.float16:
-            notes = ("--dtype fp16 on the CPU runs several times slower than fp32 or bf16; fp16 is for --device cuda",)
+            notes = (
+                "--dtype fp16 on the CPU computes in fp32 (its weights widened, twice their memory; K/V in fp32): "
+                "fp32 or bf16 are the CPU's dtypes, fp16 is for --device cuda",
+            )
         if invariant and dev.device.startswith("cuda"):
             notes += (
                 "batch-invariant numerics cover the CPU kernels only: on a GPU a row's answer may still differ "

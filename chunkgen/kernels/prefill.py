@@ -371,6 +371,14 @@ def prefill_attention(
     same bits as one call each, in one OpenMP region instead of one a sequence."""
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0 (0: off), got {window} and {softcap}")
+    if q.dtype == torch.float16 and pool.dtype == torch.float32 and q.device.type == "cpu":
+        # An fp16 model's K/V are fp32 on the CPU: its queries widened too, so that the wave takes
+        # the in-place fp32 products (with batch-invariant numerics, the fold that is the same for a
+        # row whatever the wave), not a gather and torch's kernels.
+        wide = torch.empty(out.shape, dtype=torch.float32)
+        prefill_attention(groups, layer, q.float(), k.float(), v.float(), pool, scale, wide, window, softcap, lone)
+        out.copy_(wide)
+        return
     if window or softcap:
         for g in groups:
             _masked_group(g, layer, q, k, v, pool, scale, out, window, softcap)

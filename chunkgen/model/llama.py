@@ -112,11 +112,17 @@ class Linear:
         # the same at any row count (oneDNN and torch choose their blocking, and split k, by rows).
         self.decode_packed = None
         self.decode_fast = bias is None and weight.numel() >= _ONEDNN_MIN_WEIGHT
-        if (
-            weight.device.type == "cpu"
+        own_product = weight.device.type == "cpu" and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"
+        # fp16 weights on the CPU (a GPU format): chunkgen's fp32 product on an fp32 copy, twice
+        # their memory, serves every call. Torch's fp16 product ran about 10x slower (1536 x 576 at
+        # 32 and 256 rows, Zen 5), and its order of sums is not chunkgen's to hold.
+        self.widened = own_product and weight.dtype == torch.float16 and native_cpu_available()
+        if self.widened:
+            self.decode_packed = torch.ops.chunkgen.pack_linear.default(self.weight.float())
+        elif (
+            own_product
             and (weight.dtype == torch.float32 and native_cpu_available() or decode_product_available())
             and weight.dtype in (torch.float32, torch.bfloat16)
-            and os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0"
         ):
             self.decode_packed = torch.ops.chunkgen.pack_linear.default(self.weight)
         self.packed = None
@@ -125,6 +131,7 @@ class Linear:
             and torch.backends.mkldnn.is_available()
             and weight.numel() >= _ONEDNN_MIN_WEIGHT
             and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
+            and not self.widened
             and not (held_once and invariant and self.decode_packed is not None)  # every call takes chunkgen's
         ):
             try:
@@ -143,7 +150,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Inductor cannot lower the prepacked weights; a compiled forward packs weights itself.
         if not torch.compiler.is_compiling() or self.weight is None:
-            if self.decode_packed is not None and (
+            if self.widened:
+                y = torch.ops.chunkgen.packed_linear.default(x.float(), self.decode_packed, self.out_features)
+                y = y.to(self.dtype)
+                return y if self.bias is None else y.add_(self.bias)
+            if self.decode_packed is not None and not self.widened and (
                 invariant.enabled()
                 or self.weight is None
                 and self.packed is None

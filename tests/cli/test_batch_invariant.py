@@ -41,10 +41,10 @@ def _answers(path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_answers_are_bit_identical_across_batches_orders_shards_and_resume(tiny_model, tmp_path, dtype):
     queries = tmp_path / "rows.jsonl"
-    queries.write_text("\n".join(_rows(7 if dtype == "fp32" else 8, 40)) + "\n")
+    queries.write_text("\n".join(_rows({"fp32": 7, "bf16": 8, "fp16": 9}[dtype], 40)) + "\n")
 
     def run(out: str, *extra: str):
         args = base_args(tiny_model, tmp_path / out, queries, None, max_new_tokens=6, dtype=dtype, logprobs=2,
