@@ -154,7 +154,7 @@ class Linear:
                 y = torch.ops.chunkgen.packed_linear.default(x.float(), self.decode_packed, self.out_features)
                 y = y.to(self.dtype)
                 return y if self.bias is None else y.add_(self.bias)
-            if self.decode_packed is not None and not self.widened and (
+            if self.decode_packed is not None and (
                 invariant.enabled()
                 or self.weight is None
                 and self.packed is None
