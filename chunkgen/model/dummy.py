@@ -49,6 +49,9 @@ def peak_factor(device: str, dtype: torch.dtype | None = None) -> float:
         from chunkgen._native import native_cpu_available
         from chunkgen.model.llama import decode_product_available
 
+        # fp16 weights run widened: their fp32 copy (twice their bytes) in place of oneDNN's.
+        if dtype == torch.float16 and native_cpu_available():
+            return PEAK_PER_WEIGHT_BYTE["cpu-unpacked"] + 2 * DECODE_PRODUCT_COPY
         # The decode product keeps its own packed copy: fp32 on any CPU, bf16 where it runs.
         fp32 = dtype == torch.float32 and native_cpu_available()
         factor += DECODE_PRODUCT_COPY if fp32 or dtype == torch.bfloat16 and decode_product_available() else 0.0

@@ -50,17 +50,20 @@ def test_too_large_random_weights_are_refused_before_anything_is_built():
         dummy.check_fits(config, torch.bfloat16, "cuda:0", 30 << 30, copies=2)
 
 
-def test_the_memory_check_does_not_under_estimate_fp32():
-    """fp32 on the CPU keeps a packed copy for the decode product too: the estimate counts it."""
+@pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+def test_the_memory_check_does_not_under_estimate_the_products_copies(name, dtype):
+    """fp32 on the CPU keeps a packed copy for the decode product too, and fp16 an fp32 copy (its
+    weights widened) in place of oneDNN's: the estimate counts them."""
     from chunkgen.bench.e2e import PeakRSS
     from chunkgen.llm import LLM
 
     config = dummy.load_config("smollm2-135m")
     with PeakRSS() as rss:
         start = rss.peak
-        llm = LLM(dummy_weights="smollm2-135m", dtype="fp32", device="cpu", kv_memory="64MiB")
+        llm = LLM(dummy_weights="smollm2-135m", dtype=name, device="cpu", kv_memory="64MiB")
     assert llm.model.layers[0].gate_up.decode_packed is not None
-    assert rss.peak - start <= dummy.weight_bytes(config, torch.float32) * dummy.peak_factor("cpu", torch.float32)
+    assert llm.model.layers[0].gate_up.widened == (dtype == torch.float16)
+    assert rss.peak - start <= dummy.weight_bytes(config, dtype) * dummy.peak_factor("cpu", dtype)
 
 
 def test_a_vocabulary_no_tokenizer_fits_runs_on_token_ids(tiny_config):
