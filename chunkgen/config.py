@@ -171,8 +171,8 @@ class Config:
         notes = ()
         if not dev.device.startswith("cuda") and dtype_choice.dtype == torch.float16:
             notes = (
-                "--dtype fp16 on the CPU computes in fp32 (its weights widened, twice their memory; K/V in fp32): "
-                "fp32 or bf16 are the CPU's dtypes, fp16 is for --device cuda",
+                "--dtype fp16 on the CPU runs its products in fp32 on widened weights (twice their memory; K/V in "
+                "fp32), its activations rounded to fp16: fp32 or bf16 are the CPU's dtypes, fp16 is for --device cuda",
             )
         if invariant and dev.device.startswith("cuda"):
             notes += (
