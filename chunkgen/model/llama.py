@@ -75,7 +75,7 @@ def _register_fake_products() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("chunkgen::quant_linear")
-    def _(x, qs, scales, mins, kind, n):
+    def _(x, qs, scales, mins, kind, n, scale_d=None, min_d=None):
         return x.new_empty(x.shape[0], n)
 
 

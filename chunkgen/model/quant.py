@@ -1,9 +1,11 @@
 """Quantized weights kept as shipped: GGUF blocks repacked once, at load, into the layouts the CPU
 kernel (csrc/cpu/quant_linear.cpp) streams, and per-output-channel int8 made from float weights.
 
-Every type becomes blocks of 32 values along k with fp32 block scales (and mins where the type has
+Every type becomes blocks of 32 values along k with block scales (and mins where the type has
 them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nibbles, wider ones
-(Q5_K, Q6_K, Q8_0, int8) as int8 (QuantWeight, row by row). A product packs them once more, 8
+(Q5_K, Q6_K, Q8_0, int8) as int8 (QuantWeight, row by row). The scales are fp32, or for Q4_K and
+Q6_K factored as the file has them: an int8 per block (or half) under an fp32 per super-block of
+256 values (the same fp32 products, exactly, at a quarter of the bytes). A product packs them once more, 8
 output channels interleaved (PackedWeight, what the kernel streams). Nothing is expanded to floats,
 except by `dequantize` where a caller needs floats (the GPU, which runs bf16, and the embedding
 rows a batch looks up).
@@ -23,6 +25,7 @@ U4, S8, S8_HALF, S5 = 0, 1, 2, 3  # the kernel's layouts (csrc/cpu/quant_linear.
 BLOCK = 32
 GROUP = 8  # output channels the packed layout interleaves
 QK_K = 256
+SUPER = QK_K // BLOCK  # blocks under one factored super-block scale
 
 # The GGUF types the kernel runs as shipped, by the names --quantize and the load line use.
 GGUF_TYPES = {
@@ -39,8 +42,9 @@ TYPE_NAMES = {v: k for k, v in GGUF_TYPES.items()}
 @dataclass
 class QuantWeight:
     """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4, else [n, k] int8), scales [n, k/32]
-    ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. `pack` makes the layout
-    the kernel reads."""
+    ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. Scales and mins are fp32,
+    or factored: int8, times scale_d (min_d) [n, k/256] fp32 for the 8 blocks of a super-block.
+    `pack` makes the layout the kernel reads."""
 
     kind: int
     qs: torch.Tensor
@@ -49,25 +53,60 @@ class QuantWeight:
     n: int
     k: int
     source: str  # what it was made from: a GGUF type name ("q4_1") or "int8"
+    scale_d: torch.Tensor | None = None  # factored scales' super-block factors
+    min_d: torch.Tensor | None = None  # factored mins' super-block factors
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+        return _nbytes(self)
+
+    @property
+    def factored(self) -> bool:
+        return self.scale_d is not None
+
+    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fp32 scales [n, k/32 or k/16] and mins [n, k/32] (or None) of every block."""
+        return _unfactor(self.scales, self.scale_d, self.n), (
+            None if self.mins is None else _unfactor(self.mins, self.min_d, self.n)
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W as floats (fp32 arithmetic, then `dtype`): for the GPU and for tests."""
+        scales, mins = self.block_scales()
         q = _values(self).float().view(self.n, -1, 16 if self.kind == S8_HALF else BLOCK)
-        w = q * self.scales.view(self.n, -1, 1)
-        if self.mins is not None:
-            w = w.view(self.n, -1, BLOCK) + self.mins.view(self.n, -1, 1)
+        w = q * scales.view(self.n, -1, 1)
+        if mins is not None:
+            w = w.view(self.n, -1, BLOCK) + mins.view(self.n, -1, 1)
         return w.reshape(self.n, self.k).to(dtype)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The rows `index` of W (an embedding lookup's rows, a permutation of output channels)."""
         pick = lambda t: None if t is None else t.index_select(0, index).contiguous()  # noqa: E731
         return QuantWeight(
-            self.kind, pick(self.qs), pick(self.scales), pick(self.mins), len(index), self.k, self.source
+            self.kind,
+            pick(self.qs),
+            pick(self.scales),
+            pick(self.mins),
+            len(index),
+            self.k,
+            self.source,
+            pick(self.scale_d),
+            pick(self.min_d),
         )
+
+
+def _nbytes(w) -> int:
+    parts = (w.qs, w.scales, w.mins, w.scale_d, w.min_d)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+def _unfactor(values: torch.Tensor, d: torch.Tensor | None, n: int) -> torch.Tensor:
+    """fp32 block values [n, blocks] from plain (fp32) or factored (int8 under d [n, k/256]) ones:
+    the products the kernel makes, exact in fp32 (int8 times an fp16 value)."""
+    if d is None:
+        return values
+    per_super = values.shape[-1] // d.shape[-1]
+    return (values.view(n, -1, per_super).float() * d.view(n, -1, 1)).view(n, -1)
 
 
 def _values(w: QuantWeight) -> torch.Tensor:
@@ -82,7 +121,8 @@ def _values(w: QuantWeight) -> torch.Tensor:
 class PackedWeight:
     """W [n, k] as the kernel streams it (csrc/cpu/quant_linear.cpp): channels in groups of 8
     (the last padded with zero rows), each group's blocks of 32 values along k with its 8 channels'
-    values interleaved 4 at a time; scales [groups, k/32, halves, 8], mins [groups, k/32, 8]."""
+    values interleaved 4 at a time; scales [groups, k/32, halves, 8], mins [groups, k/32, 8], and
+    for factored ones scale_d and min_d [groups, k/256, 8]."""
 
     kind: int
     qs: torch.Tensor
@@ -91,10 +131,12 @@ class PackedWeight:
     n: int
     k: int
     source: str
+    scale_d: torch.Tensor | None = None
+    min_d: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+        return _nbytes(self)
 
 
 def pack(w: QuantWeight) -> PackedWeight:
@@ -102,12 +144,12 @@ def pack(w: QuantWeight) -> PackedWeight:
     groups, nb = -(-w.n // GROUP), w.k // BLOCK
     pad = groups * GROUP - w.n
 
-    def grouped(t: torch.Tensor, inner: int) -> torch.Tensor:
-        """t [n, nb * inner] -> [groups, nb, ..., 8 channels, ...] as the kernel reads it."""
-        t = t.reshape(w.n, nb, inner)
+    def grouped(t: torch.Tensor, inner: int, blocks: int = nb) -> torch.Tensor:
+        """t [n, blocks * inner] -> [groups, blocks, ..., 8 channels, ...] as the kernel reads it."""
+        t = t.reshape(w.n, blocks, inner)
         if pad:
-            t = torch.cat([t, t.new_zeros(pad, nb, inner)])
-        return t.view(groups, GROUP, nb, inner)
+            t = torch.cat([t, t.new_zeros(pad, blocks, inner)])
+        return t.view(groups, GROUP, blocks, inner)
 
     if w.kind == U4:  # 16 bytes a block: chunk c, byte t of a channel = the block's byte 4 c + t
         qs = grouped(w.qs, 16).view(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4)
@@ -116,7 +158,10 @@ def pack(w: QuantWeight) -> PackedWeight:
     halves = 2 if w.kind == S8_HALF else 1
     scales = grouped(w.scales, halves).permute(0, 2, 3, 1)
     mins = None if w.mins is None else grouped(w.mins, 1).permute(0, 2, 3, 1).contiguous()
-    return PackedWeight(w.kind, qs.contiguous(), scales.contiguous(), mins, w.n, w.k, w.source)
+    supers = lambda d: None if d is None else grouped(d, 1, nb // SUPER).permute(0, 2, 3, 1).contiguous()  # noqa: E731
+    return PackedWeight(
+        w.kind, qs.contiguous(), scales.contiguous(), mins, w.n, w.k, w.source, supers(w.scale_d), supers(w.min_d)
+    )
 
 
 def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
@@ -126,7 +171,8 @@ def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
     qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order
     scales = w.scales[g, :, :, c].reshape(len(index), -1)
     mins = None if w.mins is None else w.mins[g, :, c].reshape(len(index), -1)
-    return QuantWeight(w.kind, qs, scales, mins, len(index), w.k, w.source)
+    supers = lambda d: None if d is None else d[g, :, 0, c].reshape(len(index), -1)  # noqa: E731
+    return QuantWeight(w.kind, qs, scales, mins, len(index), w.k, w.source, supers(w.scale_d), supers(w.min_d))
 
 
 class QuantEmbedding:
@@ -148,7 +194,7 @@ def quantized_linear(x: torch.Tensor, w: QuantWeight | PackedWeight) -> torch.Te
     """x [rows, k] times W^T, x quantized per row to int8 blocks of 32 -> [rows, n] in x's dtype."""
     if isinstance(w, QuantWeight):
         w = pack(w)
-    return torch.ops.chunkgen.quant_linear.default(x, w.qs, w.scales, w.mins, w.kind, w.n)
+    return torch.ops.chunkgen.quant_linear.default(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d, w.min_d)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -176,8 +222,7 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
     if k % block:
         raise ValueError(f"a {qtype.name} row of {k} values is not whole blocks of {block}")
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * (k // block), size)
-    nb = k // BLOCK
-    mins = None
+    mins = scale_d = min_d = None  # factored: scales (and mins) int8 under these
     if qtype == GGMLQuantizationType.Q8_0:
         kind, qs, scales = S8, b[:, 2:], _f16(b[:, :2])
     elif qtype == GGMLQuantizationType.Q4_0:
@@ -188,13 +233,14 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
     elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
         sc, m = _k_scale_min(b[:, 4:16])
-        scales = d * sc.astype(np.float32)  # [blocks, 8]
-        mins = -dmin * m.astype(np.float32)
         if qtype == GGMLQuantizationType.Q4_K:
             # 32 bytes per 64 values: the low nibbles are the first 32, the high ones the next
             ql = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
             kind, qs = U4, _nibbles((ql & 0x0F).reshape(-1, 8, 32))
+            scales, scale_d, mins, min_d = sc.astype(np.int8), d, -m.astype(np.int8), dmin
         else:
+            scales = d * sc.astype(np.float32)  # [blocks, 8]
+            mins = -dmin * m.astype(np.float32)
             qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             ql = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
             q = ((ql & 0x0F).reshape(-1, 8, 32) | ((qh & 1) << 4)).astype(np.int16)
@@ -207,12 +253,21 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         q = (ql & 0x0F).reshape(-1, 2, 4, 32) | ((qh & 3) << 4).reshape(-1, 2, 4, 32)
         kind, qs = S8_HALF, (q.astype(np.int16) - 32).astype(np.int8)
-        scales = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+        scales, scale_d = b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
+    values = np.int8 if scale_d is not None else np.float32
+    tensor = lambda a, dtype: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype).reshape(n, -1))  # noqa: E731
     qs = torch.from_numpy(np.ascontiguousarray(qs).view(np.uint8).reshape(n, -1))
-    scales = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(n, -1))
-    if mins is not None:
-        mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(n, nb))
-    return QuantWeight(kind, qs, scales, mins, n, k, TYPE_NAMES[qtype])
+    return QuantWeight(
+        kind,
+        qs,
+        tensor(scales, values),
+        tensor(mins, values),
+        n,
+        k,
+        TYPE_NAMES[qtype],
+        tensor(scale_d, np.float32),
+        tensor(min_d, np.float32),
+    )
 
 
 def int8_per_channel(w: torch.Tensor) -> QuantWeight:
@@ -275,7 +330,7 @@ class QuantLinear:
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None) -> None:
         groups: list[list[QuantWeight]] = []
         for part in parts:
-            if groups and groups[-1][0].kind == part.kind and (groups[-1][0].mins is None) == (part.mins is None):
+            if groups and _layout(groups[-1][0]) == _layout(part):
                 groups[-1].append(part)
             else:
                 groups.append([part])
@@ -290,14 +345,19 @@ class QuantLinear:
         return y if self.bias is None else (y.float() + self.bias).to(y.dtype)
 
 
+def _layout(w: QuantWeight) -> tuple[int, bool, bool]:
+    """What weights must share to be one product: the kernel's layout, mins, factored scales."""
+    return w.kind, w.mins is not None, w.factored
+
+
 def _concat(parts: list[QuantWeight]) -> QuantWeight:
     if len(parts) == 1:
         return parts[0]
-    cat = lambda ts: torch.cat(ts).contiguous()  # noqa: E731
-    mins = None if parts[0].mins is None else cat([p.mins for p in parts])
+    cat = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
     n = sum(p.n for p in parts)
+    first = parts[0]
     return QuantWeight(
-        parts[0].kind, cat([p.qs for p in parts]), cat([p.scales for p in parts]), mins, n, parts[0].k, parts[0].source
+        first.kind, cat("qs"), cat("scales"), cat("mins"), n, first.k, first.source, cat("scale_d"), cat("min_d")
     )
 
 

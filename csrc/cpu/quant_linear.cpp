@@ -13,7 +13,8 @@
 //                row r's value 4 s + t. S8: any int8 (Q8_0, int8); S5: -16..15 (Q5_K, + min);
 //                S8H: -32..31 with one scale per half of 16 values (Q6_K)
 // scales [groups, k / 32, halves, 8] and mins [groups, k / 32, 8] in fp32, the 8 rows' values
-// side by side. A block pair's sum is
+// side by side; for Q4_K and Q6_K in the factored form instead (quant_scales.h: int8 sub-block
+// values under an fp32 per super-block of 256, as the file has them). A block pair's sum is
 //   scale_w * scale_x * sum(q_w q_x) + min_w * scale_x * sum(q_x),
 // the min's term one FMA per block with the x block's scale * sum(q).
 //
@@ -50,6 +51,7 @@
 #if defined(__AVX2__)
 #include "intrinsics.h"
 #endif
+#include "quant_scales.h"
 #include "quant_tile_vnni.h"
 #if defined(__AVXVNNI__)
 #define CHUNKGEN_HAVE_AVX_VNNI 1
@@ -59,8 +61,10 @@ namespace chunkgen {
 namespace {
 
 constexpr int kBlock = 32;
-constexpr int kGroup = 8;  // output channels a packed group interleaves (one fp32 lane each)
-constexpr int kRows = 4;   // rows of x a tile computes against one group
+using quant::BlockScales;
+using quant::kGroup;
+using quant::kSuper;
+constexpr int kRows = 4;  // rows of x a tile computes against one group
 enum Kind : int64_t { kU4 = 0, kS8 = 1, kS8Half = 2, kS5 = 3 };
 
 constexpr int64_t group_block_bytes(int64_t kind) { return kind == kU4 ? 128 : 256; }
@@ -208,8 +212,8 @@ inline void store_rows(const __m256 (&acc)[R], float* y, int64_t ldy, int channe
 }
 
 // One tile: 8 channels of group `w` x R rows of x, over all nb blocks; y rows are ldy apart.
-template <int kind, bool has_min, int R>
-void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
+template <int kind, bool has_min, bool factored, int R>
+void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq, int64_t k,
                const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
@@ -244,7 +248,7 @@ void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, c
             s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
         }
       }
-      const __m256 sw = _mm256_loadu_ps(ws + b * kGroup);
+      const __m256 sw = quant::scales8<factored>(ws, b * kGroup, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
     } else if constexpr (kind == kS8Half) {
@@ -257,7 +261,7 @@ void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, c
           for (int r = 0; r < R; ++r)
             s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
         }
-        const __m256 sw = _mm256_loadu_ps(ws + (b * nh + h) * kGroup);
+        const __m256 sw = quant::scales8<factored>(ws, (b * nh + h) * kGroup, b);
         for (int r = 0; r < R; ++r)
           acc[r] =
               _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
@@ -272,12 +276,12 @@ void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, c
           s32[r] = in_order(_mm256_add_epi32(
               s32[r], _mm256_madd_epi16(pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s)), ones)));
       }
-      const __m256 sw = _mm256_loadu_ps(ws + b * kGroup);
+      const __m256 sw = quant::scales8<factored>(ws, b * kGroup, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
     }
     if constexpr (has_min) {
-      const __m256 mw = _mm256_loadu_ps(wm + b * kGroup);
+      const __m256 mw = quant::scales8<factored>(wm, b * kGroup, b);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
@@ -286,9 +290,9 @@ void tile_avx2(const uint8_t* w, const float* ws, const float* wm, int64_t nb, c
 
 #if defined(CHUNKGEN_HAVE_AVX_VNNI)
 // tile_avx2 on AVX-VNNI: every step's products summed into int32 by one vpdpbusd.
-template <int kind, bool has_min, int R>
-void tile_avx_vnni(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
-                   const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+template <int kind, bool has_min, bool factored, int R>
+void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
+                   int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   __m256 acc[R];
@@ -324,12 +328,12 @@ void tile_avx_vnni(const uint8_t* w, const float* ws, const float* wm, int64_t n
                 in_order(_mm256_dpbusd_avx_epi32(s32[r], wa, _mm256_sign_epi8(broadcast4(xb + r * k + 4 * s), wv)));
         }
       }
-      const __m256 sw = _mm256_loadu_ps(ws + (b * nh + h) * kGroup);
+      const __m256 sw = quant::scales8<factored>(ws, (b * nh + h) * kGroup, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
     }
     if constexpr (has_min) {
-      const __m256 mw = _mm256_loadu_ps(wm + b * kGroup);
+      const __m256 mw = quant::scales8<factored>(wm, b * kGroup, b);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
@@ -338,22 +342,23 @@ void tile_avx_vnni(const uint8_t* w, const float* ws, const float* wm, int64_t n
 #endif
 
 // The 256-bit tile of `path` (AVX-VNNI or AVX2).
-template <int kind, bool has_min, int R>
-void tile_256(Path path, const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
-              const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+template <int kind, bool has_min, bool factored, int R>
+void tile_256(Path path, const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
+              int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
 #if defined(CHUNKGEN_HAVE_AVX_VNNI)
-  if (path == Path::AvxVnni) return tile_avx_vnni<kind, has_min, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
+  if (path == Path::AvxVnni)
+    return tile_avx_vnni<kind, has_min, factored, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
 #else
   (void)path;
 #endif
-  tile_avx2<kind, has_min, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
+  tile_avx2<kind, has_min, factored, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
 }
 #endif
 
 // The scalar reference on the same layout: the same integer block sums, scales applied per block.
-template <int kind, bool has_min>
-void tile_scalar(const uint8_t* w, const float* ws, const float* wm, int64_t nb, const int8_t* xq, int64_t k,
-                 const float* xs, const float* xsum, float* y, int64_t ldy, int rows, int channels) {
+template <int kind, bool has_min, bool factored>
+void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
+                 int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy, int rows, int channels) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   for (int r = 0; r < rows; ++r) {
@@ -374,8 +379,9 @@ void tile_scalar(const uint8_t* w, const float* ws, const float* wm, int64_t nb,
           isum[nh == 2 ? j / 16 : 0] += q * xb[j];
         }
         for (int h = 0; h < nh; ++h)
-          sum += static_cast<float>(isum[h]) * (ws[(b * nh + h) * kGroup + c] * xs[r * nb + b]);
-        if constexpr (has_min) sum += wm[b * kGroup + c] * xsum[r * nb + b];
+          sum += static_cast<float>(isum[h]) *
+                 (quant::scale_at<factored>(ws, (b * nh + h) * kGroup + c, b, c) * xs[r * nb + b]);
+        if constexpr (has_min) sum += quant::scale_at<factored>(wm, b * kGroup + c, b, c) * xsum[r * nb + b];
       }
       y[r * ldy + c] = sum;
     }
@@ -384,8 +390,8 @@ void tile_scalar(const uint8_t* w, const float* ws, const float* wm, int64_t nb,
 
 struct QuantArgs {
   const uint8_t* w;
-  const float* ws;
-  const float* wm;  // nullptr: no mins
+  BlockScales ws;
+  BlockScales wm;  // all null: no mins
   int64_t n, nb;
   const int8_t* xq;
   const float *xs, *xsum;
@@ -395,7 +401,7 @@ struct QuantArgs {
 
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
 // The AVX512_VNNI path: tiles of two groups x 8 rows, then 4, 2, 1 for the rows left.
-template <int kind, bool has_min>
+template <int kind, bool has_min, bool factored>
 void quant_product_vnni(const QuantArgs& a) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
@@ -412,24 +418,22 @@ void quant_product_vnni(const QuantArgs& a) {
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
           const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - g0 * kGroup));
-          const float* wm0 = has_min ? a.wm + g0 * a.nb * kGroup : nullptr;
-          const float* wm1 = has_min ? a.wm + g1 * a.nb * kGroup : nullptr;
-          const auto args =
-              std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes, a.ws + g0 * a.nb * nh * kGroup,
-                              a.ws + g1 * a.nb * nh * kGroup, wm0, wm1, a.nb, xq + m0 * k, k, a.xs + m0 * a.nb,
-                              a.xsum + m0 * a.nb, a.y + m0 * a.n + g0 * kGroup, a.n, channels);
+          const auto args = std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes, a.ws.group(g0, a.nb, nh),
+                                            a.ws.group(g1, a.nb, nh), a.wm.group(g0, a.nb, 1), a.wm.group(g1, a.nb, 1),
+                                            a.nb, xq + m0 * k, k, a.xs + m0 * a.nb, a.xsum + m0 * a.nb,
+                                            a.y + m0 * a.n + g0 * kGroup, a.n, channels);
           switch (rows) {
             case 8:
-              std::apply(vnni::tile<kind, has_min, 8>, args);
+              std::apply(vnni::tile<kind, has_min, factored, 8>, args);
               break;
             case 4:
-              std::apply(vnni::tile<kind, has_min, 4>, args);
+              std::apply(vnni::tile<kind, has_min, factored, 4>, args);
               break;
             case 2:
-              std::apply(vnni::tile<kind, has_min, 2>, args);
+              std::apply(vnni::tile<kind, has_min, factored, 2>, args);
               break;
             default:
-              std::apply(vnni::tile<kind, has_min, 1>, args);
+              std::apply(vnni::tile<kind, has_min, factored, 1>, args);
           }
         }
         m0 += rows;
@@ -439,10 +443,10 @@ void quant_product_vnni(const QuantArgs& a) {
 }
 #endif
 
-template <int kind, bool has_min>
+template <int kind, bool has_min, bool factored>
 void quant_product(const QuantArgs& a, Path path) {
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
-  if (path == Path::Avx512Vnni) return quant_product_vnni<kind, has_min>(a);
+  if (path == Path::Avx512Vnni) return quant_product_vnni<kind, has_min, factored>(a);
 #endif
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
@@ -460,29 +464,28 @@ void quant_product(const QuantArgs& a, Path path) {
         const float* xsum = a.xsum + m0 * a.nb;
         for (int64_t g = p0; g < p1; ++g) {
           const uint8_t* w = a.w + g * group_bytes;
-          const float* ws = a.ws + g * a.nb * nh * kGroup;
-          const float* wm = has_min ? a.wm + g * a.nb * kGroup : nullptr;
+          const BlockScales ws = a.ws.group(g, a.nb, nh), wm = a.wm.group(g, a.nb, 1);
           float* y = a.y + m0 * a.n + g * kGroup;
           const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
 #if defined(__AVX2__)
           if (path != Path::Scalar) {
             switch (rows) {
               case 4:
-                tile_256<kind, has_min, 4>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, factored, 4>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
                 break;
               case 3:
-                tile_256<kind, has_min, 3>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, factored, 3>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
                 break;
               case 2:
-                tile_256<kind, has_min, 2>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, factored, 2>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
                 break;
               default:
-                tile_256<kind, has_min, 1>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                tile_256<kind, has_min, factored, 1>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
             }
             continue;
           }
 #endif
-          tile_scalar<kind, has_min>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, rows, channels);
+          tile_scalar<kind, has_min, factored>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, rows, channels);
         }
       }
     }
@@ -529,9 +532,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
 
 // x [rows, k] (float32 or bfloat16) times W^T, W [n, k] given packed (see the top of this file):
 // qs bytes [groups, k / 32, 128 (kind 0) or 256], scales [groups, k / 32, halves, 8], optional
-// mins [groups, k / 32, 8] -> [rows, n] in x's dtype.
+// mins [groups, k / 32, 8] -> [rows, n] in x's dtype. Scales (and mins) are fp32, or int8 with
+// scale_d (and min_d) [groups, k / 256, 8] fp32: the factored form (quant_scales.h), for U4 with
+// mins and S8H.
 torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& scales,
-                              const std::optional<torch::Tensor>& mins, int64_t kind, int64_t n) {
+                              const std::optional<torch::Tensor>& mins, int64_t kind, int64_t n,
+                              const std::optional<torch::Tensor>& scale_d, const std::optional<torch::Tensor>& min_d) {
   const auto x = as_rows(x_in);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
   TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half || kind == kS5, "unknown quantized layout ", kind);
@@ -539,14 +545,38 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   const int64_t bytes = groups * nb * group_block_bytes(kind), nscales = groups * nb * halves(kind) * kGroup;
   TORCH_CHECK_VALUE(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == bytes, "qs must hold ", bytes,
                     " contiguous bytes for ", n, " x ", k, " in layout ", kind, ", got ", qs.numel());
-  TORCH_CHECK_VALUE(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == nscales,
-                    "scales must be ", nscales, " contiguous float32");
   const bool has_min = mins.has_value() && mins->defined();
-  if (has_min)
-    TORCH_CHECK_VALUE(
-        mins->is_contiguous() && mins->scalar_type() == torch::kFloat32 && mins->numel() == groups * nb * kGroup,
-        "mins must be ", groups * nb * kGroup, " contiguous float32");
+  const bool factored = scale_d.has_value() && scale_d->defined();
   TORCH_CHECK_VALUE(!(kind == kS8Half && has_min), "layout 2 has no mins");
+  const auto dtype = factored ? torch::kInt8 : torch::kFloat32;
+  const auto check = [&](const torch::Tensor& t, int64_t numel, const char* name) {
+    TORCH_CHECK_VALUE(t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, name, " must be ", numel,
+                      " contiguous ", factored ? "int8 (factored scales)" : "float32");
+  };
+  check(scales, nscales, "scales");
+  if (has_min) check(*mins, groups * nb * kGroup, "mins");
+  BlockScales ws, wm;
+  if (factored) {
+    TORCH_CHECK_VALUE((kind == kU4 && has_min) || kind == kS8Half,
+                      "factored scales are for layout 0 with mins and layout 2, got layout ", kind);
+    TORCH_CHECK_VALUE(nb % kSuper == 0, "factored scales need k a multiple of 256, got ", k);
+    const int64_t nd = groups * (nb / kSuper) * kGroup;
+    const auto check_d = [&](const std::optional<torch::Tensor>& t, const char* name) {
+      TORCH_CHECK_VALUE(t.has_value() && t->defined() && t->is_contiguous() && t->scalar_type() == torch::kFloat32 &&
+                            t->numel() == nd,
+                        name, " must be ", nd, " contiguous float32");
+    };
+    check_d(scale_d, "scale_d");
+    ws = {nullptr, scales.data_ptr<int8_t>(), scale_d->data_ptr<float>()};
+    if (has_min) {
+      check_d(min_d, "min_d");
+      wm = {nullptr, mins->data_ptr<int8_t>(), min_d->data_ptr<float>()};
+    }
+  } else {
+    TORCH_CHECK_VALUE(!(min_d.has_value() && min_d->defined()), "min_d needs factored scales (scale_d)");
+    ws.f = scales.data_ptr<float>();
+    if (has_min) wm.f = mins->data_ptr<float>();
+  }
   const Path path = current_path();
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto xs = torch::empty({rows, nb}, x.options());
@@ -555,8 +585,8 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
                 path == Path::Avx512Vnni && kind != kU4);
   auto y = torch::empty({rows, n}, x.options());
   const QuantArgs a{static_cast<const uint8_t*>(qs.data_ptr()),
-                    scales.data_ptr<float>(),
-                    has_min ? mins->data_ptr<float>() : nullptr,
+                    ws,
+                    wm,
                     n,
                     nb,
                     q.data_ptr<int8_t>(),
@@ -564,20 +594,24 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
                     xsum.data_ptr<float>(),
                     rows,
                     y.data_ptr<float>()};
-  if (kind == kU4 && has_min)
-    quant_product<kU4, true>(a, path);
+  if (kind == kU4 && has_min && factored)
+    quant_product<kU4, true, true>(a, path);
+  else if (kind == kU4 && has_min)
+    quant_product<kU4, true, false>(a, path);
   else if (kind == kU4)
-    quant_product<kU4, false>(a, path);
+    quant_product<kU4, false, false>(a, path);
   else if (kind == kS5 && has_min)
-    quant_product<kS5, true>(a, path);
+    quant_product<kS5, true, false>(a, path);
   else if (kind == kS5)
-    quant_product<kS5, false>(a, path);
+    quant_product<kS5, false, false>(a, path);
   else if (kind == kS8 && has_min)
-    quant_product<kS8, true>(a, path);
+    quant_product<kS8, true, false>(a, path);
   else if (kind == kS8)
-    quant_product<kS8, false>(a, path);
+    quant_product<kS8, false, false>(a, path);
+  else if (factored)
+    quant_product<kS8Half, false, true>(a, path);
   else
-    quant_product<kS8Half, false>(a, path);
+    quant_product<kS8Half, false, false>(a, path);
   return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
 }
 
@@ -588,7 +622,9 @@ std::string quant_isa_op() { return path_name(current_path()); }
 
 TORCH_LIBRARY_FRAGMENT(chunkgen, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("quant_linear(Tensor x, Tensor qs, Tensor scales, Tensor? mins, int kind, int n) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor qs, Tensor scales, Tensor? mins, int kind, int n, Tensor? scale_d=None, "
+      "Tensor? min_d=None) -> Tensor");
   m.def("quant_isa() -> str", &chunkgen::quant_isa_op);
 }
 

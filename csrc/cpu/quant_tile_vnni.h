@@ -17,6 +17,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CHUNKGEN_HAVE_AVX512_VNNI 1
 #include "intrinsics.h"
+#include "quant_scales.h"
 
 namespace chunkgen {
 namespace vnni {
@@ -25,11 +26,6 @@ namespace vnni {
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-inline __m512 load_pair_ps(const float* a, const float* b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
-                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
 
 // 4 bytes of x in every lane (a load with broadcast, no ALU work).
@@ -49,10 +45,10 @@ inline __m512i in_order(__m512i v) {
 // One tile: channels of groups w0 and w1 (w1 may repeat w0 when the layer has one group left; then
 // only `channels` <= 8 lanes are stored) x R rows of x over all nb blocks. xq holds x's int8 values
 // for U4 and x + 128 for the signed kinds; y rows are ldy apart.
-template <int kind, bool has_min, int R>
-void tile(const uint8_t* w0, const uint8_t* w1, const float* ws0, const float* ws1, const float* wm0, const float* wm1,
-          int64_t nb, const uint8_t* xq, int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy,
-          int channels) {
+template <int kind, bool has_min, bool factored, int R>
+void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, const quant::BlockScales& ws1,
+          const quant::BlockScales& wm0, const quant::BlockScales& wm1, int64_t nb, const uint8_t* xq, int64_t k,
+          const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
   constexpr int64_t bb = kind == 0 ? 128 : 256;  // group_block_bytes
   constexpr int nh = kind == 2 ? 2 : 1;          // halves
   __m512 acc[R];
@@ -93,12 +89,12 @@ void tile(const uint8_t* w0, const uint8_t* w1, const float* ws0, const float* w
         }
         for (int r = 0; r < R; ++r) s32[r] = _mm512_sub_epi32(s32[r], corr);
       }
-      const __m512 sw = load_pair_ps(ws0 + (b * nh + h) * 8, ws1 + (b * nh + h) * 8);
+      const __m512 sw = quant::scales16<factored>(ws0, ws1, (b * nh + h) * 8, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_set1_ps(xs[r * nb + b])), sw, acc[r]);
     }
     if constexpr (has_min) {
-      const __m512 mw = load_pair_ps(wm0 + b * 8, wm1 + b * 8);
+      const __m512 mw = quant::scales16<factored>(wm0, wm1, b * 8, b);
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }

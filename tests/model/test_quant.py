@@ -212,6 +212,52 @@ def test_bf16_input_gives_bf16_output():
     torch.testing.assert_close(y.float(), quant.quantized_linear(x.float(), w), rtol=1e-2, atol=1e-2)
 
 
+FACTORED = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+
+
+def _plain(w: quant.QuantWeight) -> quant.QuantWeight:
+    """w with its scales and mins as fp32 per block: the plain form of the same weight."""
+    scales, mins = w.block_scales()
+    return quant.QuantWeight(w.kind, w.qs, scales.contiguous(), mins, w.n, w.k, w.source)
+
+
+@pytest.mark.parametrize("qtype", FACTORED, ids=lambda t: t.name)
+def test_factored_scales_give_the_plain_forms_bits(qtype, path):
+    """Q4_K's and Q6_K's sub-block scales kept as the file has them (int8 under an fp32 per 256
+    values) give bit for bit the products of fp32 scales per block, on tile edges too: an int8
+    times an fp16 value is exact in fp32."""
+    for n, rows in ((19, 6), (40, 9), (8, 1)):
+        w = _weight(qtype, n, 512, seed=n)[0]
+        assert w.factored and w.scales.dtype == torch.int8
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(quant.quantized_linear(x, w), quant.quantized_linear(x, _plain(w)), rtol=0, atol=0)
+
+
+def test_k_quants_are_held_near_their_file_size():
+    """Repacked Q4_K and Q6_K take about their GGUF bytes (the factored scales; fp32 block scales
+    made Q4_K 1.33x and Q6_K 1.52x the file)."""
+    n, k = 64, 4096
+    for qtype, most in ((GGMLQuantizationType.Q4_K, 1.06), (GGMLQuantizationType.Q6_K, 1.32)):
+        raw = quant.random_gguf(qtype, n, k, 0.05, np.random.default_rng(0))
+        packed = quant.pack(quant.from_gguf(raw, qtype, n, k))
+        assert packed.nbytes <= most * raw.nbytes, f"{qtype.name}: {packed.nbytes / raw.nbytes:.3f}x the file"
+
+
+def test_bad_factored_scales_are_refused():
+    w = quant.pack(_weight(GGMLQuantizationType.Q4_K, 8, 256, seed=5)[0])
+    x = torch.randn(2, 256)
+    op = torch.ops.chunkgen.quant_linear.default
+    with pytest.raises(ValueError, match="scale_d must be"):
+        op(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d[..., :4].contiguous(), w.min_d)
+    with pytest.raises(ValueError, match="min_d must be"):
+        op(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d, None)
+    with pytest.raises(ValueError, match="scales must be .* float32"):
+        op(x, w.qs, w.scales, w.mins, w.kind, w.n)  # int8 scales without their factors
+    q8 = quant.pack(_weight(GGMLQuantizationType.Q8_0, 8, 256, seed=5)[0])
+    with pytest.raises(ValueError, match="factored scales are for"):
+        op(x, q8.qs, q8.scales.to(torch.int8), None, q8.kind, q8.n, w.scale_d)
+
+
 def test_bad_shapes_are_refused():
     w, _ = _weight(GGMLQuantizationType.Q8_0, 8, 64, seed=5)
     with pytest.raises(ValueError, match="multiple of 32"):
