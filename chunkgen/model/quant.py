@@ -2,10 +2,11 @@
 kernel (csrc/cpu/quant_linear.cpp) streams, and per-output-channel int8 made from float weights.
 
 Every type becomes blocks of 32 values along k with block scales (and mins where the type has
-them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nibbles, wider ones
-(Q5_K, Q6_K, Q8_0, int8) as int8 (QuantWeight, row by row). The scales are fp32, or for Q4_K and
-Q6_K factored as the file has them: an int8 per block (or half) under an fp32 per super-block of
-256 values (the same fp32 products, exactly, at a quarter of the bytes). A product packs them once more, 8
+them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nibbles, Q5_K as
+nibbles and a plane of fifth bits, wider ones (Q6_K, Q8_0, int8) as int8 (QuantWeight, row by
+row). The scales are fp32, or for the K-types factored as the file has them: an int8 per block (or
+half) under an fp32 per super-block of 256 values (the same fp32 products, exactly, at a quarter
+of the bytes). A product packs them once more, 8
 output channels interleaved (PackedWeight, what the kernel streams). Nothing is expanded to floats,
 except by `dequantize` where a caller needs floats (the GPU, which runs bf16, and the embedding
 rows a batch looks up).
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-U4, S8, S8_HALF, S5 = 0, 1, 2, 3  # the kernel's layouts (csrc/cpu/quant_linear.cpp)
+U4, S8, S8_HALF, U5 = 0, 1, 2, 3  # the kernel's layouts (csrc/cpu/quant_layout.h)
 BLOCK = 32
 GROUP = 8  # output channels the packed layout interleaves
 QK_K = 256
@@ -41,7 +42,8 @@ TYPE_NAMES = {v: k for k, v in GGUF_TYPES.items()}
 
 @dataclass
 class QuantWeight:
-    """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4, else [n, k] int8), scales [n, k/32]
+    """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4; for U5 20 bytes a block, its 16 of
+    nibbles and a 32-bit word of fifth bits, bit j for value j; else [n, k] int8), scales [n, k/32]
     ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. Scales and mins are fp32,
     or factored: int8, times scale_d (min_d) [n, k/256] fp32 for the 8 blocks of a super-block.
     `pack` makes the layout the kernel reads."""
@@ -110,11 +112,24 @@ def _unfactor(values: torch.Tensor, d: torch.Tensor | None, n: int) -> torch.Ten
 
 
 def _values(w: QuantWeight) -> torch.Tensor:
-    """The integer values of W [n, k] (int16: nibbles unsigned, bytes signed)."""
-    if w.kind == U4:
-        b = w.qs.view(w.n, -1, 16)
-        return torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(w.n, w.k).to(torch.int16)
+    """The integer values of W [n, k] (int16: nibbles (and fifth bits) unsigned, bytes signed)."""
+    if w.kind in (U4, U5):
+        b = w.qs.view(w.n, -1, 16 if w.kind == U4 else 20)
+        values = torch.cat([b[..., :16] & 0x0F, b[..., :16] >> 4], dim=-1).to(torch.int16)
+        if w.kind == U5:
+            values += torch.from_numpy(_unpack_bits(b[..., 16:].numpy())).to(torch.int16) << 4
+        return values.reshape(w.n, w.k)
     return w.qs.view(torch.int8).to(torch.int16)
+
+
+def _pack_bits(bits: np.ndarray) -> np.ndarray:
+    """Bits [..., 32] (0 or 1) -> 32-bit little-endian words [..., 4 bytes], bit j from element j."""
+    return np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little")
+
+
+def _unpack_bits(words: np.ndarray) -> np.ndarray:
+    """_pack_bits undone: [..., 4 bytes] -> [..., 32] bits."""
+    return np.unpackbits(np.ascontiguousarray(words), axis=-1, bitorder="little")
 
 
 @dataclass
@@ -153,6 +168,13 @@ def pack(w: QuantWeight) -> PackedWeight:
 
     if w.kind == U4:  # 16 bytes a block: chunk c, byte t of a channel = the block's byte 4 c + t
         qs = grouped(w.qs, 16).view(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4)
+    elif w.kind == U5:  # U4's 128 bytes, then the 8 words of fifth bits (csrc/cpu/quant_linear.cpp)
+        rows = grouped(w.qs, 20)
+        nibbles = rows[..., :16].reshape(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128)
+        # value j = 16 h + 4 c + t of channel r -> word 2 c + h, bit 4 r + t
+        bits = _unpack_bits(rows[..., 16:].numpy()).reshape(groups, GROUP, nb, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)
+        words = torch.from_numpy(_pack_bits(bits.reshape(groups, nb, 8, 32)).reshape(groups, nb, 32))
+        qs = torch.cat([nibbles, words], dim=-1)
     else:  # 32 values a block: step s, byte t of a channel = value 4 s + t
         qs = grouped(w.qs, 32).view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)
     halves = 2 if w.kind == S8_HALF else 1
@@ -168,9 +190,16 @@ def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
     """The rows (output channels) `index` of a packed W in row layout: `pack` undone for those rows
     only (an embedding lookup from the output layer's weight it is tied to)."""
     g, c = index // GROUP, index % GROUP
-    qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order
+    if w.kind == U5:
+        groups, nb = w.qs.shape[:2]
+        nibbles = w.qs[..., :128].reshape(groups, nb, 4, GROUP, 4)[g, :, :, c, :].reshape(len(index), nb, 16)
+        bits = _unpack_bits(w.qs[..., 128:].numpy()).reshape(groups, nb, 4, 2, GROUP, 4)[g.numpy(), :, :, :, c.numpy()]
+        words = _pack_bits(bits.transpose(0, 1, 3, 2, 4).reshape(len(index), nb, 32))  # [rows, nb, c, h, t] -> h, c, t
+        qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(len(index), -1)
+    else:
+        qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order
     scales = w.scales[g, :, :, c].reshape(len(index), -1)
-    mins = None if w.mins is None else w.mins[g, :, c].reshape(len(index), -1)
+    mins = None if w.mins is None else w.mins[g, :, 0, c].reshape(len(index), -1)
     supers = lambda d: None if d is None else d[g, :, 0, c].reshape(len(index), -1)  # noqa: E731
     return QuantWeight(w.kind, qs, scales, mins, len(index), w.k, w.source, supers(w.scale_d), supers(w.min_d))
 
@@ -233,21 +262,16 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
     elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
         sc, m = _k_scale_min(b[:, 4:16])
+        scales, scale_d, mins, min_d = sc.astype(np.int8), d, -m.astype(np.int8), dmin
         if qtype == GGMLQuantizationType.Q4_K:
             # 32 bytes per 64 values: the low nibbles are the first 32, the high ones the next
             ql = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
             kind, qs = U4, _nibbles((ql & 0x0F).reshape(-1, 8, 32))
-            scales, scale_d, mins, min_d = sc.astype(np.int8), d, -m.astype(np.int8), dmin
-        else:
-            scales = d * sc.astype(np.float32)  # [blocks, 8]
-            mins = -dmin * m.astype(np.float32)
+        else:  # Q5_K: the same nibbles, and bit i of qh's byte j is value j of sub-block i's fifth bit
             qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             ql = b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-            q = ((ql & 0x0F).reshape(-1, 8, 32) | ((qh & 1) << 4)).astype(np.int16)
-            # 0..31 stored as -16..15, the 16 scales moved into the min: small enough for the
-            # kernel to sum a whole block's products in int16 (layout S5)
-            kind, qs = S5, (q - 16).astype(np.int8)
-            mins = mins + 16.0 * scales
+            kind = U5
+            qs = np.concatenate([_nibbles((ql & 0x0F).reshape(-1, 8, 32)), _pack_bits(qh & 1)], axis=-1)
     else:  # Q6_K: 16 sub-blocks of 16, signed 6-bit values
         ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)

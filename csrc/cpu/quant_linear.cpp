@@ -9,11 +9,14 @@
 //   U4 (kind 0): 4 chunks of 32 bytes; byte 4 r + t of chunk c holds row r's value 4 c + t in its
 //                low nibble and value 16 + 4 c + t in its high nibble, unsigned 0..15 (Q4_0, Q4_1,
 //                Q4_K);  w = scale * q + min
-//   S8 (kind 1), S8H (kind 2), S5 (kind 3): 8 steps of 32 signed bytes; byte 4 r + t of step s is
-//                row r's value 4 s + t. S8: any int8 (Q8_0, int8); S5: -16..15 (Q5_K, + min);
-//                S8H: -32..31 with one scale per half of 16 values (Q6_K)
+//   U5 (kind 3): U4's 4 chunks of nibbles, then 8 words of 32 bits, word 2 c + h for the nibbles of
+//                chunk c (h = 0 low, 1 high): bit 4 r + t is the fifth bit of the value byte
+//                4 r + t holds there; values 0..31 (Q5_K)
+//   S8 (kind 1), S8H (kind 2): 8 steps of 32 signed bytes; byte 4 r + t of step s is row r's value
+//                4 s + t. S8: any int8 (Q8_0, int8); S8H: -32..31 with one scale per half of 16
+//                values (Q6_K)
 // scales [groups, k / 32, halves, 8] and mins [groups, k / 32, 8] in fp32, the 8 rows' values
-// side by side; for Q4_K and Q6_K in the factored form instead (quant_scales.h: int8 sub-block
+// side by side; for the K-types in the factored form instead (quant_layout.h: int8 sub-block
 // values under an fp32 per super-block of 256, as the file has them). A block pair's sum is
 //   scale_w * scale_x * sum(q_w q_x) + min_w * scale_x * sum(q_x),
 // the min's term one FMA per block with the x block's scale * sum(q).
@@ -22,7 +25,7 @@
 // rows x 4 values against 4 values of x broadcast), signed weights through llama.cpp's sign trick
 // (|w| and x with w's sign). Where the weights are small the int16 pairs of a whole block (or half)
 // are summed before the one vpmaddwd to int32 that turns them into the block's sum: |pair| <=
-// 2 * 15 * 127 for U4 (8 summed <= 30480), 2 * 16 * 127 for S5 (8 summed <= 32512), 2 * 32 * 127
+// 2 * 15 * 127 for U4 (8 summed <= 30480), 2 * 31 * 127 for U5 (4 summed <= 31496), 2 * 32 * 127
 // for S8H (4 summed, a half); S8 (up to 2 * 128 * 127) converts each step. Each block's int32
 // sums are converted once and FMAed with scale_w * scale_x. A tile is 8 output channels x up to 4
 // rows of x; threads split the channel groups, and each walks its groups in panels that stay in
@@ -51,7 +54,7 @@
 #if defined(__AVX2__)
 #include "intrinsics.h"
 #endif
-#include "quant_scales.h"
+#include "quant_layout.h"
 #include "quant_tile_vnni.h"
 #if defined(__AVXVNNI__)
 #define CHUNKGEN_HAVE_AVX_VNNI 1
@@ -65,10 +68,13 @@ using quant::BlockScales;
 using quant::kGroup;
 using quant::kSuper;
 constexpr int kRows = 4;  // rows of x a tile computes against one group
-enum Kind : int64_t { kU4 = 0, kS8 = 1, kS8Half = 2, kS5 = 3 };
-
-constexpr int64_t group_block_bytes(int64_t kind) { return kind == kU4 ? 128 : 256; }
-constexpr int halves(int64_t kind) { return kind == kS8Half ? 2 : 1; }
+using quant::group_block_bytes;
+using quant::halves;
+using quant::is_unsigned;
+using quant::kS8;
+using quant::kS8Half;
+using quant::kU4;
+using quant::kU5;
 
 // The kernel's paths, lowest first; the build has those up to best_path().
 enum class Path { Scalar, Avx2, AvxVnni, Avx512Vnni };
@@ -187,6 +193,30 @@ inline __m256i in_order(__m256i v) {
   return v;
 }
 
+// U5's fifth bits of one vector of nibbles (the 32-bit word at p): 16 in byte i where bit i is set.
+inline __m256i fifth_bits(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m256i byte_of_bit =
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(word), byte_of_bit), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
+// Chunk c of an unsigned block (U4, U5): its low and high nibbles' values, 8 rows x 4 each.
+template <int kind>
+inline void unsigned_chunk(const uint8_t* wb, int c, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+  lo = _mm256_and_si256(raw, mask);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  if constexpr (kind == kU5) {
+    lo = _mm256_or_si256(lo, fifth_bits(wb + 128 + 8 * c));
+    hi = _mm256_or_si256(hi, fifth_bits(wb + 128 + 8 * c + 4));
+  }
+}
+
 // Pairs of int16 of the weight vector w (8 rows x 4 values) times x's 4 values: unsigned nibbles
 // as they are, signed weights as |w| times x with w's sign.
 template <int kind>
@@ -225,32 +255,30 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
     const int8_t* xb = xq + b * kBlock;
     // x's block scales are broadcast only where used: 4 more live registers would spill the tile
     const auto sx = [&](int r) { return _mm256_set1_ps(xs[r * nb + b]); };
-    if constexpr (kind == kU4 || kind == kS5) {
-      // the whole block's pairs summed in int16, one vpmaddwd per block
-      __m256i s16[R];
-      for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
-      if constexpr (kind == kU4) {
-        const __m256i mask = _mm256_set1_epi8(0x0f);
-        for (int c = 0; c < 4; ++c) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-          const __m256i lo = _mm256_and_si256(raw, mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    if constexpr (is_unsigned(kind)) {
+      // pairs summed in int16 as far as they cannot overflow: U4's whole block, U5's half (two
+      // chunks), then one vpmaddwd each to int32
+      constexpr int chunks_per_sum = kind == kU4 ? 4 : 2;
+      __m256i s32[R];
+      for (int c0 = 0; c0 < 4; c0 += chunks_per_sum) {
+        __m256i s16[R];
+        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        for (int c = c0; c < c0 + chunks_per_sum; ++c) {
+          __m256i lo, hi;
+          unsigned_chunk<kind>(wb, c, lo, hi);
           for (int r = 0; r < R; ++r) {
             s16[r] = in_order(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(xb + r * k + 4 * c))));
             s16[r] = in_order(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(xb + r * k + 16 + 4 * c))));
           }
         }
-      } else {
-        for (int s = 0; s < 8; ++s) {
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
-          const __m256i wa = _mm256_sign_epi8(wv, wv);
-          for (int r = 0; r < R; ++r)
-            s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
+        for (int r = 0; r < R; ++r) {
+          const __m256i part = _mm256_madd_epi16(s16[r], ones);
+          s32[r] = c0 == 0 ? part : _mm256_add_epi32(s32[r], part);
         }
       }
       const __m256 sw = quant::scales8<factored>(ws, b * kGroup, b);
       for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
     } else if constexpr (kind == kS8Half) {
       for (int h = 0; h < 2; ++h) {
         __m256i s16[R];
@@ -304,13 +332,11 @@ void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& w
     for (int h = 0; h < nh; ++h) {
       __m256i s32[R];
       for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
-      if constexpr (kind == kU4) {
-        const __m256i mask = _mm256_set1_epi8(0x0f);
+      if constexpr (is_unsigned(kind)) {
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-          const __m256i lo = _mm256_and_si256(raw, mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          __m256i lo, hi;
+          unsigned_chunk<kind>(wb, c, lo, hi);
           for (int r = 0; r < R; ++r) {
             s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
             s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], hi, broadcast4(xb + r * k + 16 + 4 * c)));
@@ -370,9 +396,15 @@ void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm,
         int isum[2] = {0, 0};
         for (int j = 0; j < kBlock; ++j) {
           int q;
-          if constexpr (kind == kU4) {
-            const uint8_t byte = wb[32 * (j % 16 / 4) + 4 * c + j % 4];
+          if constexpr (is_unsigned(kind)) {
+            const int chunk = j % 16 / 4, at = 4 * c + j % 4;
+            const uint8_t byte = wb[32 * chunk + at];
             q = j < 16 ? byte & 0x0f : byte >> 4;
+            if constexpr (kind == kU5) {
+              uint32_t word;
+              std::memcpy(&word, wb + 128 + 4 * (2 * chunk + (j < 16 ? 0 : 1)), 4);
+              q |= static_cast<int>((word >> at) & 1u) << 4;
+            }
           } else {
             q = static_cast<int8_t>(wb[32 * (j / 4) + 4 * c + j % 4]);
           }
@@ -533,14 +565,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
 // x [rows, k] (float32 or bfloat16) times W^T, W [n, k] given packed (see the top of this file):
 // qs bytes [groups, k / 32, 128 (kind 0) or 256], scales [groups, k / 32, halves, 8], optional
 // mins [groups, k / 32, 8] -> [rows, n] in x's dtype. Scales (and mins) are fp32, or int8 with
-// scale_d (and min_d) [groups, k / 256, 8] fp32: the factored form (quant_scales.h), for U4 with
-// mins and S8H.
+// scale_d (and min_d) [groups, k / 256, 8] fp32: the factored form (quant_layout.h), for U4 and
+// U5 with mins and S8H.
 torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& scales,
                               const std::optional<torch::Tensor>& mins, int64_t kind, int64_t n,
                               const std::optional<torch::Tensor>& scale_d, const std::optional<torch::Tensor>& min_d) {
   const auto x = as_rows(x_in);
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
-  TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half || kind == kS5, "unknown quantized layout ", kind);
+  TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half || kind == kU5, "unknown quantized layout ", kind);
   const int64_t groups = (n + kGroup - 1) / kGroup;
   const int64_t bytes = groups * nb * group_block_bytes(kind), nscales = groups * nb * halves(kind) * kGroup;
   TORCH_CHECK_VALUE(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == bytes, "qs must hold ", bytes,
@@ -548,6 +580,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   const bool has_min = mins.has_value() && mins->defined();
   const bool factored = scale_d.has_value() && scale_d->defined();
   TORCH_CHECK_VALUE(!(kind == kS8Half && has_min), "layout 2 has no mins");
+  TORCH_CHECK_VALUE(!(kind == kU5 && !has_min), "layout 3 needs mins");
   const auto dtype = factored ? torch::kInt8 : torch::kFloat32;
   const auto check = [&](const torch::Tensor& t, int64_t numel, const char* name) {
     TORCH_CHECK_VALUE(t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, name, " must be ", numel,
@@ -557,8 +590,8 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   if (has_min) check(*mins, groups * nb * kGroup, "mins");
   BlockScales ws, wm;
   if (factored) {
-    TORCH_CHECK_VALUE((kind == kU4 && has_min) || kind == kS8Half,
-                      "factored scales are for layout 0 with mins and layout 2, got layout ", kind);
+    TORCH_CHECK_VALUE((is_unsigned(kind) && has_min) || kind == kS8Half,
+                      "factored scales are for layouts 0 and 3 with mins and layout 2, got layout ", kind);
     TORCH_CHECK_VALUE(nb % kSuper == 0, "factored scales need k a multiple of 256, got ", k);
     const int64_t nd = groups * (nb / kSuper) * kGroup;
     const auto check_d = [&](const std::optional<torch::Tensor>& t, const char* name) {
@@ -582,7 +615,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   auto xs = torch::empty({rows, nb}, x.options());
   auto xsum = torch::empty({rows, nb}, x.options());
   quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), path,
-                path == Path::Avx512Vnni && kind != kU4);
+                path == Path::Avx512Vnni && !is_unsigned(kind));
   auto y = torch::empty({rows, n}, x.options());
   const QuantArgs a{static_cast<const uint8_t*>(qs.data_ptr()),
                     ws,
@@ -600,10 +633,10 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
     quant_product<kU4, true, false>(a, path);
   else if (kind == kU4)
     quant_product<kU4, false, false>(a, path);
-  else if (kind == kS5 && has_min)
-    quant_product<kS5, true, false>(a, path);
-  else if (kind == kS5)
-    quant_product<kS5, false, false>(a, path);
+  else if (kind == kU5 && factored)
+    quant_product<kU5, true, true>(a, path);
+  else if (kind == kU5)
+    quant_product<kU5, true, false>(a, path);
   else if (kind == kS8 && has_min)
     quant_product<kS8, true, false>(a, path);
   else if (kind == kS8)

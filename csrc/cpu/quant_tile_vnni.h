@@ -8,16 +8,16 @@
 // at load knows nothing of the ISA. A tile is those 16 channels x up to 8 rows of x (32 vector
 // registers hold 8 int32 block sums, 8 fp32 accumulators and the shared weight vectors).
 //
-// The unsigned operand: U4 weights are unsigned nibbles, so they are it and x is the signed one.
-// Signed weights (S8, S5, S8H) take x shifted to unsigned, x + 128 (x XOR 0x80, done once per row
-// at quantization), and the sum is corrected by 128 sum(w) per block (or half), itself one
+// The unsigned operand: U4 and U5 weights are unsigned (nibbles, U5's with a fifth bit from a
+// byte mask), so they are it and x is the signed one. Signed weights (S8, S8H) take x shifted to unsigned, x + 128 (x
+// XOR 0x80, done once per row at quantization), and the sum is corrected by 128 sum(w) per block (or half), itself one
 // vpdpbusd of the weights against 128 per step, shared by every row of the tile.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CHUNKGEN_HAVE_AVX512_VNNI 1
 #include "intrinsics.h"
-#include "quant_scales.h"
+#include "quant_layout.h"
 
 namespace chunkgen {
 namespace vnni {
@@ -26,6 +26,14 @@ namespace vnni {
 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+// U5's fifth bits of a vector of groups g and g + 1 (32-bit words at a and b): one bit a byte.
+inline __mmask64 fifth_bits(const uint8_t* a, const uint8_t* b) {
+  uint32_t lo, hi;
+  std::memcpy(&lo, a, 4);
+  std::memcpy(&hi, b, 4);
+  return static_cast<__mmask64>(lo) | (static_cast<__mmask64>(hi) << 32);
 }
 
 // 4 bytes of x in every lane (a load with broadcast, no ALU work).
@@ -49,11 +57,12 @@ template <int kind, bool has_min, bool factored, int R>
 void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, const quant::BlockScales& ws1,
           const quant::BlockScales& wm0, const quant::BlockScales& wm1, int64_t nb, const uint8_t* xq, int64_t k,
           const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
-  constexpr int64_t bb = kind == 0 ? 128 : 256;  // group_block_bytes
-  constexpr int nh = kind == 2 ? 2 : 1;          // halves
+  constexpr int64_t bb = quant::group_block_bytes(kind);
+  constexpr int nh = quant::halves(kind);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* a0 = w0 + b * bb;
     const uint8_t* a1 = w1 + b * bb;
@@ -63,13 +72,17 @@ void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, c
     for (int h = 0; h < nh; ++h) {
       __m512i s32[R];
       for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
-      if constexpr (kind == 0) {
+      if constexpr (quant::is_unsigned(kind)) {
         const __m512i mask = _mm512_set1_epi8(0x0f);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
           const __m512i raw = load_pair(a0 + 32 * c, a1 + 32 * c);
-          const __m512i lo = _mm512_and_si512(raw, mask);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          __m512i lo = _mm512_and_si512(raw, mask);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+          if constexpr (kind == quant::kU5) {  // the fifth bits: a byte mask for each vector
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(fifth_bits(a0 + 128 + 8 * c, a1 + 128 + 8 * c), sixteen));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(fifth_bits(a0 + 132 + 8 * c, a1 + 132 + 8 * c), sixteen));
+          }
           for (int r = 0; r < R; ++r) {
             s32[r] = in_order(_mm512_dpbusd_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
             s32[r] = in_order(_mm512_dpbusd_epi32(s32[r], hi, broadcast4(xb + r * k + 16 + 4 * c)));

@@ -111,7 +111,7 @@ _EXTREMES = {
     GGMLQuantizationType.Q4_0: [(slice(2, 18), 0xFF)],  # 15
     GGMLQuantizationType.Q4_1: [(slice(4, 20), 0xFF)],
     GGMLQuantizationType.Q4_K: [(slice(16, 144), 0xFF)],
-    GGMLQuantizationType.Q5_K: [(slice(16, 176), 0x00)],  # 0, stored as -16
+    GGMLQuantizationType.Q5_K: [(slice(16, 176), 0xFF)],  # 31
     GGMLQuantizationType.Q6_K: [(slice(0, 192), 0x00)],  # 0, stored as -32
 }
 
@@ -193,6 +193,23 @@ def test_activation_quantization_error_bound(rows, blocks, seed, scalar):
     torch.testing.assert_close(qsum, scale * q.float().view(rows, blocks, 32).sum(-1))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_of_a_packed_weight(qtype):
+    """An embedding lookup in the packed output layer it is tied to (`pack` undone for the rows
+    asked, any order, repeats, the padded last group) gives the row layout's rows and values."""
+    w = _weight(qtype, 21, 512, seed=11)[0]
+    index = torch.tensor([20, 0, 7, 8, 20, 13, 16])
+    rows = quant.packed_rows(quant.pack(w), index)
+    expected = w.rows(index)
+    for name in ("qs", "scales", "mins", "scale_d", "min_d"):
+        got, want = getattr(rows, name), getattr(expected, name)
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert torch.equal(got.reshape(want.shape), want), name
+    lookup = quant.QuantEmbedding(quant.pack(w), torch.float32)(index.view(1, -1))
+    torch.testing.assert_close(lookup[0], w.dequantize()[index], rtol=0, atol=0)
+
+
 def test_int8_per_channel_weights():
     w = torch.randn(48, 160) * torch.rand(48, 1)
     q = quant.int8_per_channel(w)
@@ -212,7 +229,7 @@ def test_bf16_input_gives_bf16_output():
     torch.testing.assert_close(y.float(), quant.quantized_linear(x.float(), w), rtol=1e-2, atol=1e-2)
 
 
-FACTORED = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+FACTORED = K_QUANTS
 
 
 def _plain(w: quant.QuantWeight) -> quant.QuantWeight:
@@ -223,8 +240,8 @@ def _plain(w: quant.QuantWeight) -> quant.QuantWeight:
 
 @pytest.mark.parametrize("qtype", FACTORED, ids=lambda t: t.name)
 def test_factored_scales_give_the_plain_forms_bits(qtype, path):
-    """Q4_K's and Q6_K's sub-block scales kept as the file has them (int8 under an fp32 per 256
-    values) give bit for bit the products of fp32 scales per block, on tile edges too: an int8
+    """The K-types' sub-block scales and mins kept as the file has them (int8 under an fp32 per
+    256 values) give bit for bit the products of fp32 scales per block, on tile edges too: an int8
     times an fp16 value is exact in fp32."""
     for n, rows in ((19, 6), (40, 9), (8, 1)):
         w = _weight(qtype, n, 512, seed=n)[0]
@@ -234,10 +251,14 @@ def test_factored_scales_give_the_plain_forms_bits(qtype, path):
 
 
 def test_k_quants_are_held_near_their_file_size():
-    """Repacked Q4_K and Q6_K take about their GGUF bytes (the factored scales; fp32 block scales
-    made Q4_K 1.33x and Q6_K 1.52x the file)."""
+    """Repacked K-types take about their GGUF bytes (factored scales, Q5_K's fifth bits as a plane
+    of bits; fp32 block scales made Q4_K 1.33x and Q6_K 1.52x the file, int8 values Q5_K 1.82x)."""
     n, k = 64, 4096
-    for qtype, most in ((GGMLQuantizationType.Q4_K, 1.06), (GGMLQuantizationType.Q6_K, 1.32)):
+    for qtype, most in (
+        (GGMLQuantizationType.Q4_K, 1.06),
+        (GGMLQuantizationType.Q5_K, 1.05),
+        (GGMLQuantizationType.Q6_K, 1.32),
+    ):
         raw = quant.random_gguf(qtype, n, k, 0.05, np.random.default_rng(0))
         packed = quant.pack(quant.from_gguf(raw, qtype, n, k))
         assert packed.nbytes <= most * raw.nbytes, f"{qtype.name}: {packed.nbytes / raw.nbytes:.3f}x the file"
@@ -253,6 +274,9 @@ def test_bad_factored_scales_are_refused():
         op(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d, None)
     with pytest.raises(ValueError, match="scales must be .* float32"):
         op(x, w.qs, w.scales, w.mins, w.kind, w.n)  # int8 scales without their factors
+    q5 = quant.pack(_weight(GGMLQuantizationType.Q5_K, 8, 256, seed=5)[0])
+    with pytest.raises(ValueError, match="layout 3 needs mins"):
+        op(x, q5.qs, q5.scales, None, q5.kind, q5.n, q5.scale_d)
     q8 = quant.pack(_weight(GGMLQuantizationType.Q8_0, 8, 256, seed=5)[0])
     with pytest.raises(ValueError, match="factored scales are for"):
         op(x, q8.qs, q8.scales.to(torch.int8), None, q8.kind, q8.n, w.scale_d)

@@ -1,9 +1,11 @@
-// How the quantized linear layers' tiles read a packed group's block scales (and mins), in the two
-// forms quant_linear.cpp's layout has:
+// The quantized linear layers' packed layout, as the tiles of every path read it (quant_linear.cpp's
+// top comment gives the bytes): its kinds of values, and the two forms of a group's block scales
+// (and mins):
 //   plain:    an fp32 per block (or half) and channel;
 //   factored: an int8 per block (or half) and channel times an fp32 per super-block of 8 blocks
 //             (256 values) and channel: the K-types' sub-block scales and mins as GGUF ships them
-//             (Q4_K's 6-bit scales and mins under fp16 d and dmin, Q6_K's int8 scales under d).
+//             (Q4_K's and Q5_K's 6-bit scales and mins under fp16 d and dmin, Q6_K's int8 scales
+//             under d).
 // The factored form is a quarter of the plain one's bytes, which made the scales a quarter of a
 // repacked Q4_K weight. It gives the same bits: an int8 times an fp16 value (every GGUF super-block
 // scale is one) needs at most 18 significant bits, so its fp32 product is exact, and equal to the
@@ -22,6 +24,16 @@ namespace quant {
 
 constexpr int kGroup = 8;  // output channels a packed group interleaves (one fp32 lane each)
 constexpr int kSuper = 8;  // blocks of 32 a factored scale's super-block holds
+
+// U4: nibbles (Q4_0, Q4_1, Q4_K); U5: nibbles and a plane of fifth bits (Q5_K); S8: int8 (Q8_0,
+// int8); S8H: int8 with a scale per half block (Q6_K).
+enum Kind : int64_t { kU4 = 0, kS8 = 1, kS8Half = 2, kU5 = 3 };
+
+// Bytes of one group's block (8 channels x 32 values).
+constexpr int64_t group_block_bytes(int64_t kind) { return kind == kU4 ? 128 : kind == kU5 ? 160 : 256; }
+constexpr int halves(int64_t kind) { return kind == kS8Half ? 2 : 1; }
+// Unsigned values: the VNNI tiles' unsigned operand as they are (signed ones take x + 128 instead).
+constexpr bool is_unsigned(int64_t kind) { return kind == kU4 || kind == kU5; }
 
 // One packed group's scales (or mins): entry (b * halves + h) * 8 + c for block b, half h, channel c.
 struct BlockScales {
