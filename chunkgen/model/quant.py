@@ -6,10 +6,9 @@ them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nib
 nibbles and a plane of fifth bits, wider ones (Q6_K, Q8_0, int8) as int8 (QuantWeight, row by
 row). The scales are fp32, or for the K-types factored as the file has them: an int8 per block (or
 half) under an fp32 per super-block of 256 values (the same fp32 products, exactly, at a quarter
-of the bytes). A product packs them once more, 8
-output channels interleaved (PackedWeight, what the kernel streams). Nothing is expanded to floats,
-except by `dequantize` where a caller needs floats (the GPU, which runs bf16, and the embedding
-rows a batch looks up).
+of the bytes). A product packs them once more, 8 output channels interleaved (PackedWeight, what
+the kernel streams). Nothing is expanded to floats, except by `dequantize` where a caller needs
+floats (the GPU, which runs bf16, and the embedding rows a batch looks up).
 """
 
 from __future__ import annotations
