@@ -135,8 +135,9 @@ def _unpack_bits(words: np.ndarray) -> np.ndarray:
 class PackedWeight:
     """W [n, k] as the kernel streams it (csrc/cpu/quant_linear.cpp): channels in groups of 8
     (the last padded with zero rows), each group's blocks of 32 values along k with its 8 channels'
-    values interleaved 4 at a time; scales [groups, k/32, halves, 8], mins [groups, k/32, 8], and
-    for factored ones scale_d and min_d [groups, k/256, 8]."""
+    values interleaved 4 at a time; scales [groups, k/32, halves, 8], mins [groups, k/32, 8]. Factored
+    ones put the groups in pairs, 16 channels side by side (csrc/cpu/quant_layout.h): scales
+    [pairs, k/32, halves, 16], mins [pairs, k/32, 16], scale_d and min_d [pairs, k/256, 16]."""
 
     kind: int
     qs: torch.Tensor
@@ -151,6 +152,10 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return _nbytes(self)
+
+    @property
+    def factored(self) -> bool:
+        return self.scale_d is not None
 
 
 def pack(w: QuantWeight) -> PackedWeight:
@@ -176,12 +181,35 @@ def pack(w: QuantWeight) -> PackedWeight:
         qs = torch.cat([nibbles, words], dim=-1)
     else:  # 32 values a block: step s, byte t of a channel = value 4 s + t
         qs = grouped(w.qs, 32).view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)
-    halves = 2 if w.kind == S8_HALF else 1
-    scales = grouped(w.scales, halves).permute(0, 2, 3, 1)
-    mins = None if w.mins is None else grouped(w.mins, 1).permute(0, 2, 3, 1).contiguous()
-    supers = lambda d: None if d is None else grouped(d, 1, nb // SUPER).permute(0, 2, 3, 1).contiguous()  # noqa: E731
+
+    def lanes(t: torch.Tensor | None, inner: int, blocks: int = nb) -> torch.Tensor | None:
+        """t's values [groups, blocks, inner, 8 channels]; factored, a pair of groups' 16 side by side."""
+        if t is None:
+            return None
+        t = grouped(t, inner, blocks).permute(0, 2, 3, 1)
+        if not w.factored:
+            return t.contiguous()
+        if groups % 2:
+            t = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+        return (
+            t.reshape(-1, 2, blocks, inner, GROUP)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(-1, blocks, inner, 2 * GROUP)
+            .contiguous()
+        )
+
+    scales = lanes(w.scales, 2 if w.kind == S8_HALF else 1)
+    d_blocks = nb // SUPER
     return PackedWeight(
-        w.kind, qs.contiguous(), scales.contiguous(), mins, w.n, w.k, w.source, supers(w.scale_d), supers(w.min_d)
+        w.kind,
+        qs.contiguous(),
+        scales.contiguous(),
+        lanes(w.mins, 1),
+        w.n,
+        w.k,
+        w.source,
+        lanes(w.scale_d, 1, d_blocks),
+        lanes(w.min_d, 1, d_blocks),
     )
 
 
@@ -197,10 +225,10 @@ def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
         qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(len(index), -1)
     else:
         qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order
-    scales = w.scales[g, :, :, c].reshape(len(index), -1)
-    mins = None if w.mins is None else w.mins[g, :, 0, c].reshape(len(index), -1)
-    supers = lambda d: None if d is None else d[g, :, 0, c].reshape(len(index), -1)  # noqa: E731
-    return QuantWeight(w.kind, qs, scales, mins, len(index), w.k, w.source, supers(w.scale_d), supers(w.min_d))
+    at, lane = (g // 2, g % 2 * GROUP + c) if w.factored else (g, c)  # factored: groups in pairs
+    scales = w.scales[at, :, :, lane].reshape(len(index), -1)
+    pick = lambda t: None if t is None else t[at, :, 0, lane].reshape(len(index), -1)  # noqa: E731
+    return QuantWeight(w.kind, qs, scales, pick(w.mins), len(index), w.k, w.source, pick(w.scale_d), pick(w.min_d))
 
 
 class QuantEmbedding:

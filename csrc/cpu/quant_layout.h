@@ -35,38 +35,40 @@ constexpr int halves(int64_t kind) { return kind == kS8Half ? 2 : 1; }
 // Unsigned values: the VNNI tiles' unsigned operand as they are (signed ones take x + 128 instead).
 constexpr bool is_unsigned(int64_t kind) { return kind == kU4 || kind == kU5; }
 
-// One packed group's scales (or mins): entry (b * halves + h) * 8 + c for block b, half h, channel c.
+// One packed group's scales (or mins), entry e = b * halves + h for block b (half h). Factored
+// ones interleave the groups in pairs (g and g + 1 side by side, 16 channels an entry: the VNNI
+// tile's two groups are one load and one widening), the plain ones do not.
 struct BlockScales {
-  const float* f = nullptr;   // plain: [nb, halves, 8]
-  const int8_t* q = nullptr;  // factored: [nb, halves, 8]
-  const float* d = nullptr;   // factored: [nb / 8, 8]
+  const float* f = nullptr;   // plain: [groups, nb, halves, 8]
+  const int8_t* q = nullptr;  // factored: [pairs, nb, halves, 16]
+  const float* d = nullptr;   // factored: [pairs, nb / 8, 16]
 
   // Group g's part of a weight's scales, nb blocks of `halves` entries per channel.
   BlockScales group(int64_t g, int64_t nb, int halves) const {
-    const int64_t per_group = nb * halves * kGroup;
-    if (q == nullptr) return {f == nullptr ? nullptr : f + g * per_group, nullptr, nullptr};
-    return {nullptr, q + g * per_group, d + g * (nb / kSuper) * kGroup};
+    if (q == nullptr) return {f == nullptr ? nullptr : f + g * nb * halves * kGroup, nullptr, nullptr};
+    const int64_t pair = g / 2, side = (g % 2) * kGroup;
+    return {nullptr, q + pair * nb * halves * 2 * kGroup + side, d + pair * (nb / kSuper) * 2 * kGroup + side};
   }
 };
 
-// Entry i (of block b) for channel c.
+// Entry e (of block b) for channel c.
 template <bool factored>
-inline float scale_at(const BlockScales& s, int64_t i, int64_t b, int c) {
+inline float scale_at(const BlockScales& s, int64_t e, int64_t b, int c) {
   if constexpr (factored)
-    return static_cast<float>(s.q[i]) * s.d[(b / kSuper) * kGroup + c];
+    return static_cast<float>(s.q[e * 2 * kGroup + c]) * s.d[(b / kSuper) * 2 * kGroup + c];
   else
-    return s.f[i];
+    return s.f[e * kGroup + c];
 }
 
 #if defined(__AVX2__)
-// Entries i..i + 7 (block b): one group's 8 channels.
+// Entry e (of block b): one group's 8 channels.
 template <bool factored>
-inline __m256 scales8(const BlockScales& s, int64_t i, int64_t b) {
+inline __m256 scales8(const BlockScales& s, int64_t e, int64_t b) {
   if constexpr (factored) {
-    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + i)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(s.d + (b / kSuper) * kGroup));
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + e * 2 * kGroup)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(s.d + (b / kSuper) * 2 * kGroup));
   } else {
-    return _mm256_loadu_ps(s.f + i);
+    return _mm256_loadu_ps(s.f + e * kGroup);
   }
 }
 #endif
@@ -78,16 +80,16 @@ inline __m512 load_pair_ps(const float* a, const float* b) {
                                              _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
 }
 
-// Entries i..i + 7 (block b) of groups s0 and s1 side by side: 16 channels.
+// Entry e (of block b) of groups s0 and s1 side by side: 16 channels. Factored: s0 is an even
+// group and s1 the next (or s0 again for a lone last group, whose other 8 lanes are padding).
 template <bool factored>
-inline __m512 scales16(const BlockScales& s0, const BlockScales& s1, int64_t i, int64_t b) {
+inline __m512 scales16(const BlockScales& s0, const BlockScales& s1, int64_t e, int64_t b) {
   if constexpr (factored) {
-    const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s0.q + i)),
-                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s1.q + i)));
-    const int64_t sb = (b / kSuper) * kGroup;
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), load_pair_ps(s0.d + sb, s1.d + sb));
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s0.q + e * 2 * kGroup)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s0.d + (b / kSuper) * 2 * kGroup));
   } else {
-    return load_pair_ps(s0.f + i, s1.f + i);
+    (void)b;
+    return load_pair_ps(s0.f + e * kGroup, s1.f + e * kGroup);
   }
 }
 #endif

@@ -276,7 +276,7 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
           s32[r] = c0 == 0 ? part : _mm256_add_epi32(s32[r], part);
         }
       }
-      const __m256 sw = quant::scales8<factored>(ws, b * kGroup, b);
+      const __m256 sw = quant::scales8<factored>(ws, b, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
     } else if constexpr (kind == kS8Half) {
@@ -289,7 +289,7 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
           for (int r = 0; r < R; ++r)
             s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
         }
-        const __m256 sw = quant::scales8<factored>(ws, (b * nh + h) * kGroup, b);
+        const __m256 sw = quant::scales8<factored>(ws, b * nh + h, b);
         for (int r = 0; r < R; ++r)
           acc[r] =
               _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
@@ -304,12 +304,12 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
           s32[r] = in_order(_mm256_add_epi32(
               s32[r], _mm256_madd_epi16(pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s)), ones)));
       }
-      const __m256 sw = quant::scales8<factored>(ws, b * kGroup, b);
+      const __m256 sw = quant::scales8<factored>(ws, b, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
     }
     if constexpr (has_min) {
-      const __m256 mw = quant::scales8<factored>(wm, b * kGroup, b);
+      const __m256 mw = quant::scales8<factored>(wm, b, b);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
@@ -354,12 +354,12 @@ void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& w
                 in_order(_mm256_dpbusd_avx_epi32(s32[r], wa, _mm256_sign_epi8(broadcast4(xb + r * k + 4 * s), wv)));
         }
       }
-      const __m256 sw = quant::scales8<factored>(ws, (b * nh + h) * kGroup, b);
+      const __m256 sw = quant::scales8<factored>(ws, b * nh + h, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
     }
     if constexpr (has_min) {
-      const __m256 mw = quant::scales8<factored>(wm, b * kGroup, b);
+      const __m256 mw = quant::scales8<factored>(wm, b, b);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
@@ -411,9 +411,8 @@ void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm,
           isum[nh == 2 ? j / 16 : 0] += q * xb[j];
         }
         for (int h = 0; h < nh; ++h)
-          sum += static_cast<float>(isum[h]) *
-                 (quant::scale_at<factored>(ws, (b * nh + h) * kGroup + c, b, c) * xs[r * nb + b]);
-        if constexpr (has_min) sum += quant::scale_at<factored>(wm, b * kGroup + c, b, c) * xsum[r * nb + b];
+          sum += static_cast<float>(isum[h]) * (quant::scale_at<factored>(ws, b * nh + h, b, c) * xs[r * nb + b]);
+        if constexpr (has_min) sum += quant::scale_at<factored>(wm, b, b, c) * xsum[r * nb + b];
       }
       y[r * ldy + c] = sum;
     }
@@ -565,8 +564,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
 // x [rows, k] (float32 or bfloat16) times W^T, W [n, k] given packed (see the top of this file):
 // qs bytes [groups, k / 32, 128 (kind 0) or 256], scales [groups, k / 32, halves, 8], optional
 // mins [groups, k / 32, 8] -> [rows, n] in x's dtype. Scales (and mins) are fp32, or int8 with
-// scale_d (and min_d) [groups, k / 256, 8] fp32: the factored form (quant_layout.h), for U4 and
-// U5 with mins and S8H.
+// scale_d (and min_d) fp32, the groups in pairs: [pairs, k / 32, halves, 16] and [pairs, k / 256,
+// 16], the factored form (quant_layout.h), for U4 and U5 with mins and S8H.
 torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& scales,
                               const std::optional<torch::Tensor>& mins, int64_t kind, int64_t n,
                               const std::optional<torch::Tensor>& scale_d, const std::optional<torch::Tensor>& min_d) {
@@ -574,26 +573,29 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
   TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half || kind == kU5, "unknown quantized layout ", kind);
   const int64_t groups = (n + kGroup - 1) / kGroup;
-  const int64_t bytes = groups * nb * group_block_bytes(kind), nscales = groups * nb * halves(kind) * kGroup;
+  const int64_t bytes = groups * nb * group_block_bytes(kind);
   TORCH_CHECK_VALUE(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == bytes, "qs must hold ", bytes,
                     " contiguous bytes for ", n, " x ", k, " in layout ", kind, ", got ", qs.numel());
   const bool has_min = mins.has_value() && mins->defined();
   const bool factored = scale_d.has_value() && scale_d->defined();
+  const int64_t slots = factored ? (groups + 1) / 2 * 2 : groups;  // factored: groups in pairs (quant_layout.h)
+  const int64_t nscales = slots * nb * halves(kind) * kGroup;
   TORCH_CHECK_VALUE(!(kind == kS8Half && has_min), "layout 2 has no mins");
   TORCH_CHECK_VALUE(!(kind == kU5 && !has_min), "layout 3 needs mins");
+  if (factored)
+    TORCH_CHECK_VALUE((is_unsigned(kind) && has_min) || kind == kS8Half,
+                      "factored scales are for layouts 0 and 3 with mins and layout 2, got layout ", kind);
   const auto dtype = factored ? torch::kInt8 : torch::kFloat32;
   const auto check = [&](const torch::Tensor& t, int64_t numel, const char* name) {
     TORCH_CHECK_VALUE(t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, name, " must be ", numel,
                       " contiguous ", factored ? "int8 (factored scales)" : "float32");
   };
   check(scales, nscales, "scales");
-  if (has_min) check(*mins, groups * nb * kGroup, "mins");
+  if (has_min) check(*mins, slots * nb * kGroup, "mins");
   BlockScales ws, wm;
   if (factored) {
-    TORCH_CHECK_VALUE((is_unsigned(kind) && has_min) || kind == kS8Half,
-                      "factored scales are for layouts 0 and 3 with mins and layout 2, got layout ", kind);
     TORCH_CHECK_VALUE(nb % kSuper == 0, "factored scales need k a multiple of 256, got ", k);
-    const int64_t nd = groups * (nb / kSuper) * kGroup;
+    const int64_t nd = slots * (nb / kSuper) * kGroup;
     const auto check_d = [&](const std::optional<torch::Tensor>& t, const char* name) {
       TORCH_CHECK_VALUE(t.has_value() && t->defined() && t->is_contiguous() && t->scalar_type() == torch::kFloat32 &&
                             t->numel() == nd,

@@ -102,12 +102,12 @@ void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, c
         }
         for (int r = 0; r < R; ++r) s32[r] = _mm512_sub_epi32(s32[r], corr);
       }
-      const __m512 sw = quant::scales16<factored>(ws0, ws1, (b * nh + h) * 8, b);
+      const __m512 sw = quant::scales16<factored>(ws0, ws1, b * nh + h, b);
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_set1_ps(xs[r * nb + b])), sw, acc[r]);
     }
     if constexpr (has_min) {
-      const __m512 mw = quant::scales16<factored>(wm0, wm1, b * 8, b);
+      const __m512 mw = quant::scales16<factored>(wm0, wm1, b, b);
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
     }
   }
