@@ -172,13 +172,13 @@ def pack(w: QuantWeight) -> PackedWeight:
 
     if w.kind == U4:  # 16 bytes a block: chunk c, byte t of a channel = the block's byte 4 c + t
         qs = grouped(w.qs, 16).view(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4)
-    elif w.kind == U5:  # U4's 128 bytes, then the 8 words of fifth bits (csrc/cpu/quant_linear.cpp)
+    elif w.kind == U5:  # U4's 128 bytes, then the plane of fifth bits (csrc/cpu/quant_linear.cpp)
         rows = grouped(w.qs, 20)
         nibbles = rows[..., :16].reshape(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128)
-        # value j = 16 h + 4 c + t of channel r -> word 2 c + h, bit 4 r + t
-        bits = _unpack_bits(rows[..., 16:].numpy()).reshape(groups, GROUP, nb, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)
-        words = torch.from_numpy(_pack_bits(bits.reshape(groups, nb, 8, 32)).reshape(groups, nb, 32))
-        qs = torch.cat([nibbles, words], dim=-1)
+        # value j = 16 h + 4 c + t of channel r -> byte 4 r + t, bit 2 c + h
+        bits = _unpack_bits(rows[..., 16:].numpy()).reshape(groups, GROUP, nb, 2, 4, 4).transpose(0, 2, 1, 5, 4, 3)
+        plane = np.packbits(bits.reshape(groups, nb, 32, 8), axis=-1, bitorder="little")
+        qs = torch.cat([nibbles, torch.from_numpy(plane.reshape(groups, nb, 32))], dim=-1)
     else:  # 32 values a block: step s, byte t of a channel = value 4 s + t
         qs = grouped(w.qs, 32).view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)
 
@@ -220,8 +220,9 @@ def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
     if w.kind == U5:
         groups, nb = w.qs.shape[:2]
         nibbles = w.qs[..., :128].reshape(groups, nb, 4, GROUP, 4)[g, :, :, c, :].reshape(len(index), nb, 16)
-        bits = _unpack_bits(w.qs[..., 128:].numpy()).reshape(groups, nb, 4, 2, GROUP, 4)[g.numpy(), :, :, :, c.numpy()]
-        words = _pack_bits(bits.transpose(0, 1, 3, 2, 4).reshape(len(index), nb, 32))  # [rows, nb, c, h, t] -> h, c, t
+        plane = np.unpackbits(w.qs[..., 128:].numpy()[..., None], axis=-1, bitorder="little")  # [.., 4 r + t, 2 c + h]
+        bits = plane.reshape(groups, nb, GROUP, 4, 4, 2)[g.numpy(), :, c.numpy()]  # [rows, nb, t, c, h]
+        words = _pack_bits(bits.transpose(0, 1, 4, 3, 2).reshape(len(index), nb, 32))  # value 16 h + 4 c + t
         qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(len(index), -1)
     else:
         qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order

@@ -9,9 +9,9 @@
 //   U4 (kind 0): 4 chunks of 32 bytes; byte 4 r + t of chunk c holds row r's value 4 c + t in its
 //                low nibble and value 16 + 4 c + t in its high nibble, unsigned 0..15 (Q4_0, Q4_1,
 //                Q4_K);  w = scale * q + min
-//   U5 (kind 3): U4's 4 chunks of nibbles, then 8 words of 32 bits, word 2 c + h for the nibbles of
-//                chunk c (h = 0 low, 1 high): bit 4 r + t is the fifth bit of the value byte
-//                4 r + t holds there; values 0..31 (Q5_K)
+//   U5 (kind 3): U4's 4 chunks of nibbles, then 32 bytes of fifth bits: bit v of byte 4 r + t is
+//                the fifth bit of the value in byte 4 r + t of nibble vector v = 2 c + h (chunk
+//                c's low nibbles for h = 0, high for h = 1); values 0..31 (Q5_K)
 //   S8 (kind 1), S8H (kind 2): 8 steps of 32 signed bytes; byte 4 r + t of step s is row r's value
 //                4 s + t. S8: any int8 (Q8_0, int8); S8H: -32..31 with one scale per half of 16
 //                values (Q6_K)
@@ -193,15 +193,12 @@ inline __m256i in_order(__m256i v) {
   return v;
 }
 
-// U5's fifth bits of one vector of nibbles (the 32-bit word at p): 16 in byte i where bit i is set.
-inline __m256i fifth_bits(const uint8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, 4);
-  const __m256i byte_of_bit =
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(word), byte_of_bit), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+// U5's fifth bits of nibble vector v: bit v of each byte of the plane moved to bit 4 (16-bit shifts
+// carry bits across a byte boundary, but never onto bit 4 for a shift of at most 4, and the mask
+// keeps bit 4 only).
+inline __m256i fifth_bits(__m256i plane, int v) {
+  const __m256i moved = v <= 4 ? _mm256_slli_epi16(plane, 4 - v) : _mm256_srli_epi16(plane, v - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(16));
 }
 
 // Chunk c of an unsigned block (U4, U5): its low and high nibbles' values, 8 rows x 4 each.
@@ -212,8 +209,9 @@ inline void unsigned_chunk(const uint8_t* wb, int c, __m256i& lo, __m256i& hi) {
   lo = _mm256_and_si256(raw, mask);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
   if constexpr (kind == kU5) {
-    lo = _mm256_or_si256(lo, fifth_bits(wb + 128 + 8 * c));
-    hi = _mm256_or_si256(hi, fifth_bits(wb + 128 + 8 * c + 4));
+    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
+    lo = _mm256_or_si256(lo, fifth_bits(plane, 2 * c));
+    hi = _mm256_or_si256(hi, fifth_bits(plane, 2 * c + 1));
   }
 }
 
@@ -400,11 +398,7 @@ void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm,
             const int chunk = j % 16 / 4, at = 4 * c + j % 4;
             const uint8_t byte = wb[32 * chunk + at];
             q = j < 16 ? byte & 0x0f : byte >> 4;
-            if constexpr (kind == kU5) {
-              uint32_t word;
-              std::memcpy(&word, wb + 128 + 4 * (2 * chunk + (j < 16 ? 0 : 1)), 4);
-              q |= static_cast<int>((word >> at) & 1u) << 4;
-            }
+            if constexpr (kind == kU5) q |= ((wb[128 + at] >> (2 * chunk + (j < 16 ? 0 : 1))) & 1) << 4;
           } else {
             q = static_cast<int8_t>(wb[32 * (j / 4) + 4 * c + j % 4]);
           }

@@ -8,8 +8,8 @@
 // at load knows nothing of the ISA. A tile is those 16 channels x up to 8 rows of x (32 vector
 // registers hold 8 int32 block sums, 8 fp32 accumulators and the shared weight vectors).
 //
-// The unsigned operand: U4 and U5 weights are unsigned (nibbles, U5's with a fifth bit from a
-// byte mask), so they are it and x is the signed one. Signed weights (S8, S8H) take x shifted to unsigned, x + 128 (x
+// The unsigned operand: U4 and U5 weights are unsigned (nibbles, U5's with a fifth bit from its
+// plane), so they are it and x is the signed one. Signed weights (S8, S8H) take x shifted to unsigned, x + 128 (x
 // XOR 0x80, done once per row at quantization), and the sum is corrected by 128 sum(w) per block (or half), itself one
 // vpdpbusd of the weights against 128 per step, shared by every row of the tile.
 #pragma once
@@ -28,12 +28,11 @@ inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
 }
 
-// U5's fifth bits of a vector of groups g and g + 1 (32-bit words at a and b): one bit a byte.
-inline __mmask64 fifth_bits(const uint8_t* a, const uint8_t* b) {
-  uint32_t lo, hi;
-  std::memcpy(&lo, a, 4);
-  std::memcpy(&hi, b, 4);
-  return static_cast<__mmask64>(lo) | (static_cast<__mmask64>(hi) << 32);
+// U5's fifth bits of nibble vector v, from the two groups' planes side by side (quant_linear.cpp's
+// fifth_bits on 512 bits).
+inline __m512i fifth_bits(__m512i plane, int v) {
+  const __m512i moved = v <= 4 ? _mm512_slli_epi16(plane, 4 - v) : _mm512_srli_epi16(plane, v - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(16));
 }
 
 // 4 bytes of x in every lane (a load with broadcast, no ALU work).
@@ -62,7 +61,6 @@ void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, c
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* a0 = w0 + b * bb;
     const uint8_t* a1 = w1 + b * bb;
@@ -74,14 +72,15 @@ void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, c
       for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
       if constexpr (quant::is_unsigned(kind)) {
         const __m512i mask = _mm512_set1_epi8(0x0f);
+        const __m512i plane = kind == quant::kU5 ? load_pair(a0 + 128, a1 + 128) : mask;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
           const __m512i raw = load_pair(a0 + 32 * c, a1 + 32 * c);
           __m512i lo = _mm512_and_si512(raw, mask);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-          if constexpr (kind == quant::kU5) {  // the fifth bits: a byte mask for each vector
-            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(fifth_bits(a0 + 128 + 8 * c, a1 + 128 + 8 * c), sixteen));
-            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(fifth_bits(a0 + 132 + 8 * c, a1 + 132 + 8 * c), sixteen));
+          if constexpr (kind == quant::kU5) {
+            lo = _mm512_or_si512(lo, fifth_bits(plane, 2 * c));
+            hi = _mm512_or_si512(hi, fifth_bits(plane, 2 * c + 1));
           }
           for (int r = 0; r < R; ++r) {
             s32[r] = in_order(_mm512_dpbusd_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
