@@ -39,15 +39,16 @@ constexpr bool is_unsigned(int64_t kind) { return kind == kU4 || kind == kU5; }
 // ones interleave the groups in pairs (g and g + 1 side by side, 16 channels an entry: the VNNI
 // tile's two groups are one load and one widening), the plain ones do not.
 struct BlockScales {
-  const float* f = nullptr;   // plain: [groups, nb, halves, 8]
+  const float* f = nullptr;   // plain: [groups, nb, halves, 8], from group `first` on
   const int8_t* q = nullptr;  // factored: [pairs, nb, halves, 16]
   const float* d = nullptr;   // factored: [pairs, nb / 8, 16]
+  int64_t first = 0;
 
   // Group g's part of a weight's scales, nb blocks of `halves` entries per channel.
   BlockScales group(int64_t g, int64_t nb, int halves) const {
-    if (q == nullptr) return {f == nullptr ? nullptr : f + g * nb * halves * kGroup, nullptr, nullptr};
+    if (q == nullptr) return {f == nullptr ? nullptr : f + (g - first) * nb * halves * kGroup, nullptr, nullptr, g};
     const int64_t pair = g / 2, side = (g % 2) * kGroup;
-    return {nullptr, q + pair * nb * halves * 2 * kGroup + side, d + pair * (nb / kSuper) * 2 * kGroup + side};
+    return {nullptr, q + pair * nb * halves * 2 * kGroup + side, d + pair * (nb / kSuper) * 2 * kGroup + side, g};
   }
 };
 

@@ -50,6 +50,9 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX2__)
 #include "intrinsics.h"
@@ -424,7 +427,46 @@ struct QuantArgs {
   float* y;
 };
 
+// Factored scales (and mins) of groups [g0, g1) widened to plain fp32 ones in buf, once for all the
+// tiles of x rows that pass over a panel of them (the tiles would widen them once each).
+std::pair<BlockScales, BlockScales> widen(const QuantArgs& a, int nh, int64_t g0, int64_t g1, std::vector<float>& buf) {
+  const int64_t per_group = a.nb * nh * kGroup, per_group_min = a.wm.q != nullptr ? a.nb * kGroup : 0;
+  buf.resize(static_cast<size_t>((g1 - g0) * (per_group + per_group_min)));
+  float* ws = buf.data();
+  float* wm = ws + (g1 - g0) * per_group;
+  for (int64_t g = g0; g < g1; ++g) {
+    const BlockScales s = a.ws.group(g, a.nb, nh), m = a.wm.group(g, a.nb, 1);
+    for (int64_t b = 0; b < a.nb; ++b)
+      for (int h = 0; h < nh; ++h)
+        for (int c = 0; c < kGroup; ++c) {
+          ws[((g - g0) * a.nb + b) * nh * kGroup + h * kGroup + c] = quant::scale_at<true>(s, b * nh + h, b, c);
+          if (h == 0 && m.q != nullptr) wm[((g - g0) * a.nb + b) * kGroup + c] = quant::scale_at<true>(m, b, b, c);
+        }
+  }
+  return {BlockScales{ws, nullptr, nullptr, g0}, BlockScales{a.wm.q != nullptr ? wm : nullptr, nullptr, nullptr, g0}};
+}
+
+// Runs a panel of a product (groups or pairs [p0, p1)) with its scales as given, or with factored
+// ones widened first where more than `widen_above` rows pass over it (where the tiles' own widening,
+// once per tile of rows, costs more than a pass over the panel's scales).
+template <bool factored, typename Panel>
+void each_panel(const QuantArgs& a, int nh, int64_t p0, int64_t p1, int64_t widen_above, int64_t groups_per_p,
+                int64_t groups, std::vector<float>& buf, Panel&& panel) {
+  if constexpr (factored) {
+    if (a.rows > widen_above) {
+      const auto [ws, wm] = widen(a, nh, p0 * groups_per_p, std::min(p1 * groups_per_p, groups), buf);
+      return panel(std::false_type{}, ws, wm);
+    }
+  }
+  panel(std::bool_constant<factored>{}, a.ws, a.wm);
+}
+
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+// Rows above which the VNNI path widens factored scales per panel: its tile widens a block's in a
+// few instructions against its 64-128 dot products, so a pass over the panel's scales pays only for
+// many tiles (on Zen 5, widened was slower at 32 rows).
+constexpr int64_t kWidenAboveVnni = 32;
+
 // The AVX512_VNNI path: tiles of two groups x 8 rows, then 4, 2, 1 for the rows left.
 template <int kind, bool has_min, bool factored>
 void quant_product_vnni(const QuantArgs& a) {
@@ -435,34 +477,39 @@ void quant_product_vnni(const QuantArgs& a) {
   const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * group_bytes));  // pairs whose weights stay in L2
   const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
   at::parallel_for(0, pairs, 1, [&](int64_t p0_, int64_t p1_) {
+    std::vector<float> buf;
     for (int64_t p0 = p0_; p0 < p1_; p0 += panel) {
       const int64_t p1 = std::min(p1_, p0 + panel);
-      for (int64_t m0 = 0; m0 < a.rows;) {
-        const int64_t left = a.rows - m0;
-        const int rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
-          const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - g0 * kGroup));
-          const auto args = std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes, a.ws.group(g0, a.nb, nh),
-                                            a.ws.group(g1, a.nb, nh), a.wm.group(g0, a.nb, 1), a.wm.group(g1, a.nb, 1),
-                                            a.nb, xq + m0 * k, k, a.xs + m0 * a.nb, a.xsum + m0 * a.nb,
-                                            a.y + m0 * a.n + g0 * kGroup, a.n, channels);
-          switch (rows) {
-            case 8:
-              std::apply(vnni::tile<kind, has_min, factored, 8>, args);
-              break;
-            case 4:
-              std::apply(vnni::tile<kind, has_min, factored, 4>, args);
-              break;
-            case 2:
-              std::apply(vnni::tile<kind, has_min, factored, 2>, args);
-              break;
-            default:
-              std::apply(vnni::tile<kind, has_min, factored, 1>, args);
-          }
-        }
-        m0 += rows;
-      }
+      each_panel<factored>(
+          a, nh, p0, p1, kWidenAboveVnni, 2, groups, buf, [&](auto form, const BlockScales& ws, const BlockScales& wm) {
+            constexpr bool f = decltype(form)::value;
+            for (int64_t m0 = 0; m0 < a.rows;) {
+              const int64_t left = a.rows - m0;
+              const int rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+              for (int64_t p = p0; p < p1; ++p) {
+                const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
+                const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - g0 * kGroup));
+                const auto args = std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes,
+                                                  ws.group(g0, a.nb, nh), ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1),
+                                                  wm.group(g1, a.nb, 1), a.nb, xq + m0 * k, k, a.xs + m0 * a.nb,
+                                                  a.xsum + m0 * a.nb, a.y + m0 * a.n + g0 * kGroup, a.n, channels);
+                switch (rows) {
+                  case 8:
+                    std::apply(vnni::tile<kind, has_min, f, 8>, args);
+                    break;
+                  case 4:
+                    std::apply(vnni::tile<kind, has_min, f, 4>, args);
+                    break;
+                  case 2:
+                    std::apply(vnni::tile<kind, has_min, f, 2>, args);
+                    break;
+                  default:
+                    std::apply(vnni::tile<kind, has_min, f, 1>, args);
+                }
+              }
+              m0 += rows;
+            }
+          });
     }
   });
 }
@@ -480,39 +527,44 @@ void quant_product(const QuantArgs& a, Path path) {
   // A panel of groups whose weights stay in L2 (~192 KiB) while all tiles of x rows pass over it.
   const int64_t panel = std::max<int64_t>(1, (192 << 10) / group_bytes);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> buf;
     for (int64_t p0 = g0; p0 < g1; p0 += panel) {
       const int64_t p1 = std::min(g1, p0 + panel);
-      for (int64_t m0 = 0; m0 < a.rows; m0 += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, a.rows - m0));
-        const int8_t* xq = a.xq + m0 * k;
-        const float* xs = a.xs + m0 * a.nb;
-        const float* xsum = a.xsum + m0 * a.nb;
-        for (int64_t g = p0; g < p1; ++g) {
-          const uint8_t* w = a.w + g * group_bytes;
-          const BlockScales ws = a.ws.group(g, a.nb, nh), wm = a.wm.group(g, a.nb, 1);
-          float* y = a.y + m0 * a.n + g * kGroup;
-          const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
+      each_panel<factored>(
+          a, nh, p0, p1, kRows, 1, groups, buf, [&](auto form, const BlockScales& ws_all, const BlockScales& wm_all) {
+            constexpr bool f = decltype(form)::value;
+            for (int64_t m0 = 0; m0 < a.rows; m0 += kRows) {
+              const int rows = static_cast<int>(std::min<int64_t>(kRows, a.rows - m0));
+              const int8_t* xq = a.xq + m0 * k;
+              const float* xs = a.xs + m0 * a.nb;
+              const float* xsum = a.xsum + m0 * a.nb;
+              for (int64_t g = p0; g < p1; ++g) {
+                const uint8_t* w = a.w + g * group_bytes;
+                const BlockScales ws = ws_all.group(g, a.nb, nh), wm = wm_all.group(g, a.nb, 1);
+                float* y = a.y + m0 * a.n + g * kGroup;
+                const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
 #if defined(__AVX2__)
-          if (path != Path::Scalar) {
-            switch (rows) {
-              case 4:
-                tile_256<kind, has_min, factored, 4>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                break;
-              case 3:
-                tile_256<kind, has_min, factored, 3>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                break;
-              case 2:
-                tile_256<kind, has_min, factored, 2>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                break;
-              default:
-                tile_256<kind, has_min, factored, 1>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-            }
-            continue;
-          }
+                if (path != Path::Scalar) {
+                  switch (rows) {
+                    case 4:
+                      tile_256<kind, has_min, f, 4>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                      break;
+                    case 3:
+                      tile_256<kind, has_min, f, 3>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                      break;
+                    case 2:
+                      tile_256<kind, has_min, f, 2>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                      break;
+                    default:
+                      tile_256<kind, has_min, f, 1>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                  }
+                  continue;
+                }
 #endif
-          tile_scalar<kind, has_min, factored>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, rows, channels);
-        }
-      }
+                tile_scalar<kind, has_min, f>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, rows, channels);
+              }
+            }
+          });
     }
   });
 }
