@@ -496,15 +496,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefix_attention", &chunkgen::prefix_attention,
         "(o [R, Hq, d], lse [R, Hq]) of softmax(q K^T * scale) V for CPU q [R, Hq, d] against a prefix of "
         "n_tokens read in place from one pool layer of q's dtype (k_layer [S, Hk, d, C], v_layer [S, Hk, C, d]) "
-        "along slots (int32); float32, or bfloat16 on the amx or avx512_bf16 path (cpu_kernel_isa()). first >= 0 "
-        "(float32): causal, query r at position first + r reads positions [0, first + r] only",
+        "along slots (int32); float32, or bfloat16 on the amx or avx512_bf16 path (cpu_kernel_isa()). first >= 0: "
+        "causal, query r at position first + r reads positions [0, first + r] only; a causal product also takes a "
+        "sliding window (window > 0: positions [first + r - window + 1, first + r]) and soft-capping (softcap > 0: "
+        "each scaled score s becomes softcap * tanh(s / softcap))",
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n_tokens"), py::arg("scale"),
-        py::arg("first") = -1);
+        py::arg("first") = -1, py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("causal_attention", &chunkgen::causal_attention,
         "Several lone sequences' causal products (prefix_attention with first >= 0) in one call, into out "
-        "[R, Hq, d]: spans int64 [N, 4] of (row, count, first position, offset into slots), in row order",
+        "[R, Hq, d]: spans int64 [N, 4] of (row, count, first position, offset into slots), in row order; "
+        "window and softcap as for prefix_attention",
         py::arg("q"), py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("spans"), py::arg("scale"),
-        py::arg("out"));
+        py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("batch_invariant", &chunkgen::batch_invariant,
         "whether the CPU kernels give each row the same reduction order whatever the batch (csrc/invariant.h)");

@@ -462,9 +462,12 @@ def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int
     return pool, spans, row
 
 
-def prefill_reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float) -> torch.Tensor:
+def prefill_reference(
+    q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale: float, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     """Prefill attention's naive reference: each sequence's new queries over its cached tokens (read one by one) and its new tokens,
-    causally, in float64."""
+    causally, in float64; window > 0: a token at position t over positions (t - window, t] only;
+    softcap > 0: scaled scores s capped as softcap * tanh(s / softcap)."""
     C, group = pool.chunk_size, q.shape[1] // k.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for sp in spans:
@@ -475,8 +478,10 @@ def prefill_reference(q, k, v, pool: ChunkPool, spans: list[PrefillSpan], scale:
         values = torch.cat([pool.v[0, slots, :, offs].double(), v[rows].double()])
         keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         s = torch.einsum("thd,nhd->htn", q[rows].double(), keys) * scale
-        n = sp.start + sp.count
-        visible = torch.arange(n)[None, :] <= sp.start + torch.arange(sp.count)[:, None]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        key_pos, q_pos = torch.arange(sp.start + sp.count)[None, :], sp.start + torch.arange(sp.count)[:, None]
+        visible = (key_pos <= q_pos) & ((key_pos > q_pos - window) if window else True)
         s = s.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("htn,nhd->thd", s.softmax(-1), values)
     return out

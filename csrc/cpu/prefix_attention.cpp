@@ -7,13 +7,17 @@
 // with the attention over the rest of each row's path (kernels/prefill.py). The same code reads a
 // lone sequence's whole path causally, and a wave's lone sequences all in one parallel region
 // (causal_attention): one OpenMP region a layer, not one a sequence, whose barrier on a busy
-// machine waits for a descheduled thread each time.
+// machine waits for a descheduled thread each time. A causal product takes sliding windows and
+// soft-capping as the decode kernel does (ChunkMask in fp32, the bf16 products' window start and
+// cap): each row's fold skips the chunks before its window, so a row reads the same chunks with the
+// same arithmetic whatever block of rows it is in.
 #include "../prefix_attention.h"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -61,20 +65,54 @@ struct Shape {
   const void* v;  // [S, Hk, C, d]
   int Hq, Hk, d, C;
   float scale;
+  // Causal products only: position t reads positions [t - window + 1, t] (window > 0), and each
+  // scaled score s becomes softcap * tanh(s / softcap) (softcap > 0).
+  int window = 0;
+  float softcap = 0.f;
   int G() const { return Hq / Hk; }
   int per_block() const { return std::max(1, decode::kRowBlock / G()); }
+  bool masked() const { return window > 0 || softcap > 0.f; }
+  // The first position inside the window of the row at position pos.
+  int64_t window_start(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 };
 
-Shape shape_of(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer, double scale) {
+Shape shape_of(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer, double scale,
+               int64_t window, double softcap) {
   return {k_layer.data_ptr(),          v_layer.data_ptr(),
           static_cast<int>(q.size(1)), static_cast<int>(k_layer.size(1)),
           static_cast<int>(q.size(2)), static_cast<int>(k_layer.size(3)),
-          static_cast<float>(scale)};
+          static_cast<float>(scale),   static_cast<int>(window),
+          static_cast<float>(softcap)};
+}
+
+// The first token of chunk c (of n tokens read) inside the window of the row at position pos: n
+// where the window starts past the chunk.
+inline int chunk_lo(const Shape& sh, int64_t pos, int64_t c, int n) {
+  return static_cast<int>(std::clamp<int64_t>(sh.window_start(pos) - c * sh.C, 0, n));
+}
+
+// One chunk into the running state of `rows` state rows, as the decode kernel folds it: masked
+// (lo: each row's first token inside its window; the cap) for the whole call where it has a
+// window or soft-capping, so that a row's arithmetic does not depend on which rows share the call.
+template <typename T>
+void fold_chunk(const Shape& sh, decode::Scratch& sc, size_t s0, int rows, const T* k, const T* v, int n) {
+  const int d = sh.d;
+  float* o = sc.o.data() + s0 * d;
+  float* m = sc.m.data() + s0;
+  float* l = sc.l.data() + s0;
+  if (!sh.masked()) {
+    decode::attend_chunk<T, false>(sc.q.data() + s0 * d, rows, k, v, n, sh.C, d, o, m, l, sc.s.data(), sc.alpha.data());
+    return;
+  }
+  decode::attend_chunk<T, true>(sc.q.data() + s0 * d, rows, k, v, n, sh.C, d, o, m, l, sc.s.data(), sc.alpha.data(),
+                                decode::ChunkMask{sh.window > 0 ? sc.lo.data() + s0 : nullptr, sh.softcap});
 }
 
 // Item (blk, h) of a product: the chunks before the block's first position read by all its rows at
 // once, the one or two chunks its positions end in (causal) by each position's rows alone, up to
-// that position.
+// that position. With a window, the shared reading starts at the chunk the block's first window
+// starts in (a later row's window starts no earlier; the chunks before its own leave its state
+// untouched, every lane masked), and each position's own reading at its window's chunk.
 template <typename T, typename Q>
 void attend_item(const Product<T, Q>& p, const Shape& sh, int blk, int h, decode::Scratch& sc) {
   const int G = sh.G(), d = sh.d, C = sh.C, Hq = sh.Hq, Hk = sh.Hk;
@@ -89,21 +127,24 @@ void attend_item(const Product<T, Q>& p, const Shape& sh, int blk, int h, decode
           decode::to_f32(p.q[(static_cast<size_t>(r) * Hq + h * G) * d + i]) * sh.scale;
   sc.reset_state(rows, d);
   const int64_t whole = p.first < 0 ? p.nc : (p.first + r0 + 1) / C;  // chunks every row reads whole
-  for (int64_t c = 0; c < whole; ++c) {
+  const int64_t from = p.first < 0 ? 0 : sh.window_start(p.first + r0) / C;
+  for (int64_t c = from; c < whole; ++c) {
     const int n = static_cast<int>(std::min<int64_t>(C, p.n_tokens - c * C));
+    if (sh.window > 0)
+      for (int r = r0; r < r1; ++r)
+        std::fill_n(sc.lo.data() + static_cast<size_t>(r - r0) * G, G, chunk_lo(sh, p.first + r, c, n));
     const size_t off = (static_cast<size_t>(p.slot[c]) * Hk + h) * head_elems;
-    decode::attend_chunk<T, false>(sc.q.data(), rows, K + off, V + off, n, C, d, sc.o.data(), sc.m.data(), sc.l.data(),
-                                   sc.s.data(), sc.alpha.data());
+    fold_chunk<T>(sh, sc, 0, rows, K + off, V + off, n);
   }
   if (p.first >= 0)
     for (int r = r0; r < r1; ++r) {
       const int64_t pos = p.first + r;
       const size_t s0 = static_cast<size_t>(r - r0) * G;
-      for (int64_t c = whole; c <= pos / C; ++c) {
+      for (int64_t c = std::max(whole, sh.window_start(pos) / C); c <= pos / C; ++c) {
+        const int n = static_cast<int>(std::min<int64_t>(C, pos - c * C + 1));
+        if (sh.window > 0) std::fill_n(sc.lo.data() + s0, G, chunk_lo(sh, pos, c, n));
         const size_t off = (static_cast<size_t>(p.slot[c]) * Hk + h) * head_elems;
-        decode::attend_chunk<T, false>(
-            sc.q.data() + s0 * d, G, K + off, V + off, static_cast<int>(std::min<int64_t>(C, pos - c * C + 1)), C, d,
-            sc.o.data() + s0 * d, sc.m.data() + s0, sc.l.data() + s0, sc.s.data(), sc.alpha.data());
+        fold_chunk<T>(sh, sc, s0, G, K + off, V + off, n);
       }
     }
   write_rows(p.out, p.lse, sc.o.data(), sc.m.data(), sc.l.data(), r0, r1, h, G, Hq, d);
@@ -117,7 +158,9 @@ constexpr int kBf16CausalRows = 192;
 // Item (blk, h) of a causal product (first >= 0) with bf16 K/V on the bf16 products: each
 // position's rows continue one state over chunks [0, its own] in order, one chunk at a time, up to
 // and including the position (decode::continue_rows_bf16: a row's bits are its own, whatever the
-// item's other rows, the wave or whether the prefix was cached).
+// item's other rows, the wave or whether the prefix was cached). With a window the item starts at
+// the chunk its first row's window starts in, each row's tokens from its own window's start (a
+// chunk a row reads none of leaves its state as it was, bit for bit); soft-capping as in decode.
 void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, int blk, int h, decode::Bf16Scratch& sc) {
   const int G = sh.G(), d = sh.d, C = sh.C, Hq = sh.Hq;
   const int per_item = std::max(1, kBf16CausalRows / G);
@@ -133,16 +176,19 @@ void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, in
   p.head_dim = d;
   p.chunk = C;
   p.scale = sh.scale;
+  p.softcap = sh.softcap;
   decode::Workspace unused;  // a fresh state: nothing resumed
-  const int64_t last = pr.first + r1 - 1;
+  const int64_t last = pr.first + r1 - 1, from = sh.window_start(pr.first + r0) / C;
   decode::continue_rows_bf16<uint16_t>(
-      p, unused, r0, r1, h, false, static_cast<int>(last / C + 1),
+      p, unused, r0, r1, h, false, static_cast<int>(last / C + 1 - from),
       [&](int i) {
-        return decode::ChunkRef{pr.slot[i], static_cast<int>(std::min<int64_t>(C, pr.n_tokens - int64_t{i} * C)), 0};
+        const int64_t c = from + i;
+        return decode::ChunkRef{pr.slot[c], static_cast<int>(std::min<int64_t>(C, pr.n_tokens - c * C)), 0};
       },
       [&](int i, int r) {
-        const int64_t pos = pr.first + r0 + r / G, n = std::min<int64_t>(C, pr.n_tokens - int64_t{i} * C);
-        return std::pair<int, int>(0, static_cast<int>(std::clamp<int64_t>(pos - int64_t{i} * C + 1, 0, n)));
+        const int64_t c = from + i, pos = pr.first + r0 + r / G, n = std::min<int64_t>(C, pr.n_tokens - c * C);
+        const int len = static_cast<int>(std::clamp<int64_t>(pos - c * C + 1, 0, n));
+        return std::pair<int, int>(chunk_lo(sh, pos, c, len), len);
       },
       sc);
   for (int r = r0; r < r1; ++r)
@@ -183,7 +229,9 @@ void attend_products(const std::vector<Product<T, Q>>& products, const Shape& sh
   for (int i = 0; i < static_cast<int>(products.size()); ++i) {
     const auto& p = products[i];
     for (int blk = 0; blk * per_block < p.R; ++blk) {
-      const int64_t cost = p.first < 0 ? p.n_tokens : p.first + std::min(p.R, (blk + 1) * per_block);
+      const int64_t cost = p.first < 0 ? p.n_tokens
+                                       : p.first + std::min(p.R, (blk + 1) * per_block) -
+                                             sh.window_start(p.first + blk * per_block) / sh.C * sh.C;
       for (int h = 0; h < sh.Hk; ++h) items.push_back({i, blk, h, cost});
     }
   }
@@ -211,11 +259,11 @@ void attend_products(const std::vector<Product<T, Q>>& products, const Shape& sh
 
 template <typename T, typename Q>
 void prefix_fp32(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
-                 const int32_t* slot, int64_t nc, int64_t n_tokens, int64_t first, double scale, torch::Tensor& out,
-                 torch::Tensor& lse) {
+                 const int32_t* slot, int64_t nc, int64_t n_tokens, int64_t first, double scale, int64_t window,
+                 double softcap, torch::Tensor& out, torch::Tensor& lse) {
   attend_products<T, Q>({{static_cast<const Q*>(q.data_ptr()), static_cast<Q*>(out.data_ptr()), lse.data_ptr<float>(),
                           slot, nc, n_tokens, first, static_cast<int>(q.size(0))}},
-                        shape_of(q, k_layer, v_layer, scale));
+                        shape_of(q, k_layer, v_layer, scale, window, softcap));
 }
 
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
@@ -311,15 +359,24 @@ void check_pool_product(const char* op, const torch::Tensor& q, const torch::Ten
     TORCH_CHECK_VALUE(slot[i] >= 0 && slot[i] < S, op, ": slot ", slot[i], " outside the pool layer's ", S);
 }
 
+void check_masking(const char* op, int64_t window, double softcap) {
+  TORCH_CHECK_VALUE(window >= 0 && window <= std::numeric_limits<int>::max() && softcap >= 0, op,
+                    ": window and softcap must be >= 0 (0: off), got ", window, " and ", softcap);
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q, const torch::Tensor& k_layer,
                                                           const torch::Tensor& v_layer, const torch::Tensor& slots,
-                                                          int64_t n_tokens, double scale, int64_t first) {
+                                                          int64_t n_tokens, double scale, int64_t first, int64_t window,
+                                                          double softcap) {
   check_pool_product("prefix_attention", q, k_layer, v_layer, slots);
   TORCH_CHECK_VALUE(first < 0 || first + q.size(0) <= n_tokens, "prefix_attention: the last query (position ",
                     first + q.size(0) - 1, ") of a causal product (first >= 0) must be inside the ", n_tokens,
                     " tokens");
+  check_masking("prefix_attention", window, softcap);
+  TORCH_CHECK_VALUE(first >= 0 || (window == 0 && softcap == 0),
+                    "prefix_attention: a window or soft-capping needs a causal product (first >= 0)");
   // bf16 K/V: bf16 products on AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA
   // lowering) for a group's prefix; for a causal product the bf16 products one chunk at a time
   // (attend_item_bf16, AVX512_BF16); the fp32 products (bf16 read, fp32 arithmetic) for a prefix
@@ -339,7 +396,7 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
   auto lse = torch::empty({R, Hq}, q.options().dtype(torch::kFloat));
   if (R == 0) return {out, lse};
   if (q.scalar_type() == torch::kFloat) {
-    prefix_fp32<float, float>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
+    prefix_fp32<float, float>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, window, softcap, out, lse);
     return {out, lse};
   }
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
@@ -350,13 +407,15 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
 #else
   (void)bf16_products;
 #endif
-  prefix_fp32<uint16_t, uint16_t>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, out, lse);
+  prefix_fp32<uint16_t, uint16_t>(qc, k_layer, v_layer, slot, nc, n_tokens, first, scale, window, softcap, out, lse);
   return {out, lse};
 }
 
 void causal_attention(const torch::Tensor& q, const torch::Tensor& k_layer, const torch::Tensor& v_layer,
-                      const torch::Tensor& slots, const torch::Tensor& spans, double scale, torch::Tensor& out) {
+                      const torch::Tensor& slots, const torch::Tensor& spans, double scale, torch::Tensor& out,
+                      int64_t window, double softcap) {
   check_pool_product("causal_attention", q, k_layer, v_layer, slots);
+  check_masking("causal_attention", window, softcap);
   TORCH_CHECK_VALUE(
       out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device().is_cpu() && out.is_contiguous(),
       "causal_attention: out must be a contiguous CPU tensor of q's shape and dtype, got ", out.sizes(), " ",
@@ -391,7 +450,7 @@ void causal_attention(const torch::Tensor& q, const torch::Tensor& k_layer, cons
                      static_cast<uint16_t*>(out.data_ptr()) + row * row_elems, nullptr, slot + at, nc, n_tokens, first,
                      static_cast<int>(count)});
   }
-  const Shape sh = shape_of(q, k_layer, v_layer, scale);
+  const Shape sh = shape_of(q, k_layer, v_layer, scale, window, softcap);
   if (fp32)
     attend_products(f32, sh);
   else

@@ -3,9 +3,12 @@ attention per sequence, on randomized waves."""
 
 from __future__ import annotations
 
+import contextlib
+import random
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool
@@ -56,13 +59,15 @@ def invariant_on():
     heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     alone=st.booleans(),
+    window=st.sampled_from([0, 5, 16, 40]),
+    softcap=st.sampled_from([0.0, 4.0]),
 )
 def test_lone_sequences_in_one_call_give_the_bits_of_one_call_each(
-    invariant_on, seed, n_seqs, chunk, heads, dtype, alone
+    invariant_on, seed, n_seqs, chunk, heads, dtype, alone, window, softcap
 ):
     """A wave's lone sequences through one causal_attention call (lone_spans) against the same
-    groups one prefix_attention call each: equal bits, every sequence's rows, whatever the wave;
-    and within tolerance of the naive reference."""
+    groups one prefix_attention call each: equal bits, every sequence's rows, whatever the wave, with
+    or without a window and soft-capping; and within tolerance of the naive reference."""
     hq, hk = heads
     pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, 64, dtype)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -70,13 +75,13 @@ def test_lone_sequences_in_one_call_give_the_bits_of_one_call_each(
     store_new_tokens(pool, spans, k, v)
     groups = plan_groups(spans, chunk, dtype, q.device, alone=alone)
     each, batched = (torch.full((rows, hq, 64), float("nan"), dtype=dtype) for _ in range(2))
-    prefill_attention(groups, 0, q, k, v, pool, 0.125, each)
+    prefill_attention(groups, 0, q, k, v, pool, 0.125, each, window, softcap)
     lone = lone_spans(groups)
     assert lone is not None or not alone
-    prefill_attention(groups, 0, q, k, v, pool, 0.125, batched, lone=lone)
+    prefill_attention(groups, 0, q, k, v, pool, 0.125, batched, window, softcap, lone=lone)
     assert torch.equal(batched, each)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    want = prefill_reference(q, k, v, pool, spans, 0.125)
+    want = prefill_reference(q, k, v, pool, spans, 0.125, window, softcap)
     assert torch.allclose(batched.double(), want, atol=tol, rtol=tol)
 
 
@@ -137,14 +142,17 @@ def scattered_path(gen, n_tokens: int, chunk: int, hk: int, head_dim: int, dtype
     return k_layer, v_layer, slots
 
 
-def path_reference(q, k_layer, v_layer, slots, n_tokens: int, scale: float, visible=None):
+def path_reference(q, k_layer, v_layer, slots, n_tokens: int, scale: float, visible=None, softcap: float = 0.0):
     """(softmax(q K^T * scale) V [R, Hq, d], the scores [Hq, R, n]) over the path's first n_tokens
-    in float64; visible [R, n] masks keys per query."""
+    in float64; visible [R, n] masks keys per query; softcap > 0 caps each scaled score s as
+    softcap * tanh(s / softcap)."""
     hk, head_dim = k_layer.shape[1], k_layer.shape[2]
     keys = k_layer[slots.long()].permute(1, 0, 3, 2).reshape(hk, -1, head_dim)[:, :n_tokens].double()
     values = v_layer[slots.long()].permute(1, 0, 2, 3).reshape(hk, -1, head_dim)[:, :n_tokens].double()
     group = q.shape[1] // hk
     s = torch.einsum("rhd,hnd->hrn", q.double(), keys.repeat_interleave(group, 0)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if visible is not None:
         s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hrn,hnd->rhd", s.softmax(-1), values.repeat_interleave(group, 0)), s
@@ -222,6 +230,56 @@ def test_the_causal_path_product_sees_each_position_up_to_itself(seed, rows, fir
     assert torch.equal(later, o[start:])
 
 
+@pytest.mark.parametrize("path", ["fp32"] + [f"bf16-{p}" for p in PATHS])
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 150),
+    first=st.integers(0, 200),
+    chunk=st.sampled_from([16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
+    softcap=st.sampled_from([0.0, 2.0, 30.0]),
+)
+def test_the_causal_path_product_takes_a_window_and_a_cap(path, seed, rows, first, chunk, heads, window_kind, softcap):
+    """The causal product with a sliding window and/or soft-capped scores (fp32; bf16 on each path
+    the CPU has: the bf16 products, or bf16 read in fp32 arithmetic): query r at position first + r against positions
+    [first + r - window + 1, first + r], scores capped, against float64. The chunks that end before
+    the first query's window are NaN (never read). A position's bits are the same in a product that
+    starts later."""
+    from chunkgen._native import native
+
+    rnd = random.Random(seed)
+    window = {
+        "below_chunk": rnd.randrange(1, chunk),
+        "one_chunk": chunk,
+        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
+        "none": 0,
+    }[window_kind]
+    assume(window or softcap)
+    hq, hk = heads
+    dtype = torch.float32 if path == "fp32" else torch.bfloat16
+    n_tokens = first + rows
+    gen = torch.Generator().manual_seed(seed)
+    k_layer, v_layer, slots = scattered_path(gen, n_tokens, chunk, hk, 32, dtype)
+    q = (torch.randn(rows, hq, 32, generator=gen) * 2).to(dtype)
+    scale = 32**-0.5
+    key_pos, q_pos = torch.arange(n_tokens)[None, :], first + torch.arange(rows)[:, None]
+    visible = (key_pos <= q_pos) & ((key_pos > q_pos - window) if window else True)  # [rows, n]
+    want, _ = path_reference(q, k_layer, v_layer, slots, n_tokens, scale, visible, softcap)
+    unread = slots[: max(0, first - window + 1) // chunk].long() if window else slots[:0].long()
+    k_layer[unread], v_layer[unread] = float("nan"), float("nan")
+    with forced(path.removeprefix("bf16-")) if dtype == torch.bfloat16 else contextlib.nullcontext():
+        o, _ = native().prefix_attention(q, k_layer, v_layer, slots, n_tokens, scale, first, window, softcap)
+        start = rows // 3
+        later, _ = native().prefix_attention(
+            q[start:], k_layer, v_layer, slots, n_tokens, scale, first + start, window, softcap
+        )
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(o.double(), want, **tol)
+    assert torch.equal(later, o[start:])
+
+
 def test_the_prefix_product_refuses_what_does_not_fit():
     from chunkgen._native import native
 
@@ -248,6 +306,10 @@ def test_the_prefix_product_refuses_what_does_not_fit():
     torch.testing.assert_close(causal, want, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="multiples of 16"):
         op(q, torch.zeros(4, 2, 32, 8), torch.zeros(4, 2, 8, 32), torch.tensor([0, 1, 2], dtype=torch.int32), 20, 1.0)
+    with pytest.raises(ValueError, match="needs a causal product"):
+        op(q, k_layer, v_layer, slots, 20, 1.0, -1, 4)  # a window over a group's prefix: positions unknown
+    with pytest.raises(ValueError, match="must be >= 0"):
+        op(q, k_layer, v_layer, slots, 20, 1.0, 0, 0, -1.0)
 
 
 # -- the GPU's path (torch's fused kernels that return the log-sum-exp), run here on the CPU --------
