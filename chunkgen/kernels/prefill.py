@@ -20,10 +20,14 @@ FMA peak against torch's kernel's 57% on a 6,144-token prompt (7.9 against 9.9 s
 layers, Zen 4). No score matrix is materialized, no K/V is expanded to every query head, and
 everything that depends only on the wave's shape is planned once, not once per layer.
 
-Sliding-window layers and attention soft-capping take a plain torch path instead of the fused
-kernels (neither torch's flash kernel nor chunkgen's bf16 one caps scores): scores in fp32 by
-blocks of queries, masked by position. A group's prefix chunks that end before the window of its
-earliest query (so of every member's) are not gathered or read.
+Sliding-window layers and attention soft-capping: where a lone sequence's whole path is read in
+place (in fp32, and in bf16 with batch-invariant numerics: every sequence of the wave) the same
+product takes them as the decode kernel does, each position from the first chunk its window
+reaches, its scores capped; so a row's bits stay its own whatever the wave. Everything else (a
+group of several members, bf16 without batch-invariant numerics, the GPU) takes a plain torch path
+instead of the fused kernels (neither torch's flash kernel nor chunkgen's bf16 one caps scores):
+scores in fp32 by blocks of queries, masked by position. A group's prefix chunks that end before
+the window of its earliest query (so of every member's) are not gathered or read.
 """
 
 from __future__ import annotations
@@ -248,8 +252,9 @@ def _pool_readable(q: torch.Tensor, pool: ChunkPool) -> bool:
 
 def _causal_in_place(q: torch.Tensor, pool: ChunkPool) -> bool:
     """Whether a lone sequence's whole path is read in place, causally, by the prefix product's
-    kernel: in fp32, and in bf16 with batch-invariant numerics (each row one chunk at a time, the
-    same whatever the wave: on the bf16 products where the CPU has them, else in fp32 arithmetic)."""
+    kernel (sliding windows and soft-capping included): in fp32, and in bf16 with batch-invariant
+    numerics (each row one chunk at a time, the same whatever the wave: on the bf16 products where
+    the CPU has them, else in fp32 arithmetic)."""
     if q.dtype == torch.float32:
         return _prefix_in_place(q, pool)
     return q.dtype == torch.bfloat16 and invariant.enabled() and _pool_readable(q, pool)
@@ -379,26 +384,26 @@ def prefill_attention(
         prefill_attention(groups, layer, q.float(), k.float(), v.float(), pool, scale, wide, window, softcap, lone)
         out.copy_(wide)
         return
-    if window or softcap:
-        for g in groups:
-            _masked_group(g, layer, q, k, v, pool, scale, out, window, softcap)
-        return
-    if lone is not None and _causal_in_place(q, pool):
-        native().causal_attention(q, pool.k[layer], pool.v[layer], lone.slots, lone.spans, scale, out)
+    in_place = _causal_in_place(q, pool)
+    if lone is not None and in_place:
+        native().causal_attention(q, pool.k[layer], pool.v[layer], lone.slots, lone.spans, scale, out, window, softcap)
         groups = [g for g in groups if g.key_idx is not None]
     for g in groups:
         a_b = g.contiguous
+        if g.key_idx is None and in_place:
+            # One sequence: its whole path (cached and new, stored before attention) read in place,
+            # causally, by the prefix product's kernel (its window and cap too): one product, no merge.
+            n = g.prefix_len + a_b[1] - a_b[0]
+            out[a_b[0] : a_b[1]] = native().prefix_attention(
+                q[a_b[0] : a_b[1]], pool.k[layer], pool.v[layer], g.path_slots, n, scale, g.prefix_len, window, softcap
+            )[0]
+            continue
+        if window or softcap:
+            _masked_group(g, layer, q, k, v, pool, scale, out, window, softcap)
+            continue
         qg = q[a_b[0] : a_b[1]] if a_b else q[g.rows]
         kg = k[a_b[0] : a_b[1]] if a_b else k[g.rows]
         vg = v[a_b[0] : a_b[1]] if a_b else v[g.rows]
-        if g.key_idx is None and _causal_in_place(q, pool):
-            # One sequence in fp32: its whole path (cached and new, stored before attention) read in
-            # place, causally, by the prefix product's kernel: one product, no merge.
-            n = g.prefix_len + a_b[1] - a_b[0]
-            out[a_b[0] : a_b[1]] = native().prefix_attention(
-                qg, pool.k[layer], pool.v[layer], g.path_slots, n, scale, g.prefix_len
-            )[0]
-            continue
         if g.key_idx is None:  # one sequence: its new tokens, causally
             o, lse = attention_lse(
                 qg.transpose(0, 1)[None], kg.transpose(0, 1)[None], vg.transpose(0, 1)[None], scale, causal=True

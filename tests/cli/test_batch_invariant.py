@@ -1,6 +1,7 @@
 """The same rows give bit-identical answers and logprobs whatever else runs beside them: any
 --max-batch, prefix or input order, sharded, resumed after a kill, prefixes from the cache or
-computed in the same wave; fp32 and bf16, on randomized prompt trees (tiny random model)."""
+computed in the same wave; fp32 and bf16, on randomized prompt trees (tiny random models: a Llama,
+and models with sliding-window layers and soft-capped attention)."""
 
 from __future__ import annotations
 
@@ -66,18 +67,44 @@ def test_answers_are_bit_identical_across_batches_orders_shards_and_resume(tiny_
     assert _answers(run("part.jsonl", "--max-batch", "5", "--resume")) == base
 
 
-def test_a_warm_cache_gives_the_same_numbers(tiny_model):
+# Tiny families of tests/model/families.py with what the prefill must mask: a Mistral whose every
+# layer has a 20-token window (across 16-token chunks), a Gemma 2 with a 10-token window on
+# alternate layers and soft-capped attention scores everywhere.
+MASKED_FAMILIES = ["mistral", "gemma2"]
+
+
+@pytest.mark.parametrize("family", MASKED_FAMILIES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_windowed_and_capped_models_answer_the_same_at_any_batch(family_models, tmp_path, family, dtype):
+    queries = tmp_path / "rows.jsonl"
+    queries.write_text("\n".join(_rows(11, 24)) + "\n")
+
+    def run(out: str, *extra: str) -> dict:
+        args = base_args(family_models(family), tmp_path / out, queries, None, max_new_tokens=4, dtype=dtype,
+                         logprobs=2, format="openai", batch_invariant="on") + list(extra)  # fmt: skip
+        res = run_cli(*args)
+        assert res.exit_code == 0, res.output
+        return _answers(tmp_path / out)
+
+    base = run("b1.jsonl", "--max-batch", "1")
+    assert len(base) == 24
+    assert run("b7.jsonl", "--max-batch", "7") == base
+    assert run("b32.jsonl", "--max-batch", "32", "--order", "input") == base
+
+
+@pytest.mark.parametrize("family", ["llama"] + MASKED_FAMILIES)
+def test_a_warm_cache_gives_the_same_numbers(tiny_model, family_models, family):
     from chunkgen.engine.params import SamplingParams
     from chunkgen.llm import LLM
+
+    model = tiny_model if family == "llama" else family_models(family)
 
     rnd = random.Random(3)
     system = " ".join(rnd.choice(WORDS) for _ in range(60))
     prompts = [system + " " + " ".join(rnd.choice(WORDS) for _ in range(rnd.randrange(1, 25))) for _ in range(12)]
     params = SamplingParams(max_new_tokens=5, logprobs=1)
     for dtype in ("fp32", "bf16"):
-        llm = LLM(
-            model=str(tiny_model), dtype=dtype, chunk_size=16, kv_memory="64MiB", max_batch=16, batch_invariant="on"
-        )
+        llm = LLM(model=str(model), dtype=dtype, chunk_size=16, kv_memory="64MiB", max_batch=16, batch_invariant="on")
         fresh = [(r.token_ids, [t.logprob for t in r.completions[0].logprobs]) for r in llm.generate(prompts, params)]
         llm.generate(prompts[:3], params)  # the system prompt and three rows' prompts now cached
         warm = [(r.token_ids, [t.logprob for t in r.completions[0].logprobs]) for r in llm.generate(prompts, params)]

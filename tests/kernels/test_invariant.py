@@ -1,6 +1,7 @@
 """Batch-invariant numerics at the kernel level: a row's output bits do not depend on the other rows
 of the call (how many, which, how they share chunks), on the decode kernel's phase (chunk-first or
-paged), on the thread count, or (linear layers) on the row count."""
+paged), on the thread count, (linear layers) on the row count, or (prefill with windows and
+soft-capping) on how much of its path came from the cache."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from chunkgen._native import native
-from chunkgen.cache import KernelContext
+from chunkgen.cache import ChunkPool, KernelContext
 from chunkgen.kernels import decode_attention, invariant
+from chunkgen.kernels.prefill import PrefillSpan, lone_spans, plan_groups, prefill_attention
 from chunkgen.model.llama import Linear
 from tests.helpers import build_tree
 
@@ -75,6 +77,72 @@ def test_a_rows_decode_attention_is_the_same_in_any_batch(
         tree.remove(s)
     for s, o in _decode(pool, tree, queries, chunk_first=rnd.random() < 0.5).items():
         assert torch.equal(o, full[s]), s
+
+
+def _prefill_wave(pool: ChunkPool, paths: dict, queries: dict, wave: list, window: int, softcap: float) -> dict:
+    """Prefill attention of a wave of (sequence, cached tokens) as the engine plans it with
+    batch-invariant numerics (every sequence alone, the lone ones in one call): each sequence's
+    output rows by position. Every path's K/V are in the pool already (new tokens stored first)."""
+    C = pool.chunk_size
+    spans, row = [], 0
+    for seq, cached in wave:
+        n = queries[seq].shape[0]
+        spans.append(PrefillSpan(cached, paths[seq], row, n - cached))
+        row += n - cached
+    q = torch.cat([queries[seq][cached:] for seq, cached in wave])
+    # the new tokens' K/V as the layer hands them over (the masked torch path reads them there)
+    kv = [
+        (pool.k[0, paths[seq][p // C], :, :, p % C], pool.v[0, paths[seq][p // C], :, p % C])
+        for seq, cached in wave
+        for p in range(cached, queries[seq].shape[0])
+    ]
+    k, v = torch.stack([a for a, _ in kv]), torch.stack([b for _, b in kv])
+    groups = plan_groups(spans, C, pool.dtype, q.device, alone=True)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    prefill_attention(groups, 0, q, k, v, pool, q.shape[-1] ** -0.5, out, window, softcap, lone=lone_spans(groups))
+    return {seq: out[sp.row : sp.row + sp.count] for (seq, _), sp in zip(wave, spans)}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(2, 6),
+    chunk=st.sampled_from([16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    window=st.sampled_from([0, 7, 16, 24, 100]),
+    softcap=st.sampled_from([0.0, 5.0]),
+)
+def test_a_rows_windowed_or_capped_prefill_is_the_same_in_any_wave(seed, n_seqs, chunk, heads, dtype, window, softcap):
+    """Prefill attention with a sliding window and/or soft-capping: a row's bits do not depend on
+    the other sequences of the wave, their order, the thread count, or how much of its own path came
+    from the cache (paths share a system prompt's chunks)."""
+    assume(window or softcap)
+    hq, hk = heads
+    rnd = random.Random(seed)
+    pool = ChunkPool(1, hk, 64, chunk, dtype, budget_bytes=1 << 26)
+    system = [pool.allocate() for _ in range(rnd.randrange(0, 4))]
+    paths, queries = {}, {}
+    gen = torch.Generator().manual_seed(seed)
+    for seq in range(n_seqs):
+        n = rnd.randrange(1, 200)
+        shared = system[: n // chunk]
+        paths[seq] = shared + [pool.allocate() for _ in range(-(-n // chunk) - len(shared))]
+        queries[seq] = (torch.randn(n, hq, 64, generator=gen) * 2).to(dtype)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    whole = _prefill_wave(pool, paths, queries, [(s, 0) for s in range(n_seqs)], window, softcap)
+    for s in range(n_seqs):  # alone, the whole prompt new
+        assert torch.equal(_prefill_wave(pool, paths, queries, [(s, 0)], window, softcap)[s], whole[s]), s
+    others = rnd.sample(range(n_seqs), rnd.randrange(1, n_seqs + 1))
+    wave = [(s, rnd.randrange(queries[s].shape[0])) for s in others]  # part of each path cached
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s, o in _prefill_wave(pool, paths, queries, wave, window, softcap).items():
+            assert torch.equal(o, whole[s][-o.shape[0] :]), s
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunkgen._native import native
-from chunkgen.kernels import prefill
-from tests.helpers import PATHS, forced, random_wave, store_new_tokens
+from chunkgen.kernels import invariant, prefill
+from tests.helpers import PATHS, forced, prefill_reference, random_wave, store_new_tokens
 
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
 needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")
@@ -162,27 +162,6 @@ def test_bad_arguments_raise_python_errors():
 # ---- sliding windows and soft-capping over the prefix tree ---------------------------------------
 
 
-def windowed_reference(q, k, v, pool, spans, scale: float, window: int, softcap: float) -> torch.Tensor:
-    """Each new token at position t over its path's positions (t - window, t], scores soft-capped,
-    in float64, read token by token from the pool."""
-    C, group = pool.chunk_size, q.shape[1] // k.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for sp in spans:
-        slots = torch.tensor([sp.path_slots[p // C] for p in range(sp.start)], dtype=torch.long)
-        offs = torch.tensor([p % C for p in range(sp.start)], dtype=torch.long)
-        rows = slice(sp.row, sp.row + sp.count)
-        keys = torch.cat([pool.k[0, slots, :, :, offs].double(), k[rows].double()]).repeat_interleave(group, 1)
-        values = torch.cat([pool.v[0, slots, :, offs].double(), v[rows].double()]).repeat_interleave(group, 1)
-        s = torch.einsum("thd,nhd->htn", q[rows].double(), keys) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        key_pos = torch.arange(sp.start + sp.count)[None, :]
-        q_pos = sp.start + torch.arange(sp.count)[:, None]
-        visible = (key_pos <= q_pos) & ((key_pos > q_pos - window) if window else True)
-        out[rows] = torch.einsum("htn,nhd->thd", s.masked_fill(~visible, float("-inf")).softmax(-1), values)
-    return out
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -192,10 +171,15 @@ def windowed_reference(q, k, v, pool, spans, scale: float, window: int, softcap:
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
     softcap=st.sampled_from([0.0, 3.0, 30.0]),
+    batch_invariant=st.booleans(),
 )
-def test_prefill_windows_and_softcap_match_reference(seed, n_seqs, chunk, heads, dtype, window_kind, softcap):
+def test_prefill_windows_and_softcap_match_reference(
+    seed, n_seqs, chunk, heads, dtype, window_kind, softcap, batch_invariant
+):
     """Shared-prefix groups, own parts and lone sequences with windows below, at and across a
-    chunk; prefix chunks that no member's window reaches are NaN, so gathering one fails."""
+    chunk; prefix chunks that no member's window reaches are NaN, so gathering one fails. With
+    batch-invariant numerics every sequence is planned alone and the lone ones go in one call, as
+    the engine does (read in place, in fp32 and bf16)."""
     rnd = random.Random(seed)
     window = {
         "below_chunk": rnd.randrange(1, chunk),
@@ -209,9 +193,9 @@ def test_prefill_windows_and_softcap_match_reference(seed, n_seqs, chunk, heads,
     q = (torch.randn(rows, hq, 32, generator=gen) * 2).to(dtype)
     k = torch.randn(rows, hk, 32, generator=gen).to(dtype)
     v = torch.randn(rows, hk, 32, generator=gen).to(dtype)
-    want = windowed_reference(q, k, v, pool, spans, 32**-0.5, window, softcap)
+    want = prefill_reference(q, k, v, pool, spans, 32**-0.5, window, softcap)
     store_new_tokens(pool, spans, k, v)  # as the model does before attention
-    groups = prefill.plan_groups(spans, chunk, dtype, q.device)
+    groups = prefill.plan_groups(spans, chunk, dtype, q.device, alone=batch_invariant)
     if window:  # NaN into the chunks no new token's window reaches
         needed = {
             sp.path_slots[p // chunk] for sp in spans for p in range(max(0, sp.start - window + 1), sp.start + sp.count)
@@ -221,28 +205,67 @@ def test_prefill_windows_and_softcap_match_reference(seed, n_seqs, chunk, heads,
             pool.k[0, torch.tensor(unread)] = float("nan")
             pool.v[0, torch.tensor(unread)] = float("nan")
     out = torch.full((rows, hq, 32), float("nan"), dtype=dtype)
-    prefill.prefill_attention(groups, 0, q, k, v, pool, 32**-0.5, out, window=window, softcap=softcap)
+    invariant.set_enabled(batch_invariant)
+    try:
+        lone = prefill.lone_spans(groups) if batch_invariant else None
+        prefill.prefill_attention(groups, 0, q, k, v, pool, 32**-0.5, out, window=window, softcap=softcap, lone=lone)
+    finally:
+        invariant.set_enabled(False)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
 
 
-def test_a_long_windowed_prompt_reads_its_keys_by_blocks():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_windowed_prompt_reads_its_keys_by_blocks(dtype):
     """A lone 700-token prompt with a 100-token window (several query blocks, each needing only
     its window's keys) and one of 600 cached tokens plus 300 new ones whose early cached chunks no
-    window reaches (NaN), against the float64 reference."""
-    pool = prefill.ChunkPool(1, 2, 32, 16, torch.float32, budget_bytes=1 << 24)
+    window reaches (NaN), against the float64 reference: in fp32 read in place, in bf16 (without
+    batch-invariant numerics) on the masked torch path."""
+    pool = prefill.ChunkPool(1, 2, 32, 16, dtype, budget_bytes=1 << 24)
     cached = [pool.allocate() for _ in range(-(-900 // 16))]
     fresh = [pool.allocate() for _ in range(-(-700 // 16))]
     spans = [prefill.PrefillSpan(0, fresh, 0, 700), prefill.PrefillSpan(600, cached, 700, 300)]
     gen = torch.Generator().manual_seed(4)
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
-    q, k, v = (torch.randn(1000, h, 32, generator=gen) for h in (4, 2, 2))
-    want = windowed_reference(q, k, v, pool, spans, 0.2, 100, 0.0)
+    q, k, v = (torch.randn(1000, h, 32, generator=gen).to(dtype) for h in (4, 2, 2))
+    store_new_tokens(pool, spans, k, v)
+    want = prefill_reference(q, k, v, pool, spans, 0.2, 100, 0.0)
     pool.k[0, torch.tensor(cached[: (600 - 99) // 16])] = float("nan")
     pool.v[0, torch.tensor(cached[: (600 - 99) // 16])] = float("nan")
-    out = torch.full((1000, 4, 32), float("nan"))
-    prefill.prefill_attention(
-        prefill.plan_groups(spans, 16, torch.float32, q.device), 0, q, k, v, pool, 0.2, out, window=100
-    )
-    assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-4), (out.double() - want).abs().max()
+    out = torch.full((1000, 4, 32), float("nan"), dtype=dtype)
+    prefill.prefill_attention(prefill.plan_groups(spans, 16, dtype, q.device), 0, q, k, v, pool, 0.2, out, window=100)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+
+
+@pytest.mark.parametrize(
+    "dtype,batch_invariant,in_place",
+    [(torch.float32, False, True), (torch.bfloat16, True, True), (torch.bfloat16, False, False)],
+)
+def test_windows_and_caps_take_the_in_place_fold_where_it_applies(dtype, batch_invariant, in_place):
+    """With a window or soft-capping, lone sequences are read in place (fp32; bf16 with
+    batch-invariant numerics), in one call where the wave gives its lone spans; a group of several
+    members, and bf16 without batch-invariant numerics, take the masked torch path."""
+    from unittest import mock
+
+    pool, spans, rows = random_wave(5, 6, 16, 2, 32, dtype)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(rows, h, 32, generator=gen).to(dtype) for h in (4, 2, 2))
+    store_new_tokens(pool, spans, k, v)
+    groups = prefill.plan_groups(spans, 16, dtype, q.device, alone=batch_invariant)
+    shared = sum(g.key_idx is not None for g in groups)
+    out = torch.empty(rows, 4, 32, dtype=dtype)
+    masked = mock.Mock(wraps=prefill._masked_group)
+    invariant.set_enabled(batch_invariant)
+    try:
+        with mock.patch.object(prefill, "_masked_group", masked):
+            prefill.prefill_attention(
+                groups, 0, q, k, v, pool, 0.2, out, window=20, softcap=5.0, lone=prefill.lone_spans(groups)
+            )
+    finally:
+        invariant.set_enabled(False)
+    assert masked.call_count == (shared if in_place else len(groups))
+    want = prefill_reference(q, k, v, pool, spans, 0.2, 20, 5.0)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol)
