@@ -436,12 +436,19 @@ std::pair<BlockScales, BlockScales> widen(const QuantArgs& a, int nh, int64_t g0
   float* wm = ws + (g1 - g0) * per_group;
   for (int64_t g = g0; g < g1; ++g) {
     const BlockScales s = a.ws.group(g, a.nb, nh), m = a.wm.group(g, a.nb, 1);
-    for (int64_t b = 0; b < a.nb; ++b)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      float* sw = ws + ((g - g0) * a.nb + b) * nh * kGroup;
+      float* mw = wm + ((g - g0) * a.nb + b) * kGroup;
+#if defined(__AVX2__)
+      for (int h = 0; h < nh; ++h) _mm256_storeu_ps(sw + h * kGroup, quant::scales8<true>(s, b * nh + h, b));
+      if (m.q != nullptr) _mm256_storeu_ps(mw, quant::scales8<true>(m, b, b));
+#else
       for (int h = 0; h < nh; ++h)
-        for (int c = 0; c < kGroup; ++c) {
-          ws[((g - g0) * a.nb + b) * nh * kGroup + h * kGroup + c] = quant::scale_at<true>(s, b * nh + h, b, c);
-          if (h == 0 && m.q != nullptr) wm[((g - g0) * a.nb + b) * kGroup + c] = quant::scale_at<true>(m, b, b, c);
-        }
+        for (int c = 0; c < kGroup; ++c) sw[h * kGroup + c] = quant::scale_at<true>(s, b * nh + h, b, c);
+      if (m.q != nullptr)
+        for (int c = 0; c < kGroup; ++c) mw[c] = quant::scale_at<true>(m, b, b, c);
+#endif
+    }
   }
   return {BlockScales{ws, nullptr, nullptr, g0}, BlockScales{a.wm.q != nullptr ? wm : nullptr, nullptr, nullptr, g0}};
 }
