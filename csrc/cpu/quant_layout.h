@@ -9,7 +9,9 @@
 // The factored form is a quarter of the plain one's bytes, which made the scales a quarter of a
 // repacked Q4_K weight. It gives the same bits: an int8 times an fp16 value (every GGUF super-block
 // scale is one) needs at most 18 significant bits, so its fp32 product is exact, and equal to the
-// plain form's fp32 scale made from the same two numbers at load.
+// plain form's fp32 scale made from the same two numbers at load. The products widen it in the tile
+// where few rows of x pass over the weights, and once per panel of them where many do
+// (quant_linear.cpp's widen).
 #pragma once
 
 #include <cstdint>
