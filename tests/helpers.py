@@ -499,3 +499,17 @@ def dense_lse_reference(q, k, v, scale, causal=False, mask=None):
         s = s + mask.double()
     lse = torch.logsumexp(s, -1)
     return torch.einsum("bhts,bhsd->bhtd", torch.exp(s - lse[..., None]), vd), lse
+
+
+WINDOW_KINDS = ("below_chunk", "one_chunk", "several_chunks", "none")
+
+
+def draw_window(rnd, kind: str, chunk: int) -> int:
+    """A sliding window of `kind` (WINDOW_KINDS) for chunks of `chunk` tokens: below a chunk, one
+    chunk, across several, or none (0)."""
+    return {
+        "below_chunk": rnd.randrange(1, chunk),
+        "one_chunk": chunk,
+        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
+        "none": 0,
+    }[kind]

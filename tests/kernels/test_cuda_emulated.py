@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels.reference import reference_decode_attention
-from tests.helpers import TOLERANCE, build_tree, nan_outside_windows
+from tests.helpers import TOLERANCE, WINDOW_KINDS, build_tree, draw_window, nan_outside_windows
 
 HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
@@ -140,7 +140,7 @@ def test_emulated_cuda_kernel_matches_reference(
     heads=st.sampled_from([(8, 2), (9, 3), (4, 1)]),
     head_dim=st.sampled_from([64, 80]),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
-    window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
+    window_kind=st.sampled_from(WINDOW_KINDS),
     softcap=st.sampled_from([0.0, 3.0, 30.0]),
     decode_steps=st.integers(0, 2),
     chunk_first=st.booleans(),
@@ -166,12 +166,7 @@ def test_emulated_cuda_kernel_windows_and_softcap(
     import random
 
     rnd = random.Random(seed)
-    window = {
-        "below_chunk": rnd.randrange(1, chunk),
-        "one_chunk": chunk,
-        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
-        "none": 0,
-    }[window_kind]
+    window = draw_window(rnd, window_kind, chunk)
     q_heads, kv_heads = heads
     pool, tree = build_tree(
         seed, n_seqs, shared_len, chunk, kv_heads, head_dim, dtype, max_private=150, decode_steps=decode_steps

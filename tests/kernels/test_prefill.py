@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels import invariant
 from chunkgen.kernels.prefill import PrefillSpan, lone_spans, plan_groups, prefill_attention
-from tests.helpers import PATHS, dense_lse_reference, forced, prefill_reference, random_wave, store_new_tokens
+from tests.helpers import (
+    PATHS,
+    WINDOW_KINDS,
+    dense_lse_reference,
+    draw_window,
+    forced,
+    prefill_reference,
+    random_wave,
+    store_new_tokens,
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -238,7 +247,7 @@ def test_the_causal_path_product_sees_each_position_up_to_itself(seed, rows, fir
     first=st.integers(0, 200),
     chunk=st.sampled_from([16, 64]),
     heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
-    window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
+    window_kind=st.sampled_from(WINDOW_KINDS),
     softcap=st.sampled_from([0.0, 2.0, 30.0]),
 )
 def test_the_causal_path_product_takes_a_window_and_a_cap(path, seed, rows, first, chunk, heads, window_kind, softcap):
@@ -250,12 +259,7 @@ def test_the_causal_path_product_takes_a_window_and_a_cap(path, seed, rows, firs
     from chunkgen._native import native
 
     rnd = random.Random(seed)
-    window = {
-        "below_chunk": rnd.randrange(1, chunk),
-        "one_chunk": chunk,
-        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
-        "none": 0,
-    }[window_kind]
+    window = draw_window(rnd, window_kind, chunk)
     assume(window or softcap)
     hq, hk = heads
     dtype = torch.float32 if path == "fp32" else torch.bfloat16

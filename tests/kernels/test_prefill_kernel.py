@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from chunkgen._native import native
 from chunkgen.kernels import invariant, prefill
-from tests.helpers import PATHS, forced, prefill_reference, random_wave, store_new_tokens
+from tests.helpers import PATHS, WINDOW_KINDS, draw_window, forced, prefill_reference, random_wave, store_new_tokens
 
 BF16_PATHS = [p for p in PATHS if p in ("amx", "avx512_bf16")]
 needs_bf16 = pytest.mark.skipif(not BF16_PATHS, reason="no AMX or AVX512_BF16 path on this machine")
@@ -169,7 +169,7 @@ def test_bad_arguments_raise_python_errors():
     chunk=st.sampled_from([8, 16, 64]),
     heads=st.sampled_from([(4, 2), (9, 3)]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    window_kind=st.sampled_from(["below_chunk", "one_chunk", "several_chunks", "none"]),
+    window_kind=st.sampled_from(WINDOW_KINDS),
     softcap=st.sampled_from([0.0, 3.0, 30.0]),
     batch_invariant=st.booleans(),
 )
@@ -181,12 +181,7 @@ def test_prefill_windows_and_softcap_match_reference(
     batch-invariant numerics every sequence is planned alone and the lone ones go in one call, as
     the engine does (read in place, in fp32 and bf16)."""
     rnd = random.Random(seed)
-    window = {
-        "below_chunk": rnd.randrange(1, chunk),
-        "one_chunk": chunk,
-        "several_chunks": rnd.randrange(chunk + 1, 4 * chunk),
-        "none": 0,
-    }[window_kind]
+    window = draw_window(rnd, window_kind, chunk)
     hq, hk = heads
     pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, 32, dtype)
     gen = torch.Generator().manual_seed(seed + 1)
