@@ -122,12 +122,13 @@ def _values(w: QuantWeight) -> torch.Tensor:
 
 
 def _pack_bits(bits: np.ndarray) -> np.ndarray:
-    """Bits [..., 32] (0 or 1) -> 32-bit little-endian words [..., 4 bytes], bit j from element j."""
+    """Bits [..., 8 m] (0 or 1) -> [..., m] bytes, little-endian: bit j of the run from element j
+    (32 bits: a little-endian 32-bit word)."""
     return np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little")
 
 
 def _unpack_bits(words: np.ndarray) -> np.ndarray:
-    """_pack_bits undone: [..., 4 bytes] -> [..., 32] bits."""
+    """_pack_bits undone: [..., m] bytes -> [..., 8 m] bits."""
     return np.unpackbits(np.ascontiguousarray(words), axis=-1, bitorder="little")
 
 
@@ -177,7 +178,7 @@ def pack(w: QuantWeight) -> PackedWeight:
         nibbles = rows[..., :16].reshape(groups, GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128)
         # value j = 16 h + 4 c + t of channel r -> byte 4 r + t, bit 2 c + h
         bits = _unpack_bits(rows[..., 16:].numpy()).reshape(groups, GROUP, nb, 2, 4, 4).transpose(0, 2, 1, 5, 4, 3)
-        plane = np.packbits(bits.reshape(groups, nb, 32, 8), axis=-1, bitorder="little")
+        plane = _pack_bits(bits.reshape(groups, nb, 32, 8))
         qs = torch.cat([nibbles, torch.from_numpy(plane.reshape(groups, nb, 32))], dim=-1)
     else:  # 32 values a block: step s, byte t of a channel = value 4 s + t
         qs = grouped(w.qs, 32).view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)
@@ -220,7 +221,7 @@ def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
     if w.kind == U5:
         groups, nb = w.qs.shape[:2]
         nibbles = w.qs[..., :128].reshape(groups, nb, 4, GROUP, 4)[g, :, :, c, :].reshape(len(index), nb, 16)
-        plane = np.unpackbits(w.qs[..., 128:].numpy()[..., None], axis=-1, bitorder="little")  # [.., 4 r + t, 2 c + h]
+        plane = _unpack_bits(w.qs[..., 128:].numpy()[..., None])  # [..., 4 r + t, 2 c + h]
         bits = plane.reshape(groups, nb, GROUP, 4, 4, 2)[g.numpy(), :, c.numpy()]  # [rows, nb, t, c, h]
         words = _pack_bits(bits.transpose(0, 1, 4, 3, 2).reshape(len(index), nb, 32))  # value 16 h + 4 c + t
         qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(len(index), -1)
