@@ -66,7 +66,9 @@ def run_linear(
             x = torch.randn(m, k, generator=gen)
             times = {}
             for name, product in products.items():
-                xin = x.bfloat16() if name == "bf16" else x  # a bf16 model's activations are bf16
+                # a bf16 model's activations are bf16: the bf16 product's, and the quantized ones'
+                # where this CPU runs bf16 models (they quantize it and write their rows in it)
+                xin = x.bfloat16() if name == "bf16" or bf16 and name != "fp32" else x
                 times[name] = best_ms(lambda p=product, x=xin: p(x), min_seconds)
             for name, ms in times.items():
                 row = {

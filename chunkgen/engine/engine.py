@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkgen.cache import ChunkPool, KVReservation, PrefixTree
+from chunkgen.cache.pages import release_freed_pages
 from chunkgen.cache.stats import unshared_chunks
 from chunkgen.config import Config, kv_dtype_for
 from chunkgen.device import on_model_device
@@ -24,6 +25,10 @@ from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_genera
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
 from chunkgen.model.llama import LlamaModel
+
+# New tokens of a CPU prefill wave whose freed activations are handed back to the OS before the next
+# decode step (cache/pages.py: release_freed_pages); smaller waves' pages stay for the steps after.
+_LARGE_WAVE_TOKENS = 1024
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Engine:
         self._plan: tuple | None = None  # (seq ids, SamplingBatch, penalized rows) of the last sampled batch
         self._penalties: Penalties | None = None  # generated-token counts, built with the first penalized batch
         self._reader = StepReader()  # the step's one device-to-host read
+        self._wave_pages_kept = False  # a large wave's freed activations are still with malloc
 
     @on_model_device
     def _fresh_cache(self) -> None:
@@ -269,6 +275,9 @@ class Engine:
                 seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
             self.stats.finished += 1
             done.append(seq)
+        if batch.decode and self._wave_pages_kept:  # waves over: what decode writes (K/V) goes on top
+            release_freed_pages()
+            self._wave_pages_kept = False
         if batch.prefill and batch.decode:
             self._mixed(batch, done)
         elif batch.prefill:
@@ -300,6 +309,9 @@ class Engine:
             self.scheduler.abort([a.seq for a in wave])  # their unwritten chunks are freed
             raise
         self.stats.prefill_s += time.perf_counter() - t0
+        self._wave_pages_kept |= self.pool.device.type == "cpu" and _LARGE_WAVE_TOKENS <= sum(
+            len(a.kv_tokens) - a.cached for a in wave
+        )
         self._note_unshared()  # before rows answered by the wave alone (one new token) leave the tree
         for seq, _, _ in wave:
             if seq.finish_reason:

@@ -58,6 +58,7 @@
 #include "intrinsics.h"
 #endif
 #include "quant_layout.h"
+#include "quant_out.h"
 #include "quant_tile_vnni.h"
 #if defined(__AVXVNNI__)
 #define CHUNKGEN_HAVE_AVX_VNNI 1
@@ -68,6 +69,7 @@ namespace {
 
 constexpr int kBlock = 32;
 using quant::BlockScales;
+using quant::Out;
 using quant::kGroup;
 using quant::kSuper;
 constexpr int kRows = 4;  // rows of x a tile computes against one group
@@ -230,22 +232,14 @@ inline __m256i pair_products(__m256i w, __m256i w_abs, __m256i x) {
 
 // A tile's R rows of sums into y (rows ldy apart), `channels` <= 8 of each.
 template <int R>
-inline void store_rows(const __m256 (&acc)[R], float* y, int64_t ldy, int channels) {
-  for (int r = 0; r < R; ++r) {
-    if (channels == kGroup) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float out[kGroup];
-      _mm256_store_ps(out, acc[r]);
-      std::memcpy(y + r * ldy, out, sizeof(float) * channels);
-    }
-  }
+inline void store_rows(const __m256 (&acc)[R], const Out& y, int64_t ldy, int channels) {
+  for (int r = 0; r < R; ++r) quant::store8(y.at(r * ldy), acc[r], channels);
 }
 
 // One tile: 8 channels of group `w` x R rows of x, over all nb blocks; y rows are ldy apart.
 template <int kind, bool has_min, bool factored, int R>
 void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq, int64_t k,
-               const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+               const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -321,7 +315,7 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
 // tile_avx2 on AVX-VNNI: every step's products summed into int32 by one vpdpbusd.
 template <int kind, bool has_min, bool factored, int R>
 void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
-                   int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+                   int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   __m256 acc[R];
@@ -371,7 +365,7 @@ void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& w
 // The 256-bit tile of `path` (AVX-VNNI or AVX2).
 template <int kind, bool has_min, bool factored, int R>
 void tile_256(Path path, const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
-              int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+              int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
 #if defined(CHUNKGEN_HAVE_AVX_VNNI)
   if (path == Path::AvxVnni)
     return tile_avx_vnni<kind, has_min, factored, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
@@ -385,7 +379,7 @@ void tile_256(Path path, const uint8_t* w, const BlockScales& ws, const BlockSca
 // The scalar reference on the same layout: the same integer block sums, scales applied per block.
 template <int kind, bool has_min, bool factored>
 void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
-                 int64_t k, const float* xs, const float* xsum, float* y, int64_t ldy, int rows, int channels) {
+                 int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int rows, int channels) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   for (int r = 0; r < rows; ++r) {
@@ -411,7 +405,7 @@ void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm,
           sum += static_cast<float>(isum[h]) * (quant::scale_at<factored>(ws, b * nh + h, b, c) * xs[r * nb + b]);
         if constexpr (has_min) sum += quant::scale_at<factored>(wm, b, b, c) * xsum[r * nb + b];
       }
-      y[r * ldy + c] = sum;
+      y.put(r * ldy + c, sum);
     }
   }
 }
@@ -424,7 +418,7 @@ struct QuantArgs {
   const int8_t* xq;
   const float *xs, *xsum;
   int64_t rows;
-  float* y;
+  Out y;
 };
 
 // Factored scales (and mins) of groups [g0, g1) widened to plain fp32 ones in buf, once for all the
@@ -499,7 +493,7 @@ void quant_product_vnni(const QuantArgs& a) {
                 const auto args = std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes,
                                                   ws.group(g0, a.nb, nh), ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1),
                                                   wm.group(g1, a.nb, 1), a.nb, xq + m0 * k, k, a.xs + m0 * a.nb,
-                                                  a.xsum + m0 * a.nb, a.y + m0 * a.n + g0 * kGroup, a.n, channels);
+                                                  a.xsum + m0 * a.nb, a.y.at(m0 * a.n + g0 * kGroup), a.n, channels);
                 switch (rows) {
                   case 8:
                     std::apply(vnni::tile<kind, has_min, f, 8>, args);
@@ -548,7 +542,7 @@ void quant_product(const QuantArgs& a, Path path) {
               for (int64_t g = p0; g < p1; ++g) {
                 const uint8_t* w = a.w + g * group_bytes;
                 const BlockScales ws = ws_all.group(g, a.nb, nh), wm = wm_all.group(g, a.nb, 1);
-                float* y = a.y + m0 * a.n + g * kGroup;
+                const Out y = a.y.at(m0 * a.n + g * kGroup);
                 const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
 #if defined(__AVX2__)
                 if (path != Path::Scalar) {
@@ -576,30 +570,53 @@ void quant_product(const QuantArgs& a, Path path) {
   });
 }
 
-// x's int8 values per row; `offset`: stored as x + 128 (unsigned), the operand the VNNI tile
-// multiplies signed weights by.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale, float* qsum, Path path,
+// x's int8 values per row (x fp32, bf16 or fp16: a row at a time widened, never the whole x);
+// `offset`: stored as x + 128 (unsigned), the operand the VNNI tile multiplies signed weights by.
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* scale, float* qsum, Path path,
                    bool offset = false) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> wide(std::is_same_v<T, float> ? 0 : k);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t nb = k / kBlock;
       int8_t* qr = q + r * k;
+      const float* xr;
+      if constexpr (std::is_same_v<T, float>) {
+        xr = x + r * k;
+      } else {
+        for (int64_t j = 0; j < k; ++j) wide[j] = static_cast<float>(x[r * k + j]);
+        xr = wide.data();
+      }
 #if defined(__AVX2__)
       if (path != Path::Scalar)
-        quantize_row_avx2(x + r * k, k, qr, scale + r * nb, qsum + r * nb);
+        quantize_row_avx2(xr, k, qr, scale + r * nb, qsum + r * nb);
       else
 #endif
-        quantize_row_scalar(x + r * k, k, qr, scale + r * nb, qsum + r * nb);
+        quantize_row_scalar(xr, k, qr, scale + r * nb, qsum + r * nb);
       if (offset)
         for (int64_t j = 0; j < k; ++j) qr[j] = static_cast<int8_t>(static_cast<uint8_t>(qr[j]) ^ 0x80u);
     }
   });
 }
 
+// x [rows, k] as the products read it: contiguous, its own dtype where that is fp32, bf16 or fp16.
 torch::Tensor as_rows(const torch::Tensor& x) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2, "x must be a 2-D CPU tensor, got ", x.sizes());
   TORCH_CHECK_VALUE(x.size(1) % kBlock == 0, "x's columns (", x.size(1), ") must be a multiple of 32");
-  return x.to(torch::kFloat32).contiguous();
+  const auto t = x.scalar_type();
+  return (t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf ? x : x.to(torch::kFloat32)).contiguous();
+}
+
+void quantize_rows(const torch::Tensor& x, int8_t* q, float* scale, float* qsum, Path path, bool offset = false) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  switch (x.scalar_type()) {
+    case torch::kBFloat16:
+      return quantize_rows(x.data_ptr<at::BFloat16>(), rows, k, q, scale, qsum, path, offset);
+    case torch::kHalf:
+      return quantize_rows(x.data_ptr<at::Half>(), rows, k, q, scale, qsum, path, offset);
+    default:
+      return quantize_rows(x.data_ptr<float>(), rows, k, q, scale, qsum, path, offset);
+  }
 }
 
 // (q int8 [rows, k], scale [rows, k / 32], scale * sum(q) [rows, k / 32]) of x [rows, k].
@@ -607,10 +624,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
   const auto x = as_rows(x_in);
   const int64_t rows = x.size(0), k = x.size(1);
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({rows, k / kBlock}, x.options());
-  auto qsum = torch::empty({rows, k / kBlock}, x.options());
-  quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), scale.data_ptr<float>(), qsum.data_ptr<float>(),
-                current_path());
+  auto scale = torch::empty({rows, k / kBlock}, x.options().dtype(torch::kFloat32));
+  auto qsum = torch::empty({rows, k / kBlock}, x.options().dtype(torch::kFloat32));
+  quantize_rows(x, q.data_ptr<int8_t>(), scale.data_ptr<float>(), qsum.data_ptr<float>(), current_path());
   return {q, scale, qsum};
 }
 
@@ -667,11 +683,13 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   }
   const Path path = current_path();
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto xs = torch::empty({rows, nb}, x.options());
-  auto xsum = torch::empty({rows, nb}, x.options());
-  quantize_rows(x.data_ptr<float>(), rows, k, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), path,
+  auto xs = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  auto xsum = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
+  quantize_rows(x, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), path,
                 path == Path::Avx512Vnni && !is_unsigned(kind));
-  auto y = torch::empty({rows, n}, x.options());
+  // bf16 rows are written as the tiles finish them (quant_out.h); fp16 ones go through fp32
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  auto y = torch::empty({rows, n}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
   const QuantArgs a{static_cast<const uint8_t*>(qs.data_ptr()),
                     ws,
                     wm,
@@ -681,7 +699,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
                     xs.data_ptr<float>(),
                     xsum.data_ptr<float>(),
                     rows,
-                    y.data_ptr<float>()};
+                    bf16 ? Out{nullptr, y.data_ptr<at::BFloat16>()} : Out{y.data_ptr<float>(), nullptr}};
   if (kind == kU4 && has_min && factored)
     quant_product<kU4, true, true>(a, path);
   else if (kind == kU4 && has_min)
@@ -700,7 +718,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
     quant_product<kS8Half, false, true>(a, path);
   else
     quant_product<kS8Half, false, false>(a, path);
-  return x_in.scalar_type() == torch::kFloat32 ? y : y.to(x_in.scalar_type());
+  return y.scalar_type() == x_in.scalar_type() ? y : y.to(x_in.scalar_type());
 }
 
 std::string quant_isa_op() { return path_name(current_path()); }

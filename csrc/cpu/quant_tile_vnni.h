@@ -18,6 +18,7 @@
 #define CHUNKGEN_HAVE_AVX512_VNNI 1
 #include "intrinsics.h"
 #include "quant_layout.h"
+#include "quant_out.h"
 
 namespace chunkgen {
 namespace vnni {
@@ -55,7 +56,7 @@ inline __m512i in_order(__m512i v) {
 template <int kind, bool has_min, bool factored, int R>
 void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, const quant::BlockScales& ws1,
           const quant::BlockScales& wm0, const quant::BlockScales& wm1, int64_t nb, const uint8_t* xq, int64_t k,
-          const float* xs, const float* xsum, float* y, int64_t ldy, int channels) {
+          const float* xs, const float* xsum, const quant::Out& y, int64_t ldy, int channels) {
   constexpr int64_t bb = quant::group_block_bytes(kind);
   constexpr int nh = quant::halves(kind);
   __m512 acc[R];
@@ -111,7 +112,7 @@ void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, c
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << channels) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+  for (int r = 0; r < R; ++r) quant::store16(y.at(r * ldy), acc[r], keep);
 }
 
 }  // namespace vnni

@@ -150,3 +150,32 @@ def test_a_freed_large_tensor_leaves_its_pages_to_the_next_one(keep):
         if thp.exists() and "[always]" in thp.read_text():
             pytest.skip("every large mapping on huge pages here: a fresh one faults once per 2 MiB")
         assert faults > 2 * pages, faults  # what the setting is for
+
+
+_A_WAVES_FREED_PAGES = """
+import sys, torch
+from chunkgen.cache.pages import keep_freed_pages, release_freed_pages
+def rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+assert keep_freed_pages()
+wave, held = [], []
+for _ in range(24):  # a wave's activations at its peak, with tensors that outlive it between them
+    wave.append(torch.ones(6 << 20, dtype=torch.uint8))
+    held.append(torch.ones(64 << 10, dtype=torch.uint8))
+del wave
+before = rss()
+print(release_freed_pages(), before - rss())
+"""
+
+
+def test_a_large_waves_freed_pages_go_back_to_the_os():
+    """What malloc kept of a wave's freed activations (keep_freed_pages: the heap's free chunks,
+    between live ones too) is handed back."""
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _A_WAVES_FREED_PAGES], capture_output=True, text=True, cwd=ROOT, check=True)
+    ran, released = out.stdout.split()
+    assert ran == "True"
+    assert int(released) > 120 << 20, released  # of the 24 x 6 MiB freed

@@ -298,3 +298,27 @@ def test_waves_mixed_into_decode_steps_change_no_bit(tiny_model, dtype):
     assert s0.mixed_steps == 0 and s1.mixed_steps > 0
     assert mixed == apart
     assert s1.decode_steps < s0.decode_steps + s0.finished  # the waves rode on decode steps
+
+
+def test_a_large_waves_freed_pages_go_back_before_decoding(tiny_llm, monkeypatch):
+    """A CPU prefill wave of 1,024 new tokens or more has malloc hand back its freed activations'
+    pages once, before the first decode step after it (the decode steps' K/V would go on top of
+    them); smaller waves keep them for the steps that follow."""
+    from chunkgen.engine import engine as engine_module
+
+    engine = tiny_llm.new_engine()
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        engine_module,
+        "release_freed_pages",
+        lambda: calls.append((engine.stats.prefilled_tokens, engine.stats.decode_steps)) or True,
+    )
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    short = tiny_llm.encode(" ".join(["seven"] * 100))
+    list(engine.stream([Request(0, short, params)]))
+    assert calls == []
+    long = tiny_llm.encode(" ".join(f"word {i}" for i in range(600)))
+    assert len(long) >= 1024
+    list(engine.stream([Request(1, long, params)]))
+    assert len(calls) == 1
+    assert calls[0][0] >= len(long) and calls[0][1] == engine.stats.decode_steps - 3  # the first of 3 steps

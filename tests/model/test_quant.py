@@ -221,12 +221,27 @@ def test_int8_per_channel_weights():
     assert q.nbytes < w.numel() * 1.2  # bytes, plus one fp32 scale a block
 
 
-def test_bf16_input_gives_bf16_output():
-    w, reference = _weight(GGMLQuantizationType.Q8_0, 8, 64, seed=5)
-    x = torch.randn(3, 64).bfloat16()
-    y = quant.quantized_linear(x, w)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), quant.quantized_linear(x.float(), w), rtol=1e-2, atol=1e-2)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bf16_rows_are_the_fp32_products_rounded(qtype, path):
+    """bf16 x is quantized as it is (no fp32 copy) and the product written in bf16 as the tiles
+    finish: the bits of the fp32 product rounded by torch, on tile edges, factored scales widened
+    per panel (37 rows) or not, and at the edge of bf16's range; fp16 x as its fp32 product rounded."""
+    for n, rows in ((19, 6), (40, 9), (8, 1), (21, 37)):
+        w = _weight(qtype, n, 512, seed=n + 7)[0]
+        x = torch.randn(rows, 512).bfloat16()
+        x[0, :64] = 3e38  # products near or out of range (inf, NaN where an inf meets its negative)
+        y = quant.quantized_linear(x, w)
+        assert y.dtype == torch.bfloat16
+        expected = quant.quantized_linear(x.float(), w).bfloat16()
+        assert (~expected[0].isfinite() | (expected[0].abs() > 1e37)).any() and expected[1:].isfinite().all()
+        nan = expected.isnan()
+        assert torch.equal(y.isnan(), nan)
+        assert torch.equal(y.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    w = _weight(GGMLQuantizationType.Q8_0, 8, 64, seed=5)[0]
+    x16 = torch.randn(3, 64).half()
+    y16 = quant.quantized_linear(x16, w)
+    assert y16.dtype == torch.float16
+    assert torch.equal(y16, quant.quantized_linear(x16.float(), w).half())
 
 
 FACTORED = K_QUANTS
