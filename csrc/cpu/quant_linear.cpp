@@ -69,9 +69,9 @@ namespace {
 
 constexpr int kBlock = 32;
 using quant::BlockScales;
-using quant::Out;
 using quant::kGroup;
 using quant::kSuper;
+using quant::Out;
 constexpr int kRows = 4;  // rows of x a tile computes against one group
 using quant::group_block_bytes;
 using quant::halves;

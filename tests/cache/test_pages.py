@@ -175,7 +175,9 @@ def test_a_large_waves_freed_pages_go_back_to_the_os():
 
     from tests.helpers import ROOT
 
-    out = subprocess.run([sys.executable, "-c", _A_WAVES_FREED_PAGES], capture_output=True, text=True, cwd=ROOT, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _A_WAVES_FREED_PAGES], capture_output=True, text=True, cwd=ROOT, check=True
+    )
     ran, released = out.stdout.split()
     assert ran == "True"
     assert int(released) > 120 << 20, released  # of the 24 x 6 MiB freed
