@@ -28,7 +28,14 @@ from chunkgen.model.llama import LlamaModel
 
 # New tokens of a CPU prefill wave whose freed activations are handed back to the OS before the next
 # decode step (cache/pages.py: release_freed_pages); smaller waves' pages stay for the steps after.
+# Mixed steps' (at most --mixed-prefill-tokens each), before the first decode step without prefill
+# after _MIXED_TOKENS_RELEASED of them: at most one release for so many tokens prefilled.
 _LARGE_WAVE_TOKENS = 1024
+_MIXED_TOKENS_RELEASED = 512
+
+
+def _new_tokens(wave: list[Admission]) -> int:
+    return sum(len(a.kv_tokens) - a.cached for a in wave)
 
 
 @dataclass
@@ -78,6 +85,7 @@ class Engine:
         self._penalties: Penalties | None = None  # generated-token counts, built with the first penalized batch
         self._reader = StepReader()  # the step's one device-to-host read
         self._wave_pages_kept = False  # a large wave's freed activations are still with malloc
+        self._mixed_tokens = 0  # new tokens of mixed steps since malloc last handed freed pages back
 
     @on_model_device
     def _fresh_cache(self) -> None:
@@ -275,10 +283,14 @@ class Engine:
                 seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
             self.stats.finished += 1
             done.append(seq)
-        if batch.decode and self._wave_pages_kept:  # waves over: what decode writes (K/V) goes on top
-            release_freed_pages()
-            self._wave_pages_kept = False
+        if batch.decode and (
+            self._wave_pages_kept or not batch.prefill and self._mixed_tokens >= _MIXED_TOKENS_RELEASED
+        ):
+            release_freed_pages()  # prefill over: what decode writes (K/V) would go on top
+            self._wave_pages_kept, self._mixed_tokens = False, 0
         if batch.prefill and batch.decode:
+            if self.pool.device.type == "cpu":
+                self._mixed_tokens += _new_tokens(batch.prefill)
             self._mixed(batch, done)
         elif batch.prefill:
             self._run_wave(batch.prefill, done)
@@ -309,9 +321,7 @@ class Engine:
             self.scheduler.abort([a.seq for a in wave])  # their unwritten chunks are freed
             raise
         self.stats.prefill_s += time.perf_counter() - t0
-        self._wave_pages_kept |= self.pool.device.type == "cpu" and _LARGE_WAVE_TOKENS <= sum(
-            len(a.kv_tokens) - a.cached for a in wave
-        )
+        self._wave_pages_kept |= self.pool.device.type == "cpu" and _new_tokens(wave) >= _LARGE_WAVE_TOKENS
         self._note_unshared()  # before rows answered by the wave alone (one new token) leave the tree
         for seq, _, _ in wave:
             if seq.finish_reason:

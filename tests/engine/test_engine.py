@@ -322,3 +322,45 @@ def test_a_large_waves_freed_pages_go_back_before_decoding(tiny_llm, monkeypatch
     list(engine.stream([Request(1, long, params)]))
     assert len(calls) == 1
     assert calls[0][0] >= len(long) and calls[0][1] == engine.stats.decode_steps - 3  # the first of 3 steps
+
+
+def test_mixed_steps_freed_pages_go_back_once_decoding_alone(tiny_llm, monkeypatch):
+    """Rows admitted while others decode (mixed steps) have malloc hand back their freed pages at
+    the first decode step without prefill once 512 of their tokens or more ran since the last
+    time, never in the middle of mixed steps, and never for fewer."""
+    from chunkgen.engine import engine as engine_module
+
+    engine = tiny_llm.new_engine(max_batch=4)
+    events: list[tuple] = []
+    monkeypatch.setattr(engine_module, "release_freed_pages", lambda: events.append(("release",)) or True)
+    run_wave, mixed, decode = engine._run_wave, engine._mixed, engine._decode
+    monkeypatch.setattr(
+        engine, "_run_wave", lambda w, d: (events.append(("wave", engine_module._new_tokens(w))), run_wave(w, d))[1]
+    )
+    monkeypatch.setattr(
+        engine, "_mixed", lambda b, d: (events.append(("mixed", engine_module._new_tokens(b.prefill))), mixed(b, d))[1]
+    )
+    monkeypatch.setattr(engine, "_decode", lambda b, d: (events.append(("decode",)), decode(b, d))[1])
+    rows = [
+        Request(
+            i,
+            tiny_llm.encode(" ".join(f"row {i} item {j}" for j in range(20))),
+            SamplingParams(max_new_tokens=3 + i % 5, ignore_eos=True),
+        )
+        for i in range(24)
+    ]
+    list(engine.stream(rows))
+    assert sum(e[1] for e in events if e[0] == "mixed") >= 1024  # rows joined decoding rows
+    releases = [i for i, e in enumerate(events) if e == ("release",)]
+    assert releases
+    since = 0
+    for i, e in enumerate(events):
+        if e == ("release",):
+            assert since >= 512 and events[i + 1] == ("decode",), events[max(0, i - 3) : i + 2]
+            since = 0
+        elif e[0] == "mixed":
+            since += e[1]
+        elif e[0] == "wave":
+            assert e[1] < 1024  # no large wave here: every release is the mixed steps'
+        elif e == ("decode",):
+            assert since < 512, events[max(0, i - 3) : i + 1]  # alone after 512 mixed tokens: released first
