@@ -57,7 +57,7 @@ _ONEDNN_MIN_WEIGHT = 1 << 17
 # Rows chunkgen's decode product takes (csrc/linear.h), by weight dtype; more go to oneDNN.
 _DECODE_PACKED_ROWS = {torch.bfloat16: 32, torch.float32: 256}
 # Rows of a CPU forward whose MLP runs at once: a large prefill wave's runs in slices of them, so its
-# gate/up output is a slice's (a 7B model's 2,048-token wave held 0.18 GiB of it in bf16, 0.36 in
+# gate/up output is a slice's (a 7B model's 2,048-token wave held 0.09 GiB of it in bf16, 0.17 in
 # fp32); a slice is rows enough for every product's full speed (with batch-invariant numerics a row's
 # sums are the same at any row count).
 _MLP_SLICE_ROWS = 512

@@ -55,12 +55,15 @@ inline vf load(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift
   return (vf)u;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-// fp32 -> bf16 rounded to nearest even, NaN kept a quiet NaN: torch's rounding, in integer lanes.
-inline vu bf16_bits(vf v) {
-  const vu u = (vu)v;
-  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? vu{} + 0x7FC0u : rounded;
+// fp32 -> bf16 rounded to nearest even, NaN kept a quiet NaN: torch's rounding, in integer lanes
+// (U: uint32 lanes as many as V's floats; the quantized products use it at 8 and 16 lanes too).
+template <typename U, typename V>
+inline U bf16_bits_of(V v) {
+  const U u = (U)v;
+  const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? U{} + 0x7FC0u : rounded;
 }
+inline vu bf16_bits(vf v) { return bf16_bits_of<vu>(v); }
 inline void store(uint16_t* p, vf v) {
   const vh h = __builtin_convertvector(bf16_bits(v), vh);
   std::memcpy(p, &h, sizeof h);
