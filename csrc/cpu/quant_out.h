@@ -56,7 +56,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 // The lanes of v that `keep` names at y (bf16 rounded as store8 rounds).
 inline void store16(const Out& y, __m512 v, __mmask16 keep) {
   if (y.h != nullptr)
-    _mm256_mask_storeu_epi16(y.h, keep, (__m256i)__builtin_convertvector(decode::bf16_bits_of<u32x16>(v), u16x16));
+    _mm256_mask_storeu_epi16(y.h, keep, (__m256i) __builtin_convertvector(decode::bf16_bits_of<u32x16>(v), u16x16));
   else
     _mm512_mask_storeu_ps(y.f, keep, v);
 }
