@@ -57,7 +57,7 @@ from chunkgen.config import (
     Config,
 )
 from chunkgen.jobs.source import JobSource, check_format, check_queries_path
-from chunkgen.jobs.stop import EXIT_SIGNAL, Interrupted, StopFlag
+from chunkgen.jobs.stop import DEFAULT_STOP_GRACE_S, EXIT_SIGNAL, Interrupted, StopFlag
 
 OUTPUT_ORDERS = ("completion", "input")
 
@@ -95,6 +95,7 @@ def run(
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
     workers: int | None = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
     ray_address: str | None = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
+    stop_grace: float = typer.Option(DEFAULT_STOP_GRACE_S, "--stop-grace", min=0, metavar="SECONDS", help="After a first Ctrl-C or SIGTERM, how long the rows in flight may run on to their answers (new rows are not started); 0: stop after the current step. A second signal stops at once. Not with --ray (its workers stop after their current step)."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -127,7 +128,7 @@ def run(
         tokenizer = check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
         writing = dict(model_dir=model_dir, tokenizer=tokenizer, resume=resume, ordered=ordered or output_order == "input",
                        rerun_changed=rerun_changed, id_field=id_field)
-        summary, signum = _answer(source, config, out, writing, quiet, json_log,
+        summary, signum = _answer(source, config, out, writing, quiet, json_log, 0.0 if use_ray else stop_grace,
                                   ray=dict(workers=workers, address=ray_address) if use_ray else None)
     if queries == "-" and part is None and not summary.interrupted and \
             summary.requests + summary.skipped + summary.errors == 0:  # a file was checked before the model loaded
@@ -188,6 +189,7 @@ def _answer(
     writing: dict[str, Any],
     quiet: bool,
     json_log: bool,
+    stop_grace: float,
     ray: dict[str, Any] | None,
 ):
     """(summary, the signal that stopped the run or None): the rows answered into a writer on --out.
@@ -198,7 +200,7 @@ def _answer(
     from chunkgen.jobs.writer import OutputExists, ResultWriter
     from chunkgen.model import display_name
 
-    stop_flag = StopFlag(out)
+    stop_flag = StopFlag(out, grace_s=stop_grace, announce=not (quiet or json_log))
     writer = None
     try:
         try:
@@ -279,6 +281,7 @@ def _run_local(
             writer,
             total=source.total,
             should_stop=stop_flag,
+            stop_now=stop_flag.overdue,
             on_progress=on_progress,
             order=source.prefix_order,
             on_note=None if quiet else _json_note if json_log else _note,

@@ -169,6 +169,18 @@ class Engine:
             seqs.extend(samples)
         self.scheduler.add(seqs)
 
+    def drop_waiting(self) -> int:
+        """Forget the requests not started yet: a stop lets the running ones finish and leaves these
+        to a resume. A request with a sample already running is forgotten whole (it would never
+        complete); its running samples finish to no result. Returns how many requests were dropped."""
+        requests = {}
+        for seq in self.scheduler.drop_waiting():
+            self._release(seq)
+            requests[id(seq.request)] = seq.request
+        for key in requests:
+            self._pending.pop(key, None)
+        return len(requests)
+
     @property
     def constraints(self) -> Constraints:
         if self._constraints is None:
@@ -249,6 +261,16 @@ class Engine:
     def later_rows(self, value: str) -> None:
         self.scheduler.later_rows = value  # checks it
         self._later_rows = value
+
+    @property
+    def expected_rows(self) -> int:
+        """How many rows the caller's job has in all, when it knows (0: unknown): a job of more
+        than one batch runs in rounds (Scheduler.running_cap)."""
+        return self.scheduler.expected_rows
+
+    @expected_rows.setter
+    def expected_rows(self, value: int) -> None:
+        self.scheduler.expected_rows = value
 
     @property
     def num_waiting(self) -> int:

@@ -34,26 +34,31 @@ class Batch:
 
 
 # Rows that start together finish together: a batch filled at once with every row a job has writes
-# no answer until nearly its end, and an interrupt keeps nothing. So at most a SHARE_OF_KNOWN share
-# of the rows the engine knows (queued, running, or finished since it was last idle) run at once:
-# a job finishes in several rounds, each keeping its answers, and as rows finish others take their
-# places, so answers keep coming. Never fewer than MIN_RUNNING rows (decode throughput falls
-# below that batch) and never more than max_batch; a job far larger than the batch is limited by
-# max_batch alone. The price is decode steps at part of max_batch in a job of about one batch:
-# each step's fixed cost is paid more often, so the rule holds only where the batch is the engine's
-# choice (`--max-batch auto`): a batch asked for by number runs that wide.
+# no answer until nearly its end, and an interrupt keeps nothing. So in a job of more rows than one
+# batch, at most a SHARE_OF_KNOWN share of the rows the engine knows (queued, running, finished
+# since it was last idle, or announced: expected_rows) run at once: the job finishes in several
+# rounds, each keeping its answers, and as rows finish others take their places, so answers keep
+# coming. Never fewer than MIN_RUNNING rows (decode throughput falls below that batch) and never
+# more than max_batch; a job far larger than the batch is limited by max_batch alone. Such a job
+# takes two rounds of max_batch at least, so smaller rounds cost little: the steps they add are
+# decode steps at part of the batch, whose per-row work is the same and whose fixed part (about
+# 8 ms on the default model) is small beside it. A job of at most one batch runs all at once:
+# rounds would multiply its steps (five rounds of 52 rows cost 18-20% of a 256-row job whose answers
+# all have 64 tokens), and a stop lets the rows in flight finish (jobs/stop.py). The rule holds only
+# where the batch is the engine's choice (`--max-batch auto`): a batch asked for by number runs
+# that wide.
 #
 # Rounds alone still leave the first answers late: when answers are of one length (the worst case),
 # the first round ends at a SHARE_OF_KNOWN share of the job's steps, after the shared prompt's
-# prefill too, and every later round ends in one step with a whole round's rows. So a job with more
-# rows than the cap ramps up over its first answer: the cap opens in RAMP_STAGES equal parts, one
-# each RAMP_STAGES-th of an answer's length in decode steps (max_new_tokens until a row finishes,
-# then the steps that first answer took). The first rows run in a small, cheap batch and finish
-# early, and the parts admitted a stage apart finish a stage apart, so rows leave (and others take
-# their places) in parts of a round from then on, not all at once. The price is the ramp's steps
-# below the cap, about (RAMP_STAGES - 1) / (2 * RAMP_STAGES) of one answer's steps; no part is
-# smaller than MIN_RUNNING / RAMP_STAGES rows, below which a step's fixed cost is most of it.
-SHARE_OF_KNOWN = 5
+# prefill too, and every later round ends in one step with a whole round's rows. So the cap opens
+# in RAMP_STAGES equal parts, one each RAMP_STAGES-th of an answer's length in decode steps
+# (max_new_tokens until a row finishes, then the steps that first answer took). The first rows run
+# in a small, cheap batch and finish early, and the parts admitted a stage apart finish a stage
+# apart, so rows leave (and others take their places) in parts of a round from then on, not all at
+# once. The price is the ramp's steps below the cap, about (RAMP_STAGES - 1) / (2 * RAMP_STAGES) of
+# one answer's steps; no part is smaller than MIN_RUNNING / RAMP_STAGES rows, below which a step's
+# fixed cost is most of it.
+SHARE_OF_KNOWN = 3
 MIN_RUNNING = 32
 RAMP_STAGES = 4
 
@@ -118,6 +123,7 @@ class Scheduler:
         self.finished_since_idle = 0  # sequences finished since the engine last had no work
         self.decode_steps_since_idle = 0
         self.answer_steps: int | None = None  # decode steps of the first answer since idle (the ramp's length)
+        self.expected_rows = 0  # rows the caller says the job has in all (0: unknown); see running_cap
         self.pending: PendingPrefixes | None = None  # the queued prompts, kept while later_rows is not unknown
         self._later_rows = "unknown"
 
@@ -154,6 +160,15 @@ class Scheduler:
         """Free the cached chunks no queued row can share, when the rows to come cannot share
         them either (later_rows prefix or none); returns how many."""
         return self.tree.release_unshared(self.pending) if self.pending is not None else 0
+
+    def drop_waiting(self) -> list[Sequence]:
+        """Forget every queued sequence (a run stopping: only the running ones go on); returns them."""
+        dropped = list(self.waiting)
+        self.waiting.clear()
+        if self.pending is not None:
+            for seq in dropped:
+                self.pending.discard(seq.seq_id)
+        return dropped
 
     def _dequeue(self) -> Sequence:
         seq = self.waiting.popleft()
@@ -197,14 +212,14 @@ class Scheduler:
 
     @property
     def running_cap(self) -> int:
-        """Sequences allowed to run at once now: a SHARE_OF_KNOWN share of the known rows, opened
-        in RAMP_STAGES parts over the first answer when the job has more rows than that."""
+        """Sequences allowed to run at once now: all of a job of one batch; else a SHARE_OF_KNOWN
+        share of the known rows, opened in RAMP_STAGES parts over the first answer."""
         if not self.answers_throughout:
             return self.max_batch
-        known = len(self.waiting) + len(self.running) + self.finished_since_idle
+        known = max(self.expected_rows, len(self.waiting) + len(self.running) + self.finished_since_idle)
+        if known <= self.max_batch:
+            return self.max_batch  # one round: nothing to stagger
         cap = min(self.max_batch, max(MIN_RUNNING, -(-known // SHARE_OF_KNOWN)))
-        if known <= cap:
-            return cap  # one round: nothing to stagger
         length = self.answer_steps or self._longest_answer()
         stage = 1 + RAMP_STAGES * self.decode_steps_since_idle // max(1, length)
         if stage >= RAMP_STAGES:

@@ -232,6 +232,8 @@ def answer(
     on_step: Callable[[], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     in_prefix_order: bool = False,
+    stop_now: Callable[[], bool] | None = None,
+    expected_rows: int | None = None,
 ) -> Iterator[Answer]:
     """Records for `jobs` as the engine finishes them. Rows are tokenized and queued only while
     fewer than `window` wait, so the engine is never starved and the rest of the file stays unread;
@@ -245,7 +247,12 @@ def answer(
     the engine steps on with what it has. `in_prefix_order`: the jobs come in prefix order, so the
     engine releases a finished row's chunks as soon as no queued row can share them (rows further
     on cannot either); once the source is spent it does so whatever the order. Not once a row with
-    choices came: its choices are queued when its prompt is done, to share the prompt's chunks."""
+    choices came: its choices are queued when its prompt is done, to share the prompt's chunks.
+
+    Once `should_stop` says so, no row is read or started: the queued ones are dropped (a resume
+    answers them) and the rows in flight run on to their answers, until `stop_now` (default:
+    should_stop itself, which gives up the rows in flight at once). `expected_rows`: how many rows
+    the source holds, when known (a job of more than one batch runs in rounds: Scheduler.running_cap)."""
     source = iter(jobs)
     pending: dict[int, Job] = {}
     scorer = ChoiceScorer()  # rows with choices: each choice scored after the row's prompt
@@ -257,8 +264,14 @@ def answer(
     fill = 1  # the most rows queued before the next step
     before = engine.later_rows
     engine.later_rows = keep = "prefix" if in_prefix_order else before
+    stop_now = stop_now or should_stop
+    draining = False
+    engine.expected_rows = expected_rows or 0
     try:
-        while not should_stop():
+        while not stop_now():
+            if not draining and should_stop():
+                draining = exhausted = True
+                engine.drop_waiting()
             if not exhausted and engine.num_waiting < window:
                 batch: list[Request] = []
                 want = min(window - engine.num_waiting, fill)
@@ -312,7 +325,7 @@ def answer(
                     yield Answer(res.id, fmt.result_record(pending.pop(res.id), res), res)
                     continue
                 follow, index, done = scorer.finished(res)
-                if follow:
+                if follow and not draining:  # a row's choices are new rows: not started once stopping
                     engine.add(follow)
                 if index in usage:
                     usage[index][0] += res.prompt_tokens
@@ -332,6 +345,7 @@ def answer(
                 on_step()
     finally:
         engine.later_rows = before
+        engine.expected_rows = 0
 
 
 def _choice_tokenizer(tokenizer) -> Callable[[str], list[int]]:
@@ -356,10 +370,11 @@ def run_job(
     on_progress: Callable[[JobProgress], None] | None = None,
     order: PrefixOrder | None = None,
     on_note: Callable[[str], None] | None = None,
+    stop_now: Callable[[], bool] | None = None,
 ) -> JobSummary:
     """A whole local job: rows in, records out, nothing held but the window in flight. With an
     `order`, the rows still to answer are answered in prefix order (bad rows and rows answered
-    before are dealt with first, in file order)."""
+    before are dealt with first, in file order). `should_stop` and `stop_now`: as `answer`'s."""
     t0 = time.perf_counter()
     counts = JobCounts()
     window = window or engine.config.window
@@ -385,7 +400,10 @@ def run_job(
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
-    for a in answer(engine, encode, writer.format, jobs, window, should_stop, report, on_note, order is not None):
+    answers = answer(
+        engine, encode, writer.format, jobs, window, should_stop, report, on_note, order is not None, stop_now, total
+    )
+    for a in answers:
         writer.write(a.record, a.index)
         if is_error(a.record):
             counts.failed += 1

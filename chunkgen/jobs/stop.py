@@ -1,5 +1,6 @@
-"""Stopping a job between steps: the first SIGINT / SIGTERM asks the run to stop once the current
-step is over (every answer so far written, the run resumable); a second stops at once."""
+"""Stopping a job between steps: the first SIGINT / SIGTERM asks the run to take no new rows and
+to stop once the rows in flight have finished or a grace period is over, whichever comes first
+(every answer so far written, the run resumable); a second stops at once."""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 # The exit code of a run stopped by a signal (resumable): the shell's 128 + the signal's number.
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+# How long the rows in flight may run on after the first signal. A row stopped short is answered
+# again from its start by --resume, so the decode steps it already took are lost; most rows in
+# flight are a few seconds from their answer (SIGTERM's senders wait longer: Kubernetes 30 s,
+# systemd 90 s, Slurm's KillWait 30 s).
+DEFAULT_STOP_GRACE_S = 10.0
 
 
 class Interrupted(BaseException):
@@ -24,7 +32,9 @@ class Interrupted(BaseException):
 
 
 class StopFlag:
-    """SIGINT / SIGTERM ask the run to stop after the current step; a second one stops at once.
+    """SIGINT / SIGTERM ask the run to stop: true from then on (`__call__`: take no new rows), and
+    `overdue` once grace_s has passed since (stop stepping: the rows in flight are given up, to be
+    answered again by --resume). A second signal stops at once.
 
     Stopping at once raises KeyboardInterrupt in the main thread, so the writer closes without the
     final rewrite. Raised wherever the main thread happens to be, it can land in a generator's cleanup
@@ -37,8 +47,13 @@ class StopFlag:
 
     GRACE_S = 3.0
 
-    def __init__(self, out: Path | None = None) -> None:
+    def __init__(
+        self, out: Path | None = None, grace_s: float = DEFAULT_STOP_GRACE_S, announce: bool = False
+    ) -> None:
         self.signum: int | None = None
+        self.grace_s = grace_s
+        self._asked_at = 0.0
+        self._announce = announce
         self._out = out
         self._timer: threading.Timer | None = None
         self._at_once = False
@@ -68,6 +83,14 @@ class StopFlag:
             raise Interrupted(signum)
         if self.signum is None:
             self.signum = signum
+            self._asked_at = time.monotonic()
+            if self._announce and self.grace_s > 0:
+                name = signal.Signals(signum).name
+                os.write(
+                    2,
+                    f"\n{name}: taking no new rows; the rows in flight finish within {self.grace_s:g} s, "
+                    "then the run stops (a second signal stops it at once)\n".encode(),
+                )
             return
         if self._timer is None:
             self._timer = threading.Timer(self.GRACE_S, self._exit_now)
@@ -93,6 +116,10 @@ class StopFlag:
 
     def __call__(self) -> bool:
         return self.signum is not None
+
+    def overdue(self) -> bool:
+        """Asked to stop grace_s ago or more: no more steps, even for the rows in flight."""
+        return self.signum is not None and time.monotonic() - self._asked_at >= self.grace_s
 
     def restore(self) -> None:
         """The run is over: a signal from now on (while the summary prints, while the process exits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -536,6 +537,25 @@ def test_a_signal_stops_cleanly_and_resume_finishes_the_job(tiny_model, tmp_path
         got = records(out)
         assert sorted(r["id"] for r in got) == [f"doc-{i:03d}" for i in range(SLOW_ROWS)]
         assert {r["id"]: r for r in got if r["id"] in {d["id"] for d in done}} == {d["id"]: d for d in done}
+
+
+def test_a_signal_lets_the_rows_in_flight_finish_and_says_so(tiny_model, tmp_path):
+    out = tmp_path / "out.jsonl"
+    args = [a for a in _slow_args(tiny_model, out, tmp_path) if a != "--quiet"]  # the notice is progress output
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chunkgen", *args, "--stop-grace", "60"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for_records(out, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "SIGINT: taking no new rows; the rows in flight finish within 60 s" in stderr
+    written = re.search(r"stopped by SIGINT: (\d+)\s+records", stderr)
+    assert written and 2 <= int(written.group(1)) == len(records(out)) < SLOW_ROWS, stderr
 
 
 def test_a_second_signal_stops_at_once_with_a_message(tiny_model, tmp_path):

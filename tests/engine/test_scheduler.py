@@ -249,12 +249,16 @@ def test_a_large_cap_lets_the_kv_budget_set_the_batch():
     assert len(wide.prefill) == 20 and not wide.held_back  # room for all: every row at once
 
 
-def _job_trace(n: int, max_batch: int, answer_tokens, answers_throughout: bool = True) -> list[tuple[int, int]]:
-    """(work so far, rows finished so far) after each step of a job of n rows sharing a 3-chunk
-    prompt, row i's answer answer_tokens(i) tokens long; a step's work is its rows plus 8 (a step's
-    fixed cost, in rows, on a CPU)."""
+def _job_trace(
+    n: int, max_batch: int, answer_tokens, answers_throughout: bool = True, expected_rows: int = 0, prompt_work: int = 1
+) -> list[tuple[int, int, int]]:
+    """(work so far, rows finished so far, rows in flight) after each step of a job of n rows
+    sharing a 3-chunk prompt, row i's answer answer_tokens(i) tokens long; a step's work is its
+    decode rows, prompt_work per prompt prefilled, plus 8 (a step's fixed cost, in decode rows, on
+    a CPU: about 8 ms beside 0.7 ms a row on the default model)."""
     tree, sched = setup(slots=4096, max_batch=max_batch)
     sched.answers_throughout = answers_throughout
+    sched.expected_rows = expected_rows
     shared = list(range(100, 100 + 3 * C))
     sched.add(
         [
@@ -265,9 +269,9 @@ def _job_trace(n: int, max_batch: int, answer_tokens, answers_throughout: bool =
     work, finished, trace = 0, 0, []
     while sched.has_work:
         batch = sched.schedule()
-        work += 8 + len(batch.prefill) + len(batch.decode)
+        work += 8 + prompt_work * len(batch.prefill) + len(batch.decode)
         finished += len(run(tree, sched, batch))
-        trace.append((work, finished))
+        trace.append((work, finished, sched.num_running))
     return trace
 
 
@@ -280,40 +284,82 @@ def _equal(i: int) -> int:
 
 
 def test_answers_finish_throughout_a_job_not_all_at_its_end():
-    """A job with more rows than it needs to run at once finishes them throughout: at a quarter, half
-    and three quarters of its work, at least 15%, 35% and 60% of its rows are done (kept by an
-    interrupt), answers of one length (the worst case) included, where a batch filled at once
-    finished none before half its work."""
-    for n, max_batch, answer_tokens in (
-        (300, 256, _varied),
-        (256, 256, _varied),
-        (1000, 256, _varied),
-        (300, 256, _equal),
-    ):
-        trace = _job_trace(n, max_batch, answer_tokens)
+    """A job with more rows than one batch finishes them throughout: at a quarter, half and three
+    quarters of its work, at least 5%, 30% and 55% of its rows are done, and with the rows then in
+    flight (which a stop lets finish) at least 15%, 35% and 60%; answers of one length (the worst
+    case) included, where a batch filled at once finished none before half its work."""
+    for n, answer_tokens in ((300, _varied), (1000, _varied), (300, _equal), (600, _equal)):
+        trace = _job_trace(n, 256, answer_tokens)
         total = trace[-1][0]
-        for share, rows in ((0.25, 0.15), (0.5, 0.35), (0.75, 0.6)):
-            done = max(f for w, f in trace if w <= share * total)
-            assert done >= rows * n, (n, answer_tokens.__name__, share, done)
+        for share, rows, kept in ((0.25, 0.05, 0.15), (0.5, 0.3, 0.35), (0.75, 0.55, 0.6)):
+            done, in_flight = max((f, r) for w, f, r in trace if w <= share * total)
+            assert done >= rows * n and done + in_flight >= kept * n, (n, answer_tokens.__name__, share, done)
     off = _job_trace(300, 256, _varied, answers_throughout=False)
-    assert max(f for w, f in off if w <= off[-1][0] / 2) == 0
+    assert max(f for w, f, _ in off if w <= off[-1][0] / 2) == 0
+
+
+def test_the_rounds_cost_little_work():
+    """The rounds' extra steps cost their fixed part alone: at most 5% more work than the batch
+    filled at once in a job of 300 rows (each prompt's prefill weighed as 20 decode rows, about
+    30 tokens of the default model's), and at most 2% in a job of 1,000."""
+    for n, bound in ((300, 1.05), (1000, 1.02)):
+        for answer_tokens in (_varied, _equal):
+            on = _job_trace(n, 256, answer_tokens, prompt_work=20)[-1][0]
+            off = _job_trace(n, 256, answer_tokens, answers_throughout=False, prompt_work=20)[-1][0]
+            assert on <= bound * off, (n, answer_tokens.__name__, on / off)
+
+
+@pytest.mark.parametrize("answer_tokens", [_varied, _equal])
+def test_a_job_of_one_batch_runs_at_once(answer_tokens):
+    """Rounds would multiply the steps of a job that fits one batch (answers of one length: the
+    whole job in one answer's steps): it runs as the batch filled at once does, step for step."""
+    for n in (33, 200, 256):
+        assert _job_trace(n, 256, answer_tokens) == _job_trace(n, 256, answer_tokens, answers_throughout=False)
+
+
+def test_rows_announced_but_not_queued_yet_count_toward_the_rounds():
+    """A job fed a window at a time: its queue holds one batch's rows or fewer at first, but the
+    rows it announces (expected_rows) make it a job of rounds from the first step."""
+    from chunkgen.engine.scheduler import RAMP_STAGES, SHARE_OF_KNOWN
+
+    tree, sched = setup(slots=4096, max_batch=256)
+    sched.expected_rows = 300
+    sched.add(seqs([[1000 + i] * 3 for i in range(200)], max_new_tokens=40))
+    assert len(sched.schedule().prefill) == 300 // SHARE_OF_KNOWN // RAMP_STAGES  # the ramp's first part
+    tree, sched = setup(slots=4096, max_batch=256)
+    sched.add(seqs([[1000 + i] * 3 for i in range(200)], max_new_tokens=40))
+    assert len(sched.schedule().prefill) == 200  # 200 rows and no more announced: one batch
+
+
+def test_dropping_the_queue_leaves_the_running_rows_to_finish():
+    tree, sched = setup(slots=4096, max_batch=4)
+    sched.later_rows = "prefix"
+    sched.add(seqs([[1000 + i] * 3 for i in range(10)], max_new_tokens=3))
+    run(tree, sched, sched.schedule())
+    dropped = sched.drop_waiting()
+    assert [s.request.id for s in dropped] == list(range(4, 10)) and sched.num_waiting == 0
+    finished = 0
+    while sched.has_work:
+        finished += len(run(tree, sched, sched.schedule()))
+        tree.check()
+    assert finished == 4 and len(sched.pending) == 1  # what stands for the rows after the last one queued
 
 
 def test_the_first_answers_come_early_even_when_all_are_of_one_length():
     """Answers of one length, the worst case for rounds: the first row finishes within the first
-    20% of the job's steps (prefill waves included) and the first 15% of its work, where rounds of
-    a fifth of the rows without the ramp end the first one at 20% of the steps and past 20% of
-    the work."""
+    30% of the job's steps (prefill waves included) and the first 25% of its work, where rounds of
+    a third of the rows without the ramp end the first one at a third of the steps, and a batch
+    filled at once past half the steps and 80% of the work."""
     for n, answer_tokens in ((300, _equal), (300, lambda i: 128), (1000, _equal)):
         trace = _job_trace(n, 256, answer_tokens)
-        first_step = next(step for step, (_, finished) in enumerate(trace, 1) if finished)
-        first_work = next(work for work, finished in trace if finished)
-        assert first_step < 0.2 * len(trace), (n, first_step, len(trace))
-        assert first_work < 0.15 * trace[-1][0], (n, first_work, trace[-1][0])
+        first_step = next(step for step, (_, finished, _) in enumerate(trace, 1) if finished)
+        first_work = next(work for work, finished, _ in trace if finished)
+        assert first_step < 0.3 * len(trace), (n, first_step, len(trace))
+        assert first_work < 0.25 * trace[-1][0], (n, first_work, trace[-1][0])
 
 
 def test_the_ramp_admits_the_cap_in_parts_a_stage_of_an_answer_apart():
-    from chunkgen.engine.scheduler import RAMP_STAGES
+    from chunkgen.engine.scheduler import RAMP_STAGES, SHARE_OF_KNOWN
 
     tree, sched = setup(slots=4096, max_batch=256)
     sched.add(seqs([[1000 + i] * 3 for i in range(300)], max_new_tokens=40))
@@ -321,9 +367,10 @@ def test_the_ramp_admits_the_cap_in_parts_a_stage_of_an_answer_apart():
     for _ in range(40):
         run(tree, sched, sched.schedule())
         running.append(sched.num_running)
-    assert running[0] == 60 // RAMP_STAGES  # 300 rows: a cap of 60 (a fifth), opened a quarter at a time
-    assert sorted(set(running)) == [15, 30, 45, 60]
-    assert running.index(30) > running.index(15) + 40 // RAMP_STAGES - 2  # a stage of the answer apart
+    cap = 300 // SHARE_OF_KNOWN  # 300 rows: a share of them, opened a part at a time
+    parts = [cap * k // RAMP_STAGES for k in range(1, RAMP_STAGES + 1)]
+    assert running[0] == parts[0] and sorted(set(running)) == parts
+    assert running.index(parts[1]) > running.index(parts[0]) + 40 // RAMP_STAGES - 2  # a stage of the answer apart
 
 
 def test_a_job_within_the_smallest_batch_runs_at_once():
@@ -336,14 +383,17 @@ def test_a_job_within_the_smallest_batch_runs_at_once():
 @pytest.mark.parametrize("max_batch", [8, 64, 256])
 def test_the_first_wave_is_at_most_what_the_pool_backs_ahead(rows, max_batch):
     """The KV pool backs the slots of first_wave_rows rows before the first wave: under --max-batch
-    auto the first wave never admits more (a number as the batch: that many)."""
+    auto the first wave of a job of rounds never admits more (a number as the batch: that many).
+    A job of one batch runs at once: its first wave takes every row (the pages past the backed
+    ones are backed as they are written)."""
     from chunkgen.engine.scheduler import first_wave_rows
 
     for auto in (True, False):
         tree, sched = setup(slots=1 << 14, max_batch=max_batch, max_prefill_tokens=1 << 20)
         sched.answers_throughout = auto
         sched.add(seqs([[1000 + i] * 3 for i in range(rows)], max_new_tokens=40))
-        assert len(sched.schedule().prefill) <= first_wave_rows(max_batch, auto)
+        first = len(sched.schedule().prefill)
+        assert first == rows if rows <= max_batch else first <= first_wave_rows(max_batch, auto)
     assert first_wave_rows(256, True) < 256  # the ramp's first part, not the whole batch
 
 

@@ -115,3 +115,41 @@ def test_rows_are_tokenized_a_wave_ahead_not_a_window_ahead(tiny_llm):
     assert seen[0][0] == 1  # a window would be 64
     for (done, before, after), (now, _, _) in zip(seen, seen[1:]):
         assert now - done <= max(first, 2 * (before - after))
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_a_stop_lets_the_rows_in_flight_finish_and_starts_no_other(tiny_llm, drain):
+    """Once should_stop says so, no queued row starts; the rows then running are answered, every
+    one of them, unless stop_now cuts them short (here: at once, the old stop after a step)."""
+    from chunkgen.engine import SamplingParams
+    from chunkgen.jobs.formats import RecordFormat
+    from chunkgen.jobs.requests import Job
+    from chunkgen.jobs.run import answer, never
+
+    engine = tiny_llm.new_engine(max_batch=8)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    fmt = RecordFormat("template", "m")
+    finished: set[int] = set()
+    asked: list[tuple[set[int], set[int]]] = []  # (rows running, rows finished) when the stop was asked
+    step = engine.step
+
+    def stepping():
+        results = step()
+        finished.update(r.id for r in results)
+        if not asked and len(finished) >= 3:
+            asked.append(({s.request.id for s in engine.scheduler.running}, set(finished)))
+        return results
+
+    engine.step = stepping
+    stop = lambda: bool(asked)  # noqa: E731
+    jobs = ((i, Job(f"r{i}", i + 1, [{"role": "user", "content": f"row {i} " * (1 + i % 5)}], params)) for i in range(60))
+    got = {a.index for a in answer(engine, tiny_llm.encode, fmt, jobs, 32, stop, stop_now=never if drain else None)}
+    in_flight, done = asked[0]
+    assert in_flight and done and len(got) < 60
+    if drain:
+        assert got == done | in_flight  # every row in flight, and no other
+        assert not engine.has_work and engine.num_waiting == 0
+    else:
+        assert got == done  # stopped after the step: the rows in flight are left to a resume
+        engine.drop_waiting()
+        list(engine.stream())  # the shared model's KV memory free for the next test's engine
