@@ -41,10 +41,11 @@ class Batch:
 # coming. Never fewer than MIN_RUNNING rows (decode throughput falls below that batch) and never
 # more than max_batch; a job far larger than the batch is limited by max_batch alone. Such a job
 # takes two rounds of max_batch at least, so smaller rounds cost little: the steps they add are
-# decode steps at part of the batch, whose per-row work is the same and whose fixed part (about
-# 8 ms on the default model) is small beside it. A job of at most one batch runs all at once:
-# rounds would multiply its steps (five rounds of 52 rows cost 18-20% of a 256-row job whose answers
-# all have 64 tokens), and a stop lets the rows in flight finish (jobs/stop.py). The rule holds only
+# decode steps at part of the batch, whose per-row work is the same and whose fixed part is small
+# (about 8 ms, beside 0.7 ms a row and 0.5 ms a prompt token: the default model on a 2-core Zen 5;
+# rounds of a third cost a 300-row job about 3%). A job of at most one batch runs all at once:
+# rounds would multiply its steps (rounds of a fifth cost a 256-row job whose answers all have 64
+# tokens 18-20%), and a stop lets the rows in flight finish (jobs/stop.py). The rule holds only
 # where the batch is the engine's choice (`--max-batch auto`): a batch asked for by number runs
 # that wide.
 #
