@@ -34,40 +34,31 @@ class Batch:
 
 
 # Rows that start together finish together: a batch filled at once with every row a job has writes
-# no answer until nearly its end, and an interrupt keeps nothing. So in a job of more rows than one
-# batch, at most a SHARE_OF_KNOWN share of the rows the engine knows (queued, running, finished
-# since it was last idle, or announced: expected_rows) run at once: the job finishes in several
-# rounds, each keeping its answers, and as rows finish others take their places, so answers keep
-# coming. Never fewer than MIN_RUNNING rows (decode throughput falls below that batch) and never
-# more than max_batch; a job far larger than the batch is limited by max_batch alone. Such a job
-# takes two rounds of max_batch at least, so smaller rounds cost little: the steps they add are
-# decode steps at part of the batch, whose per-row work is the same and whose fixed part is small
-# (about 8 ms, beside 0.7 ms a row and 0.5 ms a prompt token: the default model on a 2-core Zen 5;
-# rounds of a third cost a 300-row job about 3%). A job of at most one batch runs all at once:
-# rounds would multiply its steps (rounds of a fifth cost a 256-row job whose answers all have 64
-# tokens 18-20%), and a stop lets the rows in flight finish (jobs/stop.py). The rule holds only
-# where the batch is the engine's choice (`--max-batch auto`): a batch asked for by number runs
-# that wide.
-#
-# Rounds alone still leave the first answers late: when answers are of one length (the worst case),
-# the first round ends at a SHARE_OF_KNOWN share of the job's steps, after the shared prompt's
-# prefill too, and every later round ends in one step with a whole round's rows. So the cap opens
-# in RAMP_STAGES equal parts, one each RAMP_STAGES-th of an answer's length in decode steps
+# no answer until nearly its end. A stop lets the rows in flight finish (jobs/stop.py), so an
+# interrupt keeps them all the same; what is left is when answers reach the disk. A job of at most
+# one batch runs all at once: any staggering adds steps, each with its fixed cost. A job of more
+# rows than one batch (the rows the engine knows: queued, running, finished since it was last idle,
+# or announced: expected_rows) takes two rounds of the batch at least, and its batch opens in
+# RAMP_STAGES equal parts, one each RAMP_STAGES-th of an answer's length in decode steps
 # (max_new_tokens until a row finishes, then the steps that first answer took). The first rows run
 # in a small, cheap batch and finish early, and the parts admitted a stage apart finish a stage
-# apart, so rows leave (and others take their places) in parts of a round from then on, not all at
-# once. The price is the ramp's steps below the cap, about (RAMP_STAGES - 1) / (2 * RAMP_STAGES) of
-# one answer's steps; no part is smaller than MIN_RUNNING / RAMP_STAGES rows, below which a step's
-# fixed cost is most of it.
-SHARE_OF_KNOWN = 3
+# apart, so rows leave (and others take their places) in parts of the batch from then on, not all
+# at once. This costs nothing measurable: the ramp's steps replace steps of the second round's tail,
+# which runs below the batch too. Smaller rounds (a share of the job's rows at once) cost more:
+# rounds of a third cost a 300-row job 3% of its step time on the default model (2-core Zen 5), a
+# step's fixed part being about 8 ms beside 0.7 ms a row and 0.5 ms a prompt token; rounds of a
+# fifth cost a 256-row job whose answers all have 64 tokens 18-20%. No part is smaller than
+# MIN_RUNNING / RAMP_STAGES rows, below which a step's fixed cost is most of it. The rule holds only
+# where the batch is the engine's choice (`--max-batch auto`): a batch asked for by number runs
+# that wide from the start.
 MIN_RUNNING = 32
 RAMP_STAGES = 4
 
 
 def first_wave_rows(max_batch: int, batch_is_auto: bool) -> int:
-    """The most rows a first prefill wave admits: max_batch when the batch is asked by number;
-    under `--max-batch auto` a job of at most MIN_RUNNING rows, or the ramp's first part of a
-    larger one (what the KV pool backs ahead of use)."""
+    """The rows whose KV slots the pool backs ahead of use: max_batch when the batch is asked by
+    number; under `--max-batch auto` the ramp's first part (a job of one batch takes the rest of
+    its pages as it writes them)."""
     if not batch_is_auto:
         return max_batch
     return min(max_batch, max(MIN_RUNNING, -(-max_batch // RAMP_STAGES)))
@@ -106,8 +97,8 @@ class Scheduler:
         answers_throughout: bool = True,
         mixed_prefill_tokens: int = 0,
     ) -> None:
-        """answers_throughout: run at most a SHARE_OF_KNOWN share of the known rows at once (see above);
-        off, max_batch alone limits the rows running. mixed_prefill_tokens: while sequences decode,
+        """answers_throughout: in a job of more rows than max_batch, open the batch in parts over the
+        first answer (see above); off, max_batch rows start at once. mixed_prefill_tokens: while sequences decode,
         a wave joins their decode step as one forward, admitting sequences until its new tokens
         reach this many (at least one sequence); 0: a wave runs alone and the running sequences wait for it."""
         if max_batch < 1:
@@ -213,19 +204,18 @@ class Scheduler:
 
     @property
     def running_cap(self) -> int:
-        """Sequences allowed to run at once now: all of a job of one batch; else a SHARE_OF_KNOWN
-        share of the known rows, opened in RAMP_STAGES parts over the first answer."""
+        """Sequences allowed to run at once now: max_batch, opened in RAMP_STAGES parts over the
+        first answer when the job has more rows than that."""
         if not self.answers_throughout:
             return self.max_batch
         known = max(self.expected_rows, len(self.waiting) + len(self.running) + self.finished_since_idle)
         if known <= self.max_batch:
-            return self.max_batch  # one round: nothing to stagger
-        cap = min(self.max_batch, max(MIN_RUNNING, -(-known // SHARE_OF_KNOWN)))
+            return self.max_batch  # one batch: nothing to stagger
         length = self.answer_steps or self._longest_answer()
         stage = 1 + RAMP_STAGES * self.decode_steps_since_idle // max(1, length)
         if stage >= RAMP_STAGES:
-            return cap
-        return min(cap, max(MIN_RUNNING // RAMP_STAGES, -(-cap * stage // RAMP_STAGES)))
+            return self.max_batch
+        return min(self.max_batch, max(MIN_RUNNING // RAMP_STAGES, -(-self.max_batch * stage // RAMP_STAGES)))
 
     def _longest_answer(self) -> int:
         """An answer's length before any has finished: max_new_tokens of the oldest row."""
