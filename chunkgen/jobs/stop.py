@@ -47,9 +47,7 @@ class StopFlag:
 
     GRACE_S = 3.0
 
-    def __init__(
-        self, out: Path | None = None, grace_s: float = DEFAULT_STOP_GRACE_S, announce: bool = False
-    ) -> None:
+    def __init__(self, out: Path | None = None, grace_s: float = DEFAULT_STOP_GRACE_S, announce: bool = False) -> None:
         self.signum: int | None = None
         self.grace_s = grace_s
         self._asked_at = 0.0

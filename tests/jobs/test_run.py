@@ -142,7 +142,9 @@ def test_a_stop_lets_the_rows_in_flight_finish_and_starts_no_other(tiny_llm, dra
 
     engine.step = stepping
     stop = lambda: bool(asked)  # noqa: E731
-    jobs = ((i, Job(f"r{i}", i + 1, [{"role": "user", "content": f"row {i} " * (1 + i % 5)}], params)) for i in range(60))
+    jobs = (
+        (i, Job(f"r{i}", i + 1, [{"role": "user", "content": f"row {i} " * (1 + i % 5)}], params)) for i in range(60)
+    )
     got = {a.index for a in answer(engine, tiny_llm.encode, fmt, jobs, 32, stop, stop_now=never if drain else None)}
     in_flight, done = asked[0]
     assert in_flight and done and len(got) < 60
