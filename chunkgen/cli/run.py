@@ -95,7 +95,7 @@ def run(
     use_ray: bool = typer.Option(False, "--ray", help="Run on a Ray cluster: engine actors that live for the whole job (needs: pip install 'chunkgen[ray]')."),
     workers: int | None = typer.Option(None, min=1, metavar="N", help="With --ray: engine actors [default: one per GPU with --device cuda, else 2]."),
     ray_address: str | None = typer.Option(None, metavar="ADDRESS", help="With --ray: cluster address [default: start a local one]."),
-    stop_grace: float = typer.Option(DEFAULT_STOP_GRACE_S, "--stop-grace", min=0, metavar="SECONDS", help="After a first Ctrl-C or SIGTERM, how long the rows in flight may run on to their answers (new rows are not started); 0: stop after the current step. A second signal stops at once. Not with --ray (its workers stop after their current step)."),
+    stop_grace: float = typer.Option(DEFAULT_STOP_GRACE_S, "--stop-grace", min=0, metavar="SECONDS", help="After a first Ctrl-C or SIGTERM, how long the rows in flight may run on to their answers (new rows are not started); 0: stop after the current step. A second signal stops at once."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress; the summary only."),
     json_log: bool = typer.Option(False, "--json-log", help="Progress and summary as JSON lines on stderr."),
 ) -> None:
@@ -128,7 +128,7 @@ def run(
         tokenizer = check_tokenizer(source.templates, model_dir, chat_template=config.chat_template)
         writing = dict(model_dir=model_dir, tokenizer=tokenizer, resume=resume, ordered=ordered or output_order == "input",
                        rerun_changed=rerun_changed, id_field=id_field)
-        summary, signum = _answer(source, config, out, writing, quiet, json_log, 0.0 if use_ray else stop_grace,
+        summary, signum = _answer(source, config, out, writing, quiet, json_log, stop_grace,
                                   ray=dict(workers=workers, address=ray_address) if use_ray else None)
     if queries == "-" and part is None and not summary.interrupted and \
             summary.requests + summary.skipped + summary.errors == 0:  # a file was checked before the model loaded
@@ -309,7 +309,14 @@ def _run_ray(source: JobSource, writer, config: Config, stop_flag: StopFlag, wor
     t0 = time.perf_counter()
     try:
         summary = run_on_ray(
-            source.items, writer, config, workers, address=address, should_stop=stop_flag, on_start=started
+            source.items,
+            writer,
+            config,
+            workers,
+            address=address,
+            should_stop=stop_flag,
+            on_start=started,
+            stop_now=stop_flag.overdue,
         )
     except (ValueError, RuntimeError) as exc:
         fail(str(exc))

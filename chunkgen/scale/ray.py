@@ -116,6 +116,7 @@ class EngineWorker:
         self.failure: str | None = None
         self.produced = 0
         self.taken = 0  # rows the engine thread has taken from the inbox
+        self.draining = False  # asked to stop: no row is started, the ones in flight finish
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -128,7 +129,7 @@ class EngineWorker:
         # A lost worker's rows can come after this one's last row was answered: its thread had
         # ended, another one answers them.
         with self.done:
-            if not self.thread.is_alive() and self.failure is None:
+            if not self.thread.is_alive() and self.failure is None and not self.draining:
                 self.thread = threading.Thread(target=self._run, daemon=True)
                 self.thread.start()
 
@@ -139,8 +140,15 @@ class EngineWorker:
         self.inbox.put(None)  # wakes the engine thread if it waits for rows
         self._keep_running()
 
-    def collect(self, wait_s: float = COLLECT_WAIT_S) -> tuple[list[Answered], EngineStats]:
-        """The records finished since the last call (waiting up to wait_s for one), and the engine's stats."""
+    def drain(self) -> None:
+        """The run is stopping: no queued row is started; the rows in flight run on to their answers,
+        then the engine thread ends (collect says when)."""
+        self.draining = True
+        self.inbox.put(None)  # wakes the engine thread if it waits for rows
+
+    def collect(self, wait_s: float = COLLECT_WAIT_S) -> tuple[list[Answered], EngineStats, bool]:
+        """The records finished since the last call (waiting up to wait_s for one), the engine's
+        stats, and whether a drain is over (no row in flight)."""
         with self.done:
             if not self.outbox and self.failure is None:
                 self.done.wait(wait_s)
@@ -150,7 +158,8 @@ class EngineWorker:
             self._handing(out)
             engine_stats = self.llm.engine.stats  # every step's batch size would be a long list: its peak only
             stats = dataclasses.replace(engine_stats, batch_sizes=[max(engine_stats.batch_sizes, default=0)])
-        return out, stats
+            drained = self.draining and not self.thread.is_alive()
+        return out, stats, drained
 
     def _handing(self, out: list[Answered]) -> None:
         """Called (holding `done`) as a collect hands `out` to the driver; a subclass may watch."""
@@ -162,7 +171,7 @@ class EngineWorker:
         """The inbox as `answer`'s source. While it is empty: None (nothing ready yet) when the engine
         has work or rows were just taken, so those get answered; else wait for the driver."""
         engine, fresh = self.llm.engine, False
-        while self.rows_sent is None or self.taken < self.rows_sent:
+        while (self.rows_sent is None or self.taken < self.rows_sent) and not self.draining:
             try:
                 row = self.inbox.get_nowait() if engine.has_work or fresh else self.inbox.get()
             except queue.Empty:
@@ -175,7 +184,9 @@ class EngineWorker:
 
     def _run(self) -> None:
         try:
-            for a in answer(self.llm.engine, self.llm.encode, self.format, self._rows(), self.window):
+            draining = lambda: self.draining  # noqa: E731
+            rows = self._rows()
+            for a in answer(self.llm.engine, self.llm.encode, self.format, rows, self.window, draining, stop_now=never):
                 ok = a.result if a.result is not None and a.result.error is None else None
                 with self.done:
                     self.outbox.append((a.index, a.record, tuple(getattr(ok, f) if ok else 0 for f in USAGE)))
@@ -201,6 +212,7 @@ class _Slot:
     finished: bool = False
     started: float = 0.0  # when its actor was asked for
     gone: bool = False  # retired: the cluster has no room for it, its rows went to the others
+    drained: bool = False  # asked to drain, and no row of it is in flight any more
 
     @property
     def load(self) -> int:
@@ -228,6 +240,7 @@ class _Pool:
         self.need = ("GPU", shape.num_gpus) if shape.num_gpus else ("CPU", shape.num_cpus)
         self.replacements = 0
         self.holders: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.draining = False
 
     def _start(self, slot: _Slot) -> None:
         slot.actor = self.actor_class.remote(*self.args)  # loads the model; calls wait for it
@@ -270,6 +283,19 @@ class _Pool:
             slot.actor.finish.remote(slot.sent)
             slot.finished = True
 
+    def drain(self) -> None:
+        """The run is stopping: rows not sent yet stay unsent, every worker finishes its rows in
+        flight and starts no other."""
+        self.draining = True
+        for slot in self.live:
+            slot.outgoing = []
+            slot.actor.drain.remote()
+
+    @property
+    def drained(self) -> bool:
+        """Every worker that loaded the model has no row in flight (one still loading has none)."""
+        return all(s.drained or s.stats is None for s in self.live)
+
     # -- answers ------------------------------------------------------------------------------
     @property
     def unanswered(self) -> int:
@@ -277,9 +303,10 @@ class _Pool:
 
     def collect(self, timeout: float | None) -> None:
         """Writes the records of every worker that has some (waiting up to `timeout` for one)."""
-        self._retire_unplaced()
-        for slot in self.live:
-            self._send(slot)
+        if not self.draining:
+            self._retire_unplaced()
+            for slot in self.live:
+                self._send(slot)
         calls = {s.collecting: s for s in self.live}
         ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=timeout)
         if ready:  # take whatever else is ready too
@@ -287,7 +314,7 @@ class _Pool:
         for ref in ready:
             slot = calls[ref]
             try:
-                answered, slot.stats = self.ray.get(ref)
+                answered, slot.stats, slot.drained = self.ray.get(ref)
             except self.ray.exceptions.RayActorError as exc:
                 self._replace(slot, exc)
                 continue
@@ -314,6 +341,9 @@ class _Pool:
             ) from None
         if slot.stats is not None:
             self.retired.append(slot.stats)
+        if self.draining:  # stopping: its rows are left to --resume
+            slot.gone, slot.unanswered, slot.outgoing = True, {}, []
+            return
         self._start(slot)
         slot.outgoing = list(slot.unanswered.items())  # what was sent, and what was about to be
         self._send(slot)
@@ -377,9 +407,12 @@ def run_on_ray(
     address: str | None = None,
     should_stop: Callable[[], bool] = never,
     on_start: Callable[[WorkerShape], None] | None = None,
+    stop_now: Callable[[], bool] | None = None,
 ) -> JobSummary:
     """Run the job on Ray. Bad rows and resume are handled on the driver (`triage`), answers on the
-    workers (`answer`), every record written by the driver's writer."""
+    workers (`answer`), every record written by the driver's writer. Once `should_stop` says so no
+    row is sent or started, and the workers' rows in flight run on to their answers until
+    `stop_now` (default: should_stop itself: at once)."""
     import ray
 
     t0 = time.perf_counter()
@@ -411,9 +444,13 @@ def run_on_ray(
                 pool.collect(timeout=STOP_CHECK_S)  # every worker this row could go to is full
             if n % SEND_ROWS == SEND_ROWS - 1:  # write what is ready as we go
                 pool.collect(timeout=0)
-        if pool:
+        if pool and not should_stop():
             pool.finish()
             while pool.unanswered and not should_stop():
+                pool.collect(timeout=STOP_CHECK_S)
+        if pool and should_stop():
+            pool.drain()
+            while not (stop_now or should_stop)() and not pool.drained:
                 pool.collect(timeout=STOP_CHECK_S)
     finally:
         if pool:

@@ -202,6 +202,33 @@ def test_an_engine_worker_answers_rows_sent_after_its_finish_call(tiny_model):
     assert stats.prompt_tokens > 0 and stats.decode_s > 0
 
 
+def test_an_engine_worker_drains_its_rows_in_flight_and_starts_no_other(tiny_model):
+    """`drain`: the rows then running are answered, the queued ones and rows sent later are not
+    started, and collect says when nothing is in flight (in-process, no cluster)."""
+    from chunkgen.config import Config
+    from chunkgen.engine import SamplingParams
+    from chunkgen.jobs.requests import Job
+    from chunkgen.scale.ray import EngineWorker
+
+    config = Config.resolve(str(tiny_model), chunk_size=16, kv_memory="64MiB", max_batch=4)
+    worker = EngineWorker(config, "template", "tiny", threads=1)
+    engine = worker.llm.engine
+    params = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+    rows = [(i, Job(f"r{i}", i + 1, [{"role": "user", "content": f"question {i}"}], params)) for i in range(12)]
+    worker.submit(rows)
+    deadline = time.monotonic() + 120
+    while engine.stats.generated_tokens < 8 and time.monotonic() < deadline:  # rows are decoding
+        time.sleep(0.01)
+    worker.drain()
+    worker.submit([(12, Job("r12", 13, [{"role": "user", "content": "late"}], params))])
+    got, drained = [], False
+    while not drained and time.monotonic() < deadline:
+        answered, _, drained = worker.collect(0.5)
+        got += answered
+    assert drained and not engine.has_work
+    assert 1 <= len(got) <= 4 and all(i < 4 for i, _, _ in got)  # the first batch of 4, no other row
+
+
 def test_a_killed_driver_leaves_no_process_of_its_cluster(tiny_model, tmp_path):
     """SIGKILL of a `--ray` driver that started its own local cluster: its watcher stops every
     process of that cluster (Ray's own clean-up never runs after SIGKILL)."""
