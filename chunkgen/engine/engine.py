@@ -265,7 +265,7 @@ class Engine:
     @property
     def expected_rows(self) -> int:
         """How many rows the caller's job has in all, when it knows (0: unknown): a job of more
-        than one batch runs in rounds (Scheduler.running_cap)."""
+        than one batch opens its batch in parts (Scheduler.running_cap)."""
         return self.scheduler.expected_rows
 
     @expected_rows.setter

@@ -99,9 +99,10 @@ class Scheduler:
         mixed_prefill_tokens: int = 0,
     ) -> None:
         """answers_throughout: in a job of more rows than max_batch, open the batch in parts over the
-        first answer (see above); off, max_batch rows start at once. mixed_prefill_tokens: while sequences decode,
-        a wave joins their decode step as one forward, admitting sequences until its new tokens
-        reach this many (at least one sequence); 0: a wave runs alone and the running sequences wait for it."""
+        first answer (see above); off, max_batch rows start at once. mixed_prefill_tokens: while
+        sequences decode, a wave joins their decode step as one forward, admitting sequences until
+        its new tokens reach this many (at least one sequence); 0: a wave runs alone and the
+        running sequences wait for it."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.tree = tree

@@ -252,7 +252,8 @@ def answer(
     Once `should_stop` says so, no row is read or started: the queued ones are dropped (a resume
     answers them) and the rows in flight run on to their answers, until `stop_now` (default:
     should_stop itself, which gives up the rows in flight at once). `expected_rows`: how many rows
-    the source holds, when known (a job of more than one batch runs in rounds: Scheduler.running_cap)."""
+    the source holds, when known (a job of more than one batch opens it in parts:
+    Scheduler.running_cap)."""
     source = iter(jobs)
     pending: dict[int, Job] = {}
     scorer = ChoiceScorer()  # rows with choices: each choice scored after the row's prompt
