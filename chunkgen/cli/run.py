@@ -170,8 +170,10 @@ def _shard(shard: str | None, queries: str):
         part = Shard.parse(shard)
     except ValueError as exc:
         usage("--shard", str(exc))
-    if queries == "-":
-        usage("--shard", "plans over the whole file before it runs: give --queries a file, not standard input")
+    if queries == "-" or not Path(queries).is_file():
+        usage(
+            "--shard", "plans over the whole file before it runs: give --queries a file, not standard input or a pipe"
+        )
     return part
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
+import os
 import struct
 import sys
 import tempfile
@@ -132,16 +133,16 @@ def sort_bytes_needed(rows: int) -> int:
 
 class RowFile:
     """The query file's lines, read once as a stream and then again one by one by byte offset:
-    the file itself, or for standard input a spool in a temporary file written as it is read."""
+    the file itself, or for standard input or any other stream that cannot be read twice (a named
+    pipe, a shell's `<(...)`) a spool in a temporary file written as it is read."""
 
     def __init__(self, path: str, spool_dir: str | None = None) -> None:
         self.path = path
         self._spool: BinaryIO | None = None
-        if path == STDIN:
+        self._source: BinaryIO = sys.stdin.buffer if path == STDIN else open(path, "rb")
+        if path == STDIN or not os.path.isfile(path):
             self._spool = tempfile.TemporaryFile(prefix="chunkgen-stdin-", dir=spool_dir)
-            self._source: BinaryIO = sys.stdin.buffer
-        else:
-            self._source = open(path, "rb")
+        self._spooled = "standard input" if path == STDIN else path
         self._reader: BinaryIO | None = None
         # line number -> (offset, crc32) for lines read but not yet claimed; bounded by how far the
         # reader runs ahead of the rows (see follow)
@@ -155,7 +156,7 @@ class RowFile:
             try:
                 self._spool.write(raw)
             except OSError as exc:
-                raise _temp_failure(exc, "spooling standard input", max(len(raw), offset)) from None
+                raise _temp_failure(exc, f"spooling {self._spooled}", max(len(raw), offset)) from None
 
         for number, raw in enumerate(bounded.lines(self._source, sink=spool if self._spool else None), start=1):
             if raw.strip():
@@ -184,7 +185,7 @@ class RowFile:
                 try:
                     self._spool.flush()
                 except OSError as exc:
-                    raise _temp_failure(exc, "spooling standard input", self._spool.tell()) from None
+                    raise _temp_failure(exc, f"spooling {self._spooled}", self._spool.tell()) from None
                 self._reader = self._spool
             else:
                 self._reader = open(self.path, "rb")

@@ -421,6 +421,32 @@ def test_queries_from_standard_input(tiny_model, tmp_path):
     assert sorted(r["id"] for r in records(out)) == ["a", "b"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_queries_from_a_named_pipe_are_spooled_like_standard_input(tiny_model, tmp_path):
+    """A path that is a stream (a named pipe, a shell's `<(...)`) can be read once only: the
+    prefix order spools it as it does standard input; --shard, which plans over the whole file
+    first, refuses it."""
+    import threading
+
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    rows = "".join(json.dumps({"id": f"r{i}", "question": f"{i} + {i}?"}) + "\n" for i in range(5))
+
+    def feed() -> None:
+        with open(fifo, "w") as f:
+            f.write(rows)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    out = tmp_path / "out.jsonl"
+    res = run_cli(*base_args(tiny_model, out, queries=fifo))
+    feeder.join(timeout=10)
+    assert res.exit_code == 0, res.output
+    assert sorted(r["id"] for r in records(out)) == [f"r{i}" for i in range(5)]
+    res = run_cli(*base_args(tiny_model, tmp_path / "shard.jsonl", queries=fifo), "--shard", "0/2")
+    assert res.exit_code == 2 and "not standard input or a pipe" in res.output
+
+
 def test_streams_records_after_every_prefill_wave(tiny_llm, tmp_path):
     """With one new token per row, answers finish at prefill: they must reach the file wave by
     wave, not all at the end."""
