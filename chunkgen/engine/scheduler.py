@@ -43,12 +43,12 @@ class Batch:
 # (max_new_tokens until a row finishes, then the steps that first answer took). The first rows run
 # in a small, cheap batch and finish early, and the parts admitted a stage apart finish a stage
 # apart, so rows leave (and others take their places) in parts of the batch from then on, not all
-# at once. This costs little (0.8% of a 300-row job's step time, benchmarks/results/
-# 2026-11-28-stop-grace.md): the ramp's steps replace steps of the last round's tail, which runs
-# below the batch too. Smaller rounds (a share of the job's rows at once) cost more:
-# rounds of a third cost a 300-row job 3% of its step time on the default model (2-core Zen 5), a
-# step's fixed part being about 8 ms beside 0.7 ms a row and 0.5 ms a prompt token; rounds of a
-# fifth cost a 256-row job whose answers all have 64 tokens 18-20%. No part is smaller than
+# at once. This costs about 3% of a 300-row job's time on the default model (2-core Zen 5,
+# benchmarks/results/2026-11-28-stop-grace.md): a few more steps, each with a fixed part of about
+# 8 ms beside 0.7 ms a row and 0.5 ms a prompt token, and smaller batches until the first answer.
+# Rounds (a share of the job's rows at once) cost more: rounds of a third took 113 steps where the
+# ramp takes 91 and every row at once 80, and rounds of a fifth cost a 256-row job whose answers
+# all have 64 tokens 18-20%. No part is smaller than
 # MIN_RUNNING / RAMP_STAGES rows, below which a step's fixed cost is most of it. The rule holds only
 # where the batch is the engine's choice (`--max-batch auto`): a batch asked for by number runs
 # that wide from the start.
