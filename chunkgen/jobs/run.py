@@ -401,8 +401,10 @@ def run_job(
     jobs = triage(items, writer, counts)
     if order is not None:
         jobs = order.apply(jobs, engine.config.chunk_size, should_stop)
+    left = None if total is None else max(0, total - len(writer.answers))  # a resume's rows to answer
+    in_prefix_order = order is not None
     answers = answer(
-        engine, encode, writer.format, jobs, window, should_stop, report, on_note, order is not None, stop_now, total
+        engine, encode, writer.format, jobs, window, should_stop, report, on_note, in_prefix_order, stop_now, left
     )
     for a in answers:
         writer.write(a.record, a.index)

@@ -155,3 +155,36 @@ def test_a_stop_lets_the_rows_in_flight_finish_and_starts_no_other(tiny_llm, dra
         assert got == done  # stopped after the step: the rows in flight are left to a resume
         engine.drop_waiting()
         list(engine.stream())  # the shared model's KV memory free for the next test's engine
+
+
+def test_a_resumed_job_announces_only_the_rows_it_has_left(tiny_llm, tmp_path):
+    """The scheduler hears how many rows a job has (a job of more than one batch opens it in
+    parts); a resume that has 5 rows of 40 left announces 5, not the file's 40."""
+    from chunkgen.jobs.requests import read_rows, template_jobs
+    from chunkgen.jobs.run import run_job
+    from chunkgen.jobs.templates import load_templates
+    from chunkgen.jobs.writer import ResultWriter
+    from tests.helpers import PROMPTS, records
+
+    queries, out = tmp_path / "q.jsonl", tmp_path / "out.jsonl"
+    templates = load_templates(PROMPTS / "arithmetic_cot.toml")
+
+    def run(rows: int, resume: bool) -> list[int]:
+        queries.write_text("".join(json.dumps({"id": f"r{i}", "question": f"{i} + {i}?"}) + "\n" for i in range(rows)))
+        engine = tiny_llm.new_engine(max_batch=8)
+        heard, step = [], engine.step
+
+        def stepping():
+            heard.append(engine.expected_rows)
+            return step()
+
+        engine.step = stepping
+        writer = ResultWriter(out, "template", "tiny", resume=resume)
+        with queries.open("rb") as f:
+            jobs = template_jobs(read_rows(f), templates, {"max_new_tokens": 1})
+            run_job(engine, tiny_llm.encode, jobs, writer, total=rows, window=16)
+        return heard
+
+    assert set(run(35, resume=False)) == {35}
+    assert set(run(40, resume=True)) == {5}
+    assert sorted(r["id"] for r in records(out)) == sorted(f"r{i}" for i in range(40))
