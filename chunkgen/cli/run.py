@@ -202,7 +202,7 @@ def _answer(
     from chunkgen.jobs.writer import OutputExists, ResultWriter
     from chunkgen.model import display_name
 
-    stop_flag = StopFlag(out, grace_s=stop_grace, announce=not (quiet or json_log))
+    stop_flag = StopFlag(out, grace_s=stop_grace, announce="none" if quiet else "json" if json_log else "line")
     writer = None
     try:
         try:

@@ -5,6 +5,7 @@ to stop once the rows in flight have finished or a grace period is over, whichev
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -47,7 +48,9 @@ class StopFlag:
 
     GRACE_S = 3.0
 
-    def __init__(self, out: Path | None = None, grace_s: float = DEFAULT_STOP_GRACE_S, announce: bool = False) -> None:
+    def __init__(self, out: Path | None = None, grace_s: float = DEFAULT_STOP_GRACE_S, announce: str = "none") -> None:
+        """announce: how the first signal is told on stderr: "line", "json" (a `stopping` event,
+        as --json-log writes its events) or "none"."""
         self.signum: int | None = None
         self.grace_s = grace_s
         self._asked_at = 0.0
@@ -82,8 +85,11 @@ class StopFlag:
         if self.signum is None:
             self.signum = signum
             self._asked_at = time.monotonic()
-            if self._announce and self.grace_s > 0:
-                name = signal.Signals(signum).name
+            name = signal.Signals(signum).name
+            if self._announce == "json":
+                event = {"event": "stopping", "signal": name, "grace_s": self.grace_s}
+                os.write(2, (json.dumps(event) + "\n").encode())
+            elif self._announce == "line" and self.grace_s > 0:
                 os.write(
                     2,
                     f"\n{name}: taking no new rows; the rows in flight finish within {self.grace_s:g} s, "

@@ -59,3 +59,25 @@ def test_other_unraisable_errors_still_reach_the_previous_hook():
         Broken()
         gc.collect()
         assert [u.exc_type for u in seen] == [ValueError]
+
+
+def test_the_first_signal_is_told_as_a_line_or_a_json_event(capfd):
+    import json
+
+    for announce in ("line", "json", "none"):
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        flag = StopFlag(grace_s=5, announce=announce)
+        try:
+            flag._handle(signal.SIGTERM, None)
+            assert flag() and not flag.overdue()  # asked to stop; the rows in flight have 5 s
+        finally:
+            flag.restore()
+            for s, handler in before.items():
+                signal.signal(s, handler)
+        err = capfd.readouterr().err
+        if announce == "line":
+            assert "SIGTERM: taking no new rows; the rows in flight finish within 5 s" in err
+        elif announce == "json":
+            assert json.loads(err) == {"event": "stopping", "signal": "SIGTERM", "grace_s": 5}
+        else:
+            assert err == ""
