@@ -169,17 +169,13 @@ class Engine:
             seqs.extend(samples)
         self.scheduler.add(seqs)
 
-    def drop_waiting(self) -> int:
+    def drop_waiting(self) -> None:
         """Forget the requests not started yet: a stop lets the running ones finish and leaves these
         to a resume. A request with a sample already running is forgotten whole (it would never
-        complete); its running samples finish to no result. Returns how many requests were dropped."""
-        requests = {}
+        complete); its running samples finish to no result."""
         for seq in self.scheduler.drop_waiting():
             self._release(seq)
-            requests[id(seq.request)] = seq.request
-        for key in requests:
-            self._pending.pop(key, None)
-        return len(requests)
+            self._pending.pop(id(seq.request), None)
 
     @property
     def constraints(self) -> Constraints:
