@@ -5,7 +5,7 @@ Every type becomes blocks of 32 values along k with block scales (and mins where
 them), the values kept at their own width: 4-bit types (Q4_0, Q4_1, Q4_K) as nibbles, Q5_K as
 nibbles and a plane of fifth bits, wider ones (Q6_K, Q8_0, int8) as int8 (QuantWeight, row by
 row). The scales are fp32, or for the K-types factored as the file has them: an int8 per block (or
-half) under an fp32 per super-block of 256 values (the same fp32 products, exactly, at a quarter
+half) under an fp16 per super-block of 256 values (the same fp32 products, exactly, at a quarter
 of the bytes). A product packs them once more, 8 output channels interleaved (PackedWeight, what
 the kernel streams). Nothing is expanded to floats, except by `dequantize` where a caller needs
 floats (the GPU, which runs bf16, and the embedding rows a batch looks up).
@@ -44,7 +44,8 @@ class QuantWeight:
     """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4; for U5 20 bytes a block, its 16 of
     nibbles and a 32-bit word of fifth bits, bit j for value j; else [n, k] int8), scales [n, k/32]
     ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. Scales and mins are fp32,
-    or factored: int8, times scale_d (min_d) [n, k/256] fp32 for the 8 blocks of a super-block.
+    or factored: int8, times scale_d (min_d) [n, k/256] fp16 (the file's own) for the 8 blocks of a
+    super-block.
     `pack` makes the layout the kernel reads."""
 
     kind: int
@@ -107,7 +108,7 @@ def _unfactor(values: torch.Tensor, d: torch.Tensor | None, n: int) -> torch.Ten
     if d is None:
         return values
     per_super = values.shape[-1] // d.shape[-1]
-    return (values.view(n, -1, per_super).float() * d.view(n, -1, 1)).view(n, -1)
+    return (values.view(n, -1, per_super).float() * d.view(n, -1, 1).float()).view(n, -1)
 
 
 def _values(w: QuantWeight) -> torch.Tensor:
@@ -255,8 +256,12 @@ def quantized_linear(x: torch.Tensor, w: QuantWeight | PackedWeight) -> torch.Te
     return torch.ops.chunkgen.quant_linear.default(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d, w.min_d)
 
 
+def _half(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+    return _half(b).astype(np.float32)
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -289,7 +294,7 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
     elif qtype == GGMLQuantizationType.Q4_1:
         kind, qs, scales, mins = U4, b[:, 4:], _f16(b[:, :2]), _f16(b[:, 2:4])
     elif qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
-        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        d, dmin = _half(b[:, :2]), _half(b[:, 2:4])
         sc, m = _k_scale_min(b[:, 4:16])
         scales, scale_d, mins, min_d = sc.astype(np.int8), d, -m.astype(np.int8), dmin
         if qtype == GGMLQuantizationType.Q4_K:
@@ -306,7 +311,7 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
         qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         q = (ql & 0x0F).reshape(-1, 2, 4, 32) | ((qh & 3) << 4).reshape(-1, 2, 4, 32)
         kind, qs = S8_HALF, (q.astype(np.int16) - 32).astype(np.int8)
-        scales, scale_d = b[:, 192:208].view(np.int8), _f16(b[:, 208:210])
+        scales, scale_d = b[:, 192:208].view(np.int8), _half(b[:, 208:210])
     values = np.int8 if scale_d is not None else np.float32
     tensor = lambda a, dtype: None if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype).reshape(n, -1))  # noqa: E731
     qs = torch.from_numpy(np.ascontiguousarray(qs).view(np.uint8).reshape(n, -1))
@@ -318,8 +323,8 @@ def from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType | int, n: int, k: int
         n,
         k,
         TYPE_NAMES[qtype],
-        tensor(scale_d, np.float32),
-        tensor(min_d, np.float32),
+        tensor(scale_d, np.float16),
+        tensor(min_d, np.float16),
     )
 
 

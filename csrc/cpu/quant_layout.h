@@ -2,14 +2,15 @@
 // top comment gives the bytes): its kinds of values, and the two forms of a group's block scales
 // (and mins):
 //   plain:    an fp32 per block (or half) and channel;
-//   factored: an int8 per block (or half) and channel times an fp32 per super-block of 8 blocks
+//   factored: an int8 per block (or half) and channel times an fp16 per super-block of 8 blocks
 //             (256 values) and channel: the K-types' sub-block scales and mins as GGUF ships them
 //             (Q4_K's and Q5_K's 6-bit scales and mins under fp16 d and dmin, Q6_K's int8 scales
-//             under d).
+//             under d). The fp16 is the file's own: held as fp32 it took 4 bytes more a super-block
+//             and channel for each of d and dmin, 0.1 GiB of a 7B Q4_K model.
 // The factored form is a quarter of the plain one's bytes, which made the scales a quarter of a
 // repacked Q4_K weight. It gives the same bits: an int8 times an fp16 value (every GGUF super-block
 // scale is one) needs at most 18 significant bits, so its fp32 product is exact, and equal to the
-// plain form's fp32 scale made from the same two numbers at load. The products widen it in the tile
+// plain form's fp32 scale made from the same two numbers at load (the fp16 widens exactly). The products widen it in the tile
 // where few rows of x pass over the weights, and once per panel of them where many do
 // (quant_linear.cpp's widen).
 #pragma once
@@ -43,7 +44,7 @@ constexpr bool is_unsigned(int64_t kind) { return kind == kU4 || kind == kU5; }
 struct BlockScales {
   const float* f = nullptr;   // plain: [groups, nb, halves, 8], from group `first` on
   const int8_t* q = nullptr;  // factored: [pairs, nb, halves, 16]
-  const float* d = nullptr;   // factored: [pairs, nb / 8, 16]
+  const uint16_t* d = nullptr;  // factored: fp16 bits [pairs, nb / 8, 16]
   int64_t first = 0;
 
   // Group g's part of a weight's scales, nb blocks of `halves` entries per channel.
@@ -54,22 +55,54 @@ struct BlockScales {
   }
 };
 
+// An fp16's value (IEEE binary16 bits), exactly, on any machine.
+inline float half_value(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {  // inf, NaN
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {  // normal: rebias 15 -> 127
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, exact in fp32
+    float v = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Entry e (of block b) for channel c.
 template <bool factored>
 inline float scale_at(const BlockScales& s, int64_t e, int64_t b, int c) {
   if constexpr (factored)
-    return static_cast<float>(s.q[e * 2 * kGroup + c]) * s.d[(b / kSuper) * 2 * kGroup + c];
+    return static_cast<float>(s.q[e * 2 * kGroup + c]) * half_value(s.d[(b / kSuper) * 2 * kGroup + c]);
   else
     return s.f[e * kGroup + c];
 }
 
 #if defined(__AVX2__)
+// 8 fp16 values widened to fp32 (F16C, which every AVX2 x86 has; the scalar form where a build
+// leaves it out).
+inline __m256 half8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = half_value(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+
 // Entry e (of block b): one group's 8 channels.
 template <bool factored>
 inline __m256 scales8(const BlockScales& s, int64_t e, int64_t b) {
   if constexpr (factored) {
     const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.q + e * 2 * kGroup)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(s.d + (b / kSuper) * 2 * kGroup));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), half8(s.d + (b / kSuper) * 2 * kGroup));
   } else {
     return _mm256_loadu_ps(s.f + e * kGroup);
   }
@@ -89,7 +122,8 @@ template <bool factored>
 inline __m512 scales16(const BlockScales& s0, const BlockScales& s1, int64_t e, int64_t b) {
   if constexpr (factored) {
     const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s0.q + e * 2 * kGroup)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s0.d + (b / kSuper) * 2 * kGroup));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s0.d + (b / kSuper) * 2 * kGroup));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_cvtph_ps(d));
   } else {
     (void)b;
     return load_pair_ps(s0.f + e * kGroup, s1.f + e * kGroup);

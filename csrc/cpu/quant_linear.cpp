@@ -17,7 +17,7 @@
 //                values (Q6_K)
 // scales [groups, k / 32, halves, 8] and mins [groups, k / 32, 8] in fp32, the 8 rows' values
 // side by side; for the K-types in the factored form instead (quant_layout.h: int8 sub-block
-// values under an fp32 per super-block of 256, as the file has them). A block pair's sum is
+// values under an fp16 per super-block of 256, as the file has them). A block pair's sum is
 //   scale_w * scale_x * sum(q_w q_x) + min_w * scale_x * sum(q_x),
 // the min's term one FMA per block with the x block's scale * sum(q).
 //
@@ -401,9 +401,12 @@ void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm,
           }
           isum[nh == 2 ? j / 16 : 0] += q * xb[j];
         }
+        // Fused as written: left to the compiler's contraction, the factored and plain forms' sums
+        // came out fused differently (1 ulp apart).
         for (int h = 0; h < nh; ++h)
-          sum += static_cast<float>(isum[h]) * (quant::scale_at<factored>(ws, b * nh + h, b, c) * xs[r * nb + b]);
-        if constexpr (has_min) sum += quant::scale_at<factored>(wm, b, b, c) * xsum[r * nb + b];
+          sum = std::fma(static_cast<float>(isum[h]), quant::scale_at<factored>(ws, b * nh + h, b, c) * xs[r * nb + b],
+                         sum);
+        if constexpr (has_min) sum = std::fma(quant::scale_at<factored>(wm, b, b, c), xsum[r * nb + b], sum);
       }
       y.put(r * ldy + c, sum);
     }
@@ -633,7 +636,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows_op(const t
 // x [rows, k] (float32 or bfloat16) times W^T, W [n, k] given packed (see the top of this file):
 // qs bytes [groups, k / 32, 128 (kind 0) or 256], scales [groups, k / 32, halves, 8], optional
 // mins [groups, k / 32, 8] -> [rows, n] in x's dtype. Scales (and mins) are fp32, or int8 with
-// scale_d (and min_d) fp32, the groups in pairs: [pairs, k / 32, halves, 16] and [pairs, k / 256,
+// scale_d (and min_d) fp16, the groups in pairs: [pairs, k / 32, halves, 16] and [pairs, k / 256,
 // 16], the factored form (quant_layout.h), for U4 and U5 with mins and S8H.
 torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs, const torch::Tensor& scales,
                               const std::optional<torch::Tensor>& mins, int64_t kind, int64_t n,
@@ -666,15 +669,15 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
     TORCH_CHECK_VALUE(nb % kSuper == 0, "factored scales need k a multiple of 256, got ", k);
     const int64_t nd = slots * (nb / kSuper) * kGroup;
     const auto check_d = [&](const std::optional<torch::Tensor>& t, const char* name) {
-      TORCH_CHECK_VALUE(t.has_value() && t->defined() && t->is_contiguous() && t->scalar_type() == torch::kFloat32 &&
+      TORCH_CHECK_VALUE(t.has_value() && t->defined() && t->is_contiguous() && t->scalar_type() == torch::kHalf &&
                             t->numel() == nd,
-                        name, " must be ", nd, " contiguous float32");
+                        name, " must be ", nd, " contiguous float16");
     };
     check_d(scale_d, "scale_d");
-    ws = {nullptr, scales.data_ptr<int8_t>(), scale_d->data_ptr<float>()};
+    ws = {nullptr, scales.data_ptr<int8_t>(), static_cast<const uint16_t*>(scale_d->data_ptr())};
     if (has_min) {
       check_d(min_d, "min_d");
-      wm = {nullptr, mins->data_ptr<int8_t>(), min_d->data_ptr<float>()};
+      wm = {nullptr, mins->data_ptr<int8_t>(), static_cast<const uint16_t*>(min_d->data_ptr())};
     }
   } else {
     TORCH_CHECK_VALUE(!(min_d.has_value() && min_d->defined()), "min_d needs factored scales (scale_d)");

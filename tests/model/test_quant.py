@@ -255,9 +255,9 @@ def _plain(w: quant.QuantWeight) -> quant.QuantWeight:
 
 @pytest.mark.parametrize("qtype", FACTORED, ids=lambda t: t.name)
 def test_factored_scales_give_the_plain_forms_bits(qtype, path):
-    """The K-types' sub-block scales and mins kept as the file has them (int8 under an fp32 per
-    256 values) give bit for bit the products of fp32 scales per block, on tile edges too: an int8
-    times an fp16 value is exact in fp32."""
+    """The K-types' sub-block scales and mins kept as the file has them (int8 under the file's fp16
+    per 256 values) give bit for bit the products of fp32 scales per block, on tile edges too: an
+    int8 times an fp16 value is exact in fp32."""
     for n, rows in ((19, 6), (40, 9), (8, 1), (21, 37)):  # 37 rows: scales widened per panel first
         w = _weight(qtype, n, 512, seed=n)[0]
         assert w.factored and w.scales.dtype == torch.int8
@@ -267,12 +267,13 @@ def test_factored_scales_give_the_plain_forms_bits(qtype, path):
 
 def test_k_quants_are_held_near_their_file_size():
     """Repacked K-types take about their GGUF bytes (factored scales, Q5_K's fifth bits as a plane
-    of bits; fp32 block scales made Q4_K 1.33x and Q6_K 1.52x the file, int8 values Q5_K 1.82x)."""
+    of bits, the super-block factors fp16 as the file has them; fp32 block scales made Q4_K 1.33x
+    and Q6_K 1.52x the file, int8 values Q5_K 1.82x, fp32 factors Q4_K 1.056x)."""
     n, k = 64, 4096
     for qtype, most in (
-        (GGMLQuantizationType.Q4_K, 1.06),
-        (GGMLQuantizationType.Q5_K, 1.05),
-        (GGMLQuantizationType.Q6_K, 1.32),
+        (GGMLQuantizationType.Q4_K, 1.03),
+        (GGMLQuantizationType.Q5_K, 1.03),
+        (GGMLQuantizationType.Q6_K, 1.31),
     ):
         raw = quant.random_gguf(qtype, n, k, 0.05, np.random.default_rng(0))
         packed = quant.pack(quant.from_gguf(raw, qtype, n, k))
@@ -287,6 +288,8 @@ def test_bad_factored_scales_are_refused():
         op(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d[..., :4].contiguous(), w.min_d)
     with pytest.raises(ValueError, match="min_d must be"):
         op(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d, None)
+    with pytest.raises(ValueError, match="scale_d must be .* float16"):  # the file's fp16, not widened
+        op(x, w.qs, w.scales, w.mins, w.kind, w.n, w.scale_d.float(), w.min_d.float())
     with pytest.raises(ValueError, match="scales must be .* float32"):
         op(x, w.qs, w.scales, w.mins, w.kind, w.n)  # int8 scales without their factors
     q5 = quant.pack(_weight(GGMLQuantizationType.Q5_K, 8, 256, seed=5)[0])
