@@ -10,9 +10,9 @@
 // The factored form is a quarter of the plain one's bytes, which made the scales a quarter of a
 // repacked Q4_K weight. It gives the same bits: an int8 times an fp16 value (every GGUF super-block
 // scale is one) needs at most 18 significant bits, so its fp32 product is exact, and equal to the
-// plain form's fp32 scale made from the same two numbers at load (the fp16 widens exactly). The products widen it in the tile
-// where few rows of x pass over the weights, and once per panel of them where many do
-// (quant_linear.cpp's widen).
+// plain form's fp32 scale made from the same two numbers at load (the fp16 widens exactly). The
+// products widen it in the tile where few rows of x pass over the weights, and once per panel of
+// them where many do (quant_linear.cpp's widen).
 #pragma once
 
 #include <cstdint>
@@ -42,8 +42,8 @@ constexpr bool is_unsigned(int64_t kind) { return kind == kU4 || kind == kU5; }
 // ones interleave the groups in pairs (g and g + 1 side by side, 16 channels an entry: the VNNI
 // tile's two groups are one load and one widening), the plain ones do not.
 struct BlockScales {
-  const float* f = nullptr;   // plain: [groups, nb, halves, 8], from group `first` on
-  const int8_t* q = nullptr;  // factored: [pairs, nb, halves, 16]
+  const float* f = nullptr;     // plain: [groups, nb, halves, 8], from group `first` on
+  const int8_t* q = nullptr;    // factored: [pairs, nb, halves, 16]
   const uint16_t* d = nullptr;  // factored: fp16 bits [pairs, nb / 8, 16]
   int64_t first = 0;
 

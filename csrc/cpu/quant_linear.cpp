@@ -669,9 +669,9 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
     TORCH_CHECK_VALUE(nb % kSuper == 0, "factored scales need k a multiple of 256, got ", k);
     const int64_t nd = slots * (nb / kSuper) * kGroup;
     const auto check_d = [&](const std::optional<torch::Tensor>& t, const char* name) {
-      TORCH_CHECK_VALUE(t.has_value() && t->defined() && t->is_contiguous() && t->scalar_type() == torch::kHalf &&
-                            t->numel() == nd,
-                        name, " must be ", nd, " contiguous float16");
+      TORCH_CHECK_VALUE(
+          t.has_value() && t->defined() && t->is_contiguous() && t->scalar_type() == torch::kHalf && t->numel() == nd,
+          name, " must be ", nd, " contiguous float16");
     };
     check_d(scale_d, "scale_d");
     ws = {nullptr, scales.data_ptr<int8_t>(), static_cast<const uint16_t*>(scale_d->data_ptr())};
