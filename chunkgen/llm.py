@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from chunkgen.cache import ChunkPool, KVReservation, kv_shape
-from chunkgen.cache.pages import keep_freed_pages
+from chunkgen.cache.pages import keep_freed_pages, release_freed_pages
 from chunkgen.config import Config
 from chunkgen.device import device_guard, free_bytes
 from chunkgen.engine import Engine, Request, Result, SamplingParams
@@ -73,6 +73,9 @@ class LLM:
             del hf_model  # the weights LlamaModel did not take (fused q/k/v, gate/up) are freed here
             if dev == "cpu":
                 keep_freed_pages()  # after the load: its temporaries go back to the OS
+                # and those malloc kept from it, scattered in its heap (about 0.1 GiB of a 7B
+                # model's repacking), before the first wave's activations would settle on them
+                release_freed_pages()
             free = free_bytes(dev) if dev.startswith("cuda") else None
             self.config = config.loaded(
                 self.model.dtype, free, dtype_reason=own_dtype if config.dtype is None else None

@@ -6,6 +6,7 @@ no longer needed (glibc's malloc). Elsewhere, or when refused, nothing changes."
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -47,6 +48,24 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     taken = _madvise()(start, end - start, _MADV_HUGEPAGE) == 0
     t._chunkgen_huge = taken  # how its pages are given back (page_size)
     return taken
+
+
+def huge_page_slots(slots: int, slot_bytes: int) -> int:
+    """The fewest slots, `slots` or more, of `slot_bytes` each that fill whole 2 MiB pages: a layer
+    of the pool that many slots long ends where a huge page does, so every layer's slots start on
+    one (huge_page_aligned) and the slots in use touch at most one huge page past their end per
+    layer, not two."""
+    step = _HUGE_PAGE // math.gcd(_HUGE_PAGE, slot_bytes)
+    return -(-slots // step) * step
+
+
+def huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor of `shape` that starts on a 2 MiB boundary (a view into a buffer
+    2 MiB longer; the pages it does not use are never touched)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    skip = -buffer.data_ptr() % _HUGE_PAGE
+    return buffer[skip : skip + nbytes].view(dtype).view(shape)
 
 
 def page_size(t: torch.Tensor) -> int:

@@ -4,6 +4,7 @@ step's inputs on the model's device and runs the model over them; the engine sam
 A prefill wave is prepared into a `PrefillStep`: each sequence's uncached tokens as rows of one
 batch, their positions, the pool slots their K/V are stored in, and the attention plan that groups
 sequences reading the same cached chunks (kernels/prefill.py), made once per wave, not per layer.
+On the CPU a large wave runs in pieces (`wave_pieces`), one after another through every layer.
 
 Everything a decode step reads lives in fixed-capacity buffers owned by the kernel context
 (cache/context.py): the step's tokens, positions and K/V write rows, and the tree's index arrays.
@@ -17,7 +18,7 @@ so the buffer refresh a replay depends on is exercised everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +46,56 @@ class PrefillItem:
     score_first: int | None = None
     # Token ids whose logprobs are wanted at the position before score_first as well.
     alternatives: tuple[int, ...] = ()
+
+
+# A CPU wave runs in pieces of at most this many elements of hidden state (rows x hidden size),
+# each through every layer before the next, a sequence cut between pieces at a chunk boundary: the
+# next piece reads the K/V the earlier ones wrote as a cached prefix. The wave's working set (its
+# hidden states, q/k/v, attention output, the products' int8 rows; malloc's heap grows by about
+# twice that) is then a piece's: a 7B model's 2,080-token wave held 0.3 GiB of it, over the 1.2x the
+# weight file a GGUF run is held to. 2^21 is 512 rows of a 7-8B model, 1,024 of a 1B one, 3,584 of
+# the default model (whose waves of one shared prompt stay whole); a piece of 512 rows keeps every
+# product at its full speed. With batch-invariant numerics a row's bits are the same in any piece
+# (a cached prefix gives the bits of one computed now); the GPU, whose memory is not the bound, runs
+# a wave whole.
+WAVE_PIECE_ELEMENTS = 1 << 21
+
+
+def wave_piece_tokens(hidden_size: int, chunk_size: int) -> int:
+    """New tokens a CPU wave's piece holds: WAVE_PIECE_ELEMENTS of hidden state, whole chunks."""
+    return max(chunk_size, WAVE_PIECE_ELEMENTS // hidden_size // chunk_size * chunk_size)
+
+
+def wave_pieces(items: list[PrefillItem], budget: int, chunk_size: int) -> list[list[tuple[int, PrefillItem]]]:
+    """A wave's items in pieces of at most `budget` new tokens, in order, each entry (the item's
+    index, its part). An item longer than what is left of a piece is cut at chunk boundaries; only
+    its last part wants logits or scores. A scored item goes whole (its logprobs are read off one
+    forward's hidden states), as does every item of a wave within the budget."""
+    pieces: list[list[tuple[int, PrefillItem]]] = []
+    piece: list[tuple[int, PrefillItem]] = []
+    room = budget
+    for index, it in enumerate(items):
+        start, end = it.start, len(it.tokens)
+        while end - start > room and it.score_width is None:
+            cut = (start + room) // chunk_size * chunk_size  # > start in an empty piece: budget >= a chunk
+            if cut > start:
+                part = PrefillItem(
+                    it.tokens[:cut], start, max(it.write_from, start), it.path_slots[: -(-cut // chunk_size)], False
+                )
+                piece.append((index, part))
+                start = cut
+            pieces.append(piece)
+            piece, room = [], budget
+        piece.append(
+            (index, it if start == it.start else replace(it, start=start, write_from=max(it.write_from, start)))
+        )
+        room -= end - start
+        if room <= 0:
+            pieces.append(piece)
+            piece, room = [], budget
+    if piece:
+        pieces.append(piece)
+    return pieces
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -84,12 +135,19 @@ class ModelRunner:
         self.chunk_first = chunk_first
         self.batch_invariant = batch_invariant
         self.device = torch.device(model.device)
+        # new tokens of a wave's piece (wave_pieces); 0: waves run whole
+        self.wave_piece_tokens = (
+            wave_piece_tokens(model.hidden_size, pool.chunk_size) if self.device.type == "cpu" else 0
+        )
         asked = self.device.type == "cpu" if enforce_eager is None else enforce_eager
         self.enforce_eager = asked or not model.graph_safe
         self.ctx = KernelContext(
             tree,
             chunk_first=chunk_first,
-            buckets=batch_buckets(max_batch),
+            # Padded batches give a captured or compiled step its one shape; a step run as it
+            # comes takes its rows as they are (no padded row's work, nor its K/V written to the
+            # scratch slot, whose pages a CPU pool would back in every layer).
+            buckets=None if self.enforce_eager and compile_backend is None else batch_buckets(max_batch),
             device=self.device,
             scratch_slot=pool.scratch_slot,
             mirror=mirror,
@@ -182,6 +240,21 @@ class ModelRunner:
         """As prefill, and per item with a score_width the entries of its tokens [score_first, len)
         and the logprobs of its alternatives (prompt_scores.score_spans)."""
         invariant.set_enabled(self.batch_invariant)
+        budget = self.wave_piece_tokens
+        if not budget or sum(len(it.tokens) - it.start for it in items) <= budget:
+            return self._prefill_piece(items)
+        logits: list[torch.Tensor | None] = [None] * len(items)
+        scores: list[tuple[list[Entry], list[float]] | None] = [None] * len(items)
+        for piece in wave_pieces(items, budget, self.pool.chunk_size):
+            got_logits, got_scores = self._prefill_piece([part for _, part in piece])
+            for (index, _), got, score in zip(piece, got_logits, got_scores):
+                logits[index] = got if got is not None else logits[index]
+                scores[index] = score if score is not None else scores[index]
+        return logits, scores
+
+    def _prefill_piece(
+        self, items: list[PrefillItem]
+    ) -> tuple[list[torch.Tensor | None], list[tuple[list[Entry], list[float]] | None]]:
         step = self.prepare_prefill(items)
         spans = _score_spans(items)
         if not spans:

@@ -347,6 +347,7 @@ class LlamaModel:
             ]
         self._q_size = self.q_heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
+        self.hidden_size = cfg.hidden_size
         self._inter = cfg.intermediate_size
         # the fused activation * up of SiLU (silu_mul) and tanh-GELU (gelu_tanh_mul, Gemma); others unfused
         self._gated = {"silu": silu_mul, "gelu_pytorch_tanh": gelu_tanh_mul}.get(activation)

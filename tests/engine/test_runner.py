@@ -6,11 +6,15 @@ sizes, hidden host syncs) shows up here as a wrong token or a counted op."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunkgen.engine import Request, SamplingParams
-from chunkgen.engine.runner import ModelRunner, batch_buckets
+from chunkgen.engine.runner import ModelRunner, PrefillItem, batch_buckets, wave_pieces
 from chunkgen.llm import LLM
 from tests.helpers import CHUNK, HOST_READS, OpLog, run
 
@@ -38,6 +42,17 @@ def with_runner(llm, **runner_args):
 
 def test_buckets():
     assert batch_buckets(8) == [1, 2, 4, 8]
+
+
+def test_only_a_captured_or_compiled_step_is_padded_to_a_bucket(llm):
+    """Eager steps (the CPU's default) run their rows as they are: a padded row would cost its work
+    and write its K/V to the pool's scratch slot, whose pages in every layer a CPU pool would then
+    back. Captured ones take a bucket's shape."""
+    for runner_args, padded in (({}, False), ({"enforce_eager": False}, True)):
+        engine = with_runner(llm, **runner_args)
+        _, rows = run(engine, workload(6))
+        batches = {r for r, _ in rows}
+        assert batches <= set(batch_buckets(8)) if padded else 3 in batches or 5 in batches, batches
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
 
@@ -97,7 +112,7 @@ def test_decode_forward_does_no_host_work(llm):
     runner = engine.runner
     with OpLog() as log:
         logits = runner.forward()
-    assert logits.shape == (8, llm.model.vocab_size)
+    assert logits.shape == (6, llm.model.vocab_size)  # an eager step: its 6 rows, none padded
     names = [str(f) for f, _, _ in log.calls]
     assert any("chunkgen.decode_attention" in n for n in names)
     syncs = [n for n in names if any(op in n for op in HOST_READS)]
@@ -214,3 +229,106 @@ def test_largest_capture_replays_the_biggest_buckets_step(llm):
     largest = max(set(rows))
     logits = engine.runner.largest_capture()()
     assert logits.shape == (largest[0], llm.model.vocab_size) and torch.isfinite(logits).all()
+
+
+# -- a CPU wave in pieces ----------------------------------------------------------------------
+def _item(tokens: int, start: int, scored: bool = False) -> PrefillItem:
+    slots = list(range(-(-tokens // CHUNK)))
+    return PrefillItem(
+        list(range(tokens)), start, start, slots, True, 2 if scored else None, start + 1 if scored else None
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 9 * CHUNK), st.integers(0, 4 * CHUNK), st.booleans()), min_size=1, max_size=6),
+    st.integers(1, 5),
+)
+def test_wave_pieces_cover_every_position_once_at_chunk_cuts(shapes, budget_chunks):
+    """Each item's positions [start, len) run once, in order, in parts cut at chunk boundaries;
+    a piece holds at most the budget unless a scored item (never cut) fills it; only an item's
+    last part wants logits and scores, and each part reads the path up to its end."""
+    items = [_item(n, min(s, n - 1), scored) for n, s, scored in shapes]
+    budget = budget_chunks * CHUNK
+    pieces = wave_pieces(items, budget, CHUNK)
+    assert all(pieces)
+    seen: dict[int, list[PrefillItem]] = {}
+    for piece in pieces:
+        new = sum(len(p.tokens) - p.start for _, p in piece)
+        assert new <= budget or any(items[i].score_width is not None for i, _ in piece)
+        for index, part in piece:
+            seen.setdefault(index, []).append(part)
+    assert sorted(seen) == list(range(len(items)))
+    for index, parts in seen.items():
+        it = items[index]
+        assert parts[0].start == it.start and parts[-1] == replace(
+            it, start=parts[-1].start, write_from=parts[-1].write_from
+        )
+        for before, after in zip(parts, parts[1:]):
+            assert after.start == len(before.tokens) and after.start % CHUNK == 0
+            assert not before.want_logits and before.score_width is None
+        for part in parts:
+            assert part.tokens == it.tokens[: len(part.tokens)] and part.start < len(part.tokens)
+            assert len(part.path_slots) >= -(-len(part.tokens) // CHUNK) and part.write_from == max(
+                it.write_from, part.start
+            )
+        if it.score_width is not None:
+            assert len(parts) == 1
+
+
+def _pieced(llm, budget: int):
+    """An engine whose CPU waves run in pieces of `budget` new tokens (0: whole), and the number of
+    forwards its waves took."""
+    engine = llm.new_engine()
+    engine.runner.wave_piece_tokens = budget
+    calls = [0]
+    whole = engine.runner._prefill_piece
+
+    def counted(items):
+        calls[0] += 1
+        return whole(items)
+
+    engine.runner._prefill_piece = counted
+    return engine, calls
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_wave_in_pieces_gives_the_bits_of_the_whole_wave(tiny_model, dtype):
+    """Long prompts (one alone in the first wave, then several sharing it, one scored) cut into
+    pieces of two chunks: the same tokens and bit-identical logprobs, prompt logprobs included,
+    as the waves run whole (batch-invariant numerics, the default)."""
+    llm = LLM(
+        model=str(tiny_model),
+        dtype=dtype,
+        device="cpu",
+        chunk_size=CHUNK,
+        kv_memory="64MiB",
+        max_batch=8,
+        mixed_prefill_tokens=0,  # every wave a prefill of its own
+    )
+    shared = [5 + i % 37 for i in range(7 * CHUNK + 3)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2)
+    requests = lambda: [  # noqa: E731
+        Request(
+            i,
+            shared + [40 + i] * (i * 9 % (3 * CHUNK) + 1),
+            params if i != 2 else SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+        )
+        for i in range(6)
+    ]
+    got = {}
+    for budget in (0, 2 * CHUNK):
+        engine, calls = _pieced(llm, budget)
+        results = {}
+        engine.add(requests())
+        while engine.has_work:
+            for r in engine.step():
+                results[r.id] = r
+        got[budget] = (results, calls[0])
+    (whole, whole_calls), (pieced, pieced_calls) = got[0], got[2 * CHUNK]
+    assert whole_calls == 2 and pieced_calls > 6  # the waves did run in pieces
+    for i, r in whole.items():
+        a, b = r.completions[0], pieced[i].completions[0]
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs and a.logprobs
+    assert whole[2].prompt_logprobs == pieced[2].prompt_logprobs
