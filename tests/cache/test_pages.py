@@ -11,7 +11,7 @@ import torch
 
 from chunkgen.cache import ChunkPool
 from chunkgen.cache import pool as pool_module
-from chunkgen.cache.pages import populate_in_background
+from chunkgen.cache.pages import huge_page_slots, populate_in_background
 from tests.helpers import PAGE, resident
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore are Linux's")
@@ -181,3 +181,27 @@ def test_a_large_waves_freed_pages_go_back_to_the_os():
     ran, released = out.stdout.split()
     assert ran == "True"
     assert int(released) > 120 << 20, released  # of the 24 x 6 MiB freed
+
+
+@pytest.mark.parametrize(
+    "kv_heads, head_dim, dtype", [(3, 64, torch.bfloat16), (8, 128, torch.float32), (2, 16, torch.float32)]
+)
+def test_every_layer_of_a_cpu_pool_starts_on_a_huge_page(kv_heads, head_dim, dtype):
+    """The slots a wave writes touch at most one huge page past their end in each layer: each
+    layer's K and V start on a 2 MiB boundary and stay contiguous, the pool's slots as the budget
+    gives them (the padding to whole huge pages is never handed out)."""
+    pool = ChunkPool(3, kv_heads, head_dim, 64, dtype, budget_bytes=96 << 20)
+    for t in (pool.k, pool.v):
+        assert t.shape[1] == pool.max_slots + 1
+        for layer in range(3):
+            assert t[layer].is_contiguous() and t[layer].data_ptr() % (2 << 20) == 0
+    slots = [pool.allocate() for _ in range(pool.max_slots)]
+    assert sorted(slots) == list(range(pool.max_slots))
+
+
+def test_huge_page_slots_fill_whole_huge_pages():
+    for slots, slot_bytes in ((1, 512 << 10), (129, 512 << 10), (1000, 24 << 10), (7, 3 << 20), (5, 2 << 20)):
+        padded = huge_page_slots(slots, slot_bytes)
+        assert padded >= slots and padded * slot_bytes % (2 << 20) == 0
+        assert padded == next(n for n in range(slots, padded + 1) if n * slot_bytes % (2 << 20) == 0)  # the fewest
+    assert huge_page_slots(129, 512 << 10) == 132 and huge_page_slots(1000, 24 << 10) == 1024
