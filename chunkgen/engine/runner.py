@@ -71,6 +71,7 @@ def wave_pieces(items: list[PrefillItem], budget: int, chunk_size: int) -> list[
     index, its part). An item longer than what is left of a piece is cut at chunk boundaries; only
     its last part wants logits or scores. A scored item goes whole (its logprobs are read off one
     forward's hidden states), as does every item of a wave within the budget."""
+    budget = max(budget, chunk_size)  # an empty piece always takes a chunk, so every item ends
     pieces: list[list[tuple[int, PrefillItem]]] = []
     piece: list[tuple[int, PrefillItem]] = []
     room = budget
