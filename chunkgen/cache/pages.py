@@ -37,12 +37,12 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask Linux to back a CPU tensor's untouched memory with 2 MiB pages (transparent huge
     pages, where the system allows them on request). The decode kernel reads each row's own
     chunks from slots anywhere in the pool: with 4 KiB pages every chunk of every layer costs
-    TLB misses of its own. Only the whole 2 MiB pages inside the tensor are advised.
+    TLB misses of its own. Only the whole 2 MiB pages inside the tensor's span are advised.
     CHUNKGEN_HUGE_PAGES=0 turns it off. Returns whether the advice was taken."""
     if not _linux_cpu(t) or os.environ.get("CHUNKGEN_HUGE_PAGES") == "0":
         return False
     start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    end = (t.data_ptr() + _span_bytes(t)) // _HUGE_PAGE * _HUGE_PAGE
     if end <= start:
         return False
     taken = _madvise()(start, end - start, _MADV_HUGEPAGE) == 0
@@ -66,6 +66,13 @@ def huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     buffer = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     skip = -buffer.data_ptr() % _HUGE_PAGE
     return buffer[skip : skip + nbytes].view(dtype).view(shape)
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from t's first element to past its last: its numel's for a contiguous tensor, more for
+    a strided view (a pool's layers, each padded to whole huge pages)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else -1
+    return (last + 1) * t.element_size()
 
 
 def page_size(t: torch.Tensor) -> int:

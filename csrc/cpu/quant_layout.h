@@ -15,6 +15,8 @@
 // them where many do (quant_linear.cpp's widen).
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -55,31 +57,12 @@ struct BlockScales {
   }
 };
 
-// An fp16's value (IEEE binary16 bits), exactly, on any machine.
-inline float half_value(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {  // inf, NaN
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp != 0) {  // normal: rebias 15 -> 127
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: man * 2^-24, exact in fp32
-    float v = static_cast<float>(man) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Entry e (of block b) for channel c.
 template <bool factored>
 inline float scale_at(const BlockScales& s, int64_t e, int64_t b, int c) {
   if constexpr (factored)
-    return static_cast<float>(s.q[e * 2 * kGroup + c]) * half_value(s.d[(b / kSuper) * 2 * kGroup + c]);
+    return static_cast<float>(s.q[e * 2 * kGroup + c]) *
+           c10::detail::fp16_ieee_to_fp32_value(s.d[(b / kSuper) * 2 * kGroup + c]);
   else
     return s.f[e * kGroup + c];
 }
@@ -92,7 +75,7 @@ inline __m256 half8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
   alignas(32) float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = half_value(p[i]);
+  for (int i = 0; i < 8; ++i) f[i] = c10::detail::fp16_ieee_to_fp32_value(p[i]);
   return _mm256_load_ps(f);
 #endif
 }

@@ -195,8 +195,24 @@ def test_every_layer_of_a_cpu_pool_starts_on_a_huge_page(kv_heads, head_dim, dty
         assert t.shape[1] == pool.max_slots + 1
         for layer in range(3):
             assert t[layer].is_contiguous() and t[layer].data_ptr() % (2 << 20) == 0
+        if getattr(t, "_chunkgen_huge", False):  # advised: the last layer's slots too, past the padding
+            assert _advised_huge(t[-1].data_ptr() + (2 << 20), t[-1, -1].data_ptr() // (2 << 20) * (2 << 20))
     slots = [pool.allocate() for _ in range(pool.max_slots)]
     assert sorted(slots) == list(range(pool.max_slots))
+
+
+def _advised_huge(start: int, end: int) -> bool:
+    """Whether every mapping over [start, end) carries MADV_HUGEPAGE's flag (smaps' `hg`)."""
+    covered, lo, hi = 0, 0, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+        elif head == "VmFlags:" and lo < end and hi > start:
+            if "hg" not in line.split()[1:]:
+                return False
+            covered += min(hi, end) - max(lo, start)
+    return covered == end - start
 
 
 def test_huge_page_slots_fill_whole_huge_pages():
