@@ -48,17 +48,18 @@ class PrefillItem:
     alternatives: tuple[int, ...] = ()
 
 
-# A CPU wave runs in pieces of at most this many elements of hidden state (rows x hidden size),
-# each through every layer before the next, a sequence cut between pieces at a chunk boundary: the
-# next piece reads the K/V the earlier ones wrote as a cached prefix. The wave's working set (its
-# hidden states, q/k/v, attention output, the products' int8 rows; malloc's heap grows by about
-# twice that) is then a piece's: a 7B model's 2,080-token wave held 0.3 GiB of it, over the 1.2x the
-# weight file a GGUF run is held to. 2^21 is 512 rows of a 7-8B model, 1,024 of a 1B one, 3,584 of
-# the default model (whose waves of one shared prompt stay whole); a piece of 512 rows keeps every
-# product at its full speed. With batch-invariant numerics a row's bits are the same in any piece
-# (a cached prefix gives the bits of one computed now); the GPU, whose memory is not the bound, runs
-# a wave whole.
-WAVE_PIECE_ELEMENTS = 1 << 21
+# A CPU wave of more than twice this many elements of hidden state (rows x hidden size) runs in
+# pieces of at most this many, each through every layer before the next, a sequence cut between
+# pieces at a chunk boundary: the next piece reads the K/V the earlier ones wrote as a cached
+# prefix. The wave's working set (its hidden states, q/k/v, attention output, the products' int8
+# rows; malloc's heap grows by about twice that) is then a piece's: a 7B model's 2,080-token wave
+# held 0.3 GiB of it, over the 1.2x the weight file a GGUF run is held to (pieces of 512 rows left
+# it at 1.19-1.21x, of 256 rows at 1.17x). 2^20 is 256 rows of a 7-8B model (as fast a product as
+# 2,048 rows), 512 of a 1B one; the default model's 2,080-token shared prompt (1.2M elements)
+# stays whole, where pieces cost its prefill 0.1 s of 1.2. With batch-invariant numerics a row's
+# bits are the same in any piece (a cached prefix gives the bits of one computed now); the GPU,
+# whose memory is not the bound, runs a wave whole.
+WAVE_PIECE_ELEMENTS = 1 << 20
 
 
 def wave_piece_tokens(hidden_size: int, chunk_size: int) -> int:
@@ -242,7 +243,7 @@ class ModelRunner:
         and the logprobs of its alternatives (prompt_scores.score_spans)."""
         invariant.set_enabled(self.batch_invariant)
         budget = self.wave_piece_tokens
-        if not budget or sum(len(it.tokens) - it.start for it in items) <= budget:
+        if not budget or sum(len(it.tokens) - it.start for it in items) <= 2 * budget:
             return self._prefill_piece(items)
         logits: list[torch.Tensor | None] = [None] * len(items)
         scores: list[tuple[list[Entry], list[float]] | None] = [None] * len(items)
