@@ -31,7 +31,8 @@
 // rows of x; threads split the channel groups, and each walks its groups in panels that stay in
 // cache while every tile of x rows passes over them.
 //
-// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once, 16 channels x up to 8 rows.
+// AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once (16 channels), the unsigned kinds
+// on two such pairs (32 channels) x up to 6 (U5: 5) rows, the signed ones on one x up to 8 rows.
 // AVX-VNNI (the same instruction on 256-bit vectors: Intel's client cores, which have no AVX-512;
 // Zen 5 has both): the AVX2 tile with each step's vpmaddubsw + vpaddw (+ vpmaddwd) one vpdpbusd,
 // summed in int32; signed weights keep the sign trick, so x stays as it is.
@@ -471,47 +472,90 @@ void each_panel(const QuantArgs& a, int nh, int64_t p0, int64_t p1, int64_t wide
 // many tiles (on Zen 5, widened was slower at 32 rows).
 constexpr int64_t kWidenAboveVnni = 32;
 
-// The AVX512_VNNI path: tiles of two groups x 8 rows, then 4, 2, 1 for the rows left.
+// Pairs of groups a VNNI tile takes: two for the unsigned kinds (32 channels, each broadcast of x
+// serving two weight vectors: 1.15-1.2x the one-pair tile on Zen 5, the broadcasts being what that
+// tile is short of), one for the signed ones (no gain from two: their tiles wait on more than the
+// broadcasts).
+template <int kind>
+constexpr int kVnniPairs = quant::is_unsigned(kind) ? 2 : 1;
+
+// Rows of x in a VNNI tile of P pairs: as many as 32 vector registers hold with their sums, the
+// accumulators and the pairs' weight vectors (U5's planes of fifth bits too); then 4, 2, 1.
+template <int kind, int P>
+constexpr int kVnniRows = P == 1 ? 8 : kind == quant::kU5 ? 5 : 6;
+
+template <int kind, int P>
+int vnni_rows(int64_t left) {
+  constexpr int most = kVnniRows<kind, P>;
+  return left >= most ? most : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+template <int kind, bool has_min, bool factored, int P>
+void vnni_tile(int rows, const vnni::GroupPair (&pairs)[P], int64_t nb, const uint8_t* xq, int64_t k, const float* xs,
+               const float* xsum, const Out& y, int64_t ldy, int channels) {
+  constexpr int most = kVnniRows<kind, P>;
+  switch (rows) {
+    case most:
+      return vnni::tile<kind, has_min, factored, most, P>(pairs, nb, xq, k, xs, xsum, y, ldy, channels);
+    case 4:
+      return vnni::tile<kind, has_min, factored, 4, P>(pairs, nb, xq, k, xs, xsum, y, ldy, channels);
+    case 2:
+      return vnni::tile<kind, has_min, factored, 2, P>(pairs, nb, xq, k, xs, xsum, y, ldy, channels);
+    default:
+      return vnni::tile<kind, has_min, factored, 1, P>(pairs, nb, xq, k, xs, xsum, y, ldy, channels);
+  }
+}
+
+// The AVX512_VNNI path: tiles of kVnniPairs pairs of groups where the panel has them (a last pair,
+// or one of fewer than 16 channels, alone), over tiles of vnni_rows rows.
 template <int kind, bool has_min, bool factored>
 void quant_product_vnni(const QuantArgs& a) {
   constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
+  constexpr int P = kVnniPairs<kind>;
   const int64_t groups = (a.n + kGroup - 1) / kGroup, pairs = (groups + 1) / 2, k = a.nb * kBlock;
   const int64_t group_bytes = a.nb * bb;
-  const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * group_bytes));  // pairs whose weights stay in L2
+  const int64_t full_pairs = a.n / (2 * kGroup);  // pairs of 16 channels
+  const int64_t panel = std::max<int64_t>(P, (192 << 10) / (2 * group_bytes));  // pairs whose weights stay in L2
   const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
-  at::parallel_for(0, pairs, 1, [&](int64_t p0_, int64_t p1_) {
+  at::parallel_for(0, pairs, P, [&](int64_t p0_, int64_t p1_) {
     std::vector<float> buf;
     for (int64_t p0 = p0_; p0 < p1_; p0 += panel) {
       const int64_t p1 = std::min(p1_, p0 + panel);
       each_panel<factored>(
           a, nh, p0, p1, kWidenAboveVnni, 2, groups, buf, [&](auto form, const BlockScales& ws, const BlockScales& wm) {
             constexpr bool f = decltype(form)::value;
+            const auto group_pair = [&](int64_t p) {
+              const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
+              return vnni::GroupPair{a.w + g0 * group_bytes, a.w + g1 * group_bytes, ws.group(g0, a.nb, nh),
+                                     ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1),  wm.group(g1, a.nb, 1)};
+            };
+            const auto wide = [&](int64_t p) { return P > 1 && p + P <= std::min(p1, full_pairs); };
             for (int64_t m0 = 0; m0 < a.rows;) {
-              const int64_t left = a.rows - m0;
-              const int rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-              for (int64_t p = p0; p < p1; ++p) {
-                const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
-                const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - g0 * kGroup));
-                const auto args = std::make_tuple(a.w + g0 * group_bytes, a.w + g1 * group_bytes,
-                                                  ws.group(g0, a.nb, nh), ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1),
-                                                  wm.group(g1, a.nb, 1), a.nb, xq + m0 * k, k, a.xs + m0 * a.nb,
-                                                  a.xsum + m0 * a.nb, a.y.at(m0 * a.n + g0 * kGroup), a.n, channels);
-                switch (rows) {
-                  case 8:
-                    std::apply(vnni::tile<kind, has_min, f, 8>, args);
-                    break;
-                  case 4:
-                    std::apply(vnni::tile<kind, has_min, f, 4>, args);
-                    break;
-                  case 2:
-                    std::apply(vnni::tile<kind, has_min, f, 2>, args);
-                    break;
-                  default:
-                    std::apply(vnni::tile<kind, has_min, f, 1>, args);
+              const int step = wide(p0) ? vnni_rows<kind, P>(a.rows - m0) : vnni_rows<kind, 1>(a.rows - m0);
+              for (int64_t p = p0; p < p1;) {
+                if constexpr (P > 1) {
+                  if (wide(p)) {
+                    vnni::GroupPair many[P];
+                    for (int i = 0; i < P; ++i) many[i] = group_pair(p + i);
+                    vnni_tile<kind, has_min, f, P>(step, many, a.nb, xq + m0 * k, k, a.xs + m0 * a.nb,
+                                                   a.xsum + m0 * a.nb, a.y.at(m0 * a.n + 2 * p * kGroup), a.n,
+                                                   2 * kGroup);
+                    p += P;
+                    continue;
+                  }
                 }
+                const vnni::GroupPair one[1] = {group_pair(p)};
+                const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - 2 * p * kGroup));
+                for (int64_t m = m0; m < m0 + step;) {  // one pair over the wide tiles' rows
+                  const int rows = vnni_rows<kind, 1>(m0 + step - m);
+                  vnni_tile<kind, has_min, f, 1>(rows, one, a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,
+                                                 a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
+                  m += rows;
+                }
+                p += 1;
               }
-              m0 += rows;
+              m0 += step;
             }
           });
     }

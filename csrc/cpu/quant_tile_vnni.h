@@ -36,7 +36,7 @@ inline __m512i fifth_bits(__m512i plane, int v) {
   return _mm512_and_si512(moved, _mm512_set1_epi8(16));
 }
 
-// 4 bytes of x in every lane (a load with broadcast, no ALU work).
+// 4 bytes of x in every lane (a load with broadcast, which on Zen 5 takes a vector pipe's slot too).
 inline __m512i broadcast4(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -50,69 +50,101 @@ inline __m512i in_order(__m512i v) {
   return v;
 }
 
-// One tile: channels of groups w0 and w1 (w1 may repeat w0 when the layer has one group left; then
-// only `channels` <= 8 lanes are stored) x R rows of x over all nb blocks. xq holds x's int8 values
-// for U4 and x + 128 for the signed kinds; y rows are ldy apart.
-template <int kind, bool has_min, bool factored, int R>
-void tile(const uint8_t* w0, const uint8_t* w1, const quant::BlockScales& ws0, const quant::BlockScales& ws1,
-          const quant::BlockScales& wm0, const quant::BlockScales& wm1, int64_t nb, const uint8_t* xq, int64_t k,
-          const float* xs, const float* xsum, const quant::Out& y, int64_t ldy, int channels) {
+// The groups of one 16-channel vector: g and g + 1 (w1 repeats w0 where the layer has one group
+// left), their weights and block scales (and mins).
+struct GroupPair {
+  const uint8_t *w0, *w1;
+  quant::BlockScales ws0, ws1, wm0, wm1;
+};
+
+// One tile: P pairs of groups (16 P channels) x R rows of x over all nb blocks; the last pair stores
+// only its first `channels` lanes (< 16 where the layer ends inside it). xq holds x's int8 values
+// for U4 and x + 128 for the signed kinds; y rows are ldy apart, pair p's channels at 16 p.
+// Each broadcast of x's bytes serves the P weight vectors of a step: the broadcasts, not the dot
+// products, fill the vector pipes of a one-pair tile. A lane's arithmetic is the same for every R
+// and P, so the tile's shape never changes a bit of y. Never inlined: inside the product's loops GCC
+// allocated its registers worse (Q8_0 lost 15% to spills).
+template <int kind, bool has_min, bool factored, int R, int P>
+__attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, const uint8_t* xq, int64_t k, const float* xs, const float* xsum,
+          const quant::Out& y, int64_t ldy, int channels) {
   constexpr int64_t bb = quant::group_block_bytes(kind);
   constexpr int nh = quant::halves(kind);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* a0 = w0 + b * bb;
-    const uint8_t* a1 = w1 + b * bb;
+    const uint8_t* a0[P];
+    const uint8_t* a1[P];
+    for (int p = 0; p < P; ++p) a0[p] = pair[p].w0 + b * bb, a1[p] = pair[p].w1 + b * bb;
     const uint8_t* xb = xq + b * 32;
     // fully unrolled (GCC leaves the halves' loops rolled otherwise, and spills the tile)
 #pragma GCC unroll 2
     for (int h = 0; h < nh; ++h) {
-      __m512i s32[R];
-      for (int r = 0; r < R; ++r) s32[r] = _mm512_setzero_si512();
+      __m512i s32[R][P];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p) s32[r][p] = _mm512_setzero_si512();
       if constexpr (quant::is_unsigned(kind)) {
         const __m512i mask = _mm512_set1_epi8(0x0f);
-        const __m512i plane = kind == quant::kU5 ? load_pair(a0 + 128, a1 + 128) : mask;
+        __m512i plane[P];
+        for (int p = 0; p < P; ++p) plane[p] = kind == quant::kU5 ? load_pair(a0[p] + 128, a1[p] + 128) : mask;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
-          const __m512i raw = load_pair(a0 + 32 * c, a1 + 32 * c);
-          __m512i lo = _mm512_and_si512(raw, mask);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-          if constexpr (kind == quant::kU5) {
-            lo = _mm512_or_si512(lo, fifth_bits(plane, 2 * c));
-            hi = _mm512_or_si512(hi, fifth_bits(plane, 2 * c + 1));
+          __m512i lo[P], hi[P];
+          for (int p = 0; p < P; ++p) {
+            const __m512i raw = load_pair(a0[p] + 32 * c, a1[p] + 32 * c);
+            lo[p] = _mm512_and_si512(raw, mask);
+            hi[p] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+            if constexpr (kind == quant::kU5) {
+              lo[p] = _mm512_or_si512(lo[p], fifth_bits(plane[p], 2 * c));
+              hi[p] = _mm512_or_si512(hi[p], fifth_bits(plane[p], 2 * c + 1));
+            }
           }
           for (int r = 0; r < R; ++r) {
-            s32[r] = in_order(_mm512_dpbusd_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
-            s32[r] = in_order(_mm512_dpbusd_epi32(s32[r], hi, broadcast4(xb + r * k + 16 + 4 * c)));
+            const __m512i xlo = broadcast4(xb + r * k + 4 * c);
+            for (int p = 0; p < P; ++p) s32[r][p] = in_order(_mm512_dpbusd_epi32(s32[r][p], lo[p], xlo));
+            const __m512i xhi = broadcast4(xb + r * k + 16 + 4 * c);
+            for (int p = 0; p < P; ++p) s32[r][p] = in_order(_mm512_dpbusd_epi32(s32[r][p], hi[p], xhi));
           }
         }
       } else {
         // the steps of this block (or half): 8 (or 4) x 4 values
         constexpr int steps = 8 / nh;
-        __m512i corr = _mm512_setzero_si512();
+        __m512i corr[P];
+        for (int p = 0; p < P; ++p) corr[p] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < steps; ++j) {
           const int s = h * steps + j;
-          const __m512i wv = load_pair(a0 + 32 * s, a1 + 32 * s);
-          corr = _mm512_dpbusd_epi32(corr, offset, wv);
-          for (int r = 0; r < R; ++r)
-            s32[r] = in_order(_mm512_dpbusd_epi32(s32[r], broadcast4(xb + r * k + 4 * s), wv));
+          __m512i wv[P];
+          for (int p = 0; p < P; ++p) {
+            wv[p] = load_pair(a0[p] + 32 * s, a1[p] + 32 * s);
+            corr[p] = _mm512_dpbusd_epi32(corr[p], offset, wv[p]);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m512i xr = broadcast4(xb + r * k + 4 * s);
+            for (int p = 0; p < P; ++p) s32[r][p] = in_order(_mm512_dpbusd_epi32(s32[r][p], xr, wv[p]));
+          }
         }
-        for (int r = 0; r < R; ++r) s32[r] = _mm512_sub_epi32(s32[r], corr);
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) s32[r][p] = _mm512_sub_epi32(s32[r][p], corr[p]);
       }
-      const __m512 sw = quant::scales16<factored>(ws0, ws1, b * nh + h, b);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s32[r]), _mm512_set1_ps(xs[r * nb + b])), sw, acc[r]);
+      for (int p = 0; p < P; ++p) {
+        const __m512 sw = quant::scales16<factored>(pair[p].ws0, pair[p].ws1, b * nh + h, b);
+        for (int r = 0; r < R; ++r)
+          acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s32[r][p]), _mm512_set1_ps(xs[r * nb + b])), sw,
+                                      acc[r][p]);
+      }
     }
     if constexpr (has_min) {
-      const __m512 mw = quant::scales16<factored>(wm0, wm1, b, b);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+      for (int p = 0; p < P; ++p) {
+        const __m512 mw = quant::scales16<factored>(pair[p].wm0, pair[p].wm1, b, b);
+        for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[r * nb + b]), acc[r][p]);
+      }
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << channels) - 1);
-  for (int r = 0; r < R; ++r) quant::store16(y.at(r * ldy), acc[r], keep);
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) quant::store16(y.at(r * ldy + 16 * p), acc[r][p], p == P - 1 ? keep : __mmask16(0xffff));
 }
 
 }  // namespace vnni

@@ -96,12 +96,25 @@ def test_product_matches_dequantized_weights(qtype, path):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_product_on_tile_edges(qtype, path):
-    """Rows not a multiple of the kernel's tiles (4 rows on AVX2; 8, 4, 2, 1 on AVX512_VNNI) and
-    channels not a multiple of its groups (8 channels, the packed layout's padding; two groups a
-    tile on AVX512_VNNI, so a lone last group too), each alone and together."""
-    for n, rows in ((19, 6), (8, 4), (1, 1), (13, 9), (24, 15), (16, 8), (40, 7), (33, 3)):
-        w, reference = _weight(qtype, n, 256, seed=n + rows)
-        _check_product(w, reference, torch.randn(rows, 256))
+    """Rows not a multiple of the kernel's tiles (4 rows on AVX2; 8, 6 or 5, 4, 2, 1 on
+    AVX512_VNNI) and channels not a multiple of its groups (8 channels, the packed layout's padding;
+    on AVX512_VNNI a pair of groups, or two pairs for the unsigned kinds, so a lone last group or
+    pair too), each alone and together; with k = 4096 a thread's pairs span panels of a few pairs,
+    so panels end on a lone pair."""
+    for n, rows, k in (
+        (19, 6, 256),
+        (8, 4, 256),
+        (1, 1, 256),
+        (13, 9, 256),
+        (24, 15, 256),
+        (16, 8, 256),
+        (40, 7, 256),
+        (33, 3, 256),
+        (72, 11, 256),
+        (200, 13, 4096),
+    ):
+        w, reference = _weight(qtype, n, k, seed=n + rows)
+        _check_product(w, reference, torch.randn(rows, k))
 
 
 # The bytes of each type's values in a GGUF block, and a fill that puts every value at the end of
