@@ -482,7 +482,9 @@ constexpr int kVnniPairs = quant::is_unsigned(kind) ? 2 : 1;
 // Rows of x in a VNNI tile of P pairs: as many as 32 vector registers hold with their sums, the
 // accumulators and the pairs' weight vectors (U5's planes of fifth bits too); then 4, 2, 1.
 template <int kind, int P>
-constexpr int kVnniRows = P == 1 ? 8 : kind == quant::kU5 ? 5 : 6;
+constexpr int kVnniRows = P == 1               ? 8
+                          : kind == quant::kU5 ? 5
+                                               : 6;
 
 template <int kind, int P>
 int vnni_rows(int64_t left) {
@@ -515,7 +517,7 @@ void quant_product_vnni(const QuantArgs& a) {
   constexpr int P = kVnniPairs<kind>;
   const int64_t groups = (a.n + kGroup - 1) / kGroup, pairs = (groups + 1) / 2, k = a.nb * kBlock;
   const int64_t group_bytes = a.nb * bb;
-  const int64_t full_pairs = a.n / (2 * kGroup);  // pairs of 16 channels
+  const int64_t full_pairs = a.n / (2 * kGroup);                                // pairs of 16 channels
   const int64_t panel = std::max<int64_t>(P, (192 << 10) / (2 * group_bytes));  // pairs whose weights stay in L2
   const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
   at::parallel_for(0, pairs, P, [&](int64_t p0_, int64_t p1_) {

@@ -65,8 +65,9 @@ struct GroupPair {
 // and P, so the tile's shape never changes a bit of y. Never inlined: inside the product's loops GCC
 // allocated its registers worse (Q8_0 lost 15% to spills).
 template <int kind, bool has_min, bool factored, int R, int P>
-__attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, const uint8_t* xq, int64_t k, const float* xs, const float* xsum,
-          const quant::Out& y, int64_t ldy, int channels) {
+__attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, const uint8_t* xq, int64_t k,
+                                    const float* xs, const float* xsum, const quant::Out& y, int64_t ldy,
+                                    int channels) {
   constexpr int64_t bb = quant::group_block_bytes(kind);
   constexpr int nh = quant::halves(kind);
   __m512 acc[R][P];
@@ -144,7 +145,8 @@ __attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, cons
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << channels) - 1);
   for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) quant::store16(y.at(r * ldy + 16 * p), acc[r][p], p == P - 1 ? keep : __mmask16(0xffff));
+    for (int p = 0; p < P; ++p)
+      quant::store16(y.at(r * ldy + 16 * p), acc[r][p], p == P - 1 ? keep : __mmask16(0xffff));
 }
 
 }  // namespace vnni
