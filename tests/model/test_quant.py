@@ -410,3 +410,18 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qtype, path):
     full = quant.quantized_linear(x, w)
     for rows in (slice(0, 1), slice(5, 6), slice(0, 37), slice(299, 300), slice(3, 260)):
         torch.testing.assert_close(quant.quantized_linear(x[rows], w), full[rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_channels_product_does_not_depend_on_its_tile(qtype, path):
+    """The tiles' shapes (AVX512_VNNI: two pairs of groups for the 4- and 5-bit types, one pair for a
+    layer's last, a lone group) do a channel's arithmetic alike: the channels of a weight's rows
+    sliced out give the bits they had inside the whole weight, wherever the tiles cut it."""
+    n, k = 72, 512
+    raw = quant.random_gguf(qtype, n, k, 0.05, np.random.default_rng(5))
+    row_bytes = raw.size // n
+    x = torch.randn(13, k)
+    full = quant.quantized_linear(x, quant.from_gguf(raw, qtype, n, k))
+    for lo, hi in ((0, 16), (16, 48), (40, 72), (8, 24), (64, 72), (3, 12)):
+        part = quant.from_gguf(raw.reshape(-1)[lo * row_bytes : hi * row_bytes], qtype, hi - lo, k)
+        torch.testing.assert_close(quant.quantized_linear(x, part), full[:, lo:hi], rtol=0, atol=0)
