@@ -103,6 +103,9 @@ class PrefixTree:
         """Add a sequence; returns how many leading tokens already have K/V in the tree.
 
         The caller must then write K/V for positions [returned, len(tokens)) and call mark_ready.
+        Fewer than match_len(tokens) when the cached chunk a partial match would be copied from
+        has to be evicted to make room: those tokens are recomputed (a live chunk as long is
+        preferred as the source, so this happens only when none is).
         Raises PoolExhausted when the chunks do not fit, leaving the tree unchanged apart from
         cache evicted while looking for slots; or, before touching anything, when fewer than
         `reserve` chunks would be left free or evictable afterwards (counting evictable leaves
@@ -203,7 +206,8 @@ class PrefixTree:
             for child in bucket:
                 if child.ready or include_pending:
                     n = _common_prefix(child.tokens, rest)
-                    if n > best_len:
+                    # a live chunk over a cached one as long: eviction may need the cached one's slot
+                    if n > best_len or (n == best_len and best is not None and best.ref == 0 < child.ref):
                         best, best_len = child, n
                     tried += 1
                     if tried == REFINE_CANDIDATES:
