@@ -22,8 +22,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 U4, S8, S8_HALF, U5 = 0, 1, 2, 3  # the kernel's layouts (csrc/cpu/quant_layout.h)
+PAIRED = (S8, S8_HALF)  # layouts whose groups go in pairs, units interleaved (csrc/cpu/quant_layout.h)
 BLOCK = 32
 GROUP = 8  # output channels the packed layout interleaves
+UNIT = 32  # bytes of a packed unit: 8 channels x 4 values (csrc/cpu/quant_layout.h)
 QK_K = 256
 SUPER = QK_K // BLOCK  # blocks under one factored super-block scale
 
@@ -137,7 +139,10 @@ def _unpack_bits(words: np.ndarray) -> np.ndarray:
 class PackedWeight:
     """W [n, k] as the kernel streams it (csrc/cpu/quant_linear.cpp): channels in groups of 8
     (the last padded with zero rows), each group's blocks of 32 values along k with its 8 channels'
-    values interleaved 4 at a time; scales [groups, k/32, halves, 8], mins [groups, k/32, 8]. Factored
+    values interleaved 4 at a time, in units of 32 bytes: qs [groups, k/32, units * 32], or for the
+    signed kinds (PAIRED) [pairs, k/32, units, 2, 32], the groups in pairs (the last padded with a
+    zero group), a block's units of the two side by side; scales
+    [groups, k/32, halves, 8], mins [groups, k/32, 8]. Factored
     ones put the groups in pairs, 16 channels side by side (csrc/cpu/quant_layout.h): scales
     [pairs, k/32, halves, 16], mins [pairs, k/32, 16], scale_d and min_d [pairs, k/256, 16]."""
 
@@ -183,6 +188,9 @@ def pack(w: QuantWeight) -> PackedWeight:
         qs = torch.cat([nibbles, torch.from_numpy(plane.reshape(groups, nb, 32))], dim=-1)
     else:  # 32 values a block: step s, byte t of a channel = value 4 s + t
         qs = grouped(w.qs, 32).view(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    qs = qs.reshape(groups, nb, -1)
+    if w.kind in PAIRED:
+        qs = _pair_units(qs)
 
     def lanes(t: torch.Tensor | None, inner: int, blocks: int = nb) -> torch.Tensor | None:
         """t's values [groups, blocks, inner, 8 channels]; factored, a pair of groups' 16 side by side."""
@@ -215,19 +223,39 @@ def pack(w: QuantWeight) -> PackedWeight:
     )
 
 
+def _pair_units(qs: torch.Tensor) -> torch.Tensor:
+    """Groups' blocks [groups, nb, units * 32] -> [pairs, nb, units, 2, 32]: the groups in pairs
+    (the last padded with a zero group), each block's 32-byte units of the two side by side, so one
+    64-byte load reads a unit of 16 channels (csrc/cpu/quant_layout.h: the signed kinds, PAIRED)."""
+    groups, nb, size = qs.shape
+    if groups % 2:
+        qs = torch.cat([qs, qs.new_zeros(1, nb, size)])
+    return qs.reshape(-1, 2, nb, size // UNIT, UNIT).permute(0, 2, 3, 1, 4)
+
+
+def _group_blocks(w: PackedWeight, g: torch.Tensor) -> torch.Tensor:
+    """Groups g's blocks [len(g), nb, units * 32] as `pack` found them (_pair_units undone for them)."""
+    if w.kind not in PAIRED:
+        return w.qs[g]
+    nb, units = w.qs.shape[1:3]
+    return w.qs[g // 2, :, :, g % 2, :].reshape(len(g), nb, units * UNIT)
+
+
 def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
     """The rows (output channels) `index` of a packed W in row layout: `pack` undone for those rows
     only (an embedding lookup from the output layer's weight it is tied to)."""
     g, c = index // GROUP, index % GROUP
+    blocks = _group_blocks(w, g)  # [rows, nb, bytes of a group's block]
+    rows, nb = blocks.shape[:2]
+    at_row = torch.arange(rows)
     if w.kind == U5:
-        groups, nb = w.qs.shape[:2]
-        nibbles = w.qs[..., :128].reshape(groups, nb, 4, GROUP, 4)[g, :, :, c, :].reshape(len(index), nb, 16)
-        plane = _unpack_bits(w.qs[..., 128:].numpy()[..., None])  # [..., 4 r + t, 2 c + h]
-        bits = plane.reshape(groups, nb, GROUP, 4, 4, 2)[g.numpy(), :, c.numpy()]  # [rows, nb, t, c, h]
-        words = _pack_bits(bits.transpose(0, 1, 4, 3, 2).reshape(len(index), nb, 32))  # value 16 h + 4 c + t
-        qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(len(index), -1)
-    else:
-        qs = w.qs[g, :, :, c, :].reshape(len(index), -1)  # [rows, nb, 4 or 8, 4]: a row's bytes in order
+        nibbles = blocks[..., :128].reshape(rows, nb, 4, GROUP, 4)[at_row, :, :, c, :].reshape(rows, nb, 16)
+        plane = _unpack_bits(blocks[..., 128:].numpy()[..., None])  # [..., 4 r + t, 2 c + h]
+        bits = plane.reshape(rows, nb, GROUP, 4, 4, 2)[at_row.numpy(), :, c.numpy()]  # [rows, nb, t, c, h]
+        words = _pack_bits(bits.transpose(0, 1, 4, 3, 2).reshape(rows, nb, 32))  # value 16 h + 4 c + t
+        qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(rows, -1)
+    else:  # [rows, nb, 4 or 8 units, 8 channels, 4]: a row's bytes in order
+        qs = blocks.reshape(rows, nb, -1, GROUP, 4)[at_row, :, :, c, :].reshape(rows, -1)
     at, lane = (g // 2, g % 2 * GROUP + c) if w.factored else (g, c)  # factored: groups in pairs
     scales = w.scales[at, :, :, lane].reshape(len(index), -1)
     pick = lambda t: None if t is None else t[at, :, 0, lane].reshape(len(index), -1)  # noqa: E731

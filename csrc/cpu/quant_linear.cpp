@@ -211,11 +211,11 @@ inline __m256i fifth_bits(__m256i plane, int v) {
 template <int kind>
 inline void unsigned_chunk(const uint8_t* wb, int c, __m256i& lo, __m256i& hi) {
   const __m256i mask = _mm256_set1_epi8(0x0f);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * c));
   lo = _mm256_and_si256(raw, mask);
   hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
   if constexpr (kind == kU5) {
-    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128));
+    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * 4));
     lo = _mm256_or_si256(lo, fifth_bits(plane, 2 * c));
     hi = _mm256_or_si256(hi, fifth_bits(plane, 2 * c + 1));
   }
@@ -247,7 +247,7 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * bb;
+    const uint8_t* wb = w + b * quant::block_stride(kind);
     const int8_t* xb = xq + b * kBlock;
     // x's block scales are broadcast only where used: 4 more live registers would spill the tile
     const auto sx = [&](int r) { return _mm256_set1_ps(xs[r * nb + b]); };
@@ -280,7 +280,7 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
         __m256i s16[R];
         for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
         for (int s = 4 * h; s < 4 * h + 4; ++s) {
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * s));
           const __m256i wa = _mm256_sign_epi8(wv, wv);
           for (int r = 0; r < R; ++r)
             s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
@@ -294,7 +294,7 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
       __m256i s32[R];
       for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * s));
         const __m256i wa = _mm256_sign_epi8(wv, wv);
         for (int r = 0; r < R; ++r)
           s32[r] = in_order(_mm256_add_epi32(
@@ -322,7 +322,7 @@ void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& w
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * bb;
+    const uint8_t* wb = w + b * quant::block_stride(kind);
     const int8_t* xb = xq + b * kBlock;
 #pragma GCC unroll 2
     for (int h = 0; h < nh; ++h) {
@@ -343,7 +343,7 @@ void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& w
 #pragma GCC unroll 8
         for (int j = 0; j < steps; ++j) {
           const int s = h * steps + j;
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * s));
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * s));
           const __m256i wa = _mm256_sign_epi8(wv, wv);
           for (int r = 0; r < R; ++r)
             s32[r] =
@@ -387,18 +387,19 @@ void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm,
     for (int c = 0; c < channels; ++c) {
       float sum = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = w + b * bb;
+        const uint8_t* wb = w + b * quant::block_stride(kind);
         const int8_t* xb = xq + r * k + b * kBlock;
         int isum[2] = {0, 0};
         for (int j = 0; j < kBlock; ++j) {
           int q;
           if constexpr (is_unsigned(kind)) {
             const int chunk = j % 16 / 4, at = 4 * c + j % 4;
-            const uint8_t byte = wb[32 * chunk + at];
+            const uint8_t byte = wb[quant::unit_stride(kind) * chunk + at];
             q = j < 16 ? byte & 0x0f : byte >> 4;
-            if constexpr (kind == kU5) q |= ((wb[128 + at] >> (2 * chunk + (j < 16 ? 0 : 1))) & 1) << 4;
+            if constexpr (kind == kU5)
+              q |= ((wb[quant::unit_stride(kind) * 4 + at] >> (2 * chunk + (j < 16 ? 0 : 1))) & 1) << 4;
           } else {
-            q = static_cast<int8_t>(wb[32 * (j / 4) + 4 * c + j % 4]);
+            q = static_cast<int8_t>(wb[quant::unit_stride(kind) * (j / 4) + 4 * c + j % 4]);
           }
           isum[nh == 2 ? j / 16 : 0] += q * xb[j];
         }
@@ -529,8 +530,12 @@ void quant_product_vnni(const QuantArgs& a) {
             constexpr bool f = decltype(form)::value;
             const auto group_pair = [&](int64_t p) {
               const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
-              return vnni::GroupPair{a.w + g0 * group_bytes, a.w + g1 * group_bytes, ws.group(g0, a.nb, nh),
-                                     ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1),  wm.group(g1, a.nb, 1)};
+              return vnni::GroupPair{quant::group_bytes_at(a.w, g0, a.nb, kind),
+                                     quant::group_bytes_at(a.w, g1, a.nb, kind),
+                                     ws.group(g0, a.nb, nh),
+                                     ws.group(g1, a.nb, nh),
+                                     wm.group(g0, a.nb, 1),
+                                     wm.group(g1, a.nb, 1)};
             };
             const auto wide = [&](int64_t p) { return P > 1 && p + P <= std::min(p1, full_pairs); };
             for (int64_t m0 = 0; m0 < a.rows;) {
@@ -589,7 +594,7 @@ void quant_product(const QuantArgs& a, Path path) {
               const float* xs = a.xs + m0 * a.nb;
               const float* xsum = a.xsum + m0 * a.nb;
               for (int64_t g = p0; g < p1; ++g) {
-                const uint8_t* w = a.w + g * group_bytes;
+                const uint8_t* w = quant::group_bytes_at(a.w, g, a.nb, kind);
                 const BlockScales ws = ws_all.group(g, a.nb, nh), wm = wm_all.group(g, a.nb, 1);
                 const Out y = a.y.at(m0 * a.n + g * kGroup);
                 const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
@@ -691,7 +696,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
   TORCH_CHECK_VALUE(kind == kU4 || kind == kS8 || kind == kS8Half || kind == kU5, "unknown quantized layout ", kind);
   const int64_t groups = (n + kGroup - 1) / kGroup;
-  const int64_t bytes = groups * nb * group_block_bytes(kind);
+  const int64_t bytes = quant::packed_bytes(groups, nb, kind);
   TORCH_CHECK_VALUE(qs.is_contiguous() && qs.element_size() == 1 && qs.numel() == bytes, "qs must hold ", bytes,
                     " contiguous bytes for ", n, " x ", k, " in layout ", kind, ", got ", qs.numel());
   const bool has_min = mins.has_value() && mins->defined();

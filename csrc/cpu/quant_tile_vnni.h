@@ -23,10 +23,13 @@
 namespace chunkgen {
 namespace vnni {
 
-// 32 bytes of group g and 32 of group g + 1 at the same offset: one vector of 16 channels.
-inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+// Unit u of groups g and g + 1 at their block's bytes a and b: one vector of 16 channels, one
+// 64-byte load where the kind pairs its groups (b is then a's second half).
+template <int kind>
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b, int u) {
+  if constexpr (quant::paired(kind)) return _mm512_loadu_si512(a + quant::unit_stride(kind) * u);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * u))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * u)), 1);
 }
 
 // U5's fifth bits of nibble vector v, from the two groups' planes side by side (quant_linear.cpp's
@@ -50,8 +53,9 @@ inline __m512i in_order(__m512i v) {
   return v;
 }
 
-// The groups of one 16-channel vector: g and g + 1 (w1 repeats w0 where the layer has one group
-// left), their weights and block scales (and mins).
+// The groups of one 16-channel vector, g and g + 1 (for a layer's lone last group, g + 1 is its
+// zero padding where the kind pairs its groups, else g again): their bytes and block scales (and
+// mins; ws1 and wm1 repeat ws0 and wm0 for a lone group).
 struct GroupPair {
   const uint8_t *w0, *w1;
   quant::BlockScales ws0, ws1, wm0, wm1;
@@ -68,16 +72,15 @@ template <int kind, bool has_min, bool factored, int R, int P>
 __attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, const uint8_t* xq, int64_t k,
                                     const float* xs, const float* xsum, const quant::Out& y, int64_t ldy,
                                     int channels) {
-  constexpr int64_t bb = quant::group_block_bytes(kind);
   constexpr int nh = quant::halves(kind);
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* a0[P];
-    const uint8_t* a1[P];
-    for (int p = 0; p < P; ++p) a0[p] = pair[p].w0 + b * bb, a1[p] = pair[p].w1 + b * bb;
+    const uint8_t *a0[P], *a1[P];
+    for (int p = 0; p < P; ++p)
+      a0[p] = pair[p].w0 + b * quant::block_stride(kind), a1[p] = pair[p].w1 + b * quant::block_stride(kind);
     const uint8_t* xb = xq + b * 32;
     // fully unrolled (GCC leaves the halves' loops rolled otherwise, and spills the tile)
 #pragma GCC unroll 2
@@ -88,12 +91,12 @@ __attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, cons
       if constexpr (quant::is_unsigned(kind)) {
         const __m512i mask = _mm512_set1_epi8(0x0f);
         __m512i plane[P];
-        for (int p = 0; p < P; ++p) plane[p] = kind == quant::kU5 ? load_pair(a0[p] + 128, a1[p] + 128) : mask;
+        for (int p = 0; p < P; ++p) plane[p] = kind == quant::kU5 ? load_pair<kind>(a0[p], a1[p], 4) : mask;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
           __m512i lo[P], hi[P];
           for (int p = 0; p < P; ++p) {
-            const __m512i raw = load_pair(a0[p] + 32 * c, a1[p] + 32 * c);
+            const __m512i raw = load_pair<kind>(a0[p], a1[p], c);
             lo[p] = _mm512_and_si512(raw, mask);
             hi[p] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
             if constexpr (kind == quant::kU5) {
@@ -118,7 +121,7 @@ __attribute__((noinline)) void tile(const GroupPair (&pair)[P], int64_t nb, cons
           const int s = h * steps + j;
           __m512i wv[P];
           for (int p = 0; p < P; ++p) {
-            wv[p] = load_pair(a0[p] + 32 * s, a1[p] + 32 * s);
+            wv[p] = load_pair<kind>(a0[p], a1[p], s);
             corr[p] = _mm512_dpbusd_epi32(corr[p], offset, wv[p]);
           }
           for (int r = 0; r < R; ++r) {
