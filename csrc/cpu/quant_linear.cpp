@@ -241,7 +241,6 @@ inline void store_rows(const __m256 (&acc)[R], const Out& y, int64_t ldy, int ch
 template <int kind, bool has_min, bool factored, int R>
 void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq, int64_t k,
                const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
-  constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -317,7 +316,6 @@ void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, i
 template <int kind, bool has_min, bool factored, int R>
 void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
                    int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
-  constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -381,7 +379,6 @@ void tile_256(Path path, const uint8_t* w, const BlockScales& ws, const BlockSca
 template <int kind, bool has_min, bool factored>
 void tile_scalar(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
                  int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int rows, int channels) {
-  constexpr int64_t bb = group_block_bytes(kind);
   constexpr int nh = halves(kind);
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < channels; ++c) {
