@@ -15,6 +15,9 @@
 //   S8 (kind 1), S8H (kind 2): 8 steps of 32 signed bytes; byte 4 r + t of step s is row r's value
 //                4 s + t. S8: any int8 (Q8_0, int8); S8H: -32..31 with one scale per half of 16
 //                values (Q6_K)
+// Each 32 bytes above is a unit. S8 and S8H put their groups in pairs (the last padded with a zero
+// group) whose blocks interleave their units, g's then g + 1's; U4 and U5 keep each group's blocks
+// whole (quant_layout.h: paired, unit_stride, block_stride).
 // scales [groups, k / 32, halves, 8] and mins [groups, k / 32, 8] in fp32, the 8 rows' values
 // side by side; for the K-types in the factored form instead (quant_layout.h: int8 sub-block
 // values under an fp16 per super-block of 256, as the file has them). A block pair's sum is
