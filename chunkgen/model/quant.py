@@ -233,29 +233,29 @@ def _pair_units(qs: torch.Tensor) -> torch.Tensor:
     return qs.reshape(-1, 2, nb, size // UNIT, UNIT).permute(0, 2, 3, 1, 4)
 
 
-def _group_blocks(w: PackedWeight, g: torch.Tensor) -> torch.Tensor:
-    """Groups g's blocks [len(g), nb, units * 32] as `pack` found them (_pair_units undone for them)."""
-    if w.kind not in PAIRED:
-        return w.qs[g]
-    nb, units = w.qs.shape[1:3]
-    return w.qs[g // 2, :, :, g % 2, :].reshape(len(g), nb, units * UNIT)
+def _channel_units(w: PackedWeight, g: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Channel c of group g, for each (g, c): its 4 bytes of every unit [rows, nb, units, 4], read
+    from the packed bytes in place (no group's other channels copied)."""
+    if w.kind in PAIRED:
+        pairs, nb, units = w.qs.shape[:3]
+        return w.qs.view(pairs, nb, units, 2, GROUP, 4)[g // 2, :, :, g % 2, c, :]
+    groups, nb = w.qs.shape[:2]
+    return w.qs.view(groups, nb, -1, GROUP, 4)[g, :, :, c, :]
 
 
 def packed_rows(w: PackedWeight, index: torch.Tensor) -> QuantWeight:
     """The rows (output channels) `index` of a packed W in row layout: `pack` undone for those rows
     only (an embedding lookup from the output layer's weight it is tied to)."""
     g, c = index // GROUP, index % GROUP
-    blocks = _group_blocks(w, g)  # [rows, nb, bytes of a group's block]
-    rows, nb = blocks.shape[:2]
-    at_row = torch.arange(rows)
-    if w.kind == U5:
-        nibbles = blocks[..., :128].reshape(rows, nb, 4, GROUP, 4)[at_row, :, :, c, :].reshape(rows, nb, 16)
-        plane = _unpack_bits(blocks[..., 128:].numpy()[..., None])  # [..., 4 r + t, 2 c + h]
-        bits = plane.reshape(rows, nb, GROUP, 4, 4, 2)[at_row.numpy(), :, c.numpy()]  # [rows, nb, t, c, h]
+    units = _channel_units(w, g, c)
+    rows, nb = units.shape[:2]
+    if w.kind == U5:  # 4 units of nibbles, then the plane of fifth bits
+        nibbles = units[:, :, :4].reshape(rows, nb, 16)
+        bits = _unpack_bits(units[:, :, 4].numpy()[..., None]).reshape(rows, nb, 4, 4, 2)  # [rows, nb, t, c, h]
         words = _pack_bits(bits.transpose(0, 1, 4, 3, 2).reshape(rows, nb, 32))  # value 16 h + 4 c + t
         qs = torch.cat([nibbles, torch.from_numpy(words)], dim=-1).reshape(rows, -1)
-    else:  # [rows, nb, 4 or 8 units, 8 channels, 4]: a row's bytes in order
-        qs = blocks.reshape(rows, nb, -1, GROUP, 4)[at_row, :, :, c, :].reshape(rows, -1)
+    else:  # [rows, nb, 4 or 8 units, 4]: a row's bytes in order
+        qs = units.reshape(rows, -1)
     at, lane = (g // 2, g % 2 * GROUP + c) if w.factored else (g, c)  # factored: groups in pairs
     scales = w.scales[at, :, :, lane].reshape(len(index), -1)
     pick = lambda t: None if t is None else t[at, :, 0, lane].reshape(len(index), -1)  # noqa: E731
