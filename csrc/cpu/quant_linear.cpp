@@ -31,8 +31,10 @@
 // 2 * 15 * 127 for U4 (8 summed <= 30480), 2 * 31 * 127 for U5 (4 summed <= 31496), 2 * 32 * 127
 // for S8H (4 summed, a half); S8 (up to 2 * 128 * 127) converts each step. Each block's int32
 // sums are converted once and FMAed with scale_w * scale_x. A tile is 8 output channels x up to 4
-// rows of x; threads split the channel groups, and each walks its groups in panels that stay in
-// cache while every tile of x rows passes over them.
+// rows of x, or for the signed kinds at 1-2 rows both groups of a pair (16 channels: each 64-byte
+// line of their interleaved units read by one tile; Q8_0 and int8 1.2-1.4x, Q6_K 1.1x at one row
+// on the AVX2 build). Threads split the groups in pairs, and each walks its pairs in panels that
+// stay in cache while every tile of x rows passes over them.
 //
 // AVX512_VNNI (quant_tile_vnni.h): vpdpbusd on two groups at once (16 channels), the unsigned kinds
 // on two such pairs (32 channels) x up to 6 (U5: 5) rows, the signed ones on one x up to 8 rows.
@@ -147,6 +149,16 @@ void quantize_row_scalar(const float* x, int64_t k, int8_t* q, float* scale, flo
   }
 }
 
+// The G groups of 8 channels a 256-bit tile computes, side by side in y. G = 2 takes both groups of
+// a pair: each broadcast of x serves two weight vectors, and where the signed kinds interleave a
+// pair's units (quant_layout.h), every 64-byte line of weights is read by one tile, not half by each
+// of two.
+template <int G>
+struct Groups {
+  const uint8_t* w[G];
+  BlockScales ws[G], wm[G];
+};
+
 #if defined(__AVX2__)
 inline int hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -234,109 +246,148 @@ inline __m256i pair_products(__m256i w, __m256i w_abs, __m256i x) {
     return _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
 }
 
-// A tile's R rows of sums into y (rows ldy apart), `channels` <= 8 of each.
-template <int R>
-inline void store_rows(const __m256 (&acc)[R], const Out& y, int64_t ldy, int channels) {
-  for (int r = 0; r < R; ++r) quant::store8(y.at(r * ldy), acc[r], channels);
+// A tile's R rows x G groups of sums into y (rows ldy apart), the first `channels` of them.
+template <int R, int G>
+inline void store_rows(const __m256 (&acc)[G][R], const Out& y, int64_t ldy, int channels) {
+  for (int i = 0; i < G; ++i) {
+    const int c = std::min(channels - i * kGroup, kGroup);
+    if (c <= 0) break;
+    for (int r = 0; r < R; ++r) quant::store8(y.at(r * ldy + i * kGroup), acc[i][r], c);
+  }
 }
 
-// One tile: 8 channels of group `w` x R rows of x, over all nb blocks; y rows are ldy apart.
-template <int kind, bool has_min, bool factored, int R>
-void tile_avx2(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq, int64_t k,
-               const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
+// One tile: G groups (8 G channels) x R rows of x, over all nb blocks; y rows are ldy apart. A
+// lane's arithmetic is the same for every R and G. Never inlined: inside the product's loops GCC
+// allocated the Q6_K tile's registers worse (0.65x at 4 rows).
+template <int kind, bool has_min, bool factored, int R, int G>
+__attribute__((noinline)) void tile_avx2(const Groups<G>& gs, int64_t nb, const int8_t* xq, int64_t k, const float* xs,
+                                         const float* xsum, const Out& y, int64_t ldy, int channels) {
   constexpr int nh = halves(kind);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[G][R];
+  for (int i = 0; i < G; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * quant::block_stride(kind);
+    const uint8_t* wb[G];
+    for (int i = 0; i < G; ++i) wb[i] = gs.w[i] + b * quant::block_stride(kind);
     const int8_t* xb = xq + b * kBlock;
     // x's block scales are broadcast only where used: 4 more live registers would spill the tile
     const auto sx = [&](int r) { return _mm256_set1_ps(xs[r * nb + b]); };
+    // block (or half) e's int32 sums of group i, scaled into its accumulators
+    const auto scale_into = [&](int i, int64_t e, const __m256i(&s32)[R]) {
+      const __m256 sw = quant::scales8<factored>(gs.ws[i], e, b);
+      for (int r = 0; r < R; ++r)
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[i][r]);
+    };
     if constexpr (is_unsigned(kind)) {
       // pairs summed in int16 as far as they cannot overflow: U4's whole block, U5's half (two
       // chunks), then one vpmaddwd each to int32
       constexpr int chunks_per_sum = kind == kU4 ? 4 : 2;
-      __m256i s32[R];
+      __m256i s32[G][R];
       for (int c0 = 0; c0 < 4; c0 += chunks_per_sum) {
-        __m256i s16[R];
-        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        __m256i s16[G][R];
+        for (int i = 0; i < G; ++i)
+          for (int r = 0; r < R; ++r) s16[i][r] = _mm256_setzero_si256();
         for (int c = c0; c < c0 + chunks_per_sum; ++c) {
-          __m256i lo, hi;
-          unsigned_chunk<kind>(wb, c, lo, hi);
+          __m256i lo[G], hi[G];
+          for (int i = 0; i < G; ++i) unsigned_chunk<kind>(wb[i], c, lo[i], hi[i]);
           for (int r = 0; r < R; ++r) {
-            s16[r] = in_order(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(xb + r * k + 4 * c))));
-            s16[r] = in_order(_mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(xb + r * k + 16 + 4 * c))));
+            const __m256i xl = broadcast4(xb + r * k + 4 * c);
+            for (int i = 0; i < G; ++i)
+              s16[i][r] = in_order(_mm256_add_epi16(s16[i][r], _mm256_maddubs_epi16(lo[i], xl)));
+            const __m256i xh = broadcast4(xb + r * k + 16 + 4 * c);
+            for (int i = 0; i < G; ++i)
+              s16[i][r] = in_order(_mm256_add_epi16(s16[i][r], _mm256_maddubs_epi16(hi[i], xh)));
           }
         }
-        for (int r = 0; r < R; ++r) {
-          const __m256i part = _mm256_madd_epi16(s16[r], ones);
-          s32[r] = c0 == 0 ? part : _mm256_add_epi32(s32[r], part);
-        }
+        for (int i = 0; i < G; ++i)
+          for (int r = 0; r < R; ++r) {
+            const __m256i part = _mm256_madd_epi16(s16[i][r], ones);
+            s32[i][r] = c0 == 0 ? part : _mm256_add_epi32(s32[i][r], part);
+          }
       }
-      const __m256 sw = quant::scales8<factored>(ws, b, b);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
+      for (int i = 0; i < G; ++i) scale_into(i, b, s32[i]);
     } else if constexpr (kind == kS8Half) {
       for (int h = 0; h < 2; ++h) {
-        __m256i s16[R];
-        for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+        __m256i s16[G][R];
+        for (int i = 0; i < G; ++i)
+          for (int r = 0; r < R; ++r) s16[i][r] = _mm256_setzero_si256();
         for (int s = 4 * h; s < 4 * h + 4; ++s) {
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * s));
-          const __m256i wa = _mm256_sign_epi8(wv, wv);
-          for (int r = 0; r < R; ++r)
-            s16[r] = in_order(_mm256_add_epi16(s16[r], pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s))));
+          __m256i wv[G], wa[G];
+          for (int i = 0; i < G; ++i) {
+            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
+            wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = broadcast4(xb + r * k + 4 * s);
+            for (int i = 0; i < G; ++i)
+              s16[i][r] = in_order(_mm256_add_epi16(s16[i][r], pair_products<kind>(wv[i], wa[i], x)));
+          }
         }
-        const __m256 sw = quant::scales8<factored>(ws, b * nh + h, b);
-        for (int r = 0; r < R; ++r)
-          acc[r] =
-              _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), _mm256_mul_ps(sw, sx(r)), acc[r]);
+        for (int i = 0; i < G; ++i) {
+          __m256i s32[R];
+          for (int r = 0; r < R; ++r) s32[r] = _mm256_madd_epi16(s16[i][r], ones);
+          scale_into(i, b * nh + h, s32);
+        }
       }
     } else {  // kS8: a step's pairs may reach 2 * 128 * 127, to int32 at once
-      __m256i s32[R];
-      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+      __m256i s32[G][R];
+      for (int i = 0; i < G; ++i)
+        for (int r = 0; r < R; ++r) s32[i][r] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * s));
-        const __m256i wa = _mm256_sign_epi8(wv, wv);
-        for (int r = 0; r < R; ++r)
-          s32[r] = in_order(_mm256_add_epi32(
-              s32[r], _mm256_madd_epi16(pair_products<kind>(wv, wa, broadcast4(xb + r * k + 4 * s)), ones)));
+        __m256i wv[G], wa[G];
+        for (int i = 0; i < G; ++i) {
+          wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
+          wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = broadcast4(xb + r * k + 4 * s);
+          for (int i = 0; i < G; ++i)
+            s32[i][r] =
+                in_order(_mm256_add_epi32(s32[i][r], _mm256_madd_epi16(pair_products<kind>(wv[i], wa[i], x), ones)));
+        }
       }
-      const __m256 sw = quant::scales8<factored>(ws, b, b);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, sx(r)), acc[r]);
+      for (int i = 0; i < G; ++i) scale_into(i, b, s32[i]);
     }
     if constexpr (has_min) {
-      const __m256 mw = quant::scales8<factored>(wm, b, b);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
+      for (int i = 0; i < G; ++i) {
+        const __m256 mw = quant::scales8<factored>(gs.wm[i], b, b);
+        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[i][r]);
+      }
     }
   }
-  store_rows<R>(acc, y, ldy, channels);
+  store_rows<R, G>(acc, y, ldy, channels);
 }
 
 #if defined(CHUNKGEN_HAVE_AVX_VNNI)
 // tile_avx2 on AVX-VNNI: every step's products summed into int32 by one vpdpbusd.
-template <int kind, bool has_min, bool factored, int R>
-void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
-                   int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
+template <int kind, bool has_min, bool factored, int R, int G>
+__attribute__((noinline)) void tile_avx_vnni(const Groups<G>& gs, int64_t nb, const int8_t* xq, int64_t k,
+                                             const float* xs, const float* xsum, const Out& y, int64_t ldy,
+                                             int channels) {
   constexpr int nh = halves(kind);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[G][R];
+  for (int i = 0; i < G; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w + b * quant::block_stride(kind);
+    const uint8_t* wb[G];
+    for (int i = 0; i < G; ++i) wb[i] = gs.w[i] + b * quant::block_stride(kind);
     const int8_t* xb = xq + b * kBlock;
 #pragma GCC unroll 2
     for (int h = 0; h < nh; ++h) {
-      __m256i s32[R];
-      for (int r = 0; r < R; ++r) s32[r] = _mm256_setzero_si256();
+      __m256i s32[G][R];
+      for (int i = 0; i < G; ++i)
+        for (int r = 0; r < R; ++r) s32[i][r] = _mm256_setzero_si256();
       if constexpr (is_unsigned(kind)) {
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
-          __m256i lo, hi;
-          unsigned_chunk<kind>(wb, c, lo, hi);
+          __m256i lo[G], hi[G];
+          for (int i = 0; i < G; ++i) unsigned_chunk<kind>(wb[i], c, lo[i], hi[i]);
           for (int r = 0; r < R; ++r) {
-            s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], lo, broadcast4(xb + r * k + 4 * c)));
-            s32[r] = in_order(_mm256_dpbusd_avx_epi32(s32[r], hi, broadcast4(xb + r * k + 16 + 4 * c)));
+            const __m256i xl = broadcast4(xb + r * k + 4 * c);
+            for (int i = 0; i < G; ++i) s32[i][r] = in_order(_mm256_dpbusd_avx_epi32(s32[i][r], lo[i], xl));
+            const __m256i xh = broadcast4(xb + r * k + 16 + 4 * c);
+            for (int i = 0; i < G; ++i) s32[i][r] = in_order(_mm256_dpbusd_avx_epi32(s32[i][r], hi[i], xh));
           }
         }
       } else {
@@ -344,37 +395,47 @@ void tile_avx_vnni(const uint8_t* w, const BlockScales& ws, const BlockScales& w
 #pragma GCC unroll 8
         for (int j = 0; j < steps; ++j) {
           const int s = h * steps + j;
-          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quant::unit_stride(kind) * s));
-          const __m256i wa = _mm256_sign_epi8(wv, wv);
-          for (int r = 0; r < R; ++r)
-            s32[r] =
-                in_order(_mm256_dpbusd_avx_epi32(s32[r], wa, _mm256_sign_epi8(broadcast4(xb + r * k + 4 * s), wv)));
+          __m256i wv[G], wa[G];
+          for (int i = 0; i < G; ++i) {
+            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
+            wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = broadcast4(xb + r * k + 4 * s);
+            for (int i = 0; i < G; ++i)
+              s32[i][r] = in_order(_mm256_dpbusd_avx_epi32(s32[i][r], wa[i], _mm256_sign_epi8(x, wv[i])));
+          }
         }
       }
-      const __m256 sw = quant::scales8<factored>(ws, b * nh + h, b);
-      for (int r = 0; r < R; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * nb + b])), acc[r]);
+      for (int i = 0; i < G; ++i) {
+        const __m256 sw = quant::scales8<factored>(gs.ws[i], b * nh + h, b);
+        for (int r = 0; r < R; ++r)
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i][r]), _mm256_mul_ps(sw, _mm256_set1_ps(xs[r * nb + b])),
+                                      acc[i][r]);
+      }
     }
     if constexpr (has_min) {
-      const __m256 mw = quant::scales8<factored>(wm, b, b);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[r]);
+      for (int i = 0; i < G; ++i) {
+        const __m256 mw = quant::scales8<factored>(gs.wm[i], b, b);
+        for (int r = 0; r < R; ++r) acc[i][r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xsum[r * nb + b]), acc[i][r]);
+      }
     }
   }
-  store_rows<R>(acc, y, ldy, channels);
+  store_rows<R, G>(acc, y, ldy, channels);
 }
 #endif
 
 // The 256-bit tile of `path` (AVX-VNNI or AVX2).
-template <int kind, bool has_min, bool factored, int R>
-void tile_256(Path path, const uint8_t* w, const BlockScales& ws, const BlockScales& wm, int64_t nb, const int8_t* xq,
-              int64_t k, const float* xs, const float* xsum, const Out& y, int64_t ldy, int channels) {
+template <int kind, bool has_min, bool factored, int R, int G>
+void tile_256(Path path, const Groups<G>& gs, int64_t nb, const int8_t* xq, int64_t k, const float* xs,
+              const float* xsum, const Out& y, int64_t ldy, int channels) {
 #if defined(CHUNKGEN_HAVE_AVX_VNNI)
   if (path == Path::AvxVnni)
-    return tile_avx_vnni<kind, has_min, factored, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
+    return tile_avx_vnni<kind, has_min, factored, R, G>(gs, nb, xq, k, xs, xsum, y, ldy, channels);
 #else
   (void)path;
 #endif
-  tile_avx2<kind, has_min, factored, R>(w, ws, wm, nb, xq, k, xs, xsum, y, ldy, channels);
+  tile_avx2<kind, has_min, factored, R, G>(gs, nb, xq, k, xs, xsum, y, ldy, channels);
 }
 #endif
 
@@ -570,6 +631,26 @@ void quant_product_vnni(const QuantArgs& a) {
 }
 #endif
 
+#if defined(__AVX2__)
+// Rows at most which a 256-bit tile of the paired kinds takes both groups of a pair (16 channels);
+// more rows take one group (8 channels x up to kRows): two groups' sums over more rows would not fit
+// AVX2's 16 registers, and over many rows the tile waits on its dot products, not its loads.
+constexpr int kPairRows256 = 2;
+
+// A 256-bit tile of `rows` rows (at most kRows; a pair tile's at most kPairRows256).
+template <int kind, bool has_min, bool factored, int G>
+void tile_256_rows(int rows, Path path, const Groups<G>& gs, int64_t nb, const int8_t* xq, int64_t k, const float* xs,
+                   const float* xsum, const Out& y, int64_t ldy, int channels) {
+  static_assert(kRows == 4 && kPairRows256 == 2, "the cases below");
+  if constexpr (G == 1) {
+    if (rows == 4) return tile_256<kind, has_min, factored, 4, 1>(path, gs, nb, xq, k, xs, xsum, y, ldy, channels);
+    if (rows == 3) return tile_256<kind, has_min, factored, 3, 1>(path, gs, nb, xq, k, xs, xsum, y, ldy, channels);
+  }
+  if (rows == 2) return tile_256<kind, has_min, factored, 2, G>(path, gs, nb, xq, k, xs, xsum, y, ldy, channels);
+  tile_256<kind, has_min, factored, 1, G>(path, gs, nb, xq, k, xs, xsum, y, ldy, channels);
+}
+#endif
+
 template <int kind, bool has_min, bool factored>
 void quant_product(const QuantArgs& a, Path path) {
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
@@ -579,44 +660,48 @@ void quant_product(const QuantArgs& a, Path path) {
   constexpr int nh = halves(kind);
   const int64_t groups = (a.n + kGroup - 1) / kGroup, k = a.nb * kBlock;
   const int64_t group_bytes = a.nb * bb;
-  // A panel of groups whose weights stay in L2 (~192 KiB) while all tiles of x rows pass over it.
-  const int64_t panel = std::max<int64_t>(1, (192 << 10) / group_bytes);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  // Threads and panels split the groups in pairs, so a pair tile never straddles two. A panel's
+  // weights stay in L2 (~192 KiB) while all tiles of x rows pass over it.
+  const int64_t pairs = (groups + 1) / 2;
+  const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * group_bytes));
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     std::vector<float> buf;
-    for (int64_t p0 = g0; p0 < g1; p0 += panel) {
-      const int64_t p1 = std::min(g1, p0 + panel);
+    for (int64_t q = q0; q < q1; q += panel) {
+      const int64_t p0 = 2 * q, p1 = std::min(groups, 2 * std::min(q1, q + panel));
       each_panel<factored>(
           a, nh, p0, p1, kRows, 1, groups, buf, [&](auto form, const BlockScales& ws_all, const BlockScales& wm_all) {
             constexpr bool f = decltype(form)::value;
+            const auto one_group = [&](int64_t g) {
+              return Groups<1>{
+                  {quant::group_bytes_at(a.w, g, a.nb, kind)}, {ws_all.group(g, a.nb, nh)}, {wm_all.group(g, a.nb, 1)}};
+            };
             for (int64_t m0 = 0; m0 < a.rows; m0 += kRows) {
               const int rows = static_cast<int>(std::min<int64_t>(kRows, a.rows - m0));
               const int8_t* xq = a.xq + m0 * k;
               const float* xs = a.xs + m0 * a.nb;
               const float* xsum = a.xsum + m0 * a.nb;
-              for (int64_t g = p0; g < p1; ++g) {
-                const uint8_t* w = quant::group_bytes_at(a.w, g, a.nb, kind);
-                const BlockScales ws = ws_all.group(g, a.nb, nh), wm = wm_all.group(g, a.nb, 1);
+              for (int64_t g = p0; g < p1;) {
                 const Out y = a.y.at(m0 * a.n + g * kGroup);
-                const int channels = static_cast<int>(std::min<int64_t>(kGroup, a.n - g * kGroup));
+                const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - g * kGroup));
 #if defined(__AVX2__)
                 if (path != Path::Scalar) {
-                  switch (rows) {
-                    case 4:
-                      tile_256<kind, has_min, f, 4>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                      break;
-                    case 3:
-                      tile_256<kind, has_min, f, 3>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                      break;
-                    case 2:
-                      tile_256<kind, has_min, f, 2>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
-                      break;
-                    default:
-                      tile_256<kind, has_min, f, 1>(path, w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                  if (quant::paired(kind) && rows <= kPairRows256 && g + 1 < p1) {
+                    const Groups<1> g0 = one_group(g), g1 = one_group(g + 1);
+                    const Groups<2> both{{g0.w[0], g1.w[0]}, {g0.ws[0], g1.ws[0]}, {g0.wm[0], g1.wm[0]}};
+                    tile_256_rows<kind, has_min, f, 2>(rows, path, both, a.nb, xq, k, xs, xsum, y, a.n, channels);
+                    g += 2;
+                  } else {
+                    tile_256_rows<kind, has_min, f, 1>(rows, path, one_group(g), a.nb, xq, k, xs, xsum, y, a.n,
+                                                       std::min(channels, kGroup));
+                    g += 1;
                   }
                   continue;
                 }
 #endif
-                tile_scalar<kind, has_min, f>(w, ws, wm, a.nb, xq, k, xs, xsum, y, a.n, rows, channels);
+                const Groups<1> one = one_group(g);
+                tile_scalar<kind, has_min, f>(one.w[0], one.ws[0], one.wm[0], a.nb, xq, k, xs, xsum, y, a.n, rows,
+                                              std::min(channels, kGroup));
+                g += 1;
               }
             }
           });
