@@ -2,10 +2,14 @@
 // The index arrays in the problem point to device memory (uploaded by the binding when the kernel
 // context changes). No torch headers here: CI compiles this file with plain nvcc.
 //
-// Phase 1 (chunk-first), one block per (shared chunk, KV head, row split): the chunk's K and V go to
-// shared memory once; the covered query rows (sequences x GQA group) are taken 16 at a time as a
-// matrix, scores and the weighted sum are tensor-core products (fp16/bf16 in, fp32 accumulate), and
-// each row leaves a partial (o, m, l). fp32 K/V take a SIMT path with the same output.
+// Phase 1 (chunk-first), one block per (shared chunk, KV head, row group): a chunk's covered query
+// rows (sequences x GQA group) in groups of up to 4 tiles of 16, a tile per warp. Where chunks x
+// heads x groups would fill more than two waves of SMs, the chunks of a run of the tree (those that
+// cover the same rows) go in segments: the block of a segment's first chunk walks its chunks, the
+// warps sharing each chunk's K/V load from shared memory, and each warp keeps an online softmax over
+// them; scores and the weighted sum are tensor-core products (fp16/bf16 in, fp32 accumulate). Each
+// row leaves one partial (o, m, l) a segment; the segment's other chunks leave theirs empty (l = 0).
+// fp32 K/V take a SIMT path, one partial a chunk.
 // Phase 2 (sequence-first), one block per (sequence, KV head): the warps share out the work items
 // of the sequence (shared partials to merge, or shared chunks to read in the paged mode, then
 // private chunks), each keeping a running (o, m, l) for the whole GQA group; a final reduction
@@ -243,26 +247,35 @@ __device__ void warp_merge(WarpState& s, const float* po, const float* pm, const
 
 // ---- phase 1 --------------------------------------------------------------------------------
 
-// Shared-memory tiles of the tensor-core kernel, for the kernel (pointers) and the host (size).
-// Every row is padded by 16 bytes: unpadded, a 64- or 128-element row is a multiple of 128 bytes
-// and the 16 rows of a fragment load would all fall in the same banks.
+// Shared memory of the tensor-core kernel, for the kernel (pointers) and the host (size): one
+// chunk's K and V, then for each of the block's W row tiles (one per warp) its queries, scores,
+// probabilities, running output and row statistics. Every row is padded by 16 bytes: unpadded, a
+// 64- or 128-element row is a multiple of 128 bytes and the 16 rows of a fragment load would all
+// fall in the same banks.
 template <typename T>
 struct MmaTiles {
   static constexpr int kPadT = 16 / sizeof(T), kPadF = 16 / sizeof(float);
-  int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;     // leading dimensions, in elements
-  size_t ks, vs, qs, ss, ps, os, stats, lo, bytes;  // byte offsets, each 128-aligned
-  __host__ __device__ MmaTiles(int d, int C)
+  int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;  // leading dimensions, in elements
+  size_t ks, vs, flags;                          // byte offsets in the block's memory, 128-aligned
+  size_t warp0, per_warp;                        // warp w's part at warp0 + w * per_warp
+  size_t qs, ss, ps, os, stats, lo;              // byte offsets within a warp's part
+  size_t bytes;
+  __host__ __device__ MmaTiles(int d, int C, int W)
       : ks_ld(C + kPadT), vs_ld(d + kPadT), qs_ld(d + kPadT), ss_ld(C + kPadF), ps_ld(C + kPadT), os_ld(d + kPadF) {
     size_t at = 0;
-    ks = take(at, sizeof(T) * d * ks_ld);                         // K [d, C]
-    vs = take(at, sizeof(T) * C * vs_ld);                         // V [C, d]
-    qs = take(at, sizeof(T) * kTile * qs_ld);                     // Q [16, d]
-    ss = take(at, sizeof(float) * kTile * ss_ld);                 // S [16, C]
-    ps = take(at, sizeof(T) * kTile * ps_ld);                     // P [16, C]
-    os = take(at, sizeof(float) * kTile * os_ld);                 // O [16, d]
-    stats = take(at, sizeof(float) * 2 * kTile);                  // row max, row sum
-    lo = take(at, sizeof(int) * kTile + sizeof(float) * kWarps);  // rows' window starts, warps' flags
-    bytes = at;
+    ks = take(at, sizeof(T) * d * ks_ld);      // K [d, C]
+    vs = take(at, sizeof(T) * C * vs_ld);      // V [C, d]
+    flags = take(at, sizeof(float) * kWarps);  // block_reaches' votes
+    warp0 = at;
+    size_t w = 0;
+    qs = take(w, sizeof(T) * kTile * qs_ld);      // Q [16, d]
+    ss = take(w, sizeof(float) * kTile * ss_ld);  // S [16, C]
+    ps = take(w, sizeof(T) * kTile * ps_ld);      // P [16, C]
+    os = take(w, sizeof(float) * kTile * os_ld);  // O [16, d], running
+    stats = take(w, sizeof(float) * 3 * kTile);   // running row max, row sum; this chunk's rescale
+    lo = take(w, sizeof(int) * kTile);            // rows' first token in their window
+    per_warp = w;
+    bytes = warp0 + W * per_warp;
   }
   __host__ __device__ static size_t take(size_t& at, size_t n) {
     const size_t off = at;
@@ -271,15 +284,12 @@ struct MmaTiles {
   }
 };
 
-// Whether any row of the block's tiles (tile, tile + splits, ...) reaches the chunk ending at
-// position end_pos (all threads get the answer).
-__device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G, int split, int splits, int end_pos,
-                              float* flags) {
+// Whether any of the block's rows [r0, r1) reaches the chunk ending at position end_pos (all threads
+// get the answer).
+__device__ bool block_reaches(const DecodeProblem& p, int begin, int G, int r0, int r1, int end_pos, float* flags) {
   float any = 0.f;
-  const int tiles = (rows + kTile - 1) / kTile;
-  for (int tile = split; tile < tiles; tile += splits)
-    for (int r = threadIdx.x; r < kTile && tile * kTile + r < rows; r += kThreads)
-      if (window_start(p, begin + (tile * kTile + r) / G) < end_pos) any = 1.f;
+  for (int r = r0 + threadIdx.x; r < r1; r += kThreads)
+    if (window_start(p, begin + r / G) < end_pos) any = 1.f;
   any = warp_max(any);
   if ((threadIdx.x & 31) == 0) flags[threadIdx.x / 32] = any;
   __syncthreads();
@@ -288,17 +298,17 @@ __device__ bool block_reaches(const DecodeProblem& p, int begin, int rows, int G
   return reached;
 }
 
-// Shared chunk c's K and V of KV head h, 16 bytes per thread and step, into padded rows of shared
-// memory. V rows past the chunk's n tokens are zeroed: their probabilities are 0, but the pool
-// bytes there may be NaN.
-// C[16, cols] = A[16, k] B[k, cols] on the tensor cores (row-major, fp32 accumulate): the block's
-// warps take 16-column tiles of C in turn.
+// C[16, cols] (+)= A[16, k] B[k, cols] on the tensor cores (row-major, fp32 accumulate), all by
+// the calling warp; accumulate: C's prior values are the products' starting point.
 template <typename T>
-__device__ __forceinline__ void tile_product(const T* a, int lda, const T* b, int ldb, float* c, int ldc, int k,
-                                             int cols, int warp) {
-  for (int ct = warp; ct < cols / 16; ct += kWarps) {
+__device__ __forceinline__ void warp_product(const T* a, int lda, const T* b, int ldb, float* c, int ldc, int k,
+                                             int cols, bool accumulate) {
+  for (int ct = 0; ct < cols / 16; ++ct) {
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
+    if (accumulate)
+      wmma::load_matrix_sync(acc, c + ct * 16, ldc, wmma::mem_row_major);
+    else
+      wmma::fill_fragment(acc, 0.f);
     for (int kt = 0; kt < k / 16; ++kt) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb;
@@ -310,6 +320,9 @@ __device__ __forceinline__ void tile_product(const T* a, int lda, const T* b, in
   }
 }
 
+// Shared chunk c's K and V of KV head h, 16 bytes per thread and step, into padded rows of shared
+// memory. V rows past the chunk's n tokens are zeroed: their probabilities are 0, but the pool
+// bytes there may be NaN.
 template <typename T>
 __device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, int n, const MmaTiles<T>& L, T* ks, T* vs) {
   const int d = p.head_dim, C = p.chunk;
@@ -325,103 +338,156 @@ __device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, int n, co
   }
 }
 
-// Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * splits blocks.
-template <typename T, bool Masked>
-__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int splits, float* part_o,
-                                       float* part_m, float* part_l) {
-  const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
-  const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int begin = p.shared_begin[c], n = p.shared_len[c];
-  const int rows = (p.shared_end[c] - begin) * G;
-  const int tiles = (rows + kTile - 1) / kTile;
-  if (split >= tiles) return;
+// Whether shared chunk c starts a segment: the chunks [c, segment_end) that cover the same rows
+// (one run of the tree without a branch: consecutive indices, KernelContext numbers chunks in the
+// order the rows' paths meet them) and stop at the next multiple of seg. One block folds a
+// segment's chunks into one partial, written at its first chunk's rows.
+__device__ __forceinline__ bool segment_starts(const DecodeProblem& p, int c, int seg) {
+  return c % seg == 0 || p.shared_begin[c - 1] != p.shared_begin[c] || p.shared_end[c - 1] != p.shared_end[c];
+}
+__device__ __forceinline__ int segment_end(const DecodeProblem& p, int c, int seg) {
+  int e = c + 1;
+  while (e < p.num_shared && !segment_starts(p, e, seg)) ++e;
+  return e;
+}
 
-  const MmaTiles<T> L(d, C);
+// The running state of one warp's row tile, in its part of shared memory.
+template <typename T>
+struct RowTile {
+  T* qs;
+  float* ss;
+  T* ps;
+  float* os;
+  float *m, *l, *alpha;
+  int* lo;
+  __device__ RowTile(unsigned char* part, const MmaTiles<T>& L)
+      : qs(reinterpret_cast<T*>(part + L.qs)),
+        ss(reinterpret_cast<float*>(part + L.ss)),
+        ps(reinterpret_cast<T*>(part + L.ps)),
+        os(reinterpret_cast<float*>(part + L.os)),
+        m(reinterpret_cast<float*>(part + L.stats)),
+        l(m + kTile),
+        alpha(l + kTile),
+        lo(reinterpret_cast<int*>(part + L.lo)) {}
+};
+
+// Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * groups blocks. Block
+// (c, h, g) takes row group g of shared chunk c (rows [g * W * 16, (g + 1) * W * 16): a row tile of
+// 16 per warp) through the chunks of c's segment, each warp with an online softmax over them; the
+// warps share each chunk's K/V load. A chunk that does not start a segment leaves its rows'
+// partials empty (l = 0: the merge skips them).
+template <typename T, bool Masked>
+__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int groups, int seg, int W,
+                                       float* part_o, float* part_m, float* part_l) {
+  const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
+  const int g = blockIdx.x % groups, h = (blockIdx.x / groups) % Hk, c = blockIdx.x / groups / Hk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int begin = p.shared_begin[c];
+  const int rows = (p.shared_end[c] - begin) * G, first = g * W * kTile;
+  if (first >= rows) return;
+  const int past = rows - first < W * kTile ? rows : first + W * kTile;  // one past the group's last row
+  const size_t part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
+  if (!segment_starts(p, c, seg)) {
+    for (int r = first + threadIdx.x; r < past; r += kThreads) {
+      part_m[part_base + r] = -INFINITY;
+      part_l[part_base + r] = 0.f;
+    }
+    return;
+  }
+  const int last = segment_end(p, c, seg);
+
+  const MmaTiles<T> L(d, C, W);
   unsigned char* base = shared_bytes();
   T* ks = reinterpret_cast<T*>(base + L.ks);
   T* vs = reinterpret_cast<T*>(base + L.vs);
-  T* qs = reinterpret_cast<T*>(base + L.qs);
-  float* ss = reinterpret_cast<float*>(base + L.ss);
-  T* ps = reinterpret_cast<T*>(base + L.ps);
-  float* os = reinterpret_cast<float*>(base + L.os);
-  float* ms = reinterpret_cast<float*>(base + L.stats);
-  float* ls = ms + kTile;
-  int* los = reinterpret_cast<int*>(base + L.lo);  // first token of the chunk in each row's window
-  int pos = 0;
+  int pos = 0;  // Masked: the segment is this one chunk (seg = 1)
   if constexpr (Masked) {
     pos = p.window > 0 ? shared_position(p, c) : 0;
     if (p.window > 0 &&
-        !block_reaches(p, begin, rows, G, split, splits, pos + n, reinterpret_cast<float*>(los + kTile)))
+        !block_reaches(p, begin, G, first, past, pos + p.shared_len[c], reinterpret_cast<float*>(base + L.flags)))
       return;  // no row of this block sees the chunk: not read (the merge skips these rows' partials)
   }
+  const bool computes = warp < W;
+  RowTile<T> t(base + L.warp0 + (computes ? warp : 0) * L.per_warp, L);
 
-  load_chunk_tiles<T>(p, c, h, n, L, ks, vs);
-  const size_t part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
-
-  for (int tile = split; tile < tiles; tile += splits) {
-    const int r0 = tile * kTile, tile_rows = rows - r0 < kTile ? rows - r0 : kTile;
-    // Scaled queries of this tile's rows; missing rows are zero.
-    for (int i = threadIdx.x; i < kTile * d; i += kThreads) {
-      const int r = i / d, t = i % d;
+  const int r0 = first + warp * kTile;
+  const int tile_rows = !computes || r0 >= rows ? 0 : rows - r0 < kTile ? rows - r0 : kTile;
+  if (tile_rows > 0) {
+    // Scaled queries of the tile's rows (missing rows zero), an empty running state.
+    for (int i = lane; i < kTile * d; i += 32) {
+      const int r = i / d, k = i % d;
       float x = 0.f;
       if (r < tile_rows) {
-        const int seq = begin + (r0 + r) / G, g = (r0 + r) % G;
-        x = load_q<T>(p, (static_cast<size_t>(seq) * p.q_heads + h * G + g) * d + t) * p.scale;
+        const int seq = begin + (r0 + r) / G, gq = (r0 + r) % G;
+        x = load_q<T>(p, (static_cast<size_t>(seq) * p.q_heads + h * G + gq) * d + k) * p.scale;
       }
-      qs[r * L.qs_ld + t] = from_float<T>(x);
+      t.qs[r * L.qs_ld + k] = from_float<T>(x);
+      t.os[r * L.os_ld + k] = 0.f;
     }
-    if constexpr (Masked) {
-      for (int r = threadIdx.x; r < kTile; r += kThreads) {
-        const int lo = r < tile_rows && p.window > 0 ? window_start(p, begin + (r0 + r) / G) - pos : 0;
-        los[r] = lo < 0 ? 0 : lo < n ? lo : n;
-      }
-    }
-    __syncthreads();
-
-    // S[16, C] = Q[16, d] K[d, C].
-    tile_product(qs, L.qs_ld, ks, L.ks_ld, ss, L.ss_ld, d, C, warp);
-    __syncthreads();
-
-    // Softmax of each row over the chunk's n tokens; P rounded to T for the second product.
-    for (int r = warp; r < kTile; r += kWarps) {
+    for (int r = lane; r < kTile; r += 32) {
+      t.m[r] = -INFINITY;
+      t.l[r] = 0.f;
       int lo = 0;
       if constexpr (Masked) {
-        lo = los[r];
+        lo = r < tile_rows && p.window > 0 ? window_start(p, begin + (r0 + r) / G) - pos : 0;
+        lo = lo < 0 ? 0 : lo < p.shared_len[c] ? lo : p.shared_len[c];
+      }
+      t.lo[r] = lo;
+    }
+  }
+  for (int cc = c; cc < last; ++cc) {
+    const int n = p.shared_len[cc];
+    __syncthreads();  // every warp is done with the previous chunk's K and V
+    load_chunk_tiles<T>(p, cc, h, n, L, ks, vs);
+    __syncthreads();
+    if (tile_rows == 0) continue;
+
+    // S[16, C] = Q[16, d] K[d, C].
+    warp_product(t.qs, L.qs_ld, ks, L.ks_ld, t.ss, L.ss_ld, d, C, false);
+    __syncwarp();
+    // Online softmax of each row over the chunk's n tokens; P rounded to T for the second product.
+    for (int r = 0; r < kTile; ++r) {
+      float* sr = t.ss + r * L.ss_ld;
+      const int lo = t.lo[r];
+      if constexpr (Masked) {
         if (p.softcap > 0.f)
-          for (int j = lane; j < n; j += 32) ss[r * L.ss_ld + j] = soft_cap(ss[r * L.ss_ld + j], p.softcap);
+          for (int j = lane; j < n; j += 32) sr[j] = soft_cap(sr[j], p.softcap);
         __syncwarp();
       }
       float mx = -INFINITY;
-      for (int j = lo + lane; j < n; j += 32) mx = fmaxf(mx, ss[r * L.ss_ld + j]);
+      for (int j = lo + lane; j < n; j += 32) mx = fmaxf(mx, sr[j]);
       mx = warp_max(mx);
+      const float m_old = t.m[r], m_new = fmaxf(m_old, mx);
       float sum = 0.f;
       for (int j = lane; j < C; j += 32) {
         // A row whose window starts past the chunk (lo = n) has no valid token: all weights 0.
-        const float e = j >= lo && j < n ? __expf(ss[r * L.ss_ld + j] - mx) : 0.f;
-        ps[r * L.ps_ld + j] = from_float<T>(e);
+        const float e = j >= lo && j < n ? __expf(sr[j] - m_new) : 0.f;
+        t.ps[r * L.ps_ld + j] = from_float<T>(e);
         sum += e;
       }
       sum = warp_sum(sum);
+      __syncwarp();
       if (lane == 0) {
-        ms[r] = mx;
-        ls[r] = sum;
+        const float a = rescale(m_old, m_new);
+        t.alpha[r] = a;
+        t.l[r] = t.l[r] * a + sum;
+        t.m[r] = m_new;
       }
     }
-    __syncthreads();
-
-    // O[16, d] = P[16, C] V[C, d].
-    tile_product(ps, L.ps_ld, vs, L.vs_ld, os, L.os_ld, C, d, warp);
-    __syncthreads();
-
-    for (int i = threadIdx.x; i < tile_rows * d; i += kThreads)
-      part_o[(part_base + r0) * d + i] = os[(i / d) * L.os_ld + i % d];
-    for (int r = threadIdx.x; r < tile_rows; r += kThreads) {
-      part_m[part_base + r0 + r] = ls[r] > 0.f ? ms[r] : -INFINITY;
-      part_l[part_base + r0 + r] = ls[r];
+    __syncwarp();
+    // O[16, d] = alpha O + P[16, C] V[C, d].
+    for (int i = lane; i < kTile * d; i += 32) t.os[(i / d) * L.os_ld + i % d] *= t.alpha[i / d];
+    __syncwarp();
+    warp_product(t.ps, L.ps_ld, vs, L.vs_ld, t.os, L.os_ld, C, d, true);
+    __syncwarp();
+  }
+  if (tile_rows > 0) {
+    for (int i = lane; i < tile_rows * d; i += 32) part_o[(part_base + r0) * d + i] = t.os[(i / d) * L.os_ld + i % d];
+    for (int r = lane; r < tile_rows; r += 32) {
+      part_m[part_base + r0 + r] = t.l[r] > 0.f ? t.m[r] : -INFINITY;
+      part_l[part_base + r0 + r] = t.l[r];
     }
-    // No barrier here: before the next tile's first barrier only qs is written, and it is not read
-    // above.
+    __syncwarp();
   }
 }
 
@@ -587,17 +653,27 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
   const size_t simt_smem = sizeof(float) * kWarps * (gd + state);  // a query copy per warp
   const size_t seq_smem = sizeof(float) * (gd + kWarps * state);   // one query copy per block
   if (p.chunk_first && p.num_shared > 0) {
-    // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
-    const int items = p.num_shared * p.kv_heads;
-    const int per_block = kTensorCores ? kTile : kWarps;
-    const int most = (max_rows * (kTensorCores ? G : 1) + per_block - 1) / per_block;
-    const int splits = std::max(1, std::min(most, (2 * lim.sms + items - 1) / items));
     if constexpr (kTensorCores) {
-      const size_t smem = MmaTiles<T>(p.head_dim, p.chunk).bytes;
+      // Row tiles a block takes at once (one per warp; fewer where the shared memory for four
+      // does not fit, or the rows are fewer), and segments of `seg` chunks per block where chunks x
+      // heads x row groups would fill more than two waves of SMs: each segment leaves one partial a
+      // row for the sequence-first phase to merge, not one per chunk. Windows keep one chunk a
+      // segment (a row's window is masked per chunk).
+      const int tiles = (max_rows * G + kTile - 1) / kTile;
+      int W = std::max(1, std::min(kWarps, tiles));
+      while (W > 1 && MmaTiles<T>(p.head_dim, p.chunk, W).bytes > static_cast<size_t>(lim.max_smem)) W /= 2;
+      const int groups = std::max(1, (tiles + W - 1) / W);  // one where no chunk has rows
+      const int seg = Masked ? 1 : std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms));
+      const size_t smem = MmaTiles<T>(p.head_dim, p.chunk, W).bytes;
       const auto kernel = chunk_first_mma_kernel<T, Masked>;  // one name: the launch macro splits on commas
       reserve_smem(kernel, smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, smem, stream, p, part_off, splits, part_o, part_m, part_l);
+      CHUNKGEN_LAUNCH(kernel, p.num_shared * p.kv_heads * groups, kThreads, smem, stream, p, part_off, groups, seg, W,
+                      part_o, part_m, part_l);
     } else {
+      // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
+      const int items = p.num_shared * p.kv_heads;
+      const int most = (max_rows + kWarps - 1) / kWarps;
+      const int splits = std::max(1, std::min(most, (2 * lim.sms + items - 1) / items));
       const auto kernel = chunk_first_simt_kernel<T, Masked>;
       reserve_smem(kernel, simt_smem, lim, "chunk-first kernel");
       CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, simt_smem, stream, p, part_off, splits, part_o, part_m, part_l);

@@ -195,11 +195,16 @@ def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int,
     return pool, tree
 
 
-@pytest.mark.parametrize("case", ["one_long_sequence", "identical_prompts", "large_shared_memory"])
+@pytest.mark.parametrize("case", ["one_long_sequence", "identical_prompts", "large_shared_memory", "run_in_segments"])
 def test_emulated_cuda_kernel_edge_trees(emulated, case):
+    sms = 8
     if case == "one_long_sequence":  # 41 private chunks shared out over the warps of one block
         heads, d, chunk, dtype = (9, 3), 64, 64, torch.float16
         prompts = [list(range(64 * 40 + 17))]
+    elif case == "run_in_segments":  # 13 chunks of one run (the last partly filled) under 2 SMs:
+        # blocks fold segments of several chunks, row groups of 4 tiles, a last group of 2
+        heads, d, chunk, dtype, sms = (9, 3), 64, 64, torch.bfloat16, 2
+        prompts = [list(range(64 * 12 + 40)) + [1000 + s] for s in range(30)]
     elif case == "identical_prompts":  # everything shared, a partly filled tail chunk included
         heads, d, chunk, dtype = (8, 2), 128, 64, torch.bfloat16
         prompts = [list(range(300))] * 16
@@ -210,7 +215,7 @@ def test_emulated_cuda_kernel_edge_trees(emulated, case):
     for chunk_first in (True, False):
         ctx = KernelContext(tree, chunk_first=chunk_first)
         q = torch.randn(ctx.batch_size, heads[0], d, generator=torch.Generator().manual_seed(1))
-        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d**-0.5, chunk_first, sms=8)
+        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d**-0.5, chunk_first, sms=sms)
         ref = reference_decode_attention(q, pool, tree, 0, ctx.order, d**-0.5)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

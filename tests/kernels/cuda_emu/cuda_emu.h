@@ -253,6 +253,16 @@ void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const S* p, unsigned ldm)
   if (!col) emu::check_shared(p + (F::rows - 1) * ldm, F::cols * sizeof(S), "load_matrix_sync");
 }
 
+// An accumulator tile from float memory (row- or column-major), the starting point of mma_sync.
+template <int M, int N, int K>
+void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* p, unsigned ldm, layout_t layout) {
+  check_tile(p, ldm, "load_matrix_sync");
+  emu::check_shared(p, 0, "load_matrix_sync");
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < N; ++c) f.x[r * N + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
+  if (layout == mem_row_major) emu::check_shared(p + (M - 1) * ldm, N * sizeof(float), "load_matrix_sync");
+}
+
 template <typename Use, int M, int N, int K, typename T, typename L>
 void fill_fragment(fragment<Use, M, N, K, T, L>& f, float v) {
   for (float& e : f.x) e = v;
