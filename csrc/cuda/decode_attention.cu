@@ -6,8 +6,9 @@
 // rows (sequences x GQA group) in groups of up to 4 tiles of 16, a tile per warp. Where chunks x
 // heads x groups would fill more than two waves of SMs, the chunks of a run of the tree (those that
 // cover the same rows) go in segments: the block of a segment's first chunk walks its chunks, the
-// warps sharing each chunk's K/V load from shared memory, and each warp keeps an online softmax over
-// them; scores and the weighted sum are tensor-core products (fp16/bf16 in, fp32 accumulate). Each
+// warps sharing each chunk's K/V in shared memory (cp.async copies, the next chunk's in flight while
+// this one is multiplied where two stages fit), and each warp keeps an online softmax over them;
+// scores and the weighted sum are tensor-core products (fp16/bf16 in, fp32 accumulate). Each
 // row leaves one partial (o, m, l) a segment; the segment's other chunks leave theirs empty (l = 0).
 // fp32 K/V take a SIMT path, one partial a chunk.
 // Phase 2 (sequence-first), one block per (sequence, KV head): the warps share out the work items
@@ -256,15 +257,17 @@ template <typename T>
 struct MmaTiles {
   static constexpr int kPadT = 16 / sizeof(T), kPadF = 16 / sizeof(float);
   int ks_ld, vs_ld, qs_ld, ss_ld, ps_ld, os_ld;  // leading dimensions, in elements
-  size_t ks, vs, flags;                          // byte offsets in the block's memory, 128-aligned
+  size_t stage_bytes, v_at, flags;               // stage s's K at s * stage_bytes, its V v_at after; 128-aligned
   size_t warp0, per_warp;                        // warp w's part at warp0 + w * per_warp
   size_t qs, ss, ps, os, stats, lo;              // byte offsets within a warp's part
   size_t bytes;
-  __host__ __device__ MmaTiles(int d, int C, int W)
+  // stages: 2 to load a segment's next chunk while the warps multiply this one, 1 where two
+  // chunks' K and V do not fit beside the row tiles.
+  __host__ __device__ MmaTiles(int d, int C, int W, int stages)
       : ks_ld(C + kPadT), vs_ld(d + kPadT), qs_ld(d + kPadT), ss_ld(C + kPadF), ps_ld(C + kPadT), os_ld(d + kPadF) {
-    size_t at = 0;
-    ks = take(at, sizeof(T) * d * ks_ld);      // K [d, C]
-    vs = take(at, sizeof(T) * C * vs_ld);      // V [C, d]
+    v_at = align128(sizeof(T) * d * ks_ld);                // K [d, C]
+    stage_bytes = v_at + align128(sizeof(T) * C * vs_ld);  // V [C, d]
+    size_t at = stages * stage_bytes;
     flags = take(at, sizeof(float) * kWarps);  // block_reaches' votes
     warp0 = at;
     size_t w = 0;
@@ -320,21 +323,25 @@ __device__ __forceinline__ void warp_product(const T* a, int lda, const T* b, in
   }
 }
 
-// Shared chunk c's K and V of KV head h, 16 bytes per thread and step, into padded rows of shared
-// memory. V rows past the chunk's n tokens are zeroed: their probabilities are 0, but the pool
-// bytes there may be NaN.
+// Shared chunk c's K and V of KV head h into padded rows of shared memory, 16 bytes per thread and
+// step, as asynchronous copies (cp.async: they land by the __pipeline_wait_prior that covers the
+// batch the caller commits). V rows past the chunk's n tokens are zeroed: their probabilities are
+// 0, but the pool bytes there may be NaN.
 template <typename T>
-__device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, int n, const MmaTiles<T>& L, T* ks, T* vs) {
-  const int d = p.head_dim, C = p.chunk;
+__device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, const MmaTiles<T>& L, T* ks, T* vs) {
+  const int d = p.head_dim, C = p.chunk, n = p.shared_len[c];
   const size_t off = head_offset(p.shared_slot[c], h, p.kv_heads, d, C);
-  const uint4* kg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.k) + off);
-  const uint4* vg = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v) + off);
+  const T* kg = static_cast<const T*>(p.k) + off;
+  const T* vg = static_cast<const T*>(p.v) + off;
   constexpr int per_vec = 16 / sizeof(T);
   for (int i = threadIdx.x; i < d * C / per_vec; i += kThreads) {
     const int e = i * per_vec;
-    *reinterpret_cast<uint4*>(ks + (e / C) * L.ks_ld + e % C) = kg[i];
-    const int token = e / d;
-    *reinterpret_cast<uint4*>(vs + token * L.vs_ld + e % d) = token < n ? vg[i] : make_uint4(0, 0, 0, 0);
+    __pipeline_memcpy_async(ks + (e / C) * L.ks_ld + e % C, kg + e, 16);
+    T* vd = vs + (e / d) * L.vs_ld + e % d;
+    if (e / d < n)
+      __pipeline_memcpy_async(vd, vg + e, 16);
+    else
+      *reinterpret_cast<uint4*>(vd) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -371,13 +378,59 @@ struct RowTile {
         lo(reinterpret_cast<int*>(part + L.lo)) {}
 };
 
+// One chunk's K and V (n tokens; in shared memory) into a warp's row tile: S = Q K, the online
+// softmax of each row, O = alpha O + P V.
+template <typename T, bool Masked>
+__device__ void chunk_into_tile(const DecodeProblem& p, RowTile<T>& t, const MmaTiles<T>& L, const T* ks, const T* vs,
+                                int n) {
+  const int d = p.head_dim, C = p.chunk, lane = threadIdx.x & 31;
+  // S[16, C] = Q[16, d] K[d, C].
+  warp_product(t.qs, L.qs_ld, ks, L.ks_ld, t.ss, L.ss_ld, d, C, false);
+  __syncwarp();
+  // Online softmax of each row over the chunk's n tokens; P rounded to T for the second product.
+  for (int r = 0; r < kTile; ++r) {
+    float* sr = t.ss + r * L.ss_ld;
+    const int lo = t.lo[r];
+    if constexpr (Masked) {
+      if (p.softcap > 0.f)
+        for (int j = lane; j < n; j += 32) sr[j] = soft_cap(sr[j], p.softcap);
+      __syncwarp();
+    }
+    float mx = -INFINITY;
+    for (int j = lo + lane; j < n; j += 32) mx = fmaxf(mx, sr[j]);
+    mx = warp_max(mx);
+    const float m_old = t.m[r], m_new = fmaxf(m_old, mx);
+    float sum = 0.f;
+    for (int j = lane; j < C; j += 32) {
+      // A row whose window starts past the chunk (lo = n) has no valid token: all weights 0.
+      const float e = j >= lo && j < n ? __expf(sr[j] - m_new) : 0.f;
+      t.ps[r * L.ps_ld + j] = from_float<T>(e);
+      sum += e;
+    }
+    sum = warp_sum(sum);
+    __syncwarp();
+    if (lane == 0) {
+      const float a = rescale(m_old, m_new);
+      t.alpha[r] = a;
+      t.l[r] = t.l[r] * a + sum;
+      t.m[r] = m_new;
+    }
+  }
+  __syncwarp();
+  // O[16, d] = alpha O + P[16, C] V[C, d].
+  for (int i = lane; i < kTile * d; i += 32) t.os[(i / d) * L.os_ld + i % d] *= t.alpha[i / d];
+  __syncwarp();
+  warp_product(t.ps, L.ps_ld, vs, L.vs_ld, t.os, L.os_ld, C, d, true);
+  __syncwarp();
+}
+
 // Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * groups blocks. Block
 // (c, h, g) takes row group g of shared chunk c (rows [g * W * 16, (g + 1) * W * 16): a row tile of
 // 16 per warp) through the chunks of c's segment, each warp with an online softmax over them; the
 // warps share each chunk's K/V load. A chunk that does not start a segment leaves its rows'
 // partials empty (l = 0: the merge skips them).
 template <typename T, bool Masked>
-__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int groups, int seg, int W,
+__global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int groups, int seg, int W, int stages,
                                        float* part_o, float* part_m, float* part_l) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
   const int g = blockIdx.x % groups, h = (blockIdx.x / groups) % Hk, c = blockIdx.x / groups / Hk;
@@ -396,10 +449,8 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
   }
   const int last = segment_end(p, c, seg);
 
-  const MmaTiles<T> L(d, C, W);
+  const MmaTiles<T> L(d, C, W, stages);
   unsigned char* base = shared_bytes();
-  T* ks = reinterpret_cast<T*>(base + L.ks);
-  T* vs = reinterpret_cast<T*>(base + L.vs);
   int pos = 0;  // Masked: the segment is this one chunk (seg = 1)
   if constexpr (Masked) {
     pos = p.window > 0 ? shared_position(p, c) : 0;
@@ -407,6 +458,10 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
         !block_reaches(p, begin, G, first, past, pos + p.shared_len[c], reinterpret_cast<float*>(base + L.flags)))
       return;  // no row of this block sees the chunk: not read (the merge skips these rows' partials)
   }
+  const auto stage_k = [&](int s) { return reinterpret_cast<T*>(base + s * L.stage_bytes); };
+  const auto stage_v = [&](int s) { return reinterpret_cast<T*>(base + s * L.stage_bytes + L.v_at); };
+  load_chunk_tiles<T>(p, c, h, L, stage_k(0), stage_v(0));  // in flight while the queries load
+  __pipeline_commit();
   const bool computes = warp < W;
   RowTile<T> t(base + L.warp0 + (computes ? warp : 0) * L.per_warp, L);
 
@@ -436,51 +491,26 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
     }
   }
   for (int cc = c; cc < last; ++cc) {
-    const int n = p.shared_len[cc];
-    __syncthreads();  // every warp is done with the previous chunk's K and V
-    load_chunk_tiles<T>(p, cc, h, n, L, ks, vs);
-    __syncthreads();
-    if (tile_rows == 0) continue;
-
-    // S[16, C] = Q[16, d] K[d, C].
-    warp_product(t.qs, L.qs_ld, ks, L.ks_ld, t.ss, L.ss_ld, d, C, false);
-    __syncwarp();
-    // Online softmax of each row over the chunk's n tokens; P rounded to T for the second product.
-    for (int r = 0; r < kTile; ++r) {
-      float* sr = t.ss + r * L.ss_ld;
-      const int lo = t.lo[r];
-      if constexpr (Masked) {
-        if (p.softcap > 0.f)
-          for (int j = lane; j < n; j += 32) sr[j] = soft_cap(sr[j], p.softcap);
-        __syncwarp();
-      }
-      float mx = -INFINITY;
-      for (int j = lo + lane; j < n; j += 32) mx = fmaxf(mx, sr[j]);
-      mx = warp_max(mx);
-      const float m_old = t.m[r], m_new = fmaxf(m_old, mx);
-      float sum = 0.f;
-      for (int j = lane; j < C; j += 32) {
-        // A row whose window starts past the chunk (lo = n) has no valid token: all weights 0.
-        const float e = j >= lo && j < n ? __expf(sr[j] - m_new) : 0.f;
-        t.ps[r * L.ps_ld + j] = from_float<T>(e);
-        sum += e;
-      }
-      sum = warp_sum(sum);
-      __syncwarp();
-      if (lane == 0) {
-        const float a = rescale(m_old, m_new);
-        t.alpha[r] = a;
-        t.l[r] = t.l[r] * a + sum;
-        t.m[r] = m_new;
-      }
+    const int n = p.shared_len[cc], s = stages == 2 ? (cc - c) & 1 : 0;
+    const T* ks = stage_k(s);
+    const T* vs = stage_v(s);
+    if (stages == 2 && cc + 1 < last) {
+      // the next chunk into the other stage, which every warp finished with in the last iteration
+      load_chunk_tiles<T>(p, cc + 1, h, L, stage_k(s ^ 1), stage_v(s ^ 1));
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
     }
-    __syncwarp();
-    // O[16, d] = alpha O + P[16, C] V[C, d].
-    for (int i = lane; i < kTile * d; i += 32) t.os[(i / d) * L.os_ld + i % d] *= t.alpha[i / d];
-    __syncwarp();
-    warp_product(t.ps, L.ps_ld, vs, L.vs_ld, t.os, L.os_ld, C, d, true);
-    __syncwarp();
+    __syncthreads();  // this chunk's K and V have landed, every thread's part of them
+    if (tile_rows > 0) chunk_into_tile<T, Masked>(p, t, L, ks, vs, n);
+    __syncthreads();  // every warp is done with this stage before it is filled again
+    if (stages == 1 && cc + 1 < last) {
+      load_chunk_tiles<T>(p, cc + 1, h, L, stage_k(0), stage_v(0));
+      __pipeline_commit();
+    }
   }
+
   if (tile_rows > 0) {
     for (int i = lane; i < tile_rows * d; i += 32) part_o[(part_base + r0) * d + i] = t.os[(i / d) * L.os_ld + i % d];
     for (int r = lane; r < tile_rows; r += 32) {
@@ -660,15 +690,26 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
       // row for the sequence-first phase to merge, not one per chunk. Windows keep one chunk a
       // segment (a row's window is masked per chunk).
       const int tiles = (max_rows * G + kTile - 1) / kTile;
-      int W = std::max(1, std::min(kWarps, tiles));
-      while (W > 1 && MmaTiles<T>(p.head_dim, p.chunk, W).bytes > static_cast<size_t>(lim.max_smem)) W /= 2;
+      const int most = std::max(1, std::min(kWarps, tiles));
+      // Two stages (a segment's next chunk loads while this one is multiplied) where they fit with
+      // some W, with the most row tiles that fit beside them; else one (refused below, with its
+      // byte count, if even one tile does not fit).
+      int W = 1, stages = 1;
+      [&] {
+        for (int st = 2; st >= 1; --st)
+          for (int w = most; w >= 1; w /= 2)
+            if (MmaTiles<T>(p.head_dim, p.chunk, w, st).bytes <= static_cast<size_t>(lim.max_smem)) {
+              W = w, stages = st;
+              return;
+            }
+      }();
       const int groups = std::max(1, (tiles + W - 1) / W);  // one where no chunk has rows
       const int seg = Masked ? 1 : std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms));
-      const size_t smem = MmaTiles<T>(p.head_dim, p.chunk, W).bytes;
+      const size_t smem = MmaTiles<T>(p.head_dim, p.chunk, W, stages).bytes;
       const auto kernel = chunk_first_mma_kernel<T, Masked>;  // one name: the launch macro splits on commas
       reserve_smem(kernel, smem, lim, "chunk-first kernel");
       CHUNKGEN_LAUNCH(kernel, p.num_shared * p.kv_heads * groups, kThreads, smem, stream, p, part_off, groups, seg, W,
-                      part_o, part_m, part_l);
+                      stages, part_o, part_m, part_l);
     } else {
       // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
       const int items = p.num_shared * p.kv_heads;

@@ -5,6 +5,7 @@
 #ifndef CHUNKGEN_CUDA_EMULATION
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 #define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \

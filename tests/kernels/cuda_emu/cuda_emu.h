@@ -9,6 +9,7 @@
 // and the opt-in limit. Errors are recorded and reported by the harness, not thrown across threads.
 #pragma once
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -127,6 +128,16 @@ struct Block {
 };
 inline thread_local Block* block = nullptr;
 
+// A thread's asynchronous copies (__pipeline_memcpy_async, below) not yet landed.
+struct Copy {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+inline thread_local std::vector<std::vector<Copy>> committed;  // oldest batch first
+inline thread_local std::vector<Copy> uncommitted;
+inline thread_local bool copies_at_issue = true;
+
 inline Warp& my_warp() { return block->warps[threadIdx.x / 32]; }
 inline unsigned lane() { return threadIdx.x & 31; }
 
@@ -147,6 +158,8 @@ void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... arg
              std::to_string(smem) + " bytes of shared memory (limit " + std::to_string(limit) + ")");
     return;
   }
+  static std::atomic<unsigned> launches{0};
+  const bool at_issue = launches++ % 2 == 0;
   for (int b = 0; b < grid; ++b) {
     Block blk(threads, smem);
     std::vector<std::thread> pool;
@@ -158,6 +171,7 @@ void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... arg
         blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
         gridDim = dim3{static_cast<unsigned>(grid), 1, 1};
         block = &blk;
+        copies_at_issue = at_issue;
         kernel(args...);
         // An exited thread no longer holds back its block's or its warp's barriers, as on a GPU.
         my_warp().sync.arrive_and_drop();
@@ -206,6 +220,32 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
   const float r = w.slot[emu::lane() ^ static_cast<unsigned>(mask)];
   w.sync.arrive_and_wait();
   return r;
+}
+
+// ---- asynchronous copies (cuda_pipeline.h: cp.async on sm_80+) -------------------------------
+// A thread's copies land at the latest by the __pipeline_wait_prior that covers their batch. The
+// emulator makes them land at the issue in one launch and at that wait in the next, in turn: a read
+// before the wait sees stale bytes in the second, a stage refilled while another warp still reads
+// it races in the first.
+inline void __pipeline_memcpy_async(void* dst, const void* src, size_t bytes) {
+  emu::check_shared(dst, bytes, "__pipeline_memcpy_async");
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || reinterpret_cast<uintptr_t>(dst) % bytes != 0 ||
+      reinterpret_cast<uintptr_t>(src) % bytes != 0)
+    emu::device().fail("__pipeline_memcpy_async: 4, 8 or 16 bytes, aligned to their size");
+  if (emu::copies_at_issue)
+    std::memcpy(dst, src, bytes);
+  else
+    emu::uncommitted.push_back({dst, src, bytes});
+}
+inline void __pipeline_commit() {
+  emu::committed.push_back(std::move(emu::uncommitted));
+  emu::uncommitted.clear();
+}
+inline void __pipeline_wait_prior(size_t pending) {
+  while (emu::committed.size() > pending) {
+    for (const emu::Copy& c : emu::committed.front()) std::memcpy(c.dst, c.src, c.bytes);
+    emu::committed.erase(emu::committed.begin());
+  }
 }
 
 // ---- WMMA --------------------------------------------------------------------------------------
