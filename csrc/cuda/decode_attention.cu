@@ -159,12 +159,30 @@ struct WarpState {
   }
 };
 
+// Elements [0, count) of src into the warp's shared buffer dst as 16-byte asynchronous copies
+// (count a multiple of 16 bytes; both 16-byte aligned), committed as one batch.
+template <typename T>
+__device__ __forceinline__ void warp_copy_async(T* dst, const T* src, int count) {
+  constexpr int per_vec = 16 / sizeof(T);
+  for (int e = (threadIdx.x & 31) * per_vec; e < count; e += 32 * per_vec)
+    __pipeline_memcpy_async(dst + e, src + e, 16);
+  __pipeline_commit();
+}
+
 // Fold the first n tokens of one chunk (K [d, C] transposed, V [C, d]) into the warp's state.
 // Masked: tokens below lo (before the row's window; lo < n) are left out, scores soft-capped.
+// stage (d * C elements of the warp's shared memory, or null): K, then V, are copied there first,
+// every load of a lane issued at once, instead of the loops waiting on each global load in turn.
 template <typename T, bool Masked = false>
 __device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G, int d, int C, int lo = 0,
-                            float cap = 0.f) {
+                            float cap = 0.f, T* stage = nullptr) {
   const int lane = threadIdx.x & 31;
+  if (stage != nullptr) {
+    warp_copy_async(stage, kt, d * C);
+    __pipeline_wait_prior(0);
+    __syncwarp();
+    kt = stage;
+  }
   // Scores: a lane owns tokens j = lane, lane + 32, ...; reads of a K row are coalesced.
   for (int j = lane; j < n; j += 32) {
     for (int g0 = 0; g0 < G; g0 += kHeadBlock) {
@@ -186,6 +204,10 @@ __device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G,
     }
   }
   __syncwarp();
+  if (stage != nullptr) {  // V's rows in flight while the softmax runs (rows past n are not read)
+    warp_copy_async(stage, v, n * d);
+    v = stage;
+  }
   // Online softmax, one head at a time; every lane ends with the same statistics.
   for (int g = 0; g < G; ++g) {
     float mx = -INFINITY;
@@ -207,6 +229,7 @@ __device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G,
       s.alpha[g] = a;
     }
   }
+  if (stage != nullptr) __pipeline_wait_prior(0);
   __syncwarp();
   // Weighted values: a lane owns dims lane, lane + 32, ...; reads of a V row are coalesced.
   for (int dim = lane; dim < d; dim += 32) {
@@ -558,9 +581,16 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
 
 // ---- phase 2 --------------------------------------------------------------------------------
 
+// Where a block's shared memory holds a chunk's K (then V) per warp beside the states: the byte
+// offset of warp 0's buffer, each warp's d * C elements 128-aligned after it; 0 where it does not.
+template <typename T>
+__host__ __device__ size_t stage_bytes_per_warp(int d, int C) {
+  return align128(sizeof(T) * d * C);
+}
+
 template <typename T, bool Masked>
 __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, const float* part_o,
-                                      const float* part_m, const float* part_l) {
+                                      const float* part_m, const float* part_l, size_t stage_at) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
   const int b = blockIdx.x / Hk, h = blockIdx.x % Hk;
   const int warp = threadIdx.x / 32;
@@ -572,6 +602,8 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   __syncthreads();
   WarpState s = WarpState::at(base + warp * per_warp, q_s, G, d, C);
   s.reset(G, d);
+  T* stage =
+      stage_at == 0 ? nullptr : reinterpret_cast<T*>(shared_bytes() + stage_at + warp * stage_bytes_per_warp<T>(d, C));
 
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -610,12 +642,12 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
         warp_merge(s, part_o + row * d, part_m + row, part_l + row, G, d);
       } else {
         const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
-        warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap);
+        warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap, stage);
       }
     } else {
       if (n <= 0) continue;
       const size_t off = head_offset(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i], h, Hk, d, C);
-      warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap);
+      warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap, stage);
     }
   }
   __syncthreads();
@@ -721,9 +753,14 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
     }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
+  // Each warp's chunk staged in shared memory where that fits beside the states.
+  const size_t stage_at = align128(seq_smem);
+  const size_t staged = stage_at + kWarps * stage_bytes_per_warp<T>(p.head_dim, p.chunk);
+  const bool stage = staged <= static_cast<size_t>(lim.max_smem);
   const auto seq_kernel = sequence_first_kernel<T, Masked>;
-  reserve_smem(seq_kernel, seq_smem, lim, "sequence-first kernel");
-  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, seq_smem, stream, p, part_off, part_o, part_m, part_l);
+  reserve_smem(seq_kernel, stage ? staged : seq_smem, lim, "sequence-first kernel");
+  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, stage ? staged : seq_smem, stream, p, part_off, part_o,
+                  part_m, part_l, stage ? stage_at : size_t{0});
   check(cudaGetLastError(), "sequence-first kernel launch");
 }
 
