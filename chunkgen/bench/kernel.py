@@ -5,6 +5,7 @@ CPU or a CUDA device; on CUDA, sdpa is torch's flash attention where the dtype a
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -16,8 +17,12 @@ import torch.nn.functional as F
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import decode_attention, workspace_for
 
-IMPLS = ("naive", "sdpa", "paged", "paged_shared", "chunk_tpp")
-KERNEL_IMPLS = ("paged", "paged_shared", "chunk_tpp")  # chunkgen's own op
+IMPLS = ("naive", "sdpa", "paged", "paged_shared", "chunk_tpp", "chunk_tpp_per_chunk", "chunk_tpp_unstaged")
+KERNEL_IMPLS = ("paged", "paged_shared", "chunk_tpp", "chunk_tpp_per_chunk", "chunk_tpp_unstaged")  # chunkgen's op
+# chunk_tpp with one of the CUDA kernels' steps switched off, timed beside it on a GPU (the CPU
+# kernel has neither): a partial every chunk instead of one a segment of chunks, and the
+# sequence-first loops reading global memory instead of a staged chunk (docs/gpu.md).
+CUDA_SWITCHES = {"chunk_tpp_per_chunk": "CHUNKGEN_CUDA_SEGMENTS", "chunk_tpp_unstaged": "CHUNKGEN_CUDA_STAGE"}
 
 
 def kernel_path(dtype: torch.dtype) -> str:
@@ -200,7 +205,26 @@ def run_shape(
             record("paged_shared", time_us(kernel(pool, ctx, False)))
         if "chunk_tpp" in impls:
             record("chunk_tpp", time_us(kernel(pool, ctx, True)))
+        for impl, switch in CUDA_SWITCHES.items():
+            if impl in impls and device.type == "cuda":
+                with _switched_off(switch):
+                    record(impl, time_us(kernel(pool, ctx, True)))
     return rows
+
+
+@contextlib.contextmanager
+def _switched_off(name: str):
+    """The environment variable `name` set to off for the calls inside (the CUDA launch reads it
+    at every call), then restored."""
+    old = os.environ.get(name)
+    os.environ[name] = "off"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def run_grid(

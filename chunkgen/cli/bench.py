@@ -35,7 +35,9 @@ def bench_kernel(
     device: DEVICE = DEFAULT_DEVICE,
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
-    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp", metavar="NAME[,NAME...]", help="Implementations to time."),
+    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp,chunk_tpp_per_chunk,chunk_tpp_unstaged",
+                              metavar="NAME[,NAME...]", help="Implementations to time (the chunk_tpp_ variants on "
+                                                             "CUDA only: chunk_tpp with a kernel step switched off)."),
 ) -> None:
     """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
     import torch
@@ -351,7 +353,7 @@ def _print_kernel_table(rows: list[dict]) -> None:
         )
         cells.setdefault(key, {})[r["impl"]] = r["us"]
     for (shape, n_p, n_s), by in cells.items():
-        others = [v for k, v in by.items() if k != "chunk_tpp"]
+        others = [v for k, v in by.items() if not k.startswith("chunk_tpp")]
         speed = f"{min(others) / by['chunk_tpp']:.2f}x" if others and "chunk_tpp" in by else "-"
         table.add_row(shape, str(n_p), str(n_s), *[f"{by[i]:.0f}" if i in by else "-" for i in impls], speed)
     stdout.print(table)

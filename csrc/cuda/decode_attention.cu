@@ -27,6 +27,7 @@
 //   r = (sequence - begin_c) * G + g.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -705,6 +706,15 @@ void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const ch
           "cudaFuncSetAttribute");
 }
 
+// CHUNKGEN_CUDA_SEGMENTS=off (a partial for every chunk) and CHUNKGEN_CUDA_STAGE=off (the
+// sequence-first loops read K and V from global memory): the kernels without those two steps, to
+// time them side by side (bench kernel's chunk_tpp_per_chunk and chunk_tpp_unstaged rows). Read at
+// every launch.
+bool switched_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && (std::string(v) == "off" || std::string(v) == "0");
+}
+
 template <typename T, bool kTensorCores, bool Masked>
 void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m, float* part_l,
             cudaStream_t stream) {
@@ -736,7 +746,8 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
             }
       }();
       const int groups = std::max(1, (tiles + W - 1) / W);  // one where no chunk has rows
-      const int seg = Masked ? 1 : std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms));
+      const bool fold = !Masked && !switched_off("CHUNKGEN_CUDA_SEGMENTS");
+      const int seg = fold ? std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms)) : 1;
       const size_t smem = MmaTiles<T>(p.head_dim, p.chunk, W, stages).bytes;
       const auto kernel = chunk_first_mma_kernel<T, Masked>;  // one name: the launch macro splits on commas
       reserve_smem(kernel, smem, lim, "chunk-first kernel");
@@ -756,7 +767,7 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
   // Each warp's chunk staged in shared memory where that fits beside the states.
   const size_t stage_at = align128(seq_smem);
   const size_t staged = stage_at + kWarps * stage_bytes_per_warp<T>(p.head_dim, p.chunk);
-  const bool stage = staged <= static_cast<size_t>(lim.max_smem);
+  const bool stage = staged <= static_cast<size_t>(lim.max_smem) && !switched_off("CHUNKGEN_CUDA_STAGE");
   const auto seq_kernel = sequence_first_kernel<T, Masked>;
   reserve_smem(seq_kernel, stage ? staged : seq_smem, lim, "sequence-first kernel");
   CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, stage ? staged : seq_smem, stream, p, part_off, part_o,

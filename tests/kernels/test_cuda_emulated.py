@@ -196,7 +196,12 @@ def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int,
 
 
 @pytest.mark.parametrize("case", ["one_long_sequence", "identical_prompts", "large_shared_memory", "run_in_segments"])
-def test_emulated_cuda_kernel_edge_trees(emulated, case):
+@pytest.mark.parametrize("switch", [None, "CHUNKGEN_CUDA_SEGMENTS", "CHUNKGEN_CUDA_STAGE"])
+def test_emulated_cuda_kernel_edge_trees(emulated, case, switch, monkeypatch):
+    """Each tree also with one of the kernels' two timing switches off (a partial every chunk;
+    sequence-first reading global memory), the paths bench kernel times beside the default."""
+    if switch:
+        monkeypatch.setenv(switch, "off")
     sms = 8
     if case == "one_long_sequence":  # 41 private chunks shared out over the warps of one block
         heads, d, chunk, dtype = (9, 3), 64, 64, torch.float16
