@@ -252,22 +252,37 @@ __device__ void warp_attend(WarpState& s, const T* kt, const T* v, int n, int G,
   __syncwarp();
 }
 
-// Merge one saved partial (o, m, l) per head into the warp's state.
+// Merge one saved partial (o, m, l) per head into the warp's state; heads whose partial is empty
+// (l = 0) are left as they are. Lane g takes head g's statistics (32 heads at a time), so every
+// load of the partial is issued before any result is needed, and the heads' weights reach the
+// other lanes by shuffles, not through a barrier per head.
 __device__ void warp_merge(WarpState& s, const float* po, const float* pm, const float* pl, int G, int d) {
   const int lane = threadIdx.x & 31;
-  for (int g = 0; g < G; ++g) {
-    if (pl[g] == 0.f) continue;
-    const float m_old = s.m[g], m_new = fmaxf(m_old, pm[g]);
-    const float a = rescale(m_old, m_new), b = __expf(pm[g] - m_new);
-    for (int dim = lane; dim < d; dim += 32) s.o[g * d + dim] = s.o[g * d + dim] * a + po[g * d + dim] * b;
-    const float l_new = s.l[g] * a + pl[g] * b;
-    __syncwarp();
-    if (lane == 0) {
+  for (int g0 = 0; g0 < G; g0 += 32) {
+    const int g = g0 + lane;
+    float a = 0.f, b = 0.f, m_new = 0.f, l_new = 0.f, live = 0.f;
+    if (g < G && pl[g] != 0.f) {
+      const float m_old = s.m[g];
+      m_new = fmaxf(m_old, pm[g]);
+      a = rescale(m_old, m_new);
+      b = __expf(pm[g] - m_new);
+      l_new = s.l[g] * a + pl[g] * b;
+      live = 1.f;
+    }
+    __syncwarp();  // every lane has read its head's statistics
+    if (live != 0.f) {
       s.m[g] = m_new;
       s.l[g] = l_new;
     }
-    __syncwarp();
+    for (int u = 0; u < 32 && g0 + u < G; ++u) {
+      const float au = __shfl_sync(0xffffffffu, a, u), bu = __shfl_sync(0xffffffffu, b, u);
+      if (__shfl_sync(0xffffffffu, live, u) == 0.f) continue;
+      float* o = s.o + (g0 + u) * d;
+      const float* p = po + (g0 + u) * d;
+      for (int dim = lane; dim < d; dim += 32) o[dim] = o[dim] * au + p[dim] * bu;
+    }
   }
+  __syncwarp();
 }
 
 // ---- phase 1 --------------------------------------------------------------------------------

@@ -213,6 +213,14 @@ inline unsigned char* shared_bytes_emu() { return emu::block->data(); }
 
 inline void __syncthreads() { emu::block->sync.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().sync.arrive_and_wait(); }
+inline float __shfl_sync(unsigned, float v, int src) {
+  emu::Warp& w = emu::my_warp();
+  w.slot[emu::lane()] = v;
+  w.sync.arrive_and_wait();
+  const float r = w.slot[static_cast<unsigned>(src) & 31];
+  w.sync.arrive_and_wait();
+  return r;
+}
 inline float __shfl_xor_sync(unsigned, float v, int mask) {
   emu::Warp& w = emu::my_warp();
   w.slot[emu::lane()] = v;
