@@ -195,11 +195,20 @@ def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int,
     return pool, tree
 
 
-@pytest.mark.parametrize("case", ["one_long_sequence", "identical_prompts", "large_shared_memory", "run_in_segments"])
-@pytest.mark.parametrize("switch", [None, "CHUNKGEN_CUDA_SEGMENTS", "CHUNKGEN_CUDA_STAGE"])
+@pytest.mark.parametrize(
+    ("case", "switch"),
+    [
+        ("one_long_sequence", None),
+        ("identical_prompts", None),
+        ("large_shared_memory", None),
+        ("run_in_segments", None),
+        # the paths bench kernel times beside the default: a partial every chunk, and the
+        # sequence-first loops reading global memory
+        ("run_in_segments", "CHUNKGEN_CUDA_SEGMENTS"),
+        ("one_long_sequence", "CHUNKGEN_CUDA_STAGE"),
+    ],
+)
 def test_emulated_cuda_kernel_edge_trees(emulated, case, switch, monkeypatch):
-    """Each tree also with one of the kernels' two timing switches off (a partial every chunk;
-    sequence-first reading global memory), the paths bench kernel times beside the default."""
     if switch:
         monkeypatch.setenv(switch, "off")
     sms = 8
