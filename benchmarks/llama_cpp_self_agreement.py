@@ -5,7 +5,7 @@ template's prompts as one batch (the test's way) with 2 threads and with 1, and 
 chunkgen runs them in its default dtype and in fp32. Prints how many answers each pair shares token
 for token. Needs llama-cpp-python (`make test-llama-cpp` installs it).
 
-    python benchmarks/llama_cpp_self_agreement.py
+    PYTHONPATH=. python benchmarks/llama_cpp_self_agreement.py  # from the repository root
 """
 
 from __future__ import annotations
