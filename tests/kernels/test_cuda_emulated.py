@@ -202,6 +202,7 @@ def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int,
         ("identical_prompts", None),
         ("large_shared_memory", None),
         ("run_in_segments", None),
+        ("one_stage", None),
         # the paths bench kernel times beside the default: a partial every chunk, and the
         # sequence-first loops reading global memory
         ("run_in_segments", "CHUNKGEN_CUDA_SEGMENTS"),
@@ -222,6 +223,11 @@ def test_emulated_cuda_kernel_edge_trees(emulated, case, switch, monkeypatch):
     elif case == "identical_prompts":  # everything shared, a partly filled tail chunk included
         heads, d, chunk, dtype = (8, 2), 128, 64, torch.bfloat16
         prompts = [list(range(300))] * 16
+    elif case == "one_stage":  # d 256 x chunk 128: two chunks' K/V and the row tiles do not fit in
+        # 227 KiB, so one stage (a segment's next chunk loads after this one), and the
+        # sequence-first phase reads global memory (four staged chunks do not fit either)
+        heads, d, chunk, dtype, sms = (8, 2), 256, 128, torch.float16, 1
+        prompts = [list(range(400)) + [1000 + s] * (s + 1) for s in range(6)]
     else:  # d 128 x chunk 128: the tensor-core kernel needs the opt-in beyond 48 KiB
         heads, d, chunk, dtype = (32, 4), 128, 128, torch.float16
         prompts = [list(range(400)) + [1000 + s] * (s + 1) for s in range(6)]
