@@ -29,6 +29,22 @@ SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen", "chunkgen_sch
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 
 
+class NoTemplates(FileNotFoundError):
+    """The shipped templates the text workload is made of are not where the package runs from."""
+
+
+def shipped_file(pattern: str) -> list[Path]:
+    """The files of the source tree's prompts/ matching `pattern`, or NoTemplates saying where they
+    were looked for: an install that is not editable (`pip install .`) leaves prompts/ behind."""
+    found = sorted(PROMPTS_DIR.glob(pattern))
+    if not found:
+        raise NoTemplates(
+            f"bench e2e makes its prompts from the shipped templates in {PROMPTS_DIR}, which holds no {pattern}: "
+            "run it from a source checkout installed with `pip install -e .`"
+        )
+    return found
+
+
 @dataclass
 class Workload:
     n_shared: int
@@ -44,7 +60,7 @@ def build_workload(llm: LLM, n_shared: int, n_queries: int, max_new_tokens: int)
 
     if getattr(llm.tokenizer, "ids_only", False):
         return _random_ids_workload(llm.model.vocab_size, n_shared, n_queries, max_new_tokens, llm.config.seed)
-    text = "\n\n".join(tomllib.loads(p.read_text())["system"] for p in sorted(PROMPTS_DIR.glob("*.toml")))
+    text = "\n\n".join(tomllib.loads(p.read_text())["system"] for p in shipped_file("*.toml"))
     base = llm.encode(text)
     shared = (base * (n_shared // len(base) + 1))[:n_shared]
     prompts = []
@@ -169,7 +185,7 @@ def run_hf(llm: LLM, work: Workload) -> tuple[dict, list[list[int]]]:
 
 def tool_calls_schema() -> dict:
     """A JSON array of tool-dispatcher calls that cannot be complete within any benchmark length."""
-    calls = json.loads((PROMPTS_DIR / "tool_dispatcher.schema.json").read_text())
+    calls = json.loads(shipped_file("tool_dispatcher.schema.json")[0].read_text())
     return {"type": "array", "items": calls, "minItems": 100_000}
 
 

@@ -68,7 +68,7 @@ def bench_e2e(
     mixed_prefill_tokens: MIXED_PREFILL_TOKENS = DEFAULT_MIXED_PREFILL_TOKENS,
 ) -> None:
     """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained, llama.cpp."""
-    from chunkgen.bench.e2e import SYSTEMS, run_e2e
+    from chunkgen.bench.e2e import SYSTEMS, NoTemplates, run_e2e
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     unknown = set(chosen) - set(SYSTEMS)
@@ -119,6 +119,8 @@ def bench_e2e(
     try:
         rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
                        on_row=on_row, on_start=on_start, batches=batches)
+    except NoTemplates as exc:
+        fail(str(exc))
     finally:
         ticker.stop()
     _print_table(rows, n_queries, max_new_tokens, dtype, repeat)

@@ -37,6 +37,17 @@ def test_copies_and_fills_are_not_kernels():
     assert not is_kernel("Memcpy HtoD (Pinned -> Device)") and not is_kernel("Memset (Device)")
 
 
+def test_a_text_workload_without_the_shipped_templates_says_where_it_looked(tmp_path, monkeypatch):
+    from chunkgen.bench import e2e
+
+    monkeypatch.setattr(e2e, "PROMPTS_DIR", tmp_path)  # an install without the source tree's prompts/
+    llm = SimpleNamespace(tokenizer=SimpleNamespace(ids_only=False))
+    with pytest.raises(e2e.NoTemplates, match=f"{tmp_path}, which holds no \\*.toml.*pip install -e"):
+        e2e.build_workload(llm, 64, 2, 3)
+    with pytest.raises(e2e.NoTemplates, match="tool_dispatcher.schema.json"):
+        e2e.tool_calls_schema()
+
+
 # -- whole runs: the command, random weights, memory ----------------------------------------------
 def test_bench_e2e_dummy_weights_on_a_tiny_config_matches_transformers(tiny_config, tmp_path):
     out = tmp_path / "rows.json"
