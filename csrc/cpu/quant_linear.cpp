@@ -236,6 +236,16 @@ inline void unsigned_chunk(const uint8_t* wb, int c, __m256i& lo, __m256i& hi) {
   }
 }
 
+// Step s of a signed block (S8, S8H) of each of G groups: its weight vector (8 rows x 4 values)
+// and the vector's absolute values, the unsigned operand of the sign trick.
+template <int kind, int G>
+inline void signed_step(const uint8_t* const (&wb)[G], int s, __m256i (&wv)[G], __m256i (&wa)[G]) {
+  for (int i = 0; i < G; ++i) {
+    wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
+    wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
+  }
+}
+
 // Pairs of int16 of the weight vector w (8 rows x 4 values) times x's 4 values: unsigned nibbles
 // as they are, signed weights as |w| times x with w's sign.
 template <int kind>
@@ -314,10 +324,7 @@ __attribute__((noinline)) void tile_avx2(const Groups<G>& gs, int64_t nb, const 
           for (int r = 0; r < R; ++r) s16[i][r] = _mm256_setzero_si256();
         for (int s = 4 * h; s < 4 * h + 4; ++s) {
           __m256i wv[G], wa[G];
-          for (int i = 0; i < G; ++i) {
-            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
-            wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
-          }
+          signed_step<kind, G>(wb, s, wv, wa);
           for (int r = 0; r < R; ++r) {
             const __m256i x = broadcast4(xb + r * k + 4 * s);
             for (int i = 0; i < G; ++i)
@@ -336,10 +343,7 @@ __attribute__((noinline)) void tile_avx2(const Groups<G>& gs, int64_t nb, const 
         for (int r = 0; r < R; ++r) s32[i][r] = _mm256_setzero_si256();
       for (int s = 0; s < 8; ++s) {
         __m256i wv[G], wa[G];
-        for (int i = 0; i < G; ++i) {
-          wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
-          wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
-        }
+        signed_step<kind, G>(wb, s, wv, wa);
         for (int r = 0; r < R; ++r) {
           const __m256i x = broadcast4(xb + r * k + 4 * s);
           for (int i = 0; i < G; ++i)
@@ -396,10 +400,7 @@ __attribute__((noinline)) void tile_avx_vnni(const Groups<G>& gs, int64_t nb, co
         for (int j = 0; j < steps; ++j) {
           const int s = h * steps + j;
           __m256i wv[G], wa[G];
-          for (int i = 0; i < G; ++i) {
-            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[i] + quant::unit_stride(kind) * s));
-            wa[i] = _mm256_sign_epi8(wv[i], wv[i]);
-          }
+          signed_step<kind, G>(wb, s, wv, wa);
           for (int r = 0; r < R; ++r) {
             const __m256i x = broadcast4(xb + r * k + 4 * s);
             for (int i = 0; i < G; ++i)
