@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -207,24 +208,9 @@ def run_shape(
             record("chunk_tpp", time_us(kernel(pool, ctx, True)))
         for impl, switch in CUDA_SWITCHES.items():
             if impl in impls and device.type == "cuda":
-                with _switched_off(switch):
+                with mock.patch.dict(os.environ, {switch: "off"}):  # the CUDA launch reads it every call
                     record(impl, time_us(kernel(pool, ctx, True)))
     return rows
-
-
-@contextlib.contextmanager
-def _switched_off(name: str):
-    """The environment variable `name` set to off for the calls inside (the CUDA launch reads it
-    at every call), then restored."""
-    old = os.environ.get(name)
-    os.environ[name] = "off"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def run_grid(
