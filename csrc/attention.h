@@ -64,6 +64,16 @@ struct DecodeProblem {
   const int32_t* write_offset = nullptr;
 };
 
+// The CUDA sequence-first phase's space for a row's work items split over several blocks
+// (flash-decoding): each block's unnormalised (o [d], m, l) of a query head, for up to `splits`
+// blocks a (row, query head). splits 0 or 1: no space, one block a (row, KV head).
+struct SplitSpace {
+  float* o = nullptr;
+  float* m = nullptr;
+  float* l = nullptr;
+  int splits = 0;
+};
+
 // The step's K/V rows into one layer of the pool on the GPU (csrc/cuda/kv_write.cu), in one launch:
 // row b's k, v [kv_heads, head_dim] (any strides, in elements; converted to the pool's dtype) go
 // to (slot[b], offset[b]) of the layer's contiguous K [slots, kv_heads, head_dim, chunk] and

@@ -35,7 +35,7 @@ void gather_kv(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const
 
 #ifdef CHUNKGEN_WITH_CUDA
 void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o,
-                               float* part_m, float* part_l, void* stream);
+                               float* part_m, float* part_l, const SplitSpace& split_space, void* stream);
 void write_kv_cuda_raw(const KVWriteProblem& p, void* stream);
 #endif
 
@@ -405,17 +405,29 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
 #ifdef CHUNKGEN_WITH_CUDA
   // Grids are sized by capacity (every shared entry, every row of the batch); unused entries cover
   // no rows and padded rows read no chunk, so nothing here depends on the tree's live values.
-  const int64_t rows_cap = workspace.numel() / (p.q_heads * (p.head_dim + 2));
+  // The workspace (kernels/decode.py: workspace_for): the chunk-first partials, a row for each
+  // (row, shared chunk) pair the context holds (seq_shared_idx's entries) and query head; then
+  // whatever follows, in whole (batch row, query head) sets, for the sequence-first splits' sums.
   TORCH_CHECK_VALUE(
       workspace.scalar_type() == torch::kFloat32 && workspace.is_contiguous() && workspace.device() == q.device(),
       "workspace must be a contiguous float32 tensor on q's device");
+  const int64_t per_row = static_cast<int64_t>(p.q_heads) * (p.head_dim + 2);
+  const int64_t pairs = std::max<int64_t>(seq_shared_idx.numel(), 1);
+  TORCH_CHECK_VALUE(workspace.numel() >= pairs * per_row, "workspace has ", workspace.numel(),
+                    " floats; the context's partials need ", pairs * per_row);
   float* part_o = workspace.data_ptr<float>();
-  float* part_m = part_o + rows_cap * p.q_heads * p.head_dim;
-  float* part_l = part_m + rows_cap * p.q_heads;
+  float* part_m = part_o + pairs * p.q_heads * p.head_dim;
+  float* part_l = part_m + pairs * p.q_heads;
+  const int64_t split_rows = workspace.numel() / per_row - pairs;  // in (batch row, query head) units
+  SplitSpace split_space;
+  split_space.splits = static_cast<int>(std::min<int64_t>(split_rows / p.batch, 1 << 16));
+  split_space.o = part_l + pairs * p.q_heads;
+  split_space.m = split_space.o + split_rows * p.q_heads * p.head_dim;
+  split_space.l = split_space.m + split_rows * p.q_heads;
   // On q's GPU and that GPU's current stream, whichever device the caller has current: the kernels
   // read the device's limits and launch on the current device.
   const c10::cuda::CUDAGuard guard(q.device());
-  decode_attention_cuda_raw(p, part_off.data_ptr<int32_t>(), p.batch, part_o, part_m, part_l,
+  decode_attention_cuda_raw(p, part_off.data_ptr<int32_t>(), p.batch, part_o, part_m, part_l, split_space,
                             c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
 #else
   TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; q is on ", q.device());

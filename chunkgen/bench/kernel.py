@@ -18,12 +18,17 @@ import torch.nn.functional as F
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import decode_attention, workspace_for
 
-IMPLS = ("naive", "sdpa", "paged", "paged_shared", "chunk_tpp", "chunk_tpp_per_chunk", "chunk_tpp_unstaged")
-KERNEL_IMPLS = ("paged", "paged_shared", "chunk_tpp", "chunk_tpp_per_chunk", "chunk_tpp_unstaged")  # chunkgen's op
 # chunk_tpp with one of the CUDA kernels' steps switched off, timed beside it on a GPU (the CPU
-# kernel has neither): a partial every chunk instead of one a segment of chunks, and the
-# sequence-first loops reading global memory instead of a staged chunk (docs/gpu.md).
-CUDA_SWITCHES = {"chunk_tpp_per_chunk": "CHUNKGEN_CUDA_SEGMENTS", "chunk_tpp_unstaged": "CHUNKGEN_CUDA_STAGE"}
+# kernel has none of them): a partial every chunk instead of one a segment of chunks, the
+# sequence-first loops reading global memory instead of a staged chunk, and one sequence-first
+# block a row and KV head instead of a row's work split over several (docs/gpu.md).
+CUDA_SWITCHES = {
+    "chunk_tpp_per_chunk": "CHUNKGEN_CUDA_SEGMENTS",
+    "chunk_tpp_unstaged": "CHUNKGEN_CUDA_STAGE",
+    "chunk_tpp_unsplit": "CHUNKGEN_CUDA_SPLITS",
+}
+KERNEL_IMPLS = ("paged", "paged_shared", "chunk_tpp", *CUDA_SWITCHES)  # chunkgen's op
+IMPLS = ("naive", "sdpa", *KERNEL_IMPLS)
 
 
 def kernel_path(dtype: torch.dtype) -> str:

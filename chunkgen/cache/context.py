@@ -91,6 +91,12 @@ class KernelContext:
     def batch_size(self) -> int:
         return len(self.order)
 
+    @property
+    def row_capacity(self) -> int:
+        """Rows the current layout holds (the largest bucket): what buffers sized once per layout
+        must cover."""
+        return self._caps[0]
+
     # -- layout -------------------------------------------------------------------------------
     def _allocate(self, rows: int, width: int, shared: int, index: int) -> None:
         sizes = {name: rows for name in _HOT}

@@ -35,7 +35,8 @@ def bench_kernel(
     device: DEVICE = DEFAULT_DEVICE,
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     repeats: int = typer.Option(10, metavar="N", help="Timed runs per cell (median reported)."),
-    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp,chunk_tpp_per_chunk,chunk_tpp_unstaged",
+    impls: str = typer.Option("naive,sdpa,paged,paged_shared,chunk_tpp,chunk_tpp_per_chunk,chunk_tpp_unstaged,"
+                              "chunk_tpp_unsplit",
                               metavar="NAME[,NAME...]", help="Implementations to time (the chunk_tpp_ variants on "
                                                              "CUDA only: chunk_tpp with a kernel step switched off)."),
 ) -> None:

@@ -50,13 +50,20 @@ def _register_fake() -> None:
 _register_fake()
 
 
+# The most blocks the GPU's sequence-first phase splits a row's work over (flash-decoding), where
+# (row, KV head) blocks alone would leave SMs idle: small batches, few KV heads, long private parts.
+SEQUENCE_SPLITS = 8
+
+
 def workspace_for(ctx: KernelContext, q_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
-    """Partial-result space of the chunk-first phase on the GPU, sized by the context's capacity
-    (its rows are the (row, shared chunk) pairs); the CPU kernel plans its own."""
+    """Partial-result space of the GPU kernels, sized by the context's capacity: the chunk-first
+    phase's partials (a row for each (row, shared chunk) pair), then room for SEQUENCE_SPLITS
+    blocks' sums per row; the CPU kernel plans its own."""
     if torch.device(device).type == "cpu":
         return torch.empty(0, dtype=torch.float32)
-    rows = ctx.arrays().seq_shared_idx.numel()
-    return torch.empty(max(rows, 1) * q_heads * (head_dim + 2), dtype=torch.float32, device=device)
+    pairs = max(ctx.arrays().seq_shared_idx.numel(), 1)
+    rows = pairs + ctx.row_capacity * SEQUENCE_SPLITS
+    return torch.empty(rows * q_heads * (head_dim + 2), dtype=torch.float32, device=device)
 
 
 def decode_step_attention(

@@ -11,10 +11,11 @@
 // scores and the weighted sum are tensor-core products (fp16/bf16 in, fp32 accumulate). Each
 // row leaves one partial (o, m, l) a segment; the segment's other chunks leave theirs empty (l = 0).
 // fp32 K/V take a SIMT path, one partial a chunk.
-// Phase 2 (sequence-first), one block per (sequence, KV head): the warps share out the work items
-// of the sequence (shared partials to merge, or shared chunks to read in the paged mode, then
-// private chunks), each keeping a running (o, m, l) for the whole GQA group; a final reduction
-// across warps merges them and normalises.
+// Phase 2 (sequence-first), one block per (sequence, KV head), or `splits` of them where those
+// alone would fill less than two waves of SMs: the warps share out the work items of the sequence
+// (shared partials to merge, or shared chunks to read in the paged mode, then private chunks),
+// each keeping a running (o, m, l) for the whole GQA group; a final reduction across warps merges
+// them and normalises, or, split, leaves each block's sums for a merge kernel (flash-decoding).
 //
 // Sliding windows and soft-capping (Masked kernels; full attention instantiates without them): a
 // row's position is the sum of its path's chunk lengths, read from the index arrays on the device.
@@ -606,9 +607,11 @@ __host__ __device__ size_t stage_bytes_per_warp(int d, int C) {
 
 template <typename T, bool Masked>
 __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, const float* part_o,
-                                      const float* part_m, const float* part_l, size_t stage_at) {
+                                      const float* part_m, const float* part_l, size_t stage_at, int splits,
+                                      SplitSpace sp) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
-  const int b = blockIdx.x / Hk, h = blockIdx.x % Hk;
+  const int bh = blockIdx.x / splits, split = blockIdx.x % splits;
+  const int b = bh / Hk, h = bh % Hk;
   const int warp = threadIdx.x / 32;
   // The block's one copy of the G queries, then one state per warp.
   float* q_s = reinterpret_cast<float*>(shared_bytes());
@@ -635,7 +638,9 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
       row_lo = extent.all - p.window > 0 ? extent.all - p.window : 0;
     }
   }
-  for (int item = warp; item < n_shared + n_priv; item += kWarps) {
+  // The row's items dealt out to the kWarps * splits warps of its blocks in turn; each warp walks
+  // its own in order.
+  for (int item = split * kWarps + warp; item < n_shared + n_priv; item += kWarps * splits) {
     const bool shared = item < n_shared;
     const int c = shared ? p.seq_shared_idx[first + item] : -1;
     const int i = item - n_shared;
@@ -668,7 +673,10 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
   }
   __syncthreads();
 
-  // Reduce across warps: out = sum_w o_w e^(m_w - m) / sum_w l_w e^(m_w - m).
+  // Reduce across warps: out = sum_w o_w e^(m_w - m) / sum_w l_w e^(m_w - m). A split block leaves
+  // its sums unnormalised (l = 0 where none of its warps had an item) at its row of sp, ((b * Hk +
+  // h) * splits + split) * G + g, for the merge.
+  const size_t split_row = static_cast<size_t>(blockIdx.x) * G;
   for (int i = threadIdx.x; i < G * d; i += kThreads) {
     const int g = i / d;
     float m = -INFINITY;
@@ -681,7 +689,37 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
       o += sw.o[i] * a;
       l += sw.l[g] * a;
     }
-    store_out<T>(p, (static_cast<size_t>(b) * p.q_heads + h * G) * d + i, l > 0.f ? o / l : 0.f);
+    if (splits == 1) {
+      store_out<T>(p, (static_cast<size_t>(b) * p.q_heads + h * G) * d + i, l > 0.f ? o / l : 0.f);
+    } else {
+      sp.o[(split_row + g) * d + i % d] = o;
+      if (i % d == 0) {
+        sp.m[split_row + g] = m;
+        sp.l[split_row + g] = l;
+      }
+    }
+  }
+}
+
+// One block per (sequence, KV head): the splits' sums merged in split order and normalised.
+template <typename T>
+__global__ void merge_splits_kernel(DecodeProblem p, int splits, SplitSpace sp) {
+  const int G = p.q_heads / p.kv_heads, d = p.head_dim;
+  const size_t first = static_cast<size_t>(blockIdx.x) * splits * G;  // split 0's row of head 0
+  for (int i = threadIdx.x; i < G * d; i += kThreads) {
+    const int g = i / d;
+    float m = -INFINITY;
+    for (int s = 0; s < splits; ++s)
+      if (sp.l[first + s * G + g] > 0.f) m = fmaxf(m, sp.m[first + s * G + g]);
+    float o = 0.f, l = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const size_t row = first + s * G + g;
+      if (sp.l[row] == 0.f) continue;
+      const float a = __expf(sp.m[row] - m);
+      o += sp.o[row * d + i % d] * a;
+      l += sp.l[row] * a;
+    }
+    store_out<T>(p, static_cast<size_t>(blockIdx.x) * G * d + i, l > 0.f ? o / l : 0.f);
   }
 }
 
@@ -721,10 +759,11 @@ void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const ch
           "cudaFuncSetAttribute");
 }
 
-// CHUNKGEN_CUDA_SEGMENTS=off (a partial for every chunk) and CHUNKGEN_CUDA_STAGE=off (the
-// sequence-first loops read K and V from global memory): the kernels without those two steps, to
-// time them side by side (bench kernel's chunk_tpp_per_chunk and chunk_tpp_unstaged rows). Read at
-// every launch.
+// CHUNKGEN_CUDA_SEGMENTS=off (a partial for every chunk), CHUNKGEN_CUDA_STAGE=off (the
+// sequence-first loops read K and V from global memory) and CHUNKGEN_CUDA_SPLITS=off (one
+// sequence-first block a row and KV head): the kernels without those steps, to time them side by
+// side (bench kernel's chunk_tpp_per_chunk, chunk_tpp_unstaged and chunk_tpp_unsplit rows). Read
+// at every launch.
 bool switched_off(const char* name) {
   const char* v = std::getenv(name);
   return v != nullptr && (std::string(v) == "off" || std::string(v) == "0");
@@ -732,7 +771,7 @@ bool switched_off(const char* name) {
 
 template <typename T, bool kTensorCores, bool Masked>
 void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o, float* part_m, float* part_l,
-            cudaStream_t stream) {
+            const SplitSpace& split_space, cudaStream_t stream) {
   const DeviceLimits lim = device_limits();
   const int G = p.q_heads / p.kv_heads;
   const size_t gd = static_cast<size_t>(G) * p.head_dim;
@@ -783,11 +822,22 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
   const size_t stage_at = align128(seq_smem);
   const size_t staged = stage_at + kWarps * stage_bytes_per_warp<T>(p.head_dim, p.chunk);
   const bool stage = staged <= static_cast<size_t>(lim.max_smem) && !switched_off("CHUNKGEN_CUDA_STAGE");
+  // A row's items over several blocks where (sequence, KV head) blocks alone would fill less than
+  // two waves of SMs (small batches, few KV heads, long private parts), as many as the workspace
+  // holds; the merge kernel then combines the blocks' sums.
+  const int rows_heads = std::max(1, p.batch * p.kv_heads);
+  const int want = (2 * lim.sms + rows_heads - 1) / rows_heads;
+  const int splits = switched_off("CHUNKGEN_CUDA_SPLITS") ? 1 : std::max(1, std::min(want, split_space.splits));
   const auto seq_kernel = sequence_first_kernel<T, Masked>;
   reserve_smem(seq_kernel, stage ? staged : seq_smem, lim, "sequence-first kernel");
-  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads, kThreads, stage ? staged : seq_smem, stream, p, part_off, part_o,
-                  part_m, part_l, stage ? stage_at : size_t{0});
+  CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads * splits, kThreads, stage ? staged : seq_smem, stream, p, part_off,
+                  part_o, part_m, part_l, stage ? stage_at : size_t{0}, splits, split_space);
   check(cudaGetLastError(), "sequence-first kernel launch");
+  if (splits > 1) {
+    const auto merge_kernel = merge_splits_kernel<T>;
+    CHUNKGEN_LAUNCH(merge_kernel, p.batch * p.kv_heads, kThreads, 0, stream, p, splits, split_space);
+    check(cudaGetLastError(), "split merge kernel launch");
+  }
 }
 
 }  // namespace
@@ -795,7 +845,7 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
 // part_off: device [num_shared + 1], prefix sums of the shared chunks' sequence counts; max_rows:
 // the largest sequence count of one shared chunk; part_*: part_off[num_shared] * q_heads rows.
 void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o,
-                               float* part_m, float* part_l, void* stream) {
+                               float* part_m, float* part_l, const SplitSpace& split_space, void* stream) {
   if (p.head_dim > kMaxHeadDim) throw std::invalid_argument("head_dim > 256 is not supported on CUDA");
   auto s = static_cast<cudaStream_t>(stream);
   // Windows and soft-capping in their own kernels: the full-attention ones are compiled as before.
@@ -803,15 +853,15 @@ void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, 
   switch (p.kv_type) {
     case KVType::F32:
       (masked ? launch<float, false, true> : launch<float, false, false>)(p, part_off, max_rows, part_o, part_m, part_l,
-                                                                          s);
+                                                                          split_space, s);
       break;
     case KVType::F16:
       (masked ? launch<__half, true, true> : launch<__half, true, false>)(p, part_off, max_rows, part_o, part_m, part_l,
-                                                                          s);
+                                                                          split_space, s);
       break;
     case KVType::BF16:
       (masked ? launch<__nv_bfloat16, true, true> : launch<__nv_bfloat16, true, false>)(p, part_off, max_rows, part_o,
-                                                                                        part_m, part_l, s);
+                                                                                        part_m, part_l, split_space, s);
       break;
   }
 }

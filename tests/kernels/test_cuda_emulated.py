@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
+from chunkgen.kernels.decode import SEQUENCE_SPLITS
 from chunkgen.kernels.reference import reference_decode_attention
 from tests.helpers import TOLERANCE, WINDOW_KINDS, build_tree, draw_window, nan_outside_windows
 
@@ -55,8 +56,20 @@ def emulated(emulator):
 
 
 def run_emulated(
-    fn, q, k, v, ctx: KernelContext, scale: float, chunk_first: bool, sms: int, window: int = 0, softcap: float = 0.0
+    fn,
+    q,
+    k,
+    v,
+    ctx: KernelContext,
+    scale: float,
+    chunk_first: bool,
+    sms: int,
+    window: int = 0,
+    softcap: float = 0.0,
+    split_cap: int = SEQUENCE_SPLITS,
 ) -> torch.Tensor:
+    """split_cap: sequence-first blocks a row the workspace has room for (the engine's
+    workspace_for gives SEQUENCE_SPLITS)."""
     out = torch.full_like(q, float("nan"))
 
     def ptr(t):
@@ -91,6 +104,7 @@ def run_emulated(
         window,
         ctypes.c_float(softcap),
         sms,
+        split_cap,
         err,
         len(err),
     )
@@ -196,26 +210,34 @@ def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int,
 
 
 @pytest.mark.parametrize(
-    ("case", "switch"),
+    ("case", "switch", "split_cap"),
     [
-        ("one_long_sequence", None),
-        ("identical_prompts", None),
-        ("large_shared_memory", None),
-        ("run_in_segments", None),
-        ("one_stage", None),
-        # the paths bench kernel times beside the default: a partial every chunk, and the
-        # sequence-first loops reading global memory
-        ("run_in_segments", "CHUNKGEN_CUDA_SEGMENTS"),
-        ("one_long_sequence", "CHUNKGEN_CUDA_STAGE"),
+        ("one_long_sequence", None, SEQUENCE_SPLITS),
+        ("identical_prompts", None, SEQUENCE_SPLITS),
+        ("large_shared_memory", None, SEQUENCE_SPLITS),
+        ("run_in_segments", None, SEQUENCE_SPLITS),
+        ("one_stage", None, SEQUENCE_SPLITS),
+        ("two_long_sequences", None, SEQUENCE_SPLITS),
+        # no room for split sums in the workspace: one sequence-first block a row and head
+        ("one_long_sequence", None, 0),
+        # the paths bench kernel times beside the default: a partial every chunk, the
+        # sequence-first loops reading global memory, one sequence-first block a row and head
+        ("run_in_segments", "CHUNKGEN_CUDA_SEGMENTS", SEQUENCE_SPLITS),
+        ("one_long_sequence", "CHUNKGEN_CUDA_STAGE", SEQUENCE_SPLITS),
+        ("two_long_sequences", "CHUNKGEN_CUDA_SPLITS", SEQUENCE_SPLITS),
     ],
 )
-def test_emulated_cuda_kernel_edge_trees(emulated, case, switch, monkeypatch):
+def test_emulated_cuda_kernel_edge_trees(emulated, case, switch, split_cap, monkeypatch):
     if switch:
         monkeypatch.setenv(switch, "off")
     sms = 8
-    if case == "one_long_sequence":  # 41 private chunks shared out over the warps of one block
+    if case == "one_long_sequence":  # 41 private chunks shared out over the warps of 6 blocks
         heads, d, chunk, dtype = (9, 3), 64, 64, torch.float16
         prompts = [list(range(64 * 40 + 17))]
+    elif case == "two_long_sequences":  # a shared run, then long private parts: 2 x 2 (row, head)
+        # blocks under 64 SMs want 32 splits and take 8, more warps than one row has items
+        heads, d, chunk, dtype, sms = (8, 2), 64, 32, torch.bfloat16, 64
+        prompts = [list(range(70)) + [1000 + s] * (32 * 9 + 5 * s) for s in range(2)]
     elif case == "run_in_segments":  # 13 chunks of one run (the last partly filled) under 2 SMs:
         # blocks fold segments of several chunks, row groups of 4 tiles, a last group of 2
         heads, d, chunk, dtype, sms = (9, 3), 64, 64, torch.bfloat16, 2
@@ -235,7 +257,7 @@ def test_emulated_cuda_kernel_edge_trees(emulated, case, switch, monkeypatch):
     for chunk_first in (True, False):
         ctx = KernelContext(tree, chunk_first=chunk_first)
         q = torch.randn(ctx.batch_size, heads[0], d, generator=torch.Generator().manual_seed(1))
-        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d**-0.5, chunk_first, sms=sms)
+        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d**-0.5, chunk_first, sms=sms, split_cap=split_cap)
         ref = reference_decode_attention(q, pool, tree, 0, ctx.order, d**-0.5)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

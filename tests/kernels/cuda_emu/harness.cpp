@@ -16,7 +16,7 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
                                     const int32_t* seq_shared_ptr, const int32_t* seq_shared_idx,
                                     const int32_t* priv_slot, int priv_stride, const int32_t* priv_count,
                                     const int32_t* priv_last_len, int chunk_first, int window, float softcap, int sms,
-                                    char* err, int err_len) {
+                                    int split_cap, char* err, int err_len) {
   using namespace chunkgen;
   DecodeProblem p{};
   p.q = q;
@@ -56,6 +56,15 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> part_o(std::max<size_t>(rows * head_dim, 1), nan), part_m(std::max<size_t>(rows, 1), nan),
       part_l(std::max<size_t>(rows, 1), nan);
+  // The sequence-first splits' sums: split_cap blocks a (row, query head), NaN like the partials.
+  const size_t split_rows = static_cast<size_t>(batch) * q_heads * split_cap;
+  std::vector<float> split_o(std::max<size_t>(split_rows * head_dim, 1), nan),
+      split_m(std::max<size_t>(split_rows, 1), nan), split_l(std::max<size_t>(split_rows, 1), nan);
+  SplitSpace split_space;
+  split_space.o = split_o.data();
+  split_space.m = split_m.data();
+  split_space.l = split_l.data();
+  split_space.splits = split_cap;
   // One emulated device per SM count, as the kernels cache each device's limits.
   emu::Device& dev = emu::device();
   dev.current = -1;
@@ -68,7 +77,8 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   emu::device().errors.clear();
   std::string message;
   try {
-    decode_attention_cuda_raw(p, part_off.data(), max_rows, part_o.data(), part_m.data(), part_l.data(), nullptr);
+    decode_attention_cuda_raw(p, part_off.data(), max_rows, part_o.data(), part_m.data(), part_l.data(), split_space,
+                              nullptr);
   } catch (const std::exception& e) {
     message = e.what();
   }
