@@ -218,7 +218,7 @@ def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides
         wall = time.perf_counter() - t0
     s = engine.stats
     n_gen = sum(len(g) for g in gen)
-    kernels, kernels_note = decode_kernels_per_step(engine)
+    prof = profile_decode_step(engine)
     row = dict(
         peak_batch=max(s.batch_sizes, default=0),
         wall_s=wall,
@@ -230,8 +230,11 @@ def run_engine(llm: LLM, work: Workload, schema: dict | None = None, **overrides
         decode_tokens_per_s=(n_gen - len(gen)) / max(s.decode_s, 1e-9),
         kv_peak_bytes=engine.pool.peak_bytes,
         rss_peak_bytes=rss.peak,
-        decode_kernels_per_step=kernels,
-        decode_kernels_note=kernels_note,
+        decode_kernels_per_step=prof.kernels,
+        decode_kernels_note=prof.note,
+        decode_graph_us=prof.graph_us,
+        decode_kernel_us=prof.kernel_us,
+        decode_top_kernels=prof.top,
     )
     return row, gen
 
@@ -241,34 +244,76 @@ def is_kernel(name: str) -> bool:
     return not name.startswith(("Memcpy", "Memset", "memcpy", "memset"))
 
 
-def decode_kernels_per_step(engine, replays: int = 3) -> tuple[int | None, str]:
+@dataclass
+class StepProfile:
+    """One decode step's captured graph on the GPU: its kernels and where its time goes."""
+
+    kernels: int | None  # kernels a step (None: not counted, `note` says why)
+    note: str
+    graph_us: float | None = None  # a replay's time on the GPU (CUDA events around the replays)
+    kernel_us: float | None = None  # the step's kernels' summed time (graph_us less it: gaps)
+    top: list[dict] = dataclasses.field(default_factory=list)  # {"name", "us", "calls"} a step, most us first
+
+
+def kernel_time_by_name(events: list[tuple[str, float]], replays: int, top: int = 12) -> tuple[int, float, list[dict]]:
+    """(kernels a step, their summed us a step, the `top` names by us a step) from (name, us)
+    device events of `replays` replays; copies and fills left out. Names are cut at 160 characters
+    (a template's arguments)."""
+    by_name: dict[str, list[float]] = {}
+    count, total = 0, 0.0
+    for name, us in events:
+        if not is_kernel(name):
+            continue
+        count += 1
+        total += us
+        entry = by_name.setdefault(name, [0.0, 0.0])
+        entry[0] += us
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    rows = [{"name": n[:160], "us": us / replays, "calls": calls / replays} for n, (us, calls) in ranked]
+    return round(count / replays), total / replays, rows
+
+
+def profile_decode_step(engine, replays: int = 3) -> StepProfile:
     """GPU kernels in one decode step's captured graph (the forward: attention, linear layers,
-    norms, the logits; sampling and the step's input copy are outside it), counted by torch's
-    profiler over replays of the largest bucket's graph after the timed run, so the timing is
-    untouched. (None, why) where there is no such graph: the CPU, or a model stepped eagerly."""
+    norms, the logits; sampling and the step's input copy are outside it), counted and timed by
+    torch's profiler over replays of the largest bucket's graph after the timed run, so the timing
+    is untouched; beside them the replays' own time by CUDA events. Where there is no such graph
+    (the CPU, or a model stepped eagerly), nothing is counted and the note says why."""
     runner = engine.runner
     if runner.device.type != "cuda":
-        return None, "counted on CUDA only (the CPU step is not a kernel graph)"
+        return StepProfile(None, "counted on CUDA only (the CPU step is not a kernel graph)")
     replay = runner.largest_capture()
     if replay is None:
-        return None, "no captured decode graph (an eagerly stepped model)"
+        return StepProfile(None, "no captured decode graph (an eagerly stepped model)")
     try:
         from torch.profiler import ProfilerActivity, profile
 
         replay()
         torch.cuda.synchronize(runner.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            replay()
+        end.record()
+        torch.cuda.synchronize(runner.device)
+        graph_us = 1e3 * start.elapsed_time(end) / replays
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 replay()
             torch.cuda.synchronize(runner.device)
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels = sum(is_kernel(e.name) for e in events)
+        events = [
+            (e.name, e.time_range.elapsed_us())
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
     except Exception as exc:  # a profiler that cannot trace here must not cost the run its figures
-        return None, f"not counted: the profiler failed ({type(exc).__name__}: {exc})"
+        return StepProfile(None, f"not counted: the profiler failed ({type(exc).__name__}: {exc})")
+    kernels, kernel_us, top = kernel_time_by_name(events, replays)
     if kernels == 0:
-        return None, "not counted: the profiler saw no kernel in the graph's replays"
+        return StepProfile(None, "not counted: the profiler saw no kernel in the graph's replays")
     note = f"torch profiler over {replays} replays of the largest bucket's captured step"
-    return round(kernels / replays), note
+    return StepProfile(kernels, note, graph_us, kernel_us, top)
 
 
 ENGINE_SETTINGS = {

@@ -107,7 +107,30 @@ def e2e_cells(rows: Sequence[dict], model: str) -> dict[str, Cell]:
         cells[f"{base} gen_tok_s"] = Cell(float(r["gen_tokens_per_s"]), "tok/s", True, control)
         if r.get("decode_kernels_per_step") is not None:  # more kernels a step: slower, whatever the clock says
             cells[f"{base} decode_kernels_step"] = Cell(float(r["decode_kernels_per_step"]), "kernels")
+        if r.get("decode_graph_us") is not None:  # the step's graph alone on the GPU, no host in it
+            cells[f"{base} decode_graph_us"] = Cell(float(r["decode_graph_us"]), "us")
     return cells
+
+
+def step_profiles(rows: Sequence[dict], model: str) -> list[str]:
+    """Markdown: where each profiled decode step's GPU time goes (bench e2e's top kernels)."""
+    lines: list[str] = []
+    for r in rows:
+        if not r.get("decode_top_kernels"):
+            continue
+        graph, kern = r.get("decode_graph_us"), r.get("decode_kernel_us")
+        lines += [
+            f"### {model} {r['dtype']} rows={r['n_queries']} n_shared={r['n_shared']} {r['system']}",
+            "",
+            f"A step's graph: {_fmt(graph)} us on the GPU; its {r['decode_kernels_per_step']} kernels "
+            f"{_fmt(kern)} us of it ({r['decode_kernels_note']}).",
+            "",
+            "| kernel | us a step | calls a step |",
+            "|---|---:|---:|",
+            *[f"| `{k['name']}` | {_fmt(k['us'])} | {k['calls']:g} |" for k in r["decode_top_kernels"]],
+            "",
+        ]
+    return lines
 
 
 def cells_to_json(cells: dict[str, Cell]) -> dict[str, dict]:
@@ -215,6 +238,7 @@ def report_markdown(
     cells: dict[str, Cell],
     comparison: Comparison | None,
     baseline_note: str,
+    profiles: Sequence[str] = (),
 ) -> str:
     lines = [
         f"# GPU check, {meta['date']}: {device}",
@@ -264,6 +288,8 @@ def report_markdown(
         lines.append("")
     lines += ["## Every cell", "", "| cell | now |", "|---|---:|"]
     lines += [f"| {k} | {_fmt(c.value)} {c.unit} |" for k, c in sorted(cells.items())]
+    if profiles:
+        lines += ["", "## Where a decode step's time goes", "", *profiles]
     failed = [s for s in stages if not s.ok and s.tail]
     for s in failed:
         lines += ["", f"## {s.name}: {s.status}", "", "```", s.tail.rstrip(), "```"]
@@ -344,15 +370,21 @@ def run_stages(stages: list[Stage], budget_s: float, cwd: Path, log) -> list[Sta
     return results
 
 
-def collect_cells(stages: list[Stage], results: list[StageResult]) -> dict[str, Cell]:
-    """Cells of every timed stage that left its JSON (a timed-out stage's file is not there)."""
+def collect_cells(stages: list[Stage], results: list[StageResult]) -> tuple[dict[str, Cell], list[str]]:
+    """Cells of every timed stage that left its JSON (a timed-out stage's file is not there), and
+    the e2e stages' step profiles."""
     cells: dict[str, Cell] = {}
+    profiles: list[str] = []
     for st, res in zip(stages, results):
         if not st.json_out or not res.ok or not st.json_out.exists():
             continue
         rows = json.loads(st.json_out.read_text())
-        cells.update(kernel_cells(rows) if st.kind == "kernel" else e2e_cells(rows, st.label))
-    return cells
+        if st.kind == "kernel":
+            cells.update(kernel_cells(rows))
+        else:
+            cells.update(e2e_cells(rows, st.label))
+            profiles += step_profiles(rows, st.label)
+    return cells, profiles
 
 
 def gpu_identity() -> tuple[str, dict]:
@@ -388,7 +420,7 @@ def finish(
 ) -> tuple[int, list[Path]]:
     """Compare, write the report (and a first baseline); returns the exit status and the files
     written. Status 0: every stage ran and no cell is slower than the threshold; 1 otherwise."""
-    cells = collect_cells(stages, results)
+    cells, profiles = collect_cells(stages, results)
     path = baseline_path(baseline_dir, device)
     baseline = load_baseline(path, device)
     written: list[Path] = []
@@ -415,7 +447,7 @@ def finish(
     stem = f"{meta['date']}-gpu-check-{device_slug(device)}"
     results_dir.mkdir(parents=True, exist_ok=True)
     md = results_dir / f"{stem}.md"
-    md.write_text(report_markdown(device, meta, results, cells, comparison, note))
+    md.write_text(report_markdown(device, meta, results, cells, comparison, note, profiles))
     js = results_dir / f"{stem}.json"
     record = {
         **baseline_record(device, meta, cells),

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from chunkgen import device as devmod
-from chunkgen.bench.e2e import decode_kernels_per_step, is_kernel
+from chunkgen.bench.e2e import is_kernel, kernel_time_by_name, profile_decode_step
 from chunkgen.cli import app
 from chunkgen.model import dummy
 from tests.helpers import cli_args
@@ -25,10 +25,22 @@ def engine_on(device: str, capture=None):
 
 
 def test_kernels_are_counted_on_cuda_graphs_only_and_say_why_not():
-    count, note = decode_kernels_per_step(engine_on("cpu"))
-    assert count is None and "CUDA only" in note
-    count, note = decode_kernels_per_step(engine_on("cuda"))  # stepped eagerly: no graph to count
-    assert count is None and "eagerly" in note
+    prof = profile_decode_step(engine_on("cpu"))
+    assert prof.kernels is None and prof.top == [] and "CUDA only" in prof.note
+    prof = profile_decode_step(engine_on("cuda"))  # stepped eagerly: no graph to count
+    assert prof.kernels is None and prof.graph_us is None and "eagerly" in prof.note
+
+
+def test_a_steps_kernel_time_by_name():
+    """Per replay: the kernels, their summed time, and the names ranked by time (copies left out,
+    long template names cut)."""
+    gemm, attn = "sm90_xmma_gemm_bf16bf16_bf16f32", "void chunkgen::sequence_first_kernel<" + "x" * 300 + ">"
+    events = [(gemm, 10.0), (attn, 4.0), ("Memcpy HtoD (Pinned -> Device)", 50.0), (gemm, 6.0)] * 2
+    kernels, us, top = kernel_time_by_name(events, replays=2, top=1)
+    assert kernels == 3 and us == pytest.approx(20.0)
+    assert top == [{"name": gemm, "us": pytest.approx(16.0), "calls": 2.0}]
+    _, _, top = kernel_time_by_name(events, replays=2)
+    assert [r["name"] for r in top] == [gemm, attn[:160]] and top[1]["us"] == pytest.approx(4.0)
 
 
 def test_copies_and_fills_are_not_kernels():

@@ -42,6 +42,24 @@ def test_cells_are_keyed_by_shape_and_say_which_way_is_better():
     assert counted["e2e m bf16 rows=32 n_shared=2048 chunkgen decode_kernels_step"] == gc.Cell(515.0, "kernels")
 
 
+def test_a_profiled_step_gives_a_graph_time_cell_and_a_report_section(tmp_path):
+    """bench e2e's step profile (CUDA graphs only): the graph's GPU time is held to the baseline like
+    any time, and the report lists the step's kernels by time."""
+    gemm = "sm90_xmma_gemm_bf16bf16_bf16f32"
+    row = {**e2e_row("chunkgen", 0.3, 0.2, 4000.0, rows=256), "decode_kernels_per_step": 400,
+           "decode_kernels_note": "torch profiler over 3 replays", "decode_graph_us": 2600.0,
+           "decode_kernel_us": 2100.0, "decode_top_kernels": [{"name": gemm, "us": 900.0, "calls": 120.0}]}  # fmt: skip
+    cells = gc.e2e_cells([row, e2e_row("hf", 1.0, 1.0, 1000.0, rows=256)], "m")
+    assert cells["e2e m bf16 rows=256 n_shared=2048 chunkgen decode_graph_us"] == gc.Cell(2600.0, "us")
+    assert not any("hf decode_graph_us" in k for k in cells)
+    stages, results = _stages_with(tmp_path, [kernel_row("chunk_tpp", 250.0)], [row])
+    _, files = gc.finish(H100, META, stages, results, tmp_path / "r", tmp_path / "b")
+    report = files[-2].read_text()
+    assert "## Where a decode step's time goes" in report
+    assert "A step's graph: 2,600 us on the GPU; its 400 kernels 2,100 us of it" in report
+    assert f"| `{gemm}` | 900 | 120 |" in report
+
+
 def test_compare_flags_cells_slower_than_the_threshold_in_either_direction():
     base = {
         "t_ok": gc.Cell(100.0, "us"),
