@@ -843,7 +843,8 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
 }  // namespace
 
 // part_off: device [num_shared + 1], prefix sums of the shared chunks' sequence counts; max_rows:
-// the largest sequence count of one shared chunk; part_*: part_off[num_shared] * q_heads rows.
+// the largest sequence count of one shared chunk; part_*: part_off[num_shared] * q_heads rows;
+// split_space: room for the sequence-first splits' sums (splits 0: one block a row and KV head).
 void decode_attention_cuda_raw(const DecodeProblem& p, const int32_t* part_off, int max_rows, float* part_o,
                                float* part_m, float* part_l, const SplitSpace& split_space, void* stream) {
   if (p.head_dim > kMaxHeadDim) throw std::invalid_argument("head_dim > 256 is not supported on CUDA");

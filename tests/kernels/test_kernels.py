@@ -354,3 +354,22 @@ def test_window_and_softcap_arguments_are_checked():
         decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125, window=-1)
     with pytest.raises(ValueError, match="softcap"):
         decode_attention(q, pool.k[0], pool.v[0], ctx, 0.125, softcap=-1.0)
+
+
+def test_the_gpu_workspace_covers_the_partials_and_every_buckets_splits():
+    """Sized once per context layout (meta device: sizes only): a row for each (row, shared chunk)
+    pair the layout holds and query head, then SEQUENCE_SPLITS blocks' sums for each row of its
+    largest bucket, so no bucket replayed on it runs out (the binding gives splits what is left)."""
+    from chunkgen.kernels.decode import SEQUENCE_SPLITS
+
+    pool = ChunkPool(1, 2, 64, 16, torch.float32, budget_bytes=1 << 24)
+    tree = PrefixTree(pool)
+    for s in range(3):
+        tree.insert(s, list(range(40)) + [100 + s])
+        tree.mark_ready(s)
+    ctx = KernelContext(tree, buckets=[1, 2, 4, 8])
+    assert ctx.rows == 4 and ctx.row_capacity == 8
+    ws = workspace_for(ctx, 6, 64, torch.device("meta"))
+    pairs = ctx.arrays().seq_shared_idx.numel()
+    assert ws.numel() == (pairs + 8 * SEQUENCE_SPLITS) * 6 * (64 + 2)
+    assert workspace_for(ctx, 6, 64, torch.device("cpu")).numel() == 0  # the CPU kernel plans its own
