@@ -75,6 +75,15 @@ def kv_text(config: Config) -> str:
     return f"{human_bytes(config.kv_memory)}{own} ({config.why['kv_memory']})"
 
 
+def invariance_text(config: Config) -> str:
+    """Whether a row's answer depends on the rows run beside it, and why (docs/batch-invariance.md)."""
+    if not config.batch_invariant:
+        return "off (--batch-invariant off): answers may differ with the batch near ties"
+    if config.device != "cpu":
+        return "not on the GPU: its kernels are not batch-invariant yet (--batch-invariant applies to the CPU)"
+    return "on: a row's answer and logprobs do not depend on the rows beside it"
+
+
 def dtype_line(config: Config) -> str:
     """The dtype and device a loaded model runs on and its KV budget, said once on stderr with why;
     returns the dtype's short name."""

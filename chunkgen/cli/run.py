@@ -18,7 +18,7 @@ import typer
 from rich.markup import escape
 
 from chunkgen.cli.boundary import app, err, fail, usage
-from chunkgen.cli.loading import device_text, dtype_text, kv_text, load_llm, weights_text
+from chunkgen.cli.loading import device_text, dtype_text, invariance_text, kv_text, load_llm, weights_text
 from chunkgen.cli.option_types import (
     BATCH_INVARIANT,
     CHUNK_SIZE,
@@ -295,6 +295,7 @@ def _run_local(
     if weights := weights_text(llm):
         summary.dtype += f"; {weights}"
     summary.max_batch = f"{loaded.max_batch} ({loaded.why['max_batch']})"
+    summary.batch_invariant = invariance_text(loaded)
     return summary
 
 

@@ -64,6 +64,8 @@ def report(summary, out: Path, quiet: bool, json_log: bool, signum: int | None) 
             table.add_row("device", summary.device)
         if summary.kv_memory:
             table.add_row("KV budget", summary.kv_memory)
+        if summary.batch_invariant:
+            table.add_row("batch-invariant", summary.batch_invariant)
         if summary.peak_batch:
             table.add_row(
                 "batch",

@@ -106,6 +106,7 @@ class JobSummary:
     device: str = ""  # where, and why, e.g. "cuda:0 (auto: a CUDA GPU and chunkgen's CUDA kernels)"
     kv_memory: str = ""  # the KV budget and why, e.g. "60.2 GiB (auto: 85% of the 70.8 GiB GPU memory free ...)"
     max_batch: str = ""  # the cap on sequences decoded together and why, e.g. "256 (auto: ...)"
+    batch_invariant: str = ""  # whether answers depend on the batch, e.g. "on: a row's answer ..."
     peak_batch: int = 0  # the most sequences one decode step ran (the largest of any worker's)
     held_back_steps: int = 0  # steps in which sequences waited below the cap because the KV pool was full
     workers: int = 1  # engines that answered (Ray actors; 1 for a local run)

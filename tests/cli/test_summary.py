@@ -26,3 +26,23 @@ def test_the_run_summary_names_the_device_and_the_kv_budget(tiny_model, tmp_path
     assert summary["device"] == f"{want.device} ({want.reason})"
     if want.device == "cpu":
         assert summary["kv_memory"].startswith("4.0 GiB (auto: 4.0 GiB on the CPU")
+        assert summary["batch_invariant"].startswith("on: a row's answer")
+    argv = base_args(tiny_model, tmp_path / "off.jsonl", quiet=None, max_new_tokens=2, json_log=True)
+    res = runner.invoke(app, [*argv, "--batch-invariant", "off"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    summary = json.loads([l for l in res.output.splitlines() if '"summary"' in l][-1])
+    assert summary["batch_invariant"].startswith("off (--batch-invariant off)")
+
+
+def test_the_summary_says_where_answers_do_not_depend_on_the_batch():
+    """On by default on the CPU; off when asked; never claimed on the GPU, whose kernels are not
+    batch-invariant yet."""
+    from types import SimpleNamespace
+
+    from chunkgen.cli.loading import invariance_text
+
+    assert invariance_text(SimpleNamespace(batch_invariant=True, device="cpu")).startswith("on:")
+    assert invariance_text(SimpleNamespace(batch_invariant=False, device="cpu")).startswith(
+        "off (--batch-invariant off)"
+    )
+    assert invariance_text(SimpleNamespace(batch_invariant=True, device="cuda:0")).startswith("not on the GPU")
