@@ -123,11 +123,15 @@ float aten_row_sum(const Load& sq, int64_t n) {
   return total;
 }
 
-// Rows are split over OpenMP threads only when there is enough work to pay for waking them. These
-// ops are memory-bound: a second thread saves a fraction of a millisecond below 2^20 elements (4 MB
-// of fp32 an operand), while on a busy machine a region's barrier waits for a descheduled thread
-// (measured 20 ms a call, 2 threads at load average 10 on 2 cores, for 1,061 x 576 add_rms_norm).
-constexpr int64_t kParallelElems = 1 << 20;
+// Rows are split over OpenMP threads only when there is enough work to pay for waking them: from
+// 2^16 elements (the gated activations, whose exp and division cost several times an add per
+// element, from 2^14). A decode step of 256 rows of SmolLM2 on one thread of a Zen 4 spent 95 us
+// in a 256 x 576 add_rms_norm, 109 us in rotary and 377 us in a 256 x 1536 silu_mul, four calls a
+// layer: about 13 ms of a 320 ms step, which two threads halve. On a busy machine a region's
+// barrier can wait for a descheduled thread (20 ms a call measured at load average 10 on 2 cores),
+// but a layer's products and attention already take five such regions.
+constexpr int64_t kParallelElems = 1 << 16;
+constexpr int64_t kParallelGatedElems = 1 << 14;
 
 // The inverse RMS of n values (F.rms_norm: fp32 copy, pow(2) as x * x, mean = sum / n, + eps,
 // rsqrt = 1 / sqrt), the sum in ATen's order.
@@ -292,7 +296,7 @@ inline decode::vf vexp_u10(decode::vf d) {
 template <typename T, typename Vec, typename One>
 inline void gated_rows(const T* gu, int64_t is, T* out, int64_t os, int64_t rows, int64_t n, Vec vec, One one) {
   using decode::W;
-#pragma omp parallel for if (rows * n >= kParallelElems)
+#pragma omp parallel for if (rows * n >= kParallelGatedElems)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gu + r * is;
     const T* u = g + n;
