@@ -126,8 +126,8 @@ float aten_row_sum(const Load& sq, int64_t n) {
 // Rows are split over OpenMP threads only when there is enough work to pay for waking them: from
 // 2^16 elements (the gated activations, whose exp and division cost several times an add per
 // element, from 2^14). A decode step of 256 rows of SmolLM2 on one thread of a Zen 4 spent 95 us
-// in a 256 x 576 add_rms_norm, 109 us in rotary and 377 us in a 256 x 1536 silu_mul, four calls a
-// layer: about 13 ms of a 320 ms step, which two threads halve. On a busy machine a region's
+// in a 256 x 576 add_rms_norm (two a layer), 109 us in rotary and 377 us in a 256 x 1536 silu_mul:
+// about 20 ms of a 320 ms step, which two threads halve. On a busy machine a region's
 // barrier can wait for a descheduled thread (20 ms a call measured at load average 10 on 2 cores),
 // but a layer's products and attention already take five such regions.
 constexpr int64_t kParallelElems = 1 << 16;
