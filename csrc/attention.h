@@ -46,9 +46,10 @@ struct DecodeProblem {
 
   // false: the "paged" baseline: every sequence reads its shared chunks itself.
   bool chunk_first;
-  // Batch-invariant (csrc/invariant.h; the CPU kernel sets it from batch_invariant()): every row one
-  // online softmax over its path's chunks in path order (shared groups continue the row's state, no
-  // partials merged), no segments.
+  // Batch-invariant (csrc/invariant.h; each device's entry sets it from batch_invariant()). On the
+  // CPU every row is one online softmax over its path's chunks in path order (shared groups continue
+  // the row's state, no partials merged), no segments; on CUDA every chunk of a row leaves a partial
+  // made by one code path, merged in path order (csrc/cuda/decode_attention.cu).
   bool invariant = false;
 
   // The step's new K/V for the CPU kernel to store (null: the caller stored them): row b's k, v
@@ -66,7 +67,8 @@ struct DecodeProblem {
 
 // The CUDA sequence-first phase's space for a row's work items split over several blocks
 // (flash-decoding): each block's unnormalised (o [d], m, l) of a query head, for up to `splits`
-// blocks a (row, query head). splits 0 or 1: no space, one block a (row, KV head).
+// blocks a (row, query head). splits 0 or 1: no space, one block a (row, KV head). Batch-invariant,
+// it holds the rows' private chunks' partials instead (priv_stride a row: splits >= priv_stride).
 struct SplitSpace {
   float* o = nullptr;
   float* m = nullptr;

@@ -407,7 +407,8 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   // no rows and padded rows read no chunk, so nothing here depends on the tree's live values.
   // The workspace (kernels/decode.py: workspace_for): the chunk-first partials, a row for each
   // (row, shared chunk) pair the context holds (seq_shared_idx's entries) and query head; then
-  // whatever follows, in whole (batch row, query head) sets, for the sequence-first splits' sums.
+  // whatever follows, in whole (batch row, query head) sets, for the sequence-first splits' sums or,
+  // batch-invariant, the private chunks' partials.
   TORCH_CHECK_VALUE(
       workspace.scalar_type() == torch::kFloat32 && workspace.is_contiguous() && workspace.device() == q.device(),
       "workspace must be a contiguous float32 tensor on q's device");
@@ -426,6 +427,7 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   split_space.l = split_space.m + split_rows * p.q_heads;
   // On q's GPU and that GPU's current stream, whichever device the caller has current: the kernels
   // read the device's limits and launch on the current device.
+  p.invariant = batch_invariant();
   const c10::cuda::CUDAGuard guard(q.device());
   decode_attention_cuda_raw(p, part_off.data_ptr<int32_t>(), p.batch, part_o, part_m, part_l, split_space,
                             c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
@@ -522,9 +524,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("simd_width", &chunkgen::simd_width, "fp32 lanes the CPU kernel was compiled for");
   m.def("batch_invariant", &chunkgen::batch_invariant,
-        "whether the CPU kernels give each row the same reduction order whatever the batch (csrc/invariant.h)");
+        "whether the kernels give each row the same reduction order whatever the batch (csrc/invariant.h)");
   m.def("set_batch_invariant", &chunkgen::set_batch_invariant,
-        "turn batch-invariant numerics of the CPU kernels on (the default) or off", py::arg("on"));
+        "turn batch-invariant numerics of the kernels on (the default) or off", py::arg("on"));
   m.def("cpu_kernel_isa", &chunkgen::cpu_kernel_isa,
         "the CPU kernel path a bfloat16 call takes now (amx, avx512_bf16, or the fp32 path's ISA); "
         "CHUNKGEN_CPU_ISA forces a lower one");

@@ -97,6 +97,11 @@ class KernelContext:
         must cover."""
         return self._caps[0]
 
+    @property
+    def private_capacity(self) -> int:
+        """Private chunks a row of the current layout holds (priv_slot's width)."""
+        return self._caps[1]
+
     # -- layout -------------------------------------------------------------------------------
     def _allocate(self, rows: int, width: int, shared: int, index: int) -> None:
         sizes = {name: rows for name in _HOT}

@@ -168,7 +168,7 @@ class ModelRunner:
     def workspace(self) -> torch.Tensor:
         """Allocated once per context layout (capacities only grow), never per step."""
         if self._workspace is None or self._workspace[0] != self.ctx.layouts:
-            ws = workspace_for(self.ctx, self.model.q_heads, self.model.head_dim, self.device)
+            ws = workspace_for(self.ctx, self.model.q_heads, self.model.head_dim, self.device, self.batch_invariant)
             self._workspace = (self.ctx.layouts, ws)
         return self._workspace[1]
 

@@ -7,6 +7,7 @@ import torch
 
 from chunkgen._native import native
 from chunkgen.cache.context import ContextArrays, KernelContext, checks_enabled
+from chunkgen.kernels import invariant
 
 
 def _register_fake() -> None:
@@ -55,14 +56,20 @@ _register_fake()
 SEQUENCE_SPLITS = 8
 
 
-def workspace_for(ctx: KernelContext, q_heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+def workspace_for(
+    ctx: KernelContext, q_heads: int, head_dim: int, device: torch.device, batch_invariant: bool | None = None
+) -> torch.Tensor:
     """Partial-result space of the GPU kernels, sized by the context's capacity: the chunk-first
     phase's partials (a row for each (row, shared chunk) pair), then room for SEQUENCE_SPLITS
-    blocks' sums per row; the CPU kernel plans its own."""
+    blocks' sums per row or, with batch-invariant numerics (default: the current mode), for a
+    partial of each private chunk a row holds; the CPU kernel plans its own."""
     if torch.device(device).type == "cpu":
         return torch.empty(0, dtype=torch.float32)
+    if batch_invariant is None:
+        batch_invariant = invariant.enabled()
     pairs = max(ctx.arrays().seq_shared_idx.numel(), 1)
-    rows = pairs + ctx.row_capacity * SEQUENCE_SPLITS
+    per_row = max(SEQUENCE_SPLITS, ctx.private_capacity) if batch_invariant else SEQUENCE_SPLITS
+    rows = pairs + ctx.row_capacity * per_row
     return torch.empty(rows * q_heads * (head_dim + 2), dtype=torch.float32, device=device)
 
 

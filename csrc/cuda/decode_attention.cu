@@ -17,6 +17,12 @@
 // each keeping a running (o, m, l) for the whole GQA group; a final reduction across warps merges
 // them and normalises, or, split, leaves each block's sums for a merge kernel (flash-decoding).
 //
+// Batch-invariant (p.invariant, csrc/invariant.h): phase 1 also reads every private chunk, a block a
+// (row, chunk, KV head), so each chunk of a row's path leaves the row one partial made by the same
+// code whether other rows share the chunk or not; no segments, no splits; phase 2 merges the
+// partials in path order, dealt to its warps by the row's own chunk count. Nothing a row computes
+// then depends on the rows beside it.
+//
 // Sliding windows and soft-capping (Masked kernels; full attention instantiates without them): a
 // row's position is the sum of its path's chunk lengths, read from the index arrays on the device.
 // A block or warp whose rows' windows all start past a chunk does not read it; partly covered
@@ -363,14 +369,14 @@ __device__ __forceinline__ void warp_product(const T* a, int lda, const T* b, in
   }
 }
 
-// Shared chunk c's K and V of KV head h into padded rows of shared memory, 16 bytes per thread and
-// step, as asynchronous copies (cp.async: they land by the __pipeline_wait_prior that covers the
-// batch the caller commits). V rows past the chunk's n tokens are zeroed: their probabilities are
-// 0, but the pool bytes there may be NaN.
+// A chunk's K and V (n tokens, at pool slot `slot`) of KV head h into padded rows of shared memory,
+// 16 bytes per thread and step, as asynchronous copies (cp.async: they land by the
+// __pipeline_wait_prior that covers the batch the caller commits). V rows past the chunk's n tokens
+// are zeroed: their probabilities are 0, but the pool bytes there may be NaN.
 template <typename T>
-__device__ void load_chunk_tiles(const DecodeProblem& p, int c, int h, const MmaTiles<T>& L, T* ks, T* vs) {
-  const int d = p.head_dim, C = p.chunk, n = p.shared_len[c];
-  const size_t off = head_offset(p.shared_slot[c], h, p.kv_heads, d, C);
+__device__ void load_chunk_tiles(const DecodeProblem& p, int slot, int n, int h, const MmaTiles<T>& L, T* ks, T* vs) {
+  const int d = p.head_dim, C = p.chunk;
+  const size_t off = head_offset(slot, h, p.kv_heads, d, C);
   const T* kg = static_cast<const T*>(p.k) + off;
   const T* vg = static_cast<const T*>(p.v) + off;
   constexpr int per_vec = 16 / sizeof(T);
@@ -464,43 +470,73 @@ __device__ void chunk_into_tile(const DecodeProblem& p, RowTile<T>& t, const Mma
   __syncwarp();
 }
 
-// Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * groups blocks. Block
+// Batch-invariant: the partial (o, m, l) of row b's private chunk i for query head qh, at this row
+// of the split space (which holds no splits' sums then: one sequence-first block a row and head).
+__device__ __forceinline__ size_t private_part_row(const DecodeProblem& p, int b, int i, int qh) {
+  return (static_cast<size_t>(b) * p.priv_stride + i) * p.q_heads + qh;
+}
+
+// Tensor-core chunk-first for fp16/bf16 K/V. Grid: num_shared * kv_heads * groups blocks
+// (shared_blocks), then, batch-invariant, batch * priv_stride * kv_heads * pgroups more. Block
 // (c, h, g) takes row group g of shared chunk c (rows [g * W * 16, (g + 1) * W * 16): a row tile of
 // 16 per warp) through the chunks of c's segment, each warp with an online softmax over them; the
 // warps share each chunk's K/V load. A chunk that does not start a segment leaves its rows'
-// partials empty (l = 0: the merge skips them).
+// partials empty (l = 0: the merge skips them). Block (b, i, h, g) of the second part takes row b's
+// private chunk i the same way (its G query rows), so that every chunk of a row, shared with other
+// rows or not, gives the row the same partial: the same products in the same order.
 template <typename T, bool Masked>
 __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off, int groups, int seg, int W, int stages,
-                                       float* part_o, float* part_m, float* part_l) {
+                                       float* part_o, float* part_m, float* part_l, int shared_blocks, int pgroups,
+                                       SplitSpace own) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
-  const int g = blockIdx.x % groups, h = (blockIdx.x / groups) % Hk, c = blockIdx.x / groups / Hk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int begin = p.shared_begin[c];
-  const int rows = (p.shared_end[c] - begin) * G, first = g * W * kTile;
+  const bool shared = static_cast<int>(blockIdx.x) < shared_blocks;
+  int g, h, c = 0, begin, rows, own_slot = 0, own_n = 0, own_i = 0;
+  size_t part_base;
+  float *po = part_o, *pm = part_m, *pl = part_l;
+  if (shared) {
+    g = blockIdx.x % groups, h = (blockIdx.x / groups) % Hk, c = blockIdx.x / groups / Hk;
+    begin = p.shared_begin[c];
+    rows = (p.shared_end[c] - begin) * G;
+    part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
+  } else {
+    const int idx = blockIdx.x - shared_blocks, bi = idx / pgroups / Hk;
+    g = idx % pgroups, h = (idx / pgroups) % Hk, begin = bi / p.priv_stride, own_i = bi % p.priv_stride;
+    if (begin >= p.batch || own_i >= p.priv_count[begin]) return;
+    own_slot = p.priv_slot[bi];
+    own_n = own_i + 1 == p.priv_count[begin] ? p.priv_last_len[begin] : C;
+    if (own_n <= 0) return;  // nothing to read; the sequence-first phase skips it the same way
+    rows = G;
+    part_base = private_part_row(p, begin, own_i, h * G);
+    po = own.o, pm = own.m, pl = own.l;
+  }
+  const int first = g * W * kTile;
   if (first >= rows) return;
   const int past = rows - first < W * kTile ? rows : first + W * kTile;  // one past the group's last row
-  const size_t part_base = static_cast<size_t>(part_off[c]) * p.q_heads + static_cast<size_t>(h) * rows;
-  if (!segment_starts(p, c, seg)) {
+  if (shared && !segment_starts(p, c, seg)) {
     for (int r = first + threadIdx.x; r < past; r += kThreads) {
-      part_m[part_base + r] = -INFINITY;
-      part_l[part_base + r] = 0.f;
+      pm[part_base + r] = -INFINITY;
+      pl[part_base + r] = 0.f;
     }
     return;
   }
-  const int last = segment_end(p, c, seg);
+  // The chunks the block walks: shared chunks [c, c + count), or the one private chunk.
+  const int count = shared ? segment_end(p, c, seg) - c : 1;
+  const auto slot_of = [&](int k) { return shared ? p.shared_slot[c + k] : own_slot; };
+  const auto len_of = [&](int k) { return shared ? p.shared_len[c + k] : own_n; };
 
   const MmaTiles<T> L(d, C, W, stages);
   unsigned char* base = shared_bytes();
   int pos = 0;  // Masked: the segment is this one chunk (seg = 1)
   if constexpr (Masked) {
-    pos = p.window > 0 ? shared_position(p, c) : 0;
+    if (p.window > 0) pos = shared ? shared_position(p, c) : row_extent(p, begin).shared + own_i * C;
     if (p.window > 0 &&
-        !block_reaches(p, begin, G, first, past, pos + p.shared_len[c], reinterpret_cast<float*>(base + L.flags)))
+        !block_reaches(p, begin, G, first, past, pos + len_of(0), reinterpret_cast<float*>(base + L.flags)))
       return;  // no row of this block sees the chunk: not read (the merge skips these rows' partials)
   }
   const auto stage_k = [&](int s) { return reinterpret_cast<T*>(base + s * L.stage_bytes); };
   const auto stage_v = [&](int s) { return reinterpret_cast<T*>(base + s * L.stage_bytes + L.v_at); };
-  load_chunk_tiles<T>(p, c, h, L, stage_k(0), stage_v(0));  // in flight while the queries load
+  load_chunk_tiles<T>(p, slot_of(0), len_of(0), h, L, stage_k(0), stage_v(0));  // in flight while the queries load
   __pipeline_commit();
   const bool computes = warp < W;
   RowTile<T> t(base + L.warp0 + (computes ? warp : 0) * L.per_warp, L);
@@ -524,19 +560,20 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
       t.l[r] = 0.f;
       int lo = 0;
       if constexpr (Masked) {
+        const int n = len_of(0);
         lo = r < tile_rows && p.window > 0 ? window_start(p, begin + (r0 + r) / G) - pos : 0;
-        lo = lo < 0 ? 0 : lo < p.shared_len[c] ? lo : p.shared_len[c];
+        lo = lo < 0 ? 0 : lo < n ? lo : n;
       }
       t.lo[r] = lo;
     }
   }
-  for (int cc = c; cc < last; ++cc) {
-    const int n = p.shared_len[cc], s = stages == 2 ? (cc - c) & 1 : 0;
+  for (int k = 0; k < count; ++k) {
+    const int n = len_of(k), s = stages == 2 ? k & 1 : 0;
     const T* ks = stage_k(s);
     const T* vs = stage_v(s);
-    if (stages == 2 && cc + 1 < last) {
+    if (stages == 2 && k + 1 < count) {
       // the next chunk into the other stage, which every warp finished with in the last iteration
-      load_chunk_tiles<T>(p, cc + 1, h, L, stage_k(s ^ 1), stage_v(s ^ 1));
+      load_chunk_tiles<T>(p, slot_of(k + 1), len_of(k + 1), h, L, stage_k(s ^ 1), stage_v(s ^ 1));
       __pipeline_commit();
       __pipeline_wait_prior(1);
     } else {
@@ -545,36 +582,50 @@ __global__ void chunk_first_mma_kernel(DecodeProblem p, const int32_t* part_off,
     __syncthreads();  // this chunk's K and V have landed, every thread's part of them
     if (tile_rows > 0) chunk_into_tile<T, Masked>(p, t, L, ks, vs, n);
     __syncthreads();  // every warp is done with this stage before it is filled again
-    if (stages == 1 && cc + 1 < last) {
-      load_chunk_tiles<T>(p, cc + 1, h, L, stage_k(0), stage_v(0));
+    if (stages == 1 && k + 1 < count) {
+      load_chunk_tiles<T>(p, slot_of(k + 1), len_of(k + 1), h, L, stage_k(0), stage_v(0));
       __pipeline_commit();
     }
   }
 
   if (tile_rows > 0) {
-    for (int i = lane; i < tile_rows * d; i += 32) part_o[(part_base + r0) * d + i] = t.os[(i / d) * L.os_ld + i % d];
+    for (int i = lane; i < tile_rows * d; i += 32) po[(part_base + r0) * d + i] = t.os[(i / d) * L.os_ld + i % d];
     for (int r = lane; r < tile_rows; r += 32) {
-      part_m[part_base + r0 + r] = t.l[r] > 0.f ? t.m[r] : -INFINITY;
-      part_l[part_base + r0 + r] = t.l[r];
+      pm[part_base + r0 + r] = t.l[r] > 0.f ? t.m[r] : -INFINITY;
+      pl[part_base + r0 + r] = t.l[r];
     }
     __syncwarp();
   }
 }
 
-// SIMT chunk-first for fp32 K/V: each warp takes whole sequences of the chunk's range.
+// SIMT chunk-first for fp32 K/V: each warp takes whole sequences of the chunk's range. Grid:
+// num_shared * kv_heads * splits blocks (shared_blocks), then, batch-invariant, a block for each
+// (row, private chunk, KV head), whose first warp leaves the row's partial of that chunk the way a
+// shared chunk's warp would.
 template <typename T, bool Masked>
 __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off, int splits, float* part_o,
-                                        float* part_m, float* part_l) {
+                                        float* part_m, float* part_l, int shared_blocks, SplitSpace own) {
   const int Hk = p.kv_heads, G = p.q_heads / Hk, d = p.head_dim, C = p.chunk;
-  const int split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int begin = p.shared_begin[c], end = p.shared_end[c];
+  const bool shared = static_cast<int>(blockIdx.x) < shared_blocks;
+  int split = 0, h, c = 0, begin, end, slot, n, own_i = 0;
+  if (shared) {
+    split = blockIdx.x % splits, h = (blockIdx.x / splits) % Hk, c = blockIdx.x / splits / Hk;
+    begin = p.shared_begin[c], end = p.shared_end[c], slot = p.shared_slot[c], n = p.shared_len[c];
+  } else {
+    const int bi = (blockIdx.x - shared_blocks) / Hk;
+    h = (blockIdx.x - shared_blocks) % Hk, begin = bi / p.priv_stride, end = begin + 1, own_i = bi % p.priv_stride;
+    if (begin >= p.batch || own_i >= p.priv_count[begin]) return;
+    slot = p.priv_slot[bi];
+    n = own_i + 1 == p.priv_count[begin] ? p.priv_last_len[begin] : C;
+    if (n <= 0) return;
+  }
   // Each warp has its own sequence, so its own copy of the queries in front of its state.
   float* mine = reinterpret_cast<float*>(shared_bytes()) + warp * (G * d + WarpState::floats(G, d, C));
   WarpState s = WarpState::at(mine + G * d, mine, G, d, C);
-  const size_t off = head_offset(p.shared_slot[c], h, Hk, d, C);
-  const int n = p.shared_len[c];
-  const int pos = Masked && p.window > 0 ? shared_position(p, c) : 0;
+  const size_t off = head_offset(slot, h, Hk, d, C);
+  int pos = 0;
+  if (Masked && p.window > 0) pos = shared ? shared_position(p, c) : row_extent(p, begin).shared + own_i * C;
   for (int seq = begin + split * kWarps + warp; seq < end; seq += splits * kWarps) {
     int lo = 0;
     if constexpr (Masked) {
@@ -586,11 +637,14 @@ __global__ void chunk_first_simt_kernel(DecodeProblem p, const int32_t* part_off
     s.reset(G, d);
     warp_attend<T, Masked>(s, static_cast<const T*>(p.k) + off, static_cast<const T*>(p.v) + off, n, G, d, C, lo,
                            p.softcap);
-    const size_t row = part_row(p, part_off, c, h, seq, 0);
-    for (int i = lane; i < G * d; i += 32) part_o[row * d + i] = s.o[i];
+    const size_t row = shared ? part_row(p, part_off, c, h, seq, 0) : private_part_row(p, seq, own_i, h * G);
+    float* po = shared ? part_o : own.o;
+    float* pm = shared ? part_m : own.m;
+    float* pl = shared ? part_l : own.l;
+    for (int i = lane; i < G * d; i += 32) po[row * d + i] = s.o[i];
     for (int g = lane; g < G; g += 32) {
-      part_m[row + g] = s.m[g];
-      part_l[row + g] = s.l[g];
+      pm[row + g] = s.m[g];
+      pl[row + g] = s.l[g];
     }
     __syncwarp();
   }
@@ -667,6 +721,11 @@ __global__ void sequence_first_kernel(DecodeProblem p, const int32_t* part_off, 
       }
     } else {
       if (n <= 0) continue;
+      if (p.invariant && p.chunk_first) {  // the chunk-first kernel left this chunk's partial
+        const size_t row = private_part_row(p, b, i, h * G);
+        warp_merge(s, sp.o + row * d, sp.m + row, sp.l + row, G, d);
+        continue;
+      }
       const size_t off = head_offset(p.priv_slot[static_cast<size_t>(b) * p.priv_stride + i], h, Hk, d, C);
       warp_attend<T, Masked>(s, K + off, V + off, n, G, d, C, lo, p.softcap, stage);
     }
@@ -778,7 +837,18 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
   const size_t state = WarpState::floats(G, p.head_dim, p.chunk);
   const size_t simt_smem = sizeof(float) * kWarps * (gd + state);  // a query copy per warp
   const size_t seq_smem = sizeof(float) * (gd + kWarps * state);   // one query copy per block
-  if (p.chunk_first && p.num_shared > 0) {
+  // Batch-invariant: the chunk-first kernel also reads every private chunk (a block a row, chunk
+  // and KV head), leaving its partial in the split space, one partial a chunk (no segments, whose
+  // lengths follow the grid), and one sequence-first block a row merges them all in path order (no
+  // splits, whose number follows the batch). So a row's arithmetic is the same whichever rows share
+  // its chunks and however many rows run.
+  const bool own_partials = p.invariant && p.chunk_first;
+  if (own_partials && split_space.splits < p.priv_stride)
+    throw std::invalid_argument("batch-invariant decode attention needs room for " + std::to_string(p.priv_stride) +
+                                " private partials a row in the workspace; it has " +
+                                std::to_string(split_space.splits) + " (kernels/decode.py: workspace_for)");
+  const int own_rows = own_partials ? p.batch * p.priv_stride * p.kv_heads : 0;
+  if (p.chunk_first && (p.num_shared > 0 || own_rows > 0)) {
     if constexpr (kTensorCores) {
       // Row tiles a block takes at once (one per warp; fewer where the shared memory for four
       // does not fit, or the rows are fewer), and segments of `seg` chunks per block where chunks x
@@ -801,20 +871,24 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
       }();
       const int groups = std::max(1, (tiles + W - 1) / W);  // one where no chunk has rows
       const bool fold = !Masked && !switched_off("CHUNKGEN_CUDA_SEGMENTS");
-      const int seg = fold ? std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms)) : 1;
+      const int seg =
+          fold && !p.invariant ? std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms)) : 1;
+      const int pgroups = ((G + kTile - 1) / kTile + W - 1) / W;  // a private chunk's row groups
+      const int shared_blocks = p.num_shared * p.kv_heads * groups;
       const size_t smem = MmaTiles<T>(p.head_dim, p.chunk, W, stages).bytes;
       const auto kernel = chunk_first_mma_kernel<T, Masked>;  // one name: the launch macro splits on commas
       reserve_smem(kernel, smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(kernel, p.num_shared * p.kv_heads * groups, kThreads, smem, stream, p, part_off, groups, seg, W,
-                      stages, part_o, part_m, part_l);
+      CHUNKGEN_LAUNCH(kernel, shared_blocks + own_rows * pgroups, kThreads, smem, stream, p, part_off, groups, seg, W,
+                      stages, part_o, part_m, part_l, shared_blocks, pgroups, split_space);
     } else {
       // Split each chunk's rows over more blocks when chunks x heads alone would leave SMs idle.
       const int items = p.num_shared * p.kv_heads;
       const int most = (max_rows + kWarps - 1) / kWarps;
-      const int splits = std::max(1, std::min(most, (2 * lim.sms + items - 1) / items));
+      const int splits = items > 0 ? std::max(1, std::min(most, (2 * lim.sms + items - 1) / items)) : 1;
       const auto kernel = chunk_first_simt_kernel<T, Masked>;
       reserve_smem(kernel, simt_smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(kernel, items * splits, kThreads, simt_smem, stream, p, part_off, splits, part_o, part_m, part_l);
+      CHUNKGEN_LAUNCH(kernel, items * splits + own_rows, kThreads, simt_smem, stream, p, part_off, splits, part_o, part_m,
+                      part_l, items * splits, split_space);
     }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
@@ -827,7 +901,9 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
   // holds; the merge kernel then combines the blocks' sums.
   const int rows_heads = std::max(1, p.batch * p.kv_heads);
   const int want = (2 * lim.sms + rows_heads - 1) / rows_heads;
-  const int splits = switched_off("CHUNKGEN_CUDA_SPLITS") ? 1 : std::max(1, std::min(want, split_space.splits));
+  const int splits = p.invariant || switched_off("CHUNKGEN_CUDA_SPLITS")
+                         ? 1
+                         : std::max(1, std::min(want, split_space.splits));
   const auto seq_kernel = sequence_first_kernel<T, Masked>;
   reserve_smem(seq_kernel, stage ? staged : seq_smem, lim, "sequence-first kernel");
   CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads * splits, kThreads, stage ? staged : seq_smem, stream, p, part_off,

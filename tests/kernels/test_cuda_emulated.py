@@ -67,9 +67,10 @@ def run_emulated(
     window: int = 0,
     softcap: float = 0.0,
     split_cap: int = SEQUENCE_SPLITS,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """split_cap: sequence-first blocks a row the workspace has room for (the engine's
-    workspace_for gives SEQUENCE_SPLITS)."""
+    workspace_for gives SEQUENCE_SPLITS; batch-invariant, at least the context's private width)."""
     out = torch.full_like(q, float("nan"))
 
     def ptr(t):
@@ -105,6 +106,7 @@ def run_emulated(
         ctypes.c_float(softcap),
         sms,
         split_cap,
+        int(invariant),
         err,
         len(err),
     )
@@ -194,6 +196,69 @@ def test_emulated_cuda_kernel_windows_and_softcap(
     out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, scale, chunk_first, sms, window, softcap)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(2, 8),
+    shared_len=st.integers(0, 200),
+    chunk=st.sampled_from([32, 64]),
+    heads=st.sampled_from([(8, 2), (9, 3), (4, 1), (34, 2)]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    decode_steps=st.integers(0, 3),
+    masked=st.sampled_from([None, "window", "softcap"]),
+    sms=st.sampled_from([1, 2, 8, 132]),
+    q_in_pool_dtype=st.booleans(),
+)
+def test_emulated_cuda_kernel_is_batch_invariant(
+    emulated, seed, n_seqs, shared_len, chunk, heads, dtype, decode_steps, masked, sms, q_in_pool_dtype
+):
+    """Batch-invariant: a row's output bits do not depend on the other rows of the call (how many,
+    which, whether they share its chunks), nor on the SM count (segments and splits follow the grid);
+    still equal to the naive attention within tolerance. Removing rows turns shared chunks into
+    private ones, so both ways of reaching a chunk are held against each other. GQA groups of 17
+    (34 / 2) take two row tiles a private chunk."""
+    import random
+
+    rnd = random.Random(seed)
+    q_heads, kv_heads = heads
+    d = 64
+    window = rnd.choice([chunk // 2, chunk + 5, 3 * chunk]) if masked == "window" else 0
+    softcap = 5.0 if masked == "softcap" else 0.0
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, max_private=100, decode_steps=decode_steps)
+    gen = torch.Generator().manual_seed(seed + 1)
+    queries = {s: torch.randn(q_heads, d, generator=gen) * 2 for s in range(n_seqs)}
+    queries = {s: x.to(dtype) if q_in_pool_dtype else x for s, x in queries.items()}
+
+    def rows(sm_count: int) -> dict:
+        ctx = KernelContext(tree)
+        q = torch.stack([queries[s] for s in ctx.order])
+        cap = max(SEQUENCE_SPLITS, ctx.priv_slot.shape[1])
+        out = run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, d**-0.5, True, sm_count, window, softcap, cap, True)
+        return {s: out[i] for i, s in enumerate(ctx.order)}
+
+    full = rows(sms)
+    ctx = KernelContext(tree)
+    q = torch.stack([queries[s] for s in ctx.order])
+    ref = reference_decode_attention(q, pool, tree, 0, ctx.order, d**-0.5, window=window, softcap=softcap)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(torch.stack([full[s] for s in ctx.order]).double(), ref, atol=tol, rtol=tol)
+    for s, o in rows(rnd.choice([1, 3, 64, 132])).items():
+        assert torch.equal(o, full[s]), s
+    for s in rnd.sample(range(n_seqs), rnd.randrange(1, n_seqs)):
+        tree.remove(s)
+    for s, o in rows(sms).items():
+        assert torch.equal(o, full[s]), s
+
+
+def test_emulated_cuda_kernel_refuses_invariance_without_room(emulated):
+    """Batch-invariant with a workspace that has no room for the private partials: a clear error."""
+    pool, tree = _tree_of([list(range(300)), list(range(10))], 64, 2, 64, torch.bfloat16)
+    ctx = KernelContext(tree)
+    q = torch.randn(ctx.batch_size, 8, 64)
+    with pytest.raises(AssertionError, match="batch-invariant decode attention needs room for"):
+        run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, 1 / 8, True, 8, split_cap=0, invariant=True)
 
 
 def _tree_of(prompts: list[list[int]], chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):

@@ -369,7 +369,20 @@ def test_the_gpu_workspace_covers_the_partials_and_every_buckets_splits():
         tree.mark_ready(s)
     ctx = KernelContext(tree, buckets=[1, 2, 4, 8])
     assert ctx.rows == 4 and ctx.row_capacity == 8
-    ws = workspace_for(ctx, 6, 64, torch.device("meta"))
+    ws = workspace_for(ctx, 6, 64, torch.device("meta"), batch_invariant=False)
     pairs = ctx.arrays().seq_shared_idx.numel()
     assert ws.numel() == (pairs + 8 * SEQUENCE_SPLITS) * 6 * (64 + 2)
     assert workspace_for(ctx, 6, 64, torch.device("cpu")).numel() == 0  # the CPU kernel plans its own
+    # Batch-invariant: a partial for each private chunk a row of the layout holds, where that is
+    # more than the splits' room (the binding refuses a workspace without it).
+    long = [list(range(40)) + [100 + s] * 16 * 20 for s in range(3)]
+    tree2 = PrefixTree(pool)
+    for s, toks in enumerate(long):
+        tree2.insert(s, toks)
+        tree2.mark_ready(s)
+    ctx2 = KernelContext(tree2, buckets=[1, 2, 4, 8])
+    assert ctx2.private_capacity > SEQUENCE_SPLITS
+    pairs2 = ctx2.arrays().seq_shared_idx.numel()
+    ws2 = workspace_for(ctx2, 6, 64, torch.device("meta"), batch_invariant=True)
+    assert ws2.numel() == (pairs2 + 8 * ctx2.private_capacity) * 6 * (64 + 2)
+    assert workspace_for(ctx, 6, 64, torch.device("meta"), batch_invariant=True).numel() == ws.numel()

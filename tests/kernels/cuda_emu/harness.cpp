@@ -16,7 +16,7 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
                                     const int32_t* seq_shared_ptr, const int32_t* seq_shared_idx,
                                     const int32_t* priv_slot, int priv_stride, const int32_t* priv_count,
                                     const int32_t* priv_last_len, int chunk_first, int window, float softcap, int sms,
-                                    int split_cap, char* err, int err_len) {
+                                    int split_cap, int invariant, char* err, int err_len) {
   using namespace chunkgen;
   DecodeProblem p{};
   p.q = q;
@@ -43,6 +43,7 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   p.priv_count = priv_count;
   p.priv_last_len = priv_last_len;
   p.chunk_first = chunk_first != 0;
+  p.invariant = invariant != 0;
   p.window = window;
   p.softcap = softcap;
 
@@ -56,7 +57,8 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> part_o(std::max<size_t>(rows * head_dim, 1), nan), part_m(std::max<size_t>(rows, 1), nan),
       part_l(std::max<size_t>(rows, 1), nan);
-  // The sequence-first splits' sums: split_cap blocks a (row, query head), NaN like the partials.
+  // The sequence-first splits' sums (or, batch-invariant, the private chunks' partials): split_cap
+  // blocks a (row, query head), NaN like the partials.
   const size_t split_rows = static_cast<size_t>(batch) * q_heads * split_cap;
   std::vector<float> split_o(std::max<size_t>(split_rows * head_dim, 1), nan),
       split_m(std::max<size_t>(split_rows, 1), nan), split_l(std::max<size_t>(split_rows, 1), nan);
