@@ -226,7 +226,9 @@ def test_emulated_cuda_kernel_is_batch_invariant(
     d = 64
     window = rnd.choice([chunk // 2, chunk + 5, 3 * chunk]) if masked == "window" else 0
     softcap = 5.0 if masked == "softcap" else 0.0
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, max_private=100, decode_steps=decode_steps)
+    pool, tree = build_tree(
+        seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, max_private=100, decode_steps=decode_steps
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     queries = {s: torch.randn(q_heads, d, generator=gen) * 2 for s in range(n_seqs)}
     queries = {s: x.to(dtype) if q_in_pool_dtype else x for s, x in queries.items()}
