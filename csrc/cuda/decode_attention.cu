@@ -871,8 +871,7 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
       }();
       const int groups = std::max(1, (tiles + W - 1) / W);  // one where no chunk has rows
       const bool fold = !Masked && !switched_off("CHUNKGEN_CUDA_SEGMENTS");
-      const int seg =
-          fold && !p.invariant ? std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms)) : 1;
+      const int seg = fold && !p.invariant ? std::max(1, p.num_shared * p.kv_heads * groups / (2 * lim.sms)) : 1;
       const int pgroups = ((G + kTile - 1) / kTile + W - 1) / W;  // a private chunk's row groups
       const int shared_blocks = p.num_shared * p.kv_heads * groups;
       const size_t smem = MmaTiles<T>(p.head_dim, p.chunk, W, stages).bytes;
@@ -887,8 +886,8 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
       const int splits = items > 0 ? std::max(1, std::min(most, (2 * lim.sms + items - 1) / items)) : 1;
       const auto kernel = chunk_first_simt_kernel<T, Masked>;
       reserve_smem(kernel, simt_smem, lim, "chunk-first kernel");
-      CHUNKGEN_LAUNCH(kernel, items * splits + own_rows, kThreads, simt_smem, stream, p, part_off, splits, part_o, part_m,
-                      part_l, items * splits, split_space);
+      CHUNKGEN_LAUNCH(kernel, items * splits + own_rows, kThreads, simt_smem, stream, p, part_off, splits, part_o,
+                      part_m, part_l, items * splits, split_space);
     }
     check(cudaGetLastError(), "chunk-first kernel launch");
   }
@@ -901,9 +900,8 @@ void launch(const DecodeProblem& p, const int32_t* part_off, int max_rows, float
   // holds; the merge kernel then combines the blocks' sums.
   const int rows_heads = std::max(1, p.batch * p.kv_heads);
   const int want = (2 * lim.sms + rows_heads - 1) / rows_heads;
-  const int splits = p.invariant || switched_off("CHUNKGEN_CUDA_SPLITS")
-                         ? 1
-                         : std::max(1, std::min(want, split_space.splits));
+  const int splits =
+      p.invariant || switched_off("CHUNKGEN_CUDA_SPLITS") ? 1 : std::max(1, std::min(want, split_space.splits));
   const auto seq_kernel = sequence_first_kernel<T, Masked>;
   reserve_smem(seq_kernel, stage ? staged : seq_smem, lim, "sequence-first kernel");
   CHUNKGEN_LAUNCH(seq_kernel, p.batch * p.kv_heads * splits, kThreads, stage ? staged : seq_smem, stream, p, part_off,
