@@ -20,6 +20,7 @@
 #include "cpu/kv_write.h"
 #include "elementwise.h"
 #include "invariant.h"
+#include "invariant_linear.h"
 #include "linear.h"
 #include "prefill_attention.h"
 #include "prefix_attention.h"
@@ -436,6 +437,47 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
 #endif
 }
 
+#ifdef CHUNKGEN_WITH_CUDA
+// x [m, k] (unit stride along k) W [n, k]^T (+ bias [n]) on the GPU, each output one fp32 sum over k
+// in one order at any m (csrc/invariant_linear.h): the model's linear layers with batch-invariant
+// numerics on CUDA.
+torch::Tensor invariant_linear_op(const torch::Tensor& x, const torch::Tensor& w,
+                                  const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.is_cuda() && w.device() == x.device(), "invariant_linear takes x and w on one GPU, got ",
+                    x.device(), " and ", w.device());
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+                    "invariant_linear takes x [m, k] and w [n, k], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), "invariant_linear takes x and w of one dtype, got ",
+                   x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1, "invariant_linear takes x with unit stride along k");
+  TORCH_CHECK_VALUE(w.is_contiguous(), "invariant_linear takes a contiguous w");
+  TORCH_CHECK_VALUE(x.size(0) <= std::numeric_limits<int>::max() && w.size(0) <= std::numeric_limits<int>::max() &&
+                        x.size(1) <= std::numeric_limits<int>::max(),
+                    "invariant_linear: sizes past 2^31");
+  const void* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == w.size(0) && bias->is_contiguous() &&
+                          bias->scalar_type() == w.scalar_type() && bias->device() == w.device(),
+                      "invariant_linear takes a contiguous bias [n] of w's dtype and device");
+    b = bias->data_ptr();
+  }
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  InvariantLinearProblem p{x.data_ptr(),
+                           x.stride(0),
+                           w.data_ptr(),
+                           b,
+                           y.data_ptr(),
+                           y.stride(0),
+                           static_cast<int>(x.size(0)),
+                           static_cast<int>(w.size(0)),
+                           static_cast<int>(x.size(1)),
+                           kv_type_of(x)};
+  const c10::cuda::CUDAGuard guard(x.device());
+  invariant_linear_cuda_raw(p, c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  return y;
+}
+#endif
+
 }  // namespace
 }  // namespace chunkgen
 
@@ -463,6 +505,8 @@ TORCH_LIBRARY(chunkgen, m) {
   // The decode step's bf16 linear layers on AMX or AVX512_BF16 (csrc/linear.h); CPU only.
   m.def("pack_linear(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  // The linear layers with batch-invariant numerics on the GPU (csrc/invariant_linear.h); CUDA only.
+  m.def("invariant_linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(chunkgen, CPU, m) {
@@ -483,6 +527,7 @@ TORCH_LIBRARY_IMPL(chunkgen, CUDA, m) {
   m.impl("rotary", &chunkgen::rotary_op);
   m.impl("silu_mul", &chunkgen::silu_mul_op);
   m.impl("gelu_tanh_mul", &chunkgen::gelu_tanh_mul_op);
+  m.impl("invariant_linear", &chunkgen::invariant_linear_op);
 }
 #endif
 

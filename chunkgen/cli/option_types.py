@@ -123,10 +123,10 @@ BATCH_INVARIANT = Annotated[
     str,
     typer.Option(
         "--batch-invariant",
-        metavar="on|off",
+        metavar="auto|on|off",
         help="on: a row's answer and logprobs do not depend on the rows run beside it (--max-batch, --resume, "
         "--shard, a warm cache); off: each kernel call's fastest plan, a few percent faster, answers may differ "
-        "near ties (docs/batch-invariance.md).",
+        "near ties; auto: on, except on a GPU (docs/batch-invariance.md).",
     ),
 ]
 MIXED_PREFILL_TOKENS = Annotated[

@@ -304,7 +304,7 @@ class ModelRunner:
         dev = self.device
         # Usually every new row is written: then K/V go to the pool without a gather first.
         every_row = w_rows == list(range(row))
-        groups = plan_groups(spans, C, self.model.dtype, dev, alone=self.batch_invariant and dev.type == "cpu")
+        groups = plan_groups(spans, C, self.model.dtype, dev, alone=self.batch_invariant)
         return PrefillStep(
             tokens=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),

@@ -1,5 +1,5 @@
-"""Batch-invariant numerics: one switch, read by the CPU kernels (csrc/invariant.h), the model's
-linear layers and the prefill's attention plan. An engine turns it on before each step unless its
+"""Batch-invariant numerics: one switch, read by the CPU and CUDA kernels (csrc/invariant.h), the
+model's linear layers (on the GPU: `linear` below) and the prefill's attention plan. An engine turns it on before each step unless its
 config says `--batch-invariant off` (the cost: docs/batch-invariance.md); a kernel called outside an
 engine (a bench, a test) runs its fastest plan unless this is set.
 On, a row's logits do not depend on the rows run beside it: each linear layer sums a row's products
@@ -8,7 +8,9 @@ prefill wave attends each sequence over its own whole path."""
 
 from __future__ import annotations
 
-from chunkgen._native import native, native_cpu_available
+import torch
+
+from chunkgen._native import native, native_cpu_available, native_cuda_available
 
 _on = False
 
@@ -24,3 +26,24 @@ def set_enabled(on: bool) -> None:
         _on = on
         if native_cpu_available():
             native().set_batch_invariant(on)
+
+
+def _register_fake() -> None:
+    if not native_cpu_available():
+        return
+
+    @torch.library.register_fake("chunkgen::invariant_linear")
+    def _(x, w, bias=None):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+
+_register_fake()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] W^T (+ bias) on the GPU with every output one fp32 sum over `in` in one order at
+    any row count (csrc/invariant_linear.h): cuBLAS picks its kernel and split of k by the shape."""
+    if not native_cuda_available():
+        raise RuntimeError("batch-invariant linear layers on the GPU need chunkgen built with its CUDA kernels")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return torch.ops.chunkgen.invariant_linear.default(x, weight, bias)

@@ -153,6 +153,8 @@ class Linear:
         return sum(_held_bytes(t) for t in (self.weight, self.packed, self.decode_packed) if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and self.weight.is_cuda and invariant.enabled():
+            return invariant.linear(x, self.weight, self.bias)
         # Inductor cannot lower the prepacked weights; a compiled forward packs weights itself.
         if not torch.compiler.is_compiling() or self.weight is None:
             if self.widened:

@@ -52,13 +52,6 @@ constexpr int kTile = 16;      // query rows per tensor-core tile (the m of m16n
 constexpr int kHeadBlock = 4;  // GQA heads whose scores share one read of K (and of V)
 constexpr int kMaxHeadDim = 256;
 
-#ifndef CHUNKGEN_CUDA_EMULATION
-__device__ __forceinline__ unsigned char* shared_bytes() {
-  extern __shared__ __align__(128) unsigned char smem[];
-  return smem;
-}
-#endif
-
 __device__ __forceinline__ float warp_max(float v) {
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;

@@ -14,6 +14,14 @@
 
 namespace chunkgen {
 
+#ifndef CHUNKGEN_CUDA_EMULATION
+// The block's dynamic shared memory (the emulator defines its own).
+__device__ __forceinline__ unsigned char* shared_bytes() {
+  extern __shared__ __align__(128) unsigned char smem[];
+  return smem;
+}
+#endif
+
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
 template <>

@@ -123,5 +123,6 @@ def test_the_option_is_checked_and_resolved(tiny_model, tmp_path):
     assert Config.resolve(device="cpu").batch_invariant is True  # the default
     assert Config.resolve(device="cpu", batch_invariant="on").batch_invariant is True
     assert Config.resolve(device="cpu", batch_invariant="off").batch_invariant is False
-    with pytest.raises(OptionError, match="on or off"):
+    assert Config.resolve(device="cpu", batch_invariant="auto").batch_invariant is True
+    with pytest.raises(OptionError, match="auto, on or off"):
         Config.resolve(device="cpu", batch_invariant="maybe")

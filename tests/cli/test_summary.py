@@ -35,8 +35,7 @@ def test_the_run_summary_names_the_device_and_the_kv_budget(tiny_model, tmp_path
 
 
 def test_the_summary_says_where_answers_do_not_depend_on_the_batch():
-    """On by default on the CPU; off when asked; never claimed on the GPU, whose kernels are not
-    batch-invariant yet."""
+    """On by default on the CPU; off when asked; on the GPU off by default, on when asked."""
     from types import SimpleNamespace
 
     from chunkgen.cli.loading import invariance_text
@@ -45,4 +44,5 @@ def test_the_summary_says_where_answers_do_not_depend_on_the_batch():
     assert invariance_text(SimpleNamespace(batch_invariant=False, device="cpu")).startswith(
         "off (--batch-invariant off)"
     )
-    assert invariance_text(SimpleNamespace(batch_invariant=True, device="cuda:0")).startswith("not on the GPU")
+    assert invariance_text(SimpleNamespace(batch_invariant=True, device="cuda:0")).startswith("on:")
+    assert invariance_text(SimpleNamespace(batch_invariant=False, device="cuda:0")).startswith("off on the GPU")

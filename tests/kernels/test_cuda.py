@@ -326,3 +326,50 @@ def test_cuda_kv_write_matches_indexing(pool_dtype, src_dtype):
     want_v[slot.long(), :, offset.long()] = v.to(pool_dtype)
     native().write_kv(k, v, k_layer, v_layer, slot, offset)
     assert torch.equal(k_layer, want_k) and torch.equal(v_layer, want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_invariant_linear_matches_and_keeps_a_rows_bits(dtype):
+    """The batch-invariant linear layer on the GPU: x W^T + b within the dtype's rounding of an fp64
+    product, and each row's output bits the same at 1, 7, 64 and 300 rows and at another place."""
+    from chunkgen.kernels import invariant
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 576, device="cuda", generator=gen).to(dtype)
+    w = torch.randn(1000, 576, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(1000, device="cuda", generator=gen).to(dtype)
+    y = invariant.linear(x, w, b)
+    ref = x.double() @ w.double().T + b.double()
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.double(), ref, atol=tol * 24, rtol=tol)
+    for rows in (1, 7, 64):
+        assert torch.equal(invariant.linear(x[-rows:], w, b), y[-rows:]), rows
+    perm = torch.randperm(300, device="cuda", generator=gen)
+    assert torch.equal(invariant.linear(x[perm], w, b), y[perm])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_batch_invariant_answers_do_not_depend_on_the_batch(tiny_model, dtype):
+    """--batch-invariant on, on the GPU: the same rows' answers and logprobs at --max-batch 16 and 1
+    (in reverse order), and with their system prompt cached."""
+    import random
+
+    from chunkgen.engine.params import SamplingParams
+    from chunkgen.llm import LLM
+
+    words = ["alpha", "beta", "gamma", "delta", "tool", "call", "answer", "with", "the", "json"]
+    rnd = random.Random(3)
+    system = " ".join(rnd.choice(words) for _ in range(60))
+    prompts = [system + " " + " ".join(rnd.choice(words) for _ in range(rnd.randrange(1, 25))) for _ in range(12)]
+    params = SamplingParams(max_new_tokens=6, logprobs=1)
+    llm = LLM(model=str(tiny_model), device="cuda", dtype=dtype, chunk_size=16, max_batch=16, batch_invariant="on")
+
+    def rows(outs):
+        return [(r.token_ids, [t.logprob for t in r.completions[0].logprobs]) for r in outs]
+
+    fresh = rows(llm.generate(prompts, params))
+    warm = rows(llm.generate(prompts, params))
+    llm.engine = llm.new_engine(max_batch=1)
+    alone = [rows(llm.generate([p], params))[0] for p in prompts[::-1]][::-1]
+    assert warm == fresh
+    assert alone == fresh

@@ -385,3 +385,59 @@ def test_emulated_kv_write_matches_indexing(
     assert rc == 0, err.value.decode()
     assert torch.equal(k_layer.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v_layer.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """csrc/cuda/invariant_linear.cu under the emulator: x [m, k] (any row stride), w [n, k]."""
+    fn = emulator.emu_invariant_linear
+    fn.restype = ctypes.c_int
+    m, n = x.shape[0], w.shape[0]
+    y = torch.full((m, n), float("nan"), dtype=x.dtype)
+    err = ctypes.create_string_buffer(4096)
+    rc = fn(
+        ctypes.c_void_p(x.data_ptr()),
+        ctypes.c_int64(x.stride(0)),
+        ctypes.c_void_p(w.data_ptr()),
+        ctypes.c_void_p(bias.data_ptr() if bias is not None else 0),
+        ctypes.c_void_p(y.data_ptr()),
+        ctypes.c_int64(y.stride(0)),
+        m,
+        n,
+        x.shape[1],
+        KV_TYPES[x.dtype],
+        err,
+        len(err),
+    )
+    assert rc == 0, err.value.decode()
+    return y
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    m=st.integers(1, 140),
+    n=st.integers(1, 150),
+    k=st.integers(1, 120),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    bias=st.booleans(),
+    strided=st.booleans(),
+)
+def test_emulated_invariant_linear_is_the_same_for_a_row_in_any_batch(emulator, seed, m, n, k, dtype, bias, strided):
+    """The GPU's batch-invariant linear layer: x W^T (+ bias) within the dtype's rounding of an fp64
+    product, and a row's output bits the same alone, among other rows, and at another place in the
+    batch. Sizes off the tiles' multiples (edges element by element), x as a strided slice (rows not
+    16-byte aligned), k not a multiple of the 32-wide steps."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(m, k + (3 if strided else 0), generator=gen).to(dtype)
+    x = wide[:, :k]
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = run_linear(emulator, x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.double(), ref, atol=tol * (k**0.5), rtol=tol)
+    row = seed % m
+    assert torch.equal(run_linear(emulator, x[row : row + 1].contiguous(), w, b)[0], y[row])
+    perm = torch.randperm(m, generator=gen)
+    shuffled = run_linear(emulator, x[perm].contiguous(), w, b)
+    assert torch.equal(shuffled, y[perm])

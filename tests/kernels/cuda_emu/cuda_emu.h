@@ -1,5 +1,6 @@
-// A thread-level CUDA emulator, just large enough to run csrc/cuda/decode_attention.cu on the CPU so
-// the kernels' indexing, masking, splitting and synchronisation are tested on machines without a GPU.
+// A thread-level CUDA emulator, just large enough to run csrc/cuda/decode_attention.cu, kv_write.cu and
+// invariant_linear.cu on the CPU so the kernels' indexing, masking, splitting and synchronisation are
+// tested on machines without a GPU.
 //
 // Every CUDA thread is an OS thread; a block's threads run together and meet at real barriers
 // (__syncthreads, __syncwarp, and the two halves of a shuffle), so a missing barrier shows up as a
@@ -75,6 +76,8 @@ inline float __bfloat162float(__nv_bfloat16 b) {
   return f;
 }
 inline float __expf(float x) { return std::exp(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 
 // ---- runtime ---------------------------------------------------------------------------------
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };

@@ -1,9 +1,10 @@
-// Runs the CUDA decode-attention and K/V-write kernels under the emulator, with a flat C ABI for
+// Runs the CUDA decode-attention, K/V-write and invariant linear kernels under the emulator, with a flat C ABI for
 // ctypes. Mirrors what the binding does before a real launch: partial offsets, the largest shared
 // range, the partial buffers (filled with NaN, so a row the kernels forget to write cannot pass).
 #include "cuda_emu.h"
 
 #include "../../../csrc/cuda/decode_attention.cu"
+#include "../../../csrc/cuda/invariant_linear.cu"
 #include "../../../csrc/cuda/kv_write.cu"
 
 #include <algorithm>
@@ -113,6 +114,23 @@ extern "C" int emu_write_kv(const void* k, const void* v, int src_type, const in
   std::string message;
   try {
     write_kv_cuda_raw(p, nullptr);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  message += emu::device().errors;
+  std::snprintf(err, err_len, "%s", message.c_str());
+  return message.empty() ? 0 : 1;
+}
+
+// y [m, n] (row stride ldy) = x [m, k] (row stride ldx) w [n, k]^T (+ bias [n] where not null).
+extern "C" int emu_invariant_linear(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy,
+                                    int m, int n, int k, int type, char* err, int err_len) {
+  using namespace chunkgen;
+  InvariantLinearProblem p{x, ldx, w, bias, y, ldy, m, n, k, static_cast<KVType>(type)};
+  emu::device().errors.clear();
+  std::string message;
+  try {
+    invariant_linear_cuda_raw(p, nullptr);
   } catch (const std::exception& e) {
     message = e.what();
   }

@@ -1,0 +1,173 @@
+// Batch-invariant linear layers on the GPU (see csrc/invariant_linear.h). Blocks of 64 rows x 64
+// columns, k in steps of 32 through shared memory (asynchronous copies, two stages: the next step's
+// tiles load while this one is multiplied). fp16/bf16 on the tensor cores (m16n16k16, fp32
+// accumulate), fp32 by FMAs; either way every output is the same sequence of operations along k,
+// whichever block, warp or tile position computes it, and no block splits k. So a row's outputs do
+// not depend on how many rows there are or which. The price against cuBLAS: no split of k where
+// the grid is small (a decode batch's few column blocks), and no Hopper wgmma.
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../invariant_linear.h"
+#include "device.cuh"
+
+namespace chunkgen {
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kBM = 64, kBN = 64, kBK = 32;
+constexpr int kLinearThreads = 128;  // 4 warps: warp w takes rows [16 w, 16 w + 16) of the block
+
+// Shared memory: two stages of an x tile [kBM, kBK] and a W tile [kBN, kBK] (rows padded by 16
+// bytes against bank conflicts), then, after the last step, the fp32 output tile in the same bytes.
+template <typename T>
+struct LinearTiles {
+  static constexpr int ld = kBK + 16 / static_cast<int>(sizeof(T));  // elements per tile row
+  static constexpr size_t tile = static_cast<size_t>(kBM) * ld * sizeof(T);
+  static constexpr int out_ld = kBN + 4;  // floats per output row
+  static constexpr size_t bytes = std::max(4 * tile, static_cast<size_t>(kBM) * out_ld * sizeof(float));
+  __device__ static T* x_tile(unsigned char* base, int stage) { return reinterpret_cast<T*>(base + 2 * stage * tile); }
+  __device__ static T* w_tile(unsigned char* base, int stage) {
+    return reinterpret_cast<T*>(base + (2 * stage + 1) * tile);
+  }
+};
+
+// Rows [r0, r0 + 64) of src (row stride ld_src, `rows` and `cols` valid) from column k0 into a tile:
+// 16-byte asynchronous copies where a vector is whole and aligned, element by element at the edges,
+// zeros past them (a zero adds nothing to any sum).
+template <typename T>
+__device__ void load_tile(T* dst, const T* src, int64_t ld_src, int r0, int rows, int k0, int cols) {
+  constexpr int per_vec = 16 / sizeof(T);
+  constexpr int ld = LinearTiles<T>::ld;
+  for (int i = threadIdx.x; i < kBM * kBK / per_vec; i += kLinearThreads) {
+    const int r = i / (kBK / per_vec), c = i % (kBK / per_vec) * per_vec;
+    T* d = dst + r * ld + c;
+    const int row = r0 + r, col = k0 + c;
+    const T* s = src + row * ld_src + col;
+    if (row < rows && col + per_vec <= cols && reinterpret_cast<uintptr_t>(s) % 16 == 0) {
+      __pipeline_memcpy_async(d, s, 16);
+    } else {
+      for (int e = 0; e < per_vec; ++e) d[e] = row < rows && col + e < cols ? s[e] : from_float<T>(0.f);
+    }
+  }
+}
+
+template <typename T>
+__global__ void invariant_linear_kernel(InvariantLinearProblem p, int m_blocks) {
+  using L = LinearTiles<T>;
+  const int m0 = (blockIdx.x % m_blocks) * kBM, n0 = (blockIdx.x / m_blocks) * kBN;
+  const int warp = threadIdx.x / 32;
+  const T* x = static_cast<const T*>(p.x);
+  const T* w = static_cast<const T*>(p.w);
+  unsigned char* base = shared_bytes();
+  const int steps = (p.k + kBK - 1) / kBK;
+  // The block's consecutive ids share n0 (blockIdx.x / m_blocks): the blocks reading one W tile run
+  // together and meet it in L2.
+  const bool busy = m0 + warp * 16 < p.m;  // a warp whose rows are all past m has nothing to add
+  constexpr bool kTensorCores = !std::is_same_v<T, float>;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kBN / 16];
+  float facc[8][4];  // fp32: thread t's rows 8 (t / 16) + i, columns 4 (t % 16) + j
+  if constexpr (kTensorCores) {
+    for (auto& a : acc) wmma::fill_fragment(a, 0.f);
+  } else {
+    for (auto& row : facc)
+      for (float& v : row) v = 0.f;
+  }
+
+  load_tile<T>(L::x_tile(base, 0), x, p.ldx, m0, p.m, 0, p.k);
+  load_tile<T>(L::w_tile(base, 0), w, p.k, n0, p.n, 0, p.k);
+  __pipeline_commit();
+  for (int s = 0; s < steps; ++s) {
+    const int st = s & 1;
+    if (s + 1 < steps) {  // the next step's tiles into the other stage, free since the last barrier
+      load_tile<T>(L::x_tile(base, st ^ 1), x, p.ldx, m0, p.m, (s + 1) * kBK, p.k);
+      load_tile<T>(L::w_tile(base, st ^ 1), w, p.k, n0, p.n, (s + 1) * kBK, p.k);
+      __pipeline_commit();
+      __pipeline_wait_prior(1);
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();  // this step's tiles have landed, every thread's part of them
+    const T* xs = L::x_tile(base, st);
+    const T* ws = L::w_tile(base, st);
+    if constexpr (kTensorCores) {
+      if (busy) {
+        for (int kk = 0; kk < kBK; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+          wmma::load_matrix_sync(fa, xs + warp * 16 * L::ld + kk, L::ld);
+          for (int j = 0; j < kBN / 16; ++j) {
+            // W's tile is [n, k] row-major: W^T [k, n] column-major, as matrix_b reads it
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+            wmma::load_matrix_sync(fb, ws + j * 16 * L::ld + kk, L::ld);
+            wmma::mma_sync(acc[j], fa, fb, acc[j]);
+          }
+        }
+      }
+    } else {
+      const int r = threadIdx.x / 16 * 8, c = threadIdx.x % 16 * 4;
+      for (int kk = 0; kk < kBK; ++kk)
+        for (int i = 0; i < 8; ++i) {
+          const float a = to_float(xs[(r + i) * L::ld + kk]);
+          for (int j = 0; j < 4; ++j) facc[i][j] = fmaf(a, to_float(ws[(c + j) * L::ld + kk]), facc[i][j]);
+        }
+    }
+    __syncthreads();  // every warp is done with this stage before it is filled again
+  }
+
+  // The fp32 tile through shared memory (the stages are free now), then out row by row, coalesced.
+  float* out = reinterpret_cast<float*>(base);
+  if constexpr (kTensorCores) {
+    if (busy)
+      for (int j = 0; j < kBN / 16; ++j)
+        wmma::store_matrix_sync(out + warp * 16 * L::out_ld + j * 16, acc[j], L::out_ld, wmma::mem_row_major);
+  } else {
+    const int r = threadIdx.x / 16 * 8, c = threadIdx.x % 16 * 4;
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 4; ++j) out[(r + i) * L::out_ld + c + j] = facc[i][j];
+  }
+  __syncthreads();
+  T* y = static_cast<T*>(p.y);
+  const T* bias = static_cast<const T*>(p.bias);
+  for (int i = threadIdx.x; i < kBM * kBN; i += kLinearThreads) {
+    const int r = i / kBN, c = i % kBN, row = m0 + r, col = n0 + c;
+    if (row >= p.m || col >= p.n) continue;
+    float v = out[r * L::out_ld + c];
+    if (bias != nullptr) v = __fadd_rn(v, to_float(bias[col]));
+    y[row * p.ldy + col] = from_float<T>(v);
+  }
+}
+
+template <typename T>
+void launch_linear(const InvariantLinearProblem& p, cudaStream_t stream) {
+  const int m_blocks = (p.m + kBM - 1) / kBM, n_blocks = (p.n + kBN - 1) / kBN;
+  const auto kernel = invariant_linear_kernel<T>;
+  CHUNKGEN_LAUNCH(kernel, static_cast<int64_t>(m_blocks) * n_blocks, kLinearThreads, LinearTiles<T>::bytes, stream, p,
+                  m_blocks);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw std::runtime_error(std::string("invariant linear launch: ") + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+void invariant_linear_cuda_raw(const InvariantLinearProblem& p, void* stream) {
+  if (p.m <= 0 || p.n <= 0) return;
+  if (static_cast<int64_t>((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN) > 0x7fffffff)
+    throw std::invalid_argument("invariant linear: too many blocks for one grid");
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (p.type) {
+    case KVType::F32:
+      launch_linear<float>(p, s);
+      break;
+    case KVType::F16:
+      launch_linear<__half>(p, s);
+      break;
+    case KVType::BF16:
+      launch_linear<__nv_bfloat16>(p, s);
+      break;
+  }
+}
+
+}  // namespace chunkgen
