@@ -333,6 +333,22 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
                 label=E2E_MODEL,
             )
         )  # fmt: skip
+    # The cost of batch-invariant numerics on the GPU (off there by default until this is known):
+    # chunkgen alone at 256 rows with --batch-invariant on, beside the 256-row stage above.
+    out = work / "e2e-256-invariant.json"
+    stages.append(
+        Stage(
+            "bench e2e 256 rows, batch-invariant",
+            [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
+             "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", "256", "--max-batch", "256",
+             "--kv-memory", E2E_KV_MEMORY, "--batch-invariant", "on",
+             "--systems", "chunkgen", "--json", str(out)],
+            90,
+            out,
+            kind="e2e",
+            label=f"{E2E_MODEL} batch-invariant",
+        )
+    )  # fmt: skip
     return stages
 
 

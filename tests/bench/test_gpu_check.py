@@ -174,9 +174,9 @@ def test_default_stages_cover_the_issue_grid(tmp_path):
     stages = gc.default_stages("python3", tmp_path, "9.0")
     names = [s.name for s in stages]
     assert names == ["build", "tests/kernels/test_cuda.py", "bench kernel bf16", "bench e2e 32 rows",
-                     "bench e2e 256 rows"]  # fmt: skip
+                     "bench e2e 256 rows", "bench e2e 256 rows, batch-invariant"]  # fmt: skip
     assert stages[0].env["TORCH_CUDA_ARCH_LIST"] == "9.0" and stages[0].env["CHUNKGEN_CUDA"] == "1"
-    e2e = stages[-1].argv
+    e2e = stages[-2].argv
     assert e2e[e2e.index("--n-queries") + 1] == "256" and e2e[e2e.index("--max-batch") + 1] == "256"
     assert all("--device" in s.argv and "cuda" in s.argv for s in stages[2:])
     assert e2e[e2e.index("--kv-memory") + 1] == "8GiB"  # not auto: hf shares the GPU
@@ -196,3 +196,14 @@ def test_the_stages_name_only_options_their_commands_have(tmp_path):
         group = root.get_command(click.Context(root), args[0])
         cmd = group.get_command(click.Context(group), args[1])
         cmd.make_context(args[1], list(args[2:]), resilient_parsing=False)
+
+
+def test_the_check_times_batch_invariant_numerics_beside_the_default(tmp_path):
+    """A 256-row chunkgen run with --batch-invariant on, its cells keyed apart from the default
+    run's, so the first GPU check says what the mode costs there."""
+    stages = gc.default_stages("python", tmp_path, None)
+    inv = [st for st in stages if "--batch-invariant" in st.argv]
+    assert len(inv) == 1 and inv[0].kind == "e2e"
+    argv = inv[0].argv
+    assert argv[argv.index("--batch-invariant") + 1] == "on" and argv[argv.index("--n-queries") + 1] == "256"
+    assert inv[0].label != gc.E2E_MODEL and inv[0].json_out not in [st.json_out for st in stages if st is not inv[0]]
