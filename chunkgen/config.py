@@ -63,20 +63,14 @@ def kv_dtype_for(device: str | torch.device, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _on_off(option: str, value: bool | str) -> bool:
+def _invariance(value: bool | str, device: str) -> bool:
+    """--batch-invariant: on, off, or auto (on except on a GPU, where its cost is not yet measured)."""
     if isinstance(value, bool):
         return value
     if value in ("on", "off"):
         return value == "on"
-    raise OptionError(option, f"must be on or off, not {value!r}")
-
-
-def _invariance(value: bool | str, device: str) -> bool:
-    """--batch-invariant: on, off, or auto (on except on a GPU)."""
-    if value == "auto":
+    if _is_auto(value):
         return not device.startswith("cuda")
-    if isinstance(value, bool) or value in ("on", "off"):
-        return _on_off("--batch-invariant", value)
     raise OptionError("--batch-invariant", f"must be auto, on or off, not {value!r}")
 
 
@@ -214,7 +208,13 @@ class Config:
             notes=notes,
             auto=frozenset(
                 k
-                for k, v in (("device", device), ("dtype", dtype), ("kv_memory", kv_memory), ("max_batch", max_batch))
+                for k, v in (
+                    ("device", device),
+                    ("dtype", dtype),
+                    ("kv_memory", kv_memory),
+                    ("max_batch", max_batch),
+                    ("batch_invariant", batch_invariant),
+                )
                 if _is_auto(v)
             ),
             why={
@@ -248,7 +248,7 @@ class Config:
         `kv_memory="2GiB"`) go through the same checks and rules as in `resolve`."""
         why = dict(self.why)
         auto = set(self.auto)
-        for name in ("max_batch", "kv_memory"):
+        for name in ("max_batch", "kv_memory", "batch_invariant"):
             if name in options:
                 auto.discard(name)
                 if _is_auto(options[name]):

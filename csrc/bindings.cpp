@@ -426,9 +426,9 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   split_space.o = part_l + pairs * p.q_heads;
   split_space.m = split_space.o + split_rows * p.q_heads * p.head_dim;
   split_space.l = split_space.m + split_rows * p.q_heads;
+  p.invariant = batch_invariant();
   // On q's GPU and that GPU's current stream, whichever device the caller has current: the kernels
   // read the device's limits and launch on the current device.
-  p.invariant = batch_invariant();
   const c10::cuda::CUDAGuard guard(q.device());
   decode_attention_cuda_raw(p, part_off.data_ptr<int32_t>(), p.batch, part_o, part_m, part_l, split_space,
                             c10::cuda::getCurrentCUDAStream(q.device().index()).stream());

@@ -41,7 +41,7 @@ def test_nothing_given_is_every_default_decided_for_this_machine():
     assert config.share_prefix and config.chunk_first and config.chat_template
     assert config.dtype in (torch.float32, torch.bfloat16) and config.why["dtype"].startswith("auto")
     assert config.kv_dtype == config.dtype  # the K/V cache keeps the model's dtype on the CPU
-    assert config.auto == {"device", "dtype", "kv_memory", "max_batch"}
+    assert config.auto == {"device", "dtype", "kv_memory", "max_batch", "batch_invariant"}
 
 
 def test_the_dataclass_defaults_agree_with_resolve():
@@ -53,12 +53,12 @@ def test_the_dataclass_defaults_agree_with_resolve():
 
 # -- auto recorded as data ------------------------------------------------------------------------
 def test_config_records_which_options_were_auto():
-    config = Config.resolve(device="cpu", dtype="auto", kv_memory="1GiB", max_batch="auto")
+    config = Config.resolve(device="cpu", dtype="auto", kv_memory="1GiB", max_batch="auto", batch_invariant="on")
     assert config.auto == {"dtype", "max_batch"}
     assert config.replace(max_batch=8).auto == {"dtype"}
     assert config.replace(kv_memory="auto").auto == {"dtype", "max_batch", "kv_memory"}
     assert Config.resolve(device="cpu", max_batch=" AUTO ").auto >= {"max_batch"}  # as the option is read
-    given = Config.resolve(device="cpu", dtype="fp32", kv_memory="1GiB", max_batch=32)
+    given = Config.resolve(device="cpu", dtype="fp32", kv_memory="1GiB", max_batch=32, batch_invariant="off")
     assert given.auto == frozenset() and given.why["max_batch"] == "as asked"
 
 

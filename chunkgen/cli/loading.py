@@ -78,7 +78,7 @@ def kv_text(config: Config) -> str:
 def invariance_text(config: Config) -> str:
     """Whether a row's answer depends on the rows run beside it, and why (docs/batch-invariance.md)."""
     if not config.batch_invariant:
-        if config.device != "cpu":
+        if "batch_invariant" in config.auto:
             return "off on the GPU by default (--batch-invariant on): answers may differ with the batch near ties"
         return "off (--batch-invariant off): answers may differ with the batch near ties"
     return "on: a row's answer and logprobs do not depend on the rows beside it"

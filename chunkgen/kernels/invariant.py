@@ -1,7 +1,8 @@
 """Batch-invariant numerics: one switch, read by the CPU and CUDA kernels (csrc/invariant.h), the
-model's linear layers (on the GPU: `linear` below) and the prefill's attention plan. An engine turns it on before each step unless its
-config says `--batch-invariant off` (the cost: docs/batch-invariance.md); a kernel called outside an
-engine (a bench, a test) runs its fastest plan unless this is set.
+model's linear layers (on a GPU they take `linear` below) and the prefill's attention plan. An engine
+sets it before each step from its config's `--batch-invariant` (auto: on, except on a GPU; the
+cost: docs/batch-invariance.md); a kernel called outside an engine (a bench, a test) runs its
+fastest plan unless this is set.
 On, a row's logits do not depend on the rows run beside it: each linear layer sums a row's products
 in one order at any row count, attention folds one partial per chunk in the row's path order, and a
 prefill wave attends each sequence over its own whole path."""

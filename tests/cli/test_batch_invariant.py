@@ -124,5 +124,7 @@ def test_the_option_is_checked_and_resolved(tiny_model, tmp_path):
     assert Config.resolve(device="cpu", batch_invariant="on").batch_invariant is True
     assert Config.resolve(device="cpu", batch_invariant="off").batch_invariant is False
     assert Config.resolve(device="cpu", batch_invariant="auto").batch_invariant is True
+    assert "batch_invariant" in Config.resolve(device="cpu").auto
+    assert "batch_invariant" not in Config.resolve(device="cpu").replace(batch_invariant="on").auto
     with pytest.raises(OptionError, match="auto, on or off"):
         Config.resolve(device="cpu", batch_invariant="maybe")

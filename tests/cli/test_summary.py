@@ -40,9 +40,12 @@ def test_the_summary_says_where_answers_do_not_depend_on_the_batch():
 
     from chunkgen.cli.loading import invariance_text
 
-    assert invariance_text(SimpleNamespace(batch_invariant=True, device="cpu")).startswith("on:")
-    assert invariance_text(SimpleNamespace(batch_invariant=False, device="cpu")).startswith(
-        "off (--batch-invariant off)"
-    )
-    assert invariance_text(SimpleNamespace(batch_invariant=True, device="cuda:0")).startswith("on:")
-    assert invariance_text(SimpleNamespace(batch_invariant=False, device="cuda:0")).startswith("off on the GPU")
+    def text(on: bool, device: str, auto: bool) -> str:
+        config = SimpleNamespace(batch_invariant=on, device=device, auto=frozenset({"batch_invariant"} if auto else ()))
+        return invariance_text(config)
+
+    assert text(True, "cpu", auto=True).startswith("on:")
+    assert text(False, "cpu", auto=False).startswith("off (--batch-invariant off)")
+    assert text(True, "cuda:0", auto=False).startswith("on:")
+    assert text(False, "cuda:0", auto=True).startswith("off on the GPU by default")
+    assert text(False, "cuda:0", auto=False).startswith("off (--batch-invariant off)")
