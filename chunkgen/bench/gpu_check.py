@@ -37,7 +37,7 @@ from pathlib import Path
 THRESHOLD = 1.15  # a cell this much slower than its baseline is a regression
 BUDGET_S = 360.0  # the whole run: one lent-GPU call
 ROOT = Path(__file__).resolve().parents[2]
-CONTROL_IMPLS = ("sdpa", "naive", "hf")  # torch's own kernels: they move with the card, not with chunkgen
+CONTROL_IMPLS = ("sdpa", "naive", "hf", "cublas")  # torch's own kernels: they move with the card, not with chunkgen
 E2E_MODEL = "smollm2-135m"
 E2E_ROWS = (32, 256)
 E2E_SYSTEMS = "hf,chunkgen_noshare,chunkgen"
@@ -63,7 +63,7 @@ class Stage:
     timeout_s: float
     json_out: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
-    kind: str = ""  # "kernel" or "e2e": how its JSON turns into cells
+    kind: str = ""  # "kernel", "linear" or "e2e": how its JSON turns into cells
     label: str = ""  # the e2e model name, for its cells' keys
 
 
@@ -92,6 +92,17 @@ def kernel_cells(rows: Sequence[dict]) -> dict[str, Cell]:
         )
         cells[key] = Cell(float(r["us"]), "us", control=r["impl"] in CONTROL_IMPLS)
     return cells
+
+
+def linear_cells(rows: Sequence[dict]) -> dict[str, Cell]:
+    """`bench linear --device cuda --json` rows: one cell per (dtype, shape, rows, impl), the median
+    us; cuBLAS's are controls, the batch-invariant product's are chunkgen's."""
+    return {
+        f"linear {r['dtype']} {r['n']}x{r['k']} rows={r['rows']} {r['impl']}": Cell(
+            float(r["us"]), "us", control=r["impl"] in CONTROL_IMPLS
+        )
+        for r in rows
+    }
 
 
 def e2e_cells(rows: Sequence[dict], model: str) -> dict[str, Cell]:
@@ -262,7 +273,7 @@ def report_markdown(
         ctrl = comparison.control_median()
         if ctrl is not None:
             lines.append(
-                f"Torch-only control cells (sdpa, naive, hf): median {ctrl:.2f}x"
+                f"Torch-only control cells (sdpa, naive, cuBLAS, hf): median {ctrl:.2f}x"
                 + (
                     " -- the card or torch moved too; compare ratios, not figures."
                     if ctrl > comparison.threshold
@@ -349,6 +360,12 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
             label=f"{E2E_MODEL} batch-invariant",
         )
     )  # fmt: skip
+    # The linear layers' part of that cost: cuBLAS against the batch-invariant product per shape.
+    out = work / "linear-bf16.json"
+    stages.append(
+        Stage("bench linear bf16", [*chunkgen, "bench", "linear", "--device", "cuda", "--json", str(out)], 60, out,
+              kind="linear")
+    )  # fmt: skip
     return stages
 
 
@@ -397,6 +414,8 @@ def collect_cells(stages: list[Stage], results: list[StageResult]) -> tuple[dict
         rows = json.loads(st.json_out.read_text())
         if st.kind == "kernel":
             cells.update(kernel_cells(rows))
+        elif st.kind == "linear":
+            cells.update(linear_cells(rows))
         else:
             cells.update(e2e_cells(rows, st.label))
             profiles += step_profiles(rows, st.label)

@@ -85,3 +85,54 @@ def run_linear(
                 if on_row:
                     on_row(row)
     return out
+
+
+# Products of a decode step and a prefill on the GPU: SmolLM2-135M's and Llama-3.2-1B's (n out, k in).
+CUDA_SHAPES = (
+    (960, 576),
+    (576, 576),
+    (3072, 576),
+    (576, 1536),
+    (49152, 576),
+    (3072, 2048),
+    (16384, 2048),
+    (2048, 8192),
+)
+CUDA_ROWS = (1, 32, 256, 4096)
+
+
+def run_linear_cuda(
+    shapes=CUDA_SHAPES, rows=CUDA_ROWS, dtype: torch.dtype = torch.bfloat16, repeats: int = 20, on_row=None
+) -> list[dict]:
+    """Per shape and rows on the current CUDA GPU: cuBLAS (torch's `linear`, what the engine runs)
+    and chunkgen's batch-invariant product (kernels/invariant.py, what `--batch-invariant on` runs),
+    the median of `repeats` calls between CUDA events, random weights; the invariant one's time
+    over cuBLAS's (`vs_cublas`): what the mode costs in the linear layers."""
+    from chunkgen.bench.kernel import _median_us_cuda
+    from chunkgen.kernels import invariant
+
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).to(dtype)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+            times = {
+                "cublas": _median_us_cuda(lambda x=x, w=w: torch.nn.functional.linear(x, w), repeats),
+                "invariant": _median_us_cuda(lambda x=x, w=w: invariant.linear(x, w, None), repeats),
+            }
+            for impl, us in times.items():
+                row = {
+                    "n": n,
+                    "k": k,
+                    "rows": m,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "impl": impl,
+                    "us": us,
+                    "tflops": 2 * n * k * m / us / 1e6,
+                    "vs_cublas": us / times["cublas"],
+                }
+                out.append(row)
+                if on_row:
+                    on_row(row)
+    return out

@@ -254,21 +254,30 @@ def bench_step(
 # fmt: on
 
 
+ROWS_DEFAULT, SHAPES_DEFAULT = "1,32,256,2048", "576x576,1536x576,576x1536,49152x576"  # the CPU's defaults
+
+
 # One line per option: the signature reads like the --help it makes.
 # fmt: off
 @bench_app.command("linear")
 def bench_linear(
     types: str = typer.Option("q4_0,q4_1,q4_k,q5_k,q6_k,q8_0,int8", metavar="TYPE[,TYPE...]", help="Quantized types timed against fp32 (and bf16)."),
-    rows: str = typer.Option("1,32,256,2048", metavar="M[,M...]", help="Rows of x (a decode step's rows, a prefill's tokens)."),
-    shapes: str = typer.Option("576x576,1536x576,576x1536,49152x576", metavar="NxK[,NxK...]", help="Products as output x input features (default: SmolLM2-135M's; a K-quant needs K a multiple of 256, else it is left out)."),
+    rows: str = typer.Option(ROWS_DEFAULT, metavar="M[,M...]", help="Rows of x (a decode step's rows, a prefill's tokens)."),
+    shapes: str = typer.Option(SHAPES_DEFAULT, metavar="NxK[,NxK...]", help="Products as output x input features (default: SmolLM2-135M's; a K-quant needs K a multiple of 256, else it is left out)."),
     threads: int | None = typer.Option(None, metavar="N", help="torch threads (default: torch's)."),
     min_seconds: float = typer.Option(0.3, metavar="S", help="Time each cell at least this long (best call reported)."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
+    device: str = typer.Option("cpu", metavar="cpu|cuda", help="cuda: cuBLAS against chunkgen's batch-invariant product on the GPU, bf16 (--types, --threads and --min-seconds are the CPU's; --rows and --shapes default to decode and prefill products of SmolLM2-135M and Llama-3.2-1B)."),
 ) -> None:
-    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights."""
+    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights; on a GPU, cuBLAS against the batch-invariant product."""
     import torch
 
     from chunkgen.bench.linear import TYPES, run_linear
+
+    if device == "cuda":
+        return _bench_linear_cuda(rows, shapes, json_out)
+    if device != "cpu":
+        fail(f"--device takes cpu or cuda, not {device}")
 
     chosen = tuple(t.strip() for t in types.split(",") if t.strip())
     if set(chosen) - set(TYPES):
@@ -295,6 +304,39 @@ def bench_linear(
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
 # fmt: on
+
+
+def _bench_linear_cuda(rows: str, shapes: str, json_out: Path | None) -> None:
+    """bench linear --device cuda: cuBLAS against the batch-invariant product, per shape and rows."""
+    import torch
+
+    from chunkgen._native import native_cuda_available
+    from chunkgen.bench.linear import CUDA_ROWS, CUDA_SHAPES, run_linear_cuda
+
+    if not torch.cuda.is_available():
+        fail("--device cuda: torch sees no CUDA GPU here")
+    if not native_cuda_available():
+        fail("--device cuda: chunkgen was built without its CUDA kernels (CHUNKGEN_CUDA=1 at install builds them)")
+    try:
+        ms = CUDA_ROWS if rows == ROWS_DEFAULT else tuple(int(m) for m in rows.split(","))
+        nk = (
+            CUDA_SHAPES
+            if shapes == SHAPES_DEFAULT
+            else tuple(tuple(int(d) for d in s.lower().split("x")) for s in shapes.split(","))
+        )
+    except ValueError:
+        fail("--rows takes integers, --shapes NxK pairs, comma-separated")
+    err.print(f"{torch.cuda.get_device_name()}; cuBLAS against the batch-invariant product, bf16", highlight=False)
+    result = run_linear_cuda(nk, ms, on_row=lambda r: err.print(
+        f"  {r['n']}x{r['k']} rows {r['rows']:>5} {r['impl']:>9}: {r['us']:9.1f} us {r['tflops']:7.2f} TFLOP/s "
+        f"{r['vs_cublas']:5.2f}x cuBLAS's time", highlight=False))  # fmt: skip
+    table = Table("n x k", "rows", "impl", "us", "TFLOP/s", "time / cuBLAS's")
+    for r in result:
+        table.add_row(f"{r['n']}x{r['k']}", str(r["rows"]), r["impl"], f"{r['us']:.1f}", f"{r['tflops']:.2f}",
+                      f"{r['vs_cublas']:.2f}x")  # fmt: skip
+    stdout.print(table)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 # One line per option: the signature reads like the --help it makes.

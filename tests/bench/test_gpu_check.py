@@ -174,9 +174,9 @@ def test_default_stages_cover_the_issue_grid(tmp_path):
     stages = gc.default_stages("python3", tmp_path, "9.0")
     names = [s.name for s in stages]
     assert names == ["build", "tests/kernels/test_cuda.py", "bench kernel bf16", "bench e2e 32 rows",
-                     "bench e2e 256 rows", "bench e2e 256 rows, batch-invariant"]  # fmt: skip
+                     "bench e2e 256 rows", "bench e2e 256 rows, batch-invariant", "bench linear bf16"]  # fmt: skip
     assert stages[0].env["TORCH_CUDA_ARCH_LIST"] == "9.0" and stages[0].env["CHUNKGEN_CUDA"] == "1"
-    e2e = stages[-2].argv
+    e2e = stages[-3].argv
     assert e2e[e2e.index("--n-queries") + 1] == "256" and e2e[e2e.index("--max-batch") + 1] == "256"
     assert all("--device" in s.argv and "cuda" in s.argv for s in stages[2:])
     assert e2e[e2e.index("--kv-memory") + 1] == "8GiB"  # not auto: hf shares the GPU
@@ -207,3 +207,15 @@ def test_the_check_times_batch_invariant_numerics_beside_the_default(tmp_path):
     argv = inv[0].argv
     assert argv[argv.index("--batch-invariant") + 1] == "on" and argv[argv.index("--n-queries") + 1] == "256"
     assert inv[0].label != gc.E2E_MODEL and inv[0].json_out not in [st.json_out for st in stages if st is not inv[0]]
+
+
+def test_the_check_times_the_invariant_linear_product_against_cublas(tmp_path):
+    """The linear layers' share of that cost, per shape and rows: cuBLAS's cells are controls (they
+    move with the card), the invariant product's are chunkgen's and held to the baseline."""
+    (stage,) = [st for st in gc.default_stages("python", tmp_path, None) if st.kind == "linear"]
+    rows = [dict(n=960, k=576, rows=32, dtype="bfloat16", impl=impl, us=us, tflops=0.0, vs_cublas=us / 4.0)
+            for impl, us in (("cublas", 4.0), ("invariant", 9.5))]  # fmt: skip
+    stage.json_out.write_text(json.dumps(rows))
+    cells, _ = gc.collect_cells([stage], [gc.StageResult(stage.name, "ok", 1.0)])
+    assert cells["linear bfloat16 960x576 rows=32 invariant"] == gc.Cell(9.5, "us")
+    assert cells["linear bfloat16 960x576 rows=32 cublas"].control
