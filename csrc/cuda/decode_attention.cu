@@ -777,40 +777,6 @@ __global__ void merge_splits_kernel(DecodeProblem p, int splits, SplitSpace sp) 
 
 // ---- host side ------------------------------------------------------------------------------
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-}
-
-struct DeviceLimits {
-  int sms = 0;
-  int max_smem = 0;
-};
-
-// Read once per device: a decode step calls the kernels once per layer.
-DeviceLimits device_limits() {
-  constexpr int kMaxDevices = 64;
-  static DeviceLimits cache[kMaxDevices];
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  DeviceLimits& lim = cache[dev < kMaxDevices ? dev : 0];
-  if (lim.sms == 0 || dev >= kMaxDevices) {
-    check(cudaDeviceGetAttribute(&lim.max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "shared memory limit");
-    check(cudaDeviceGetAttribute(&lim.sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
-  }
-  return lim;
-}
-
-// Kernels asking for more than the default 48 KiB of dynamic shared memory must opt in first.
-template <typename Kernel>
-void reserve_smem(Kernel kernel, size_t bytes, const DeviceLimits& lim, const char* what) {
-  if (bytes > static_cast<size_t>(lim.max_smem))
-    throw std::invalid_argument(std::string(what) + " needs " + std::to_string(bytes) +
-                                " bytes of shared memory; this GPU allows " + std::to_string(lim.max_smem));
-  if (bytes > 48 * 1024)
-    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
-          "cudaFuncSetAttribute");
-}
-
 // CHUNKGEN_CUDA_SEGMENTS=off (a partial for every chunk), CHUNKGEN_CUDA_STAGE=off (the
 // sequence-first loops read K and V from global memory) and CHUNKGEN_CUDA_SPLITS=off (one
 // sequence-first block a row and KV head): the kernels without those steps, to time them side by

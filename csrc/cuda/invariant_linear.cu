@@ -1,10 +1,12 @@
 // Batch-invariant linear layers on the GPU (see csrc/invariant_linear.h). Blocks of 64 rows x 64
-// columns, k in steps of 32 through shared memory (asynchronous copies, two stages: the next step's
-// tiles load while this one is multiplied). fp16/bf16 on the tensor cores (m16n16k16, fp32
-// accumulate), fp32 by FMAs; either way every output is the same sequence of operations along k,
-// whichever block, warp or tile position computes it, and no block splits k. So a row's outputs do
-// not depend on how many rows there are or which. The price against cuBLAS: no split of k where
-// the grid is small (a decode batch's few column blocks), and no Hopper wgmma.
+// columns, k in steps of 32 through shared memory by asynchronous copies in a ring of stages: the
+// next steps' tiles load while this one is multiplied. fp16/bf16 on the tensor cores (m16n16k16,
+// fp32 accumulate), fp32 by FMAs; either way every output is the same sequence of operations along
+// k, whichever block, warp, tile position or stage computes it, and no block splits k. So a row's
+// outputs do not depend on how many rows there are or which, and the launch may choose the ring's
+// depth by the grid. The price against cuBLAS: no split of k where the grid is small (a decode
+// batch's few column blocks; a deep ring keeps most of such a block's k in flight instead), and no
+// Hopper wgmma.
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -20,15 +22,21 @@ namespace wmma = nvcuda::wmma;
 
 constexpr int kBM = 64, kBN = 64, kBK = 32;
 constexpr int kLinearThreads = 128;  // 4 warps: warp w takes rows [16 w, 16 w + 16) of the block
+// The ring's depth: two stages where the grid fills the GPU (its other blocks hide a block's
+// loads); where it does not, as many of k's steps as fit in kDeepRingBytes, up to kMaxStages.
+constexpr int kMaxStages = 8;
+constexpr size_t kDeepRingBytes = 96 * 1024;
 
-// Shared memory: two stages of an x tile [kBM, kBK] and a W tile [kBN, kBK] (rows padded by 16
-// bytes against bank conflicts), then, after the last step, the fp32 output tile in the same bytes.
+// Shared memory: a ring of stages, each an x tile [kBM, kBK] and a W tile [kBN, kBK] (rows padded
+// by 16 bytes against bank conflicts), then, after the last step, the fp32 output tile in the same
+// bytes.
 template <typename T>
 struct LinearTiles {
   static constexpr int ld = kBK + 16 / static_cast<int>(sizeof(T));  // elements per tile row
   static constexpr size_t tile = static_cast<size_t>(kBM) * ld * sizeof(T);
   static constexpr int out_ld = kBN + 4;  // floats per output row
-  static constexpr size_t bytes = std::max(4 * tile, static_cast<size_t>(kBM) * out_ld * sizeof(float));
+  static constexpr size_t out_bytes = static_cast<size_t>(kBM) * out_ld * sizeof(float);
+  static size_t bytes(int stages) { return std::max(2 * stages * tile, out_bytes); }
   __device__ static T* x_tile(unsigned char* base, int stage) { return reinterpret_cast<T*>(base + 2 * stage * tile); }
   __device__ static T* w_tile(unsigned char* base, int stage) {
     return reinterpret_cast<T*>(base + (2 * stage + 1) * tile);
@@ -56,7 +64,7 @@ __device__ void load_tile(T* dst, const T* src, int64_t ld_src, int r0, int rows
 }
 
 template <typename T>
-__global__ void invariant_linear_kernel(InvariantLinearProblem p, int m_blocks) {
+__global__ void invariant_linear_kernel(InvariantLinearProblem p, int m_blocks, int stages) {
   using L = LinearTiles<T>;
   const int m0 = (blockIdx.x % m_blocks) * kBM, n0 = (blockIdx.x / m_blocks) * kBN;
   const int warp = threadIdx.x / 32;
@@ -77,19 +85,25 @@ __global__ void invariant_linear_kernel(InvariantLinearProblem p, int m_blocks) 
       for (float& v : row) v = 0.f;
   }
 
-  load_tile<T>(L::x_tile(base, 0), x, p.ldx, m0, p.m, 0, p.k);
-  load_tile<T>(L::w_tile(base, 0), w, p.k, n0, p.n, 0, p.k);
-  __pipeline_commit();
-  for (int s = 0; s < steps; ++s) {
-    const int st = s & 1;
-    if (s + 1 < steps) {  // the next step's tiles into the other stage, free since the last barrier
-      load_tile<T>(L::x_tile(base, st ^ 1), x, p.ldx, m0, p.m, (s + 1) * kBK, p.k);
-      load_tile<T>(L::w_tile(base, st ^ 1), w, p.k, n0, p.n, (s + 1) * kBK, p.k);
-      __pipeline_commit();
-      __pipeline_wait_prior(1);
-    } else {
-      __pipeline_wait_prior(0);
+  // Steps 0 .. stages - 2 in flight before the first product; then each step issues the one
+  // stages - 1 ahead into the stage the last step read (free since that step's closing barrier).
+  // Every step commits a group, empty past the last step, so that waiting for all but the newest
+  // stages - 1 groups always means this step's tiles.
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < steps) {
+      load_tile<T>(L::x_tile(base, s), x, p.ldx, m0, p.m, s * kBK, p.k);
+      load_tile<T>(L::w_tile(base, s), w, p.k, n0, p.n, s * kBK, p.k);
     }
+    __pipeline_commit();
+  }
+  for (int s = 0; s < steps; ++s) {
+    const int st = s % stages, ahead = s + stages - 1;
+    if (ahead < steps) {
+      load_tile<T>(L::x_tile(base, ahead % stages), x, p.ldx, m0, p.m, ahead * kBK, p.k);
+      load_tile<T>(L::w_tile(base, ahead % stages), w, p.k, n0, p.n, ahead * kBK, p.k);
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(stages - 1);
     __syncthreads();  // this step's tiles have landed, every thread's part of them
     const T* xs = L::x_tile(base, st);
     const T* ws = L::w_tile(base, st);
@@ -117,7 +131,8 @@ __global__ void invariant_linear_kernel(InvariantLinearProblem p, int m_blocks) 
     __syncthreads();  // every warp is done with this stage before it is filled again
   }
 
-  // The fp32 tile through shared memory (the stages are free now), then out row by row, coalesced.
+  // The fp32 tile through shared memory (every copy has landed: the groups after the last step's
+  // are empty), then out row by row, coalesced.
   float* out = reinterpret_cast<float*>(base);
   if constexpr (kTensorCores) {
     if (busy)
@@ -140,12 +155,26 @@ __global__ void invariant_linear_kernel(InvariantLinearProblem p, int m_blocks) 
   }
 }
 
+// The ring's depth for this grid: see kMaxStages. Any depth gives the same bits.
+template <typename T>
+int ring_stages(int64_t blocks, int steps, const DeviceLimits& lim) {
+  if (blocks >= 2 * static_cast<int64_t>(lim.sms)) return 2;
+  const size_t room = std::min(kDeepRingBytes, static_cast<size_t>(lim.max_smem));
+  int stages = std::min(kMaxStages, std::max(2, steps));
+  while (stages > 2 && LinearTiles<T>::bytes(stages) > room) --stages;
+  return stages;
+}
+
 template <typename T>
 void launch_linear(const InvariantLinearProblem& p, cudaStream_t stream) {
   const int m_blocks = (p.m + kBM - 1) / kBM, n_blocks = (p.n + kBN - 1) / kBN;
+  const int64_t blocks = static_cast<int64_t>(m_blocks) * n_blocks;
+  const DeviceLimits lim = device_limits();
+  const int stages = ring_stages<T>(blocks, (p.k + kBK - 1) / kBK, lim);
+  const size_t bytes = LinearTiles<T>::bytes(stages);
   const auto kernel = invariant_linear_kernel<T>;
-  CHUNKGEN_LAUNCH(kernel, static_cast<int64_t>(m_blocks) * n_blocks, kLinearThreads, LinearTiles<T>::bytes, stream, p,
-                  m_blocks);
+  reserve_smem(kernel, bytes, lim, "invariant linear");
+  CHUNKGEN_LAUNCH(kernel, blocks, kLinearThreads, bytes, stream, p, m_blocks, stages);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("invariant linear launch: ") + cudaGetErrorString(err));
 }

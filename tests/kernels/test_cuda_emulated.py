@@ -387,8 +387,9 @@ def test_emulated_kv_write_matches_indexing(
     assert torch.equal(v_layer.view(torch.uint8), want_v.view(torch.uint8))
 
 
-def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """csrc/cuda/invariant_linear.cu under the emulator: x [m, k] (any row stride), w [n, k]."""
+def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, sms: int = 132) -> torch.Tensor:
+    """csrc/cuda/invariant_linear.cu under the emulator: x [m, k] (any row stride), w [n, k], on a
+    GPU of `sms` SMs (a grid below two waves of them takes a deeper copy ring)."""
     fn = emulator.emu_invariant_linear
     fn.restype = ctypes.c_int
     m, n = x.shape[0], w.shape[0]
@@ -405,6 +406,7 @@ def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         n,
         x.shape[1],
         KV_TYPES[x.dtype],
+        sms,
         err,
         len(err),
     )
@@ -417,16 +419,18 @@ def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     seed=st.integers(0, 10_000),
     m=st.integers(1, 140),
     n=st.integers(1, 150),
-    k=st.integers(1, 120),
+    k=st.integers(1, 330),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
     bias=st.booleans(),
     strided=st.booleans(),
 )
 def test_emulated_invariant_linear_is_the_same_for_a_row_in_any_batch(emulator, seed, m, n, k, dtype, bias, strided):
     """The GPU's batch-invariant linear layer: x W^T (+ bias) within the dtype's rounding of an fp64
-    product, and a row's output bits the same alone, among other rows, and at another place in the
-    batch. Sizes off the tiles' multiples (edges element by element), x as a strided slice (rows not
-    16-byte aligned), k not a multiple of the 32-wide steps."""
+    product, and a row's output bits the same alone, among other rows, at another place in the
+    batch, and whatever copy ring the grid gets (two stages on a GPU the grid fills, up to eight
+    where it does not: 1 SM against 132). Sizes off the tiles' multiples (edges element by element),
+    x as a strided slice (rows not 16-byte aligned), k not a multiple of the 32-wide steps and up to
+    11 of them (more than the deepest ring)."""
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(m, k + (3 if strided else 0), generator=gen).to(dtype)
     x = wide[:, :k]
@@ -441,3 +445,4 @@ def test_emulated_invariant_linear_is_the_same_for_a_row_in_any_batch(emulator, 
     perm = torch.randperm(m, generator=gen)
     shuffled = run_linear(emulator, x[perm].contiguous(), w, b)
     assert torch.equal(shuffled, y[perm])
+    assert torch.equal(run_linear(emulator, x, w, b, sms=1), y)  # a grid of one block or more: two stages

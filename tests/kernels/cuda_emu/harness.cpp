@@ -10,6 +10,18 @@
 #include <algorithm>
 #include <limits>
 
+// One emulated device per SM count, as the kernels cache each device's limits.
+static void select_device(int sms) {
+  emu::Device& dev = emu::device();
+  dev.current = -1;
+  for (const auto& [ordinal, count] : dev.sms)
+    if (count == sms) dev.current = ordinal;
+  if (dev.current < 0) {
+    dev.current = static_cast<int>(dev.sms.size());
+    dev.sms[dev.current] = sms;
+  }
+}
+
 extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const void* k, const void* v, int kv_type,
                                     int batch, int q_heads, int kv_heads, int head_dim, int chunk, float scale,
                                     int num_shared, const int32_t* shared_slot, const int32_t* shared_len,
@@ -68,15 +80,7 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   split_space.m = split_m.data();
   split_space.l = split_l.data();
   split_space.splits = split_cap;
-  // One emulated device per SM count, as the kernels cache each device's limits.
-  emu::Device& dev = emu::device();
-  dev.current = -1;
-  for (const auto& [ordinal, count] : dev.sms)
-    if (count == sms) dev.current = ordinal;
-  if (dev.current < 0) {
-    dev.current = static_cast<int>(dev.sms.size());
-    dev.sms[dev.current] = sms;
-  }
+  select_device(sms);
   emu::device().errors.clear();
   std::string message;
   try {
@@ -123,10 +127,12 @@ extern "C" int emu_write_kv(const void* k, const void* v, int src_type, const in
 }
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) w [n, k]^T (+ bias [n] where not null).
+// sms: the emulated GPU's SM count (the launch deepens the copy ring where the grid leaves SMs idle).
 extern "C" int emu_invariant_linear(const void* x, int64_t ldx, const void* w, const void* bias, void* y, int64_t ldy,
-                                    int m, int n, int k, int type, char* err, int err_len) {
+                                    int m, int n, int k, int type, int sms, char* err, int err_len) {
   using namespace chunkgen;
   InvariantLinearProblem p{x, ldx, w, bias, y, ldy, m, n, k, static_cast<KVType>(type)};
+  select_device(sms);
   emu::device().errors.clear();
   std::string message;
   try {
