@@ -427,8 +427,9 @@ def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
 def test_emulated_invariant_linear_is_the_same_for_a_row_in_any_batch(emulator, seed, m, n, k, dtype, bias, strided):
     """The GPU's batch-invariant linear layer: x W^T (+ bias) within the dtype's rounding of an fp64
     product, and a row's output bits the same alone, among other rows, at another place in the
-    batch, and whatever copy ring the grid gets (two stages on a GPU the grid fills, up to eight
-    where it does not: 1 SM against 132). Sizes off the tiles' multiples (edges element by element),
+    batch, and whatever grid and copy ring the launch chooses (on 132 SMs these sizes take blocks 16
+    columns wide and a ring of up to eight stages; on 1 SM, 64 wide and two stages, or a deep ring for
+    a one-block grid). Sizes off the tiles' multiples (edges element by element),
     x as a strided slice (rows not 16-byte aligned), k not a multiple of the 32-wide steps and up to
     11 of them (more than the deepest ring)."""
     gen = torch.Generator().manual_seed(seed)
@@ -445,4 +446,4 @@ def test_emulated_invariant_linear_is_the_same_for_a_row_in_any_batch(emulator, 
     perm = torch.randperm(m, generator=gen)
     shuffled = run_linear(emulator, x[perm].contiguous(), w, b)
     assert torch.equal(shuffled, y[perm])
-    assert torch.equal(run_linear(emulator, x, w, b, sms=1), y)  # a grid of one block or more: two stages
+    assert torch.equal(run_linear(emulator, x, w, b, sms=1), y)  # wide blocks
