@@ -267,17 +267,19 @@ def bench_linear(
     threads: int | None = typer.Option(None, metavar="N", help="torch threads (default: torch's)."),
     min_seconds: float = typer.Option(0.3, metavar="S", help="Time each cell at least this long (best call reported)."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
-    device: str = typer.Option("cpu", metavar="cpu|cuda", help="cuda: cuBLAS against chunkgen's batch-invariant product on the GPU, bf16 (--types, --threads and --min-seconds are the CPU's; --rows and --shapes default to decode and prefill products of SmolLM2-135M and Llama-3.2-1B)."),
+    device: DEVICE = DEFAULT_DEVICE,
 ) -> None:
-    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights; on a GPU, cuBLAS against the batch-invariant product."""
+    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights; on a GPU, cuBLAS against the batch-invariant product in bf16 (--rows and --shapes then default to decode and prefill products of SmolLM2-135M and Llama-3.2-1B)."""
     import torch
 
     from chunkgen.bench.linear import TYPES, run_linear
+    from chunkgen.device import device_guard
 
-    if device == "cuda":
-        return _bench_linear_cuda(rows, shapes, json_out)
-    if device != "cpu":
-        fail(f"--device takes cpu or cuda, not {device}")
+    config = resolve_config(device=device)
+    err.print(f"device {device_text(config)}", highlight=False)
+    if config.device.startswith("cuda"):
+        with device_guard(config.device):
+            return _bench_linear_cuda(rows, shapes, json_out)
 
     chosen = tuple(t.strip() for t in types.split(",") if t.strip())
     if set(chosen) - set(TYPES):
@@ -313,8 +315,6 @@ def _bench_linear_cuda(rows: str, shapes: str, json_out: Path | None) -> None:
     from chunkgen._native import native_cuda_available
     from chunkgen.bench.linear import CUDA_ROWS, CUDA_SHAPES, run_linear_cuda
 
-    if not torch.cuda.is_available():
-        fail("--device cuda: torch sees no CUDA GPU here")
     if not native_cuda_available():
         fail("--device cuda: chunkgen was built without its CUDA kernels (CHUNKGEN_CUDA=1 at install builds them)")
     try:
