@@ -55,30 +55,39 @@ KV_GIB = 4  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE): prefix caching keeps
 
 def run_vllm(llm, work, max_num_seqs: int) -> tuple[dict, list[list[int]]]:
     """bench e2e's vllm system: (row, outputs) of vLLM-CPU with prefix caching on the LLM's model
-    as float weights in its dtype, fed the workload's token ids, greedy, exactly max_new_tokens a
-    row, with as many threads as chunkgen's own (torch's). vLLM reports no prefill/decode split and
-    reserves its KV cache up front, so those figures are left empty."""
+    as float weights in its dtype (with --dummy-weights, random weights vLLM draws for the same
+    config), fed the workload's token ids, greedy, exactly max_new_tokens a row, with as many
+    threads as chunkgen's own (torch's). vLLM reports no prefill/decode split and reserves its KV
+    cache up front, so those figures are left empty."""
+    import shutil
+
     import torch
 
+    from chunkgen.model import dummy
     from chunkgen.model.loading import float_weights
     from chunkgen.model.precision import DTYPE_NAMES
 
-    if llm.model_path is None:
-        raise VllmUnavailable("vllm runs a model folder or GGUF file, not --dummy-weights")
     if torch.device(llm.device).type != "cpu":
         raise VllmUnavailable(f"vllm runs vLLM's CPU build here; give --device cpu (not {llm.device})")
     work_json = {
-        "model": str(float_weights(llm.model_path)),
         "dtype": DTYPE_NAMES[llm.model.dtype],
         "prompts": work.prompts,
         "max_new_tokens": work.max_new_tokens,
         "max_num_seqs": max_num_seqs,
+        "max_model_len": max(len(p) for p in work.prompts) + work.max_new_tokens,
     }
-    res = run_worker("generate", work_json, KV_GIB, threads=torch.get_num_threads())
+    with tempfile.TemporaryDirectory(prefix="vllm-config-") as folder:
+        if llm.model_path is None:  # --dummy-weights: vLLM draws its own random weights of the same shapes
+            shutil.copy(dummy.config_path(llm.config.dummy_weights), os.path.join(folder, "config.json"))
+            work_json.update(model=folder, load_format="dummy")
+        else:
+            work_json["model"] = str(float_weights(llm.model_path))
+        res = run_worker("generate", work_json, KV_GIB, threads=torch.get_num_threads())
     gen = res["outputs"]
     n_gen = sum(len(g) for g in gen)
     cached = sum(c or 0 for c in res["cached_tokens"])
     isa = ", held to AVX2" if res["avx2_only"] else ""
+    weights = "random weights of the config" if llm.model_path is None else "the model's float weights"
     row = dict(
         peak_batch=res["max_num_seqs"],
         wall_s=res["wall_s"],
@@ -89,7 +98,7 @@ def run_vllm(llm, work, max_num_seqs: int) -> tuple[dict, list[list[int]]]:
         kv_peak_bytes=None,
         rss_peak_bytes=None,
         vllm=(
-            f"vllm-cpu {res['vllm_cpu']} (torch {res['torch']}{isa}), prefix caching, {KV_GIB} GiB KV cache, "
+            f"vllm-cpu {res['vllm_cpu']} (torch {res['torch']}{isa}) on {weights}, prefix caching, {KV_GIB} GiB KV cache, "
             f"max_num_seqs {res['max_num_seqs']}, max_num_batched_tokens {res['max_num_batched_tokens']}, "
             f"block {res['block_size']}, threads bound to CPUs {res['threads_bind']}; "
             f"{cached:,} of {sum(len(p) for p in work.prompts):,} prompt tokens from its cache"

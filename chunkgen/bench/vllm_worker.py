@@ -8,7 +8,9 @@ Both modes run one `LLM.generate` over token ids with automatic prefix caching o
 warm-up on unrelated ids and a reset of the prefix cache (so the timed call starts cold, as a fresh
 chunkgen engine does), and write JSON to OUT.json (vLLM logs to stdout):
 
-- generate: WORK {"model", "dtype", "prompts": [[ids]], "max_new_tokens", "max_num_seqs"}; greedy,
+- generate: WORK {"model", "dtype", "prompts": [[ids]], "max_new_tokens", "max_num_seqs",
+  "max_model_len", optionally "load_format": "dummy" (random weights of the folder's config.json,
+  no tokenizer)}; greedy,
   exactly max_new_tokens a prompt (ignore_eos), token ids only. OUT: the call's wall time, each
   prompt's new ids and cached prompt tokens, vLLM's versions and the settings it ended up with.
 - score: WORK {"model", "dtype", "jobs": [[context ids, [continuation ids, ...]], ...]}; each
@@ -64,6 +66,8 @@ def _environment(threads: int, kv_gib: int) -> None:
 def _engine(work: dict, kv_gib: int, **extra):
     from vllm import LLM
 
+    if work.get("load_format") == "dummy":  # random weights of a config's shapes: no weights, no tokenizer
+        extra.update(load_format="dummy", skip_tokenizer_init=True)
     return LLM(
         model=work["model"],
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[work["dtype"]],
@@ -93,7 +97,7 @@ def generate(work: dict, kv_gib: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = _engine(work, kv_gib, max_num_seqs=work["max_num_seqs"])
+    llm = _engine(work, kv_gib, max_num_seqs=work["max_num_seqs"], max_model_len=work["max_model_len"])
     prompts = work["prompts"]
     _warm(llm, prompts[0])
     params = SamplingParams(temperature=0.0, max_tokens=work["max_new_tokens"], ignore_eos=True, detokenize=False)

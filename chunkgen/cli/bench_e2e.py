@@ -61,7 +61,7 @@ def bench_e2e(
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "
                                      "(chunkgen with every answer held to a JSON schema of tool calls: the cost of masking), "
                                      "llama_cpp (llama.cpp on the model's GGUF file, the same token ids; needs the extra llamacpp), "
-                                     "vllm (vLLM-CPU with prefix caching on the model's float weights, the same token ids; "
+                                     "vllm (vLLM-CPU with prefix caching on the model's float weights, or on its own random ones with --dummy-weights, the same token ids; "
                                      "runs the python CHUNKGEN_VLLM_PYTHON names)."),
     quick: bool = typer.Option(False, help="512 shared tokens, 8 queries, 16 new tokens."),
     repeat: int = typer.Option(1, min=1, metavar="N", help="Rounds in which the systems take turns; each row is the median round."),
@@ -91,7 +91,7 @@ def bench_e2e(
         config = config.replace(kv_memory=HF_BESIDE_KV)
         err.print(f"--kv-memory auto on a GPU beside the hf system: {HF_BESIDE_KV} (give a size to change it)",
                   highlight=False)
-    _check_dummy_fits(config, copies=2 if "hf" in chosen else 1)
+    _check_dummy_fits(config, copies=1 + ("hf" in chosen) + ("vllm" in chosen))  # theirs: float weights
     if "llama_cpp" in chosen:
         _check_llama_cpp(config, n_queries)
     if "vllm" in chosen:
@@ -205,15 +205,13 @@ def _of(count: int | None, n: int) -> str:
 
 
 def _check_vllm(config: Config) -> None:
-    """Before the model loads: vLLM's python is there, the model is one it can load, on the CPU."""
+    """Before the model loads: vLLM's python is there, and the run is on the CPU."""
     from chunkgen.bench.vllm_cpu import VllmUnavailable, check_vllm
 
     try:
         check_vllm()
     except VllmUnavailable as exc:
         fail(str(exc))
-    if config.dummy_weights is not None:
-        fail("vllm runs a model folder or GGUF file, not --dummy-weights")
     if config.device != "cpu":
         fail(f"vllm runs vLLM's CPU build here; give --device cpu (not {config.device})")
 

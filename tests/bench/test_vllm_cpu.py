@@ -26,14 +26,18 @@ STAND_IN = textwrap.dedent(
     import torch
     from transformers import AutoModelForCausalLM
     worker, mode, work_file, out_file, *flags = sys.argv[1:]
-    shutil.copy(work_file, {sent!r})
     work = json.load(open(work_file))
-    model = AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32)
-    outputs = []
-    for p in work["prompts"]:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=work["max_new_tokens"],
-                             min_new_tokens=work["max_new_tokens"], do_sample=False)
-        outputs.append(ids[0, len(p):].tolist())
+    work["config_json"] = json.load(open(work["model"] + "/config.json"))
+    json.dump(work, open({sent!r}, "w"))
+    if work.get("load_format") == "dummy":  # random weights: any answers
+        outputs = [[0] * work["max_new_tokens"] for _ in work["prompts"]]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(work["model"], dtype=torch.float32)
+        outputs = []
+        for p in work["prompts"]:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=work["max_new_tokens"],
+                                 min_new_tokens=work["max_new_tokens"], do_sample=False)
+            outputs.append(ids[0, len(p):].tolist())
     json.dump(dict(wall_s=0.5, outputs=outputs, cached_tokens=[0] + [40] * (len(outputs) - 1),
                    vllm_cpu="stand-in", torch=torch.__version__, max_num_seqs=work["max_num_seqs"],
                    max_num_batched_tokens=4096, block_size=16, threads_bind="0", avx2_only=False,
@@ -51,14 +55,11 @@ def stand_in_python(tmp_path) -> tuple[str, str]:
     return str(exe), str(sent)
 
 
-def test_vllm_refuses_before_the_model_loads(monkeypatch, tmp_path, tiny_config):
+def test_vllm_refuses_before_the_model_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("CHUNKGEN_VLLM_PYTHON", str(tmp_path / "absent" / "python"))
     res = runner.invoke(app, ["bench", "e2e", "--systems", "chunkgen,vllm", "--quick"])
     assert res.exit_code != 0 and "CHUNKGEN_VLLM_PYTHON" in res.output and "absent" in res.output
     assert "loading" not in res.output
-    monkeypatch.setenv("CHUNKGEN_VLLM_PYTHON", sys.executable)
-    res = runner.invoke(app, ["bench", "e2e", "--systems", "vllm", "--dummy-weights", str(tiny_config)])
-    assert res.exit_code != 0 and "not --dummy-weights" in res.output
 
 
 def test_vllm_gets_chunkgens_token_ids_and_its_answers_are_compared(monkeypatch, tmp_path, tiny_model):
@@ -75,7 +76,8 @@ def test_vllm_gets_chunkgens_token_ids_and_its_answers_are_compared(monkeypatch,
     assert work["dtype"] == "fp32" and work["max_new_tokens"] == 5 and work["max_num_seqs"] == 3
     assert len(work["prompts"]) == 3 and all(len(p) > 40 for p in work["prompts"])
     assert len({tuple(p[:40]) for p in work["prompts"]}) == 1  # the shared prompt, token for token
-    assert os.path.isfile(os.path.join(work["model"], "config.json"))
+    assert work["max_model_len"] == max(len(p) for p in work["prompts"]) + 5 and "load_format" not in work
+    assert os.path.isfile(os.path.join(work["model"], "model.safetensors"))  # the model's own weights
     v = rows["vllm"]
     assert v["outputs_equal_to_chunkgen"] >= 2  # transformers' greedy answers; random weights: one near tie may flip
     assert v["wall_s"] == 0.5 and v["gen_tokens_per_s"] == 3 * 5 / 0.5
@@ -103,3 +105,16 @@ def test_the_worker_holds_vllm_to_avx2_where_chunkgen_is(monkeypatch, tmp_path):
     assert "_is_avx512_supported = lambda: False" in open(os.path.join(site, "sitecustomize.py")).read()
     assert not torch.cpu._is_avx512_supported() and not torch.cpu._is_amx_tile_supported()
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_vllm_beside_dummy_weights_draws_its_own_of_the_same_config(monkeypatch, tmp_path, tiny_config):
+    exe, sent = stand_in_python(tmp_path)
+    monkeypatch.setenv("CHUNKGEN_VLLM_PYTHON", exe)
+    args = cli_args(["bench", "e2e"], dummy_weights=tiny_config, dtype="fp32", n_shared=40, n_queries=2)
+    args += cli_args([], max_new_tokens=3, systems="chunkgen,vllm", device="cpu")
+    res = runner.invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    work = json.loads(open(sent).read())
+    assert work["load_format"] == "dummy" and work["config_json"] == json.loads(tiny_config.read_text())
+    assert not os.path.exists(work["model"])  # a folder of its own for the run, gone after it
+    assert "random weights of the config" in " ".join(res.output.split())
