@@ -12,7 +12,7 @@ from rich.table import Table
 
 from chunkgen.cli.boundary import bench_app, err, fail, stdout, usage
 from chunkgen.cli.loading import device_text, dtype_line, load_llm
-from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, MAX_BATCH, MODEL, QUANTIZE
+from chunkgen.cli.option_types import BATCH_INVARIANT, DEVICE, DTYPE, DUMMY_WEIGHTS, MAX_BATCH, MODEL, QUANTIZE
 from chunkgen.cli.options import resolve_config
 from chunkgen.config import (
     DEFAULT_BATCH_INVARIANT,
@@ -218,6 +218,7 @@ def bench_step(
     dtype: DTYPE = DEFAULT_DTYPE,
     quantize: QUANTIZE = "none",
     batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
+    dummy_weights: DUMMY_WEIGHTS = None,
     json_out: Path | None = typer.Option(
         None, "--json", metavar="FILE", help="Also measure the host's share of a step and write every figure to this file: "
         "ops_per_step (profiler, this model and batch), host_floor_ms_b32 / _b256 (CPU time of a step of a "
@@ -229,8 +230,8 @@ def bench_step(
     from chunkgen.bench.e2e import build_workload
     from chunkgen.bench.machine import machine_ceilings
 
-    llm = load_llm(resolve_config(model=model, dtype=dtype, max_batch=n_queries, kv_memory="8GiB", quantize=quantize,
-                                   batch_invariant=batch_invariant))
+    llm = load_llm(resolve_config(model=model, dummy_weights=dummy_weights, dtype=dtype, max_batch=n_queries,
+                                   kv_memory="8GiB", quantize=quantize, batch_invariant=batch_invariant))
     dtype = dtype_line(llm.config) + ("" if llm.quantized == "none" else f", quantized: {llm.quantized}")
     prompts = build_workload(llm, n_shared, n_queries, steps).prompts
     ceilings = machine_ceilings() if llm.config.device == "cpu" else None

@@ -17,6 +17,7 @@ from chunkgen.cli.option_types import (
     BATCH_INVARIANT,
     DEVICE,
     DTYPE,
+    DUMMY_WEIGHTS,
     KV_DTYPE,
     KV_MEMORY,
     MAX_BATCHES,
@@ -55,7 +56,7 @@ def bench_e2e(
     device: DEVICE = DEFAULT_DEVICE,
     kv_memory: KV_MEMORY = DEFAULT_KV_MEMORY,
     kv_dtype: KV_DTYPE = None,
-    dummy_weights: str | None = typer.Option(None, "--dummy-weights", metavar="CONFIG", help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name (smollm2-135m, llama-3.2-1b, llama-2-7b, llama-3.1-8b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are."),
+    dummy_weights: DUMMY_WEIGHTS = None,
     weights_seed: int = typer.Option(0, metavar="N", help="With --dummy-weights: the seed the weights are drawn from (run's --seed is the sampling seed)."),
     systems: str = typer.Option(",".join(("hf", "chunkgen_noshare", "chunkgen_paged", "chunkgen")), metavar="NAME[,NAME...]",
                                 help="Subset of hf, chunkgen_noshare, chunkgen_paged, chunkgen, chunkgen_schema "

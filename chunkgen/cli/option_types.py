@@ -82,6 +82,16 @@ QUANTIZE = Annotated[
         "per row to int8 blocks. On a GPU, GGUF weights run dequantized.",
     ),
 ]
+DUMMY_WEIGHTS = Annotated[  # the benches': a model's shapes without its weights
+    str | None,
+    typer.Option(
+        "--dummy-weights",
+        metavar="CONFIG",
+        help="Instead of --model: random weights (seeded) of the shapes in CONFIG, a shipped name "
+        "(smollm2-135m, llama-3.2-1b, llama-2-7b, llama-3.1-8b, qwen3-0.6b, qwen3-4b, gemma-3-1b, phi-3-mini) or "
+        "a Hugging Face config.json. Prompts are token ids; outputs are not meaningful, speed and memory are.",
+    ),
+]
 KV_DTYPE = Annotated[
     str | None,
     typer.Option(
