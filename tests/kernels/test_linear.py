@@ -28,7 +28,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     path=st.sampled_from(BF16_PATHS or ["none"]),
     rows=st.one_of(st.integers(0, 32), st.integers(33, 300)),
     n=st.sampled_from([1, 16, 31, 32, 33, 80, 576]),
-    k=st.sampled_from([1, 31, 32, 40, 64, 200, 576]),
+    k=st.sampled_from([1, 31, 32, 40, 64, 200, 512, 576, 1024]),  # 512, 1024: rows a multiple of 1 KiB apart
     strided=st.booleans(),
     seed=st.integers(0, 2**31),
 )
@@ -54,14 +54,17 @@ def test_the_product_is_x_times_w_transposed(path, rows, n, k, strided, seed):
 @pytest.mark.parametrize("path", BF16_PATHS)
 def test_a_rows_result_does_not_depend_on_the_calls_rows(path):
     """AMX takes panels of 32 rows, the AVX512_BF16 product any rows in groups of 14 per weight
-    block: a row's output is bit-identical in calls of 1 to 300 rows, wherever it falls."""
-    w = torch.randn(100, 200).bfloat16()
-    x = torch.randn(300, 200).bfloat16()
-    with forced(path):
-        full = packed_linear(x, w)
-        for rows in (1, 7, 14, 15, 33, 256):
-            for start in (0, 5, 300 - rows):
-                assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
+    block: a row's output is bit-identical in calls of 1 to 300 rows, wherever it falls. k = 512
+    puts rows 1 KiB apart, which the product reads from a copy whose rows are not (a lone row
+    as it is)."""
+    for k in (200, 512):
+        w = torch.randn(100, k).bfloat16()
+        x = torch.randn(300, k).bfloat16()
+        with forced(path):
+            full = packed_linear(x, w)
+            for rows in (1, 7, 14, 15, 33, 256):
+                for start in (0, 5, 300 - rows):
+                    assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
 
 
 @needs_bf16
@@ -125,7 +128,7 @@ def test_the_model_uses_it_for_up_to_32_rows(monkeypatch, invariant_off):
 @given(
     rows=st.integers(0, 256),
     n=st.sampled_from([1, 15, 16, 17, 33, 80, 576]),
-    k=st.sampled_from([1, 7, 64, 200, 576]),
+    k=st.sampled_from([1, 7, 64, 200, 256, 512, 576]),  # 256, 512: rows a multiple of 1 KiB apart
     strided=st.booleans(),
     seed=st.integers(0, 2**31),
 )
@@ -138,6 +141,18 @@ def test_the_fp32_product_is_x_times_w_transposed(rows, n, k, strided, seed):
     want = x.double() @ w.double().t()
     bound = (x.double().abs() @ w.double().abs().t()) * k * 2**-23 + 1e-30  # fp32's rounding of k terms
     assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_an_fp32_rows_result_does_not_depend_on_the_calls_rows():
+    """Panels of 256 rows, groups of 14 (6 below AVX-512); k = 256 puts rows 1 KiB apart, read from
+    a copy whose rows are not (a lone row as it is)."""
+    for k in (200, 256):
+        w = torch.randn(100, k)
+        x = torch.randn(600, k)
+        full = packed_linear(x, w)
+        for rows in (1, 6, 7, 14, 15, 256, 257):
+            for start in (0, 5, 600 - rows):
+                assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
 
 
 def test_the_fp32_product_keeps_a_nan_in_its_own_column_and_refuses_bad_arguments():
