@@ -1,6 +1,7 @@
 """One linear product at a time, quantized against float, side by side in one process: the fp32
-product the engine runs (model/llama.py's Linear: chunkgen's packed decode product up to 256 rows,
-oneDNN above), on a CPU with a bf16 path (AMX or AVX512_BF16) the bf16 product it runs as well,
+product the engine runs (model/llama.py's Linear: with batch-invariant numerics chunkgen's packed
+product at any rows; without, it up to 256 rows and oneDNN above), on a CPU with a bf16 path (AMX
+or AVX512_BF16) the bf16 product it runs as well (without batch invariance oneDNN's above 32 rows),
 and the quantized kernel on the same shape, random weights of each type."""
 
 from __future__ import annotations
@@ -43,10 +44,28 @@ def _quantized(kind: str, w: torch.Tensor, seed: int):
 
 
 def run_linear(
-    shapes=SMOLLM2_SHAPES, rows=ROWS, types=TYPES, min_seconds: float = 0.3, on_row: Callable | None = None
+    shapes=SMOLLM2_SHAPES,
+    rows=ROWS,
+    types=TYPES,
+    min_seconds: float = 0.3,
+    batch_invariant: bool = True,
+    on_row: Callable | None = None,
 ) -> list[dict]:
     """Per shape, rows and type: best time in ms, GFLOP/s (2 n k rows) and speed against fp32 (and
-    against bf16, `vs_bf16`, where this CPU has a bf16 path; else None)."""
+    against bf16, `vs_bf16`, where this CPU has a bf16 path; else None). Each product runs as an
+    engine with the same batch_invariant runs it: on, every float call takes chunkgen's packed
+    product; off, calls above its rows take oneDNN's."""
+    from chunkgen.kernels import invariant
+
+    was = invariant.enabled()
+    invariant.set_enabled(batch_invariant)
+    try:
+        return _run_linear(shapes, rows, types, min_seconds, on_row)
+    finally:
+        invariant.set_enabled(was)
+
+
+def _run_linear(shapes, rows, types, min_seconds: float, on_row: Callable | None) -> list[dict]:
     from chunkgen.model import quant
     from chunkgen.model.llama import Linear, decode_product_available
 

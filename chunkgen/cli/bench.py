@@ -269,14 +269,15 @@ def bench_linear(
     min_seconds: float = typer.Option(0.3, metavar="S", help="Time each cell at least this long (best call reported)."),
     json_out: Path | None = typer.Option(None, "--json", metavar="FILE", help="Also write the rows as JSON here."),
     device: DEVICE = DEFAULT_DEVICE,
+    batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
 ) -> None:
-    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights; on a GPU, cuBLAS against the batch-invariant product in bf16 (--rows and --shapes then default to decode and prefill products of SmolLM2-135M and Llama-3.2-1B)."""
+    """One linear product: the quantized kernel against the fp32 product (and the bf16 one where the CPU has a bf16 path), side by side, random weights, each as the engine runs it with the same --batch-invariant; on a GPU, cuBLAS against the batch-invariant product in bf16 (--rows and --shapes then default to decode and prefill products of SmolLM2-135M and Llama-3.2-1B)."""
     import torch
 
     from chunkgen.bench.linear import TYPES, run_linear
     from chunkgen.device import device_guard
 
-    config = resolve_config(device=device)
+    config = resolve_config(device=device, batch_invariant=batch_invariant)
     err.print(f"device {device_text(config)}", highlight=False)
     if config.device.startswith("cuda"):
         with device_guard(config.device):
@@ -294,8 +295,9 @@ def bench_linear(
         fail("--shapes takes NxK pairs with K a multiple of 32")
     if threads:
         torch.set_num_threads(threads)
-    err.print(f"{torch.get_num_threads()} threads; quantized path {torch.ops.chunkgen.quant_isa()}", highlight=False)
-    result = run_linear(nk, ms, chosen, min_seconds, on_row=lambda r: err.print(
+    err.print(f"{torch.get_num_threads()} threads; quantized path {torch.ops.chunkgen.quant_isa()}; batch-invariant "
+              f"numerics {'on' if config.batch_invariant else 'off'}", highlight=False)
+    result = run_linear(nk, ms, chosen, min_seconds, config.batch_invariant, on_row=lambda r: err.print(
         f"  {r['n']}x{r['k']} rows {r['rows']:>5} {r['type']:>5}: {r['ms']:9.3f} ms {r['gflops']:7.1f} GFLOP/s "
         f"{r['vs_fp32']:5.2f}x fp32" + (f" {r['vs_bf16']:5.2f}x bf16" if r["vs_bf16"] else ""), highlight=False))
     with_bf16 = any(r["vs_bf16"] for r in result)

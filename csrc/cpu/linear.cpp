@@ -15,6 +15,7 @@
 
 #include "bf16_gemm.h"
 #include "isa.h"
+#include "row_spread.h"
 
 namespace chunkgen {
 
@@ -54,6 +55,9 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
     static const bf16::TileConfig tile_config;
     _tile_loadconfig(&tile_config);
     alignas(64) float c[32 * 32];
+    // x and ldx are shared by the threads: each reads its own spread copy through xr and ldr.
+    int64_t ldr = ldx;
+    const uint16_t* xr = rows_crowd_a_set(ldx * 2, 16) ? spread_rows(x, ldx, 16 * RT, kp, ldr) : x;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     // Contiguous block ranges: each thread streams one run of memory.
     for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
@@ -68,11 +72,11 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
         const uint16_t* wk = wb + k * 32;  // 16 pair-rows of 32 columns
         _tile_loadd(6, wk, 128);
         _tile_loadd(7, wk + 32, 128);
-        _tile_loadd(4, x + k, ldx * 2);
+        _tile_loadd(4, xr + k, ldr * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if constexpr (RT == 2) {
-          _tile_loadd(5, x + 16 * ldx + k, ldx * 2);
+          _tile_loadd(5, xr + 16 * ldr + k, ldr * 2);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }
@@ -135,6 +139,10 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
 #pragma omp parallel
   {
     alignas(64) float c[kGroup * 32];
+    // x and ldx are shared by the threads: each reads its own spread copy through xr and ldr.
+    int64_t ldr = ldx;
+    const uint16_t* xr =
+        rows > 1 && rows_crowd_a_set(ldx * 2, std::min(rows, kGroup)) ? spread_rows(x, ldx, rows, kp, ldr) : x;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
       const uint16_t* wb = w + b * block_elems;
@@ -145,7 +153,7 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
         // clang-format off
         switch (g) {
 #define CHUNKGEN_ROWS(m) \
-  case m: dpbf16_rows<m>(x + r * ldx, ldx, wb, kp, c); break;
+  case m: dpbf16_rows<m>(xr + r * ldr, ldr, wb, kp, c); break;
           CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
           CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
           CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13) CHUNKGEN_ROWS(14)
@@ -167,18 +175,6 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
 
 namespace {
 
-// A row group reads its rows of x side by side at every k step. Rows whose starts lie a multiple
-// of 1 KiB apart fall in at most four of L1's 64 sets (4 KiB a way), so a group of 14 evicts
-// itself and the weight lines all along k: 256 rows of 2,048 bf16 ran at 345 GFLOP/s, and the
-// same rows 64 bytes further apart at 455 (Zen 4; fp32 alike, 170 against 225). Such an x is
-// copied with an odd number of cache lines a row, which spreads its rows over every set.
-bool rows_share_sets(int64_t row_bytes) { return row_bytes % 1024 == 0; }
-
-int64_t spread_row_elems(int64_t elems, int64_t elem_bytes) {
-  const int64_t per_line = 64 / elem_bytes, lines = (elems + per_line - 1) / per_line;
-  return (lines | 1) * per_line;
-}
-
 torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   const int64_t rows = x.size(0), k = x.size(1), cols = packed_linear_fp32_cols();
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() && packed.size(0) == (n + cols - 1) / cols &&
@@ -188,16 +184,7 @@ torch::Tensor packed_linear_fp32_op(const torch::Tensor& x, const torch::Tensor&
   auto y = torch::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const auto xc = x.stride(1) == 1 ? x : x.contiguous();
-  const float* xs = xc.data_ptr<float>();
-  int64_t ldx = xc.stride(0);
-  thread_local std::vector<float> spread;  // this thread's own: calls from other threads do not share it
-  if (rows > 1 && rows_share_sets(ldx * 4)) {
-    ldx = spread_row_elems(k, 4);
-    spread.resize(static_cast<size_t>(rows) * ldx);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(spread.data() + r * ldx, xs + r * xc.stride(0), sizeof(float) * k);
-    xs = spread.data();
-  }
-  packed_linear_fp32(xs, ldx, rows, packed.data_ptr<float>(), k, n, y.data_ptr<float>());
+  packed_linear_fp32(xc.data_ptr<float>(), xc.stride(0), rows, packed.data_ptr<float>(), k, n, y.data_ptr<float>());
   return y;
 }
 
@@ -233,13 +220,12 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t ldx = x.stride(0);
   // The tiles read 16 or 32 full rows of k padded to 32, the dot products each row's k padded to
-  // 32: x as it is when it has them (in rows that do not share L1's sets), else a zero-padded copy
-  // (this thread's own, so that calls from other threads do not share it).
+  // 32: x as it is when it has them, else a zero-padded copy (this thread's own, so that calls from
+  // other threads do not share it).
   thread_local std::vector<uint16_t> padded;
   const int64_t padded_rows = isa == Isa::Amx ? 16 * rt : rows;
-  if ((isa == Isa::Amx && rows != padded_rows) || k != kp || x.stride(1) != 1 ||
-      (rows > 1 && rows_share_sets(ldx * 2))) {
-    const int64_t ld = spread_row_elems(kp, 2);
+  if ((isa == Isa::Amx && rows != padded_rows) || k != kp || x.stride(1) != 1) {
+    const int64_t ld = kp;
     padded.assign(static_cast<size_t>(padded_rows) * ld, 0);
     const int64_t step = x.stride(1);
     for (int64_t r = 0; r < rows; ++r)

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "../linear.h"
+#include "row_spread.h"
 #include "vec.h"
 
 namespace chunkgen {
@@ -109,7 +110,10 @@ void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* 
     // Panels of rows that keep x in L2 while the blocks pass; a row's sums are the same in any panel.
     for (int64_t p0 = 0; p0 < rows; p0 += kPackedLinearFp32MaxRows) {
       const int panel = static_cast<int>(std::min(kPackedLinearFp32MaxRows, rows - p0));
-      const float* xp = x + p0 * ldx;
+      int64_t ldp = ldx;  // the panel's rows, spread over L1's sets where they would crowd one
+      const float* xp = panel > 1 && rows_crowd_a_set(ldx * 4, std::min(panel, kGroup))
+                            ? spread_rows(x + p0 * ldx, ldx, panel, k, ldp)
+                            : x + p0 * ldx;
       const int groups = (panel + kGroup - 1) / kGroup;
       for (int64_t b = b_first; b < b_end; ++b) {
         const float* wb = w + b * k * kCols;
@@ -118,9 +122,9 @@ void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* 
         float* yb = y + p0 * n + b * kCols;
         int r = 0, g = 0;
         for (; r + kGroup <= panel; r += kGroup, ++g)
-          fma_rows<kGroup>(xp + r * ldx, ldx, wb, k, yb + r * n, n, cols, {next, g, groups});
+          fma_rows<kGroup>(xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups});
         if (r < panel)
-          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldx, ldx, wb, k, yb + r * n, n, cols, {next, g, groups});
+          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups});
       }
     }
   }

@@ -41,3 +41,25 @@ def test_cli_refuses_bad_types_and_shapes():
     assert result.exit_code != 0 and "--types takes a subset of" in result.output
     result = run_cli("bench", "linear", "--shapes", "8x100")
     assert result.exit_code != 0 and "multiple of 32" in result.output
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_products_run_as_an_engine_with_the_same_batch_invariance_runs_them(monkeypatch, batch_invariant):
+    """With batch-invariant numerics every float call takes chunkgen's packed product (a bench that
+    timed oneDNN's instead hid a 30% loss at k = 2,048); the process's own setting comes back."""
+    from chunkgen.bench.linear import run_linear
+    from chunkgen.kernels import invariant
+    from chunkgen.model import llama
+
+    seen = []
+    call = llama.Linear.__call__
+
+    def spy(self, x):
+        seen.append(invariant.enabled())
+        return call(self, x)
+
+    monkeypatch.setattr(llama.Linear, "__call__", spy)
+    before = invariant.enabled()
+    run_linear(((16, 64),), (40,), ("int8",), min_seconds=0.0, batch_invariant=batch_invariant)
+    assert seen and set(seen) == {batch_invariant}
+    assert invariant.enabled() == before
