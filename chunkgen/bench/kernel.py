@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
-from chunkgen.kernels import decode_attention, workspace_for
+from chunkgen.kernels import decode_attention, invariant, workspace_for
 
 # chunk_tpp with one of the CUDA kernels' steps switched off, timed beside it on a GPU (the CPU
 # kernel has none of them): a partial every chunk instead of one a segment of chunks, the
@@ -225,11 +225,16 @@ def run_grid(
     impls=IMPLS,
     on_row: Callable[[dict], None] | None = None,
     device: torch.device | str = "cpu",
+    batch_invariant: bool = False,
 ) -> list[dict]:
+    """Every shape of the grid; chunkgen's op runs as an engine with the same batch_invariant runs
+    it (on: each row's state continued one chunk at a time, csrc/invariant.h; off: its fastest plan)."""
     rows = []
-    for shape in grid:
-        for row in run_shape(shape, dtype, repeats, impls, device):
-            rows.append(row)
-            if on_row:
-                on_row(row)
+    with invariant.numerics(batch_invariant):
+        for shape in grid:
+            for row in run_shape(shape, dtype, repeats, impls, device):
+                row["batch_invariant"] = batch_invariant
+                rows.append(row)
+                if on_row:
+                    on_row(row)
     return rows

@@ -57,12 +57,8 @@ def run_linear(
     product; off, calls above its rows take oneDNN's."""
     from chunkgen.kernels import invariant
 
-    was = invariant.enabled()
-    invariant.set_enabled(batch_invariant)
-    try:
+    with invariant.numerics(batch_invariant):
         return _run_linear(shapes, rows, types, min_seconds, on_row)
-    finally:
-        invariant.set_enabled(was)
 
 
 def _run_linear(shapes, rows, types, min_seconds: float, on_row: Callable | None) -> list[dict]:

@@ -39,8 +39,9 @@ def bench_kernel(
                               "chunk_tpp_unsplit",
                               metavar="NAME[,NAME...]", help="Implementations to time (the chunk_tpp_ variants on "
                                                              "CUDA only: chunk_tpp with a kernel step switched off)."),
+    batch_invariant: BATCH_INVARIANT = DEFAULT_BATCH_INVARIANT,
 ) -> None:
-    """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp."""
+    """Decode attention latency, paper Table 3 style: naive, sdpa, paged, paged_shared, chunk_tpp; chunkgen's op as the engine runs it with the same --batch-invariant."""
     import torch
 
     from chunkgen.bench.kernel import IMPLS, default_grid, run_grid
@@ -50,16 +51,17 @@ def bench_kernel(
     chosen = tuple(i.strip() for i in impls.split(",") if i.strip())
     if not chosen or set(chosen) - set(IMPLS):
         fail(f"--impls takes a subset of {','.join(IMPLS)}")
-    config = resolve_config(device=device)
+    config = resolve_config(device=device, batch_invariant=batch_invariant)
     device = config.device
-    err.print(f"device {device_text(config)}", highlight=False)
+    err.print(f"device {device_text(config)}; batch-invariant numerics {'on' if config.batch_invariant else 'off'}",
+              highlight=False)
     on_cuda = device.startswith("cuda")
     kv_dtype = parse_dtype(kv_dtype or ("fp16" if on_cuda else "fp32"))
     if not on_cuda and kv_dtype == torch.float16:
         fail("the CPU kernel takes fp32 or bf16 K/V; fp16 is for --device cuda")
     with device_guard(device):
         rows = run_grid(default_grid(quick), kv_dtype, repeats=3 if quick else repeats, impls=chosen, device=device,
-                        on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
+                        batch_invariant=config.batch_invariant, on_row=lambda r: err.print(f"  {r['impl']:>13} n_p={r['n_p']} n_s={r['n_s']} "
                                                    f"H={r['q_heads']}/{r['kv_heads']}: {r['us']:.0f} us", highlight=False))
     _print_kernel_table(rows)
     if json_out:

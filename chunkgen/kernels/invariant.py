@@ -9,6 +9,9 @@ prefill wave attends each sequence over its own whole path."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from chunkgen._native import native, native_cpu_available, native_cuda_available
@@ -27,6 +30,18 @@ def set_enabled(on: bool) -> None:
         _on = on
         if native_cpu_available():
             native().set_batch_invariant(on)
+
+
+@contextlib.contextmanager
+def numerics(on: bool) -> Iterator[None]:
+    """Batch-invariant numerics on or off inside the block, as an engine with that choice runs its
+    kernels (a bench times what the engine runs), and the process's own setting again after it."""
+    was = enabled()
+    set_enabled(on)
+    try:
+        yield
+    finally:
+        set_enabled(was)
 
 
 def _register_fake() -> None:

@@ -229,6 +229,7 @@ def test_bench_kernel_quick_rows_and_refusals(tmp_path):
         (i, s, "cpu") for i in ("paged", "chunk_tpp") for s in (0, 1024)
     }
     assert all(r["us"] > 0 for r in rows)
+    assert all(r["batch_invariant"] for r in rows)  # auto: on, as the engine runs on a CPU
     res = runner.invoke(app, ["bench", "kernel", "--quick", "--device", "cpu", "--kv-dtype", "fp16"])
     assert res.exit_code == 1 and "fp16 is for --device cuda" in res.output
     if not (torch.cuda.is_available() and native_cuda_available()):
