@@ -222,5 +222,21 @@ inline void gemm_amx(const uint16_t* A, int lda, const uint16_t* B, int K, int N
 
 #endif  // CHUNKGEN_HAVE_AMX
 
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+
+// A product of gemm_dpbf16's contract.
+using Gemm = void (*)(const uint16_t*, int, const uint16_t*, int, int, float*, int, int, bool);
+
+// AMX's tiles where the path is AMX (and the build has them), else AVX512_BF16's dot products.
+inline Gemm gemm_for(bool amx) {
+#if defined(CHUNKGEN_HAVE_AMX)
+  if (amx) return gemm_amx;
+#endif
+  (void)amx;
+  return gemm_dpbf16<>;
+}
+
+#endif  // CHUNKGEN_HAVE_AVX512_BF16
+
 }  // namespace bf16
 }  // namespace chunkgen

@@ -40,7 +40,7 @@ constexpr int kBlockTokens = 256;  // chunk tokens per product (a multiple of 16
 constexpr float kLazyHeadroom = 8.f;  // log2 units
 constexpr float kLog2e = 1.44269504088896341f;
 
-using Gemm = void (*)(const uint16_t*, int, const uint16_t*, int, int, float*, int, int, bool);
+using bf16::Gemm;
 
 // One block of an item's chunks, packed: its chunks' valid tokens, first positions (with a window)
 // and a row's first token inside its window; N tokens in all, Kn rounded up for the products.
@@ -219,13 +219,7 @@ template <typename Q>
 void attend_item_bf16(const DecodeProblem& p, const Workspace& ws, const SharedItem& w, Isa isa, Bf16Scratch& sc) {
   const int G = p.q_heads / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32);
-  const Gemm gemm = isa == Isa::Amx ?
-#if defined(CHUNKGEN_HAVE_AMX)
-                                    bf16::gemm_amx
-#else
-                                    bf16::gemm_dpbf16<>
-#endif
-                                    : bf16::gemm_dpbf16<>;
+  const Gemm gemm = bf16::gemm_for(isa == Isa::Amx);
   // Chunks go through in blocks of up to kBlockTokens tokens: one product per block, not per
   // chunk, since each hand-over between the AMX tiles and the vector units goes through memory and
   // waits for it; a longer product also keeps more tile operations in flight.

@@ -10,20 +10,12 @@
 #include <cstring>
 #include <initializer_list>
 
-#if defined(__AVX2__)
-#include "intrinsics.h"
-#endif
+#include "vec.h"
 
 namespace chunkgen {
 namespace {
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#elif defined(__AVX__)
-constexpr int W = 8;
-#else
-constexpr int W = 4;
-#endif
-typedef float vf __attribute__((vector_size(W * 4)));
+using decode::vf;  // the build's vector width, as the kernels use it
+using decode::W;
 }  // namespace
 
 double fma_peak_gflops(int64_t iters) {

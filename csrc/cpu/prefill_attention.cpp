@@ -70,7 +70,7 @@ void pack_keys(const uint16_t* k, int64_t stride, int n, int d, int dp, int nb, 
   }
 }
 
-using Gemm = void (*)(const uint16_t*, int, const uint16_t*, int, int, float*, int, int, bool);
+using bf16::Gemm;
 
 // One item: the online softmax over its visible key blocks, then o / l and the lse into place.
 void run_item(const PrefillProblem& p, const Workspace& ws, const Item& w, Gemm gemm, Scratch& sc) {
@@ -220,13 +220,7 @@ void run(const PrefillProblem& p, Isa isa) {
         ws.items.push_back({b, h, t0, t1, static_cast<int64_t>(t1 - t0) * (keys + kKeys)});
       }
   std::stable_sort(ws.items.begin(), ws.items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const Gemm gemm = isa == Isa::Amx ?
-#if defined(CHUNKGEN_HAVE_AMX)
-                                    bf16::gemm_amx
-#else
-                                    bf16::gemm_dpbf16<>
-#endif
-                                    : bf16::gemm_dpbf16<>;
+  const Gemm gemm = bf16::gemm_for(isa == Isa::Amx);
   const int n_blocks = B * Hk * nkb, n_items = static_cast<int>(ws.items.size());
 
 #pragma omp parallel
