@@ -129,41 +129,50 @@ inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int6
 }
 
 // Any number of rows: each thread walks its weight blocks, and every row group passes over a block
-// while it is in cache (the weights are read once a call, whatever the rows). A row's sums are the
-// same whichever group it is in (its own chain of dot products over k), so the result for a row
-// does not depend on how many rows the call has.
+// while it is in cache (the weights are read once a call, whatever the rows). Rows that must be
+// read from a spread copy (row_spread.h) go in panels whose copy stays within kSpreadBytes a
+// thread, each panel one pass over the weights (a prefill wave of 8,192 rows of 4,096 would
+// otherwise hold two more copies of its 64 MiB). A row's sums are the same whichever group or
+// panel it is in (its own chain of dot products over k), so the result for a row does not depend
+// on how many rows the call has.
 void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp, int64_t n,
                           uint16_t* y) {
   constexpr int kGroup = 14;  // 28 accumulators, two weight vectors, one broadcast: 31 registers
+  constexpr int64_t kSpreadBytes = 8 << 20;
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
+  const bool spread = rows > 1 && rows_crowd_a_set(ldx * 2, std::min(rows, kGroup));
+  const int panel_rows = spread ? static_cast<int>(std::max<int64_t>(256, kSpreadBytes / (2 * kp))) : rows;
 #pragma omp parallel
   {
     alignas(64) float c[kGroup * 32];
-    // x and ldx are shared by the threads: each reads its own spread copy through xr and ldr.
-    int64_t ldr = ldx;
-    const uint16_t* xr =
-        rows > 1 && rows_crowd_a_set(ldx * 2, std::min(rows, kGroup)) ? spread_rows(x, ldx, rows, kp, ldr) : x;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
-      const uint16_t* wb = w + b * block_elems;
-      const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
-      const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-      for (int r = 0; r < rows; r += kGroup) {
-        const int g = std::min(kGroup, rows - r);
-        // clang-format off
-        switch (g) {
+    for (int p0 = 0; p0 < rows; p0 += panel_rows) {
+      const int panel = std::min(panel_rows, rows - p0);
+      // x and ldx are shared by the threads: each reads its own spread copy through xr and ldr.
+      int64_t ldr = ldx;
+      const uint16_t* xr = spread ? spread_rows(x + p0 * ldx, ldx, panel, kp, ldr) : x + p0 * ldx;
+      uint16_t* yp = y + static_cast<int64_t>(p0) * n;
+      for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
+        const uint16_t* wb = w + b * block_elems;
+        const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
+        const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+        for (int r = 0; r < panel; r += kGroup) {
+          const int g = std::min(kGroup, panel - r);
+          // clang-format off
+          switch (g) {
 #define CHUNKGEN_ROWS(m) \
   case m: dpbf16_rows<m>(xr + r * ldr, ldr, wb, kp, c); break;
-          CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
-          CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
-          CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13) CHUNKGEN_ROWS(14)
+            CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
+            CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
+            CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13) CHUNKGEN_ROWS(14)
 #undef CHUNKGEN_ROWS
-          default: break;
-        }
-        // clang-format on
-        for (int rr = 0; rr < g; ++rr) {
-          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + rr * 32 + 16), _mm512_load_ps(c + rr * 32));
-          _mm512_mask_storeu_epi16(y + (r + rr) * n + n0, m, (__m512i)v);
+            default: break;
+          }
+          // clang-format on
+          for (int rr = 0; rr < g; ++rr) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + rr * 32 + 16), _mm512_load_ps(c + rr * 32));
+            _mm512_mask_storeu_epi16(yp + (r + rr) * n + n0, m, (__m512i)v);
+          }
         }
       }
     }

@@ -69,6 +69,22 @@ def test_a_rows_result_does_not_depend_on_the_calls_rows(path):
 
 @needs_bf16
 @pytest.mark.parametrize("path", BF16_PATHS)
+def test_rows_in_several_spread_panels_keep_their_bits(path):
+    """k = 8,192 puts rows 16 KiB apart: the AVX512_BF16 product reads them from per-thread copies
+    of 512 rows at a time; a row's output is the same in whichever panel it falls."""
+    w = torch.randn(40, 8192).bfloat16()
+    x = torch.randn(1100, 8192).bfloat16()
+    with forced(path):
+        full = packed_linear(x, w)
+        for start, rows in ((0, 1), (500, 20), (100, 1000), (1099, 1)):
+            assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
+    want = x.double() @ w.double().t()
+    bound = want.abs() * 2**-8 + (x.double().abs() @ w.double().abs().t()) * 8192 * 2**-23
+    assert ((full.double() - want).abs() <= bound).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("path", BF16_PATHS)
 def test_a_weight_with_nan_touches_only_its_own_columns(path):
     w = torch.randn(40, 64).bfloat16()
     w[33, 5] = float("nan")
