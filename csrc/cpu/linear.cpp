@@ -234,16 +234,15 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
   thread_local std::vector<uint16_t> padded;
   const int64_t padded_rows = isa == Isa::Amx ? 16 * rt : rows;
   if ((isa == Isa::Amx && rows != padded_rows) || k != kp || x.stride(1) != 1) {
-    const int64_t ld = kp;
-    padded.assign(static_cast<size_t>(padded_rows) * ld, 0);
+    padded.assign(static_cast<size_t>(padded_rows) * kp, 0);
     const int64_t step = x.stride(1);
     for (int64_t r = 0; r < rows; ++r)
       if (step == 1)
-        std::memcpy(padded.data() + r * ld, xs + r * ldx, sizeof(uint16_t) * k);
+        std::memcpy(padded.data() + r * kp, xs + r * ldx, sizeof(uint16_t) * k);
       else
-        for (int64_t i = 0; i < k; ++i) padded[r * ld + i] = xs[r * ldx + i * step];
+        for (int64_t i = 0; i < k; ++i) padded[r * kp + i] = xs[r * ldx + i * step];
     xs = padded.data();
-    ldx = ld;
+    ldx = kp;
   }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
