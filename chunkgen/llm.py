@@ -122,7 +122,7 @@ class LLM:
         dtype = cfg.dtype or dummy.config_dtype(config)
         source = weight_source(cfg.quantize, device, None, config, cfg.seed)
         direct = is_direct(source)
-        dummy.check_fits(config, dtype, device, free_bytes(device), quantized=direct)
+        dummy.check_fits(config, dtype, device, free_bytes(device), quantized=direct, invariant=cfg.batch_invariant)
         if direct:
             model = skeleton.random(config, dtype, source, cfg.seed)
         else:

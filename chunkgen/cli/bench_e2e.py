@@ -281,7 +281,9 @@ def _check_dummy_fits(config: Config, copies: int) -> None:
         chosen = config.dtype or dummy.config_dtype(shapes)
         # chunkgen's own copy is drawn quantized where --quantize names a GGUF type or int8 (model/skeleton.py)
         quantized = (config.quantize in GGUF_TYPES or config.quantize == "int8") and copies == 1 and device == "cpu"
-        dummy.check_fits(shapes, chosen, device, free_bytes(device), copies, quantized=quantized)
+        dummy.check_fits(
+            shapes, chosen, device, free_bytes(device), copies, quantized=quantized, invariant=config.batch_invariant
+        )
     except dummy.DummyWeightsError as exc:
         fail(
             str(exc)

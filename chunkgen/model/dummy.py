@@ -30,32 +30,70 @@ SHIPPED = (
     "phi-3-mini",
 )
 
-# Memory a model takes while chunkgen builds it, per byte of its weights: the transformers model
-# while LlamaModel fuses q/k/v and gate/up into new tensors (~1.7x), plus on the CPU the
-# oneDNN-packed copy of every linear weight (CHUNKGEN_ONEDNN=0 turns packing off). Measured peak
-# RSS over weight bytes on the CPU in bf16: 2.71x on smollm2-135m shapes, 2.60x on llama-3.2-1b.
-# A bf16 model on a CPU with AMX or AVX512_BF16 keeps one more copy, packed for the decode product
-# (CHUNKGEN_DECODE_LINEAR=0 turns it off).
-PEAK_PER_WEIGHT_BYTE = {"cpu": 3.0, "cpu-unpacked": 2.0, "cuda": 2.0}
-DECODE_PRODUCT_COPY = 1.0
+# A GPU build's peak per byte of weights: transformers' model while LlamaModel fuses q/k/v and
+# gate/up into new tensors (not measured again since the weights are released as they are fused).
+GPU_PEAK_PER_WEIGHT_BYTE = 2.0
+# A CPU build's peak over the layouts it keeps (see build_bytes), measured on random models of four
+# shapes in bf16, fp32 and fp16 with batch-invariant numerics on and off: within the bound below.
+BUILD_SLACK = 0.10  # of the weights: pack_linear's and oneDNN's scratch, the allocator's own
+# transformers' modeling code and the tokenizer as they load (about 0.2 GiB), rotary tables, the
+# K/V pool's first pages
+BUILD_FIXED = 448 << 20
 
 
-def peak_factor(device: str, dtype: torch.dtype | None = None) -> float:
+def linear_layouts(dtype: torch.dtype, invariant: bool) -> tuple[float, bool]:
+    """(bytes a CPU load keeps per byte of a linear weight, whether the weight is widened) for
+    model/llama.py's Linear, held once: the one packed copy chunkgen's product reads with
+    batch-invariant numerics, without them oneDNN's packed copy beside it; fp16 weights widened to
+    an fp32 copy (twice their bytes)."""
+    from chunkgen._native import native_cpu_available
+    from chunkgen.model.llama import decode_product_available
+
+    own = os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0" and (
+        dtype in (torch.float16, torch.float32)
+        and native_cpu_available()
+        or dtype == torch.bfloat16
+        and decode_product_available()
+    )
+    if own and dtype == torch.float16:
+        return 2.0, True
+    onednn = torch.backends.mkldnn.is_available() and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
+    return (2.0 if own and onednn and not invariant else 1.0), False
+
+
+def build_bytes(config, dtype: torch.dtype, device: str, invariant: bool = True) -> int:
+    """Peak memory of building chunkgen's model of `config` in `dtype` (an upper bound). On the
+    CPU a load converts transformers' model a product at a time and releases each product's
+    weights once packed, so it holds what is not a linear weight (norms; the embedding, which a
+    tied output layer's packed copy does not replace), every linear weight in the layouts kept
+    (linear_layouts), and while one product is packed, two more of its size (its weights or their
+    fused copy, and the packing's own; a widened weight's fp32 copy besides)."""
     if device.startswith("cuda"):
-        return PEAK_PER_WEIGHT_BYTE["cuda"]
-    packed = torch.backends.mkldnn.is_available() and os.environ.get("CHUNKGEN_ONEDNN", "1") != "0"
-    factor = PEAK_PER_WEIGHT_BYTE["cpu" if packed else "cpu-unpacked"]
-    if os.environ.get("CHUNKGEN_DECODE_LINEAR", "1") != "0":
-        from chunkgen._native import native_cpu_available
-        from chunkgen.model.llama import decode_product_available
+        return int(weight_bytes(config, dtype) * GPU_PEAK_PER_WEIGHT_BYTE)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    model = _skeleton(config, dtype)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight once
+    linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    tied = sum(w.numel() for w in embeddings if id(w) in linear)
+    largest = max((sum(m.weight.numel() for m in group) for group in _products(model)), default=0)
+    per_byte, widened = linear_layouts(dtype, invariant)
+    held = total - sum(linear.values()) + tied + sum(linear.values()) * per_byte
+    transient = largest * (4 if widened else 2)
+    return int((held + transient + BUILD_SLACK * total) * itemsize + BUILD_FIXED)
 
-        # fp16 weights run widened: their fp32 copy (twice their bytes) in place of oneDNN's.
-        if dtype == torch.float16 and native_cpu_available():
-            return PEAK_PER_WEIGHT_BYTE["cpu-unpacked"] + 2 * DECODE_PRODUCT_COPY
-        # The decode product keeps its own packed copy: fp32 on any CPU, bf16 where it runs.
-        fp32 = dtype == torch.float32 and native_cpu_available()
-        factor += DECODE_PRODUCT_COPY if fp32 or dtype == torch.bfloat16 and decode_product_available() else 0.0
-    return factor
+
+def _products(model) -> list[list]:
+    """The linear modules each product of LlamaModel fuses (q/k/v, gate/up; the others alone)."""
+    fused = {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")}
+    groups: list[list] = []
+    for parent in model.modules():
+        children = {name: m for name, m in parent.named_children() if isinstance(m, torch.nn.Linear)}
+        for names in fused:
+            if all(n in children for n in names):
+                groups.append([children.pop(n) for n in names])
+        groups.extend([m] for m in children.values())
+    return groups
 
 
 class DummyWeightsError(ValueError):
@@ -121,10 +159,17 @@ def quantized_bytes(config, dtype: torch.dtype) -> int:
 
 
 def check_fits(
-    config, dtype: torch.dtype, device: str, available: int, copies: int = 1, quantized: bool = False
+    config,
+    dtype: torch.dtype,
+    device: str,
+    available: int,
+    copies: int = 1,
+    quantized: bool = False,
+    invariant: bool = True,
 ) -> int:
-    """Raises DummyWeightsError when building `copies` models of this config would take more than
-    `available` bytes; returns the estimate. quantized: linear layers drawn quantized (one copy)."""
+    """Raises DummyWeightsError when building `copies` models of this config (chunkgen's, built
+    with batch-invariant numerics or not, then transformers' own) would take more than `available`
+    bytes; returns the estimate. quantized: linear layers drawn quantized (one copy)."""
     from chunkgen.model.precision import DTYPE_NAMES
 
     if quantized:
@@ -136,7 +181,7 @@ def check_fits(
             )
         return weights
     weights = weight_bytes(config, dtype)
-    need = int(weights * peak_factor(device, dtype)) + (copies - 1) * weights
+    need = build_bytes(config, dtype, device, invariant) + (copies - 1) * weights
     if need > available:
         where = "GPU memory free" if device.startswith("cuda") else "memory available"
         smaller = "" if dtype != torch.float32 else " (--dtype bf16 halves it)"

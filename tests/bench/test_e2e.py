@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 from chunkgen import device as devmod
 from chunkgen.bench.e2e import is_kernel, kernel_time_by_name, profile_decode_step
 from chunkgen.cli import app
-from chunkgen.model import dummy
 from tests.helpers import cli_args
 
 runner = CliRunner()
@@ -131,15 +130,9 @@ def test_bench_e2e_auto_batch_admits_rows_as_run_does(tiny_config, tmp_path):
 
 @pytest.mark.real_model
 def test_bench_e2e_dummy_smollm2_shapes_use_the_default_tokenizer(default_model_dir, tmp_path):
-    from chunkgen.bench.e2e import PeakRSS
     from chunkgen.llm import LLM
 
-    config = dummy.load_config("smollm2-135m")
-    with PeakRSS() as rss:
-        start = rss.peak
-        llm = LLM(dummy_weights="smollm2-135m", dtype="bf16", device="cpu", kv_memory="64MiB")
-    estimate = dummy.weight_bytes(config, torch.bfloat16) * dummy.peak_factor("cpu", torch.bfloat16)
-    assert rss.peak - start <= estimate  # the memory check does not under-estimate
+    llm = LLM(dummy_weights="smollm2-135m", dtype="bf16", device="cpu", kv_memory="64MiB")
     assert not getattr(llm.tokenizer, "ids_only", False) and llm.model.dtype == torch.bfloat16
     out = tmp_path / "rows.json"
     res = runner.invoke(
