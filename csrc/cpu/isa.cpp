@@ -73,6 +73,21 @@ Isa current_isa() {
   return std::min(w, best);
 }
 
+bool amx_int8_granted() {
+  static const bool granted = [] {
+#if defined(__x86_64__) && defined(__linux__)
+    // AMX-TILE (EDX bit 24) and AMX-INT8 (bit 25) in leaf 7, then ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA (asked again where the bf16 path asked already: it is granted once).
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 25)) &&
+           syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Amx:

@@ -11,4 +11,8 @@ enum class Isa { Fp32, Avx512Bf16, Amx };
 Isa current_isa();
 const char* isa_name(Isa isa);  // "amx", "avx512_bf16", or the fp32 path's SIMD ISA
 
+// Whether this CPU has AMX's int8 tiles and the OS lets this process use the tile state (the
+// quantized products' AMX path; asked once per process).
+bool amx_int8_granted();
+
 }  // namespace chunkgen

@@ -44,8 +44,11 @@
 //
 // The portable scalar path computes the same integer block sums from the same layout; the paths
 // differ only in fp32 rounding (FMA vs multiply and add, and where the scales are applied).
-// CHUNKGEN_QUANT_ISA=avx_vnni|avx2|scalar lowers the path at run time (a test runs every path the
-// machine has). No AMX int8 path yet.
+// AMX int8 (quant_tile_amx.h): 16 rows x 16 channels a tile instruction, for the tiles of 16 rows
+// of products with at least kAmxMinRows rows, the rest of the rows on the VNNI tile; both give a
+// row the same bits. CHUNKGEN_QUANT_ISA=avx512_vnni|avx_vnni|avx2|scalar lowers the path at run time
+// (a test runs every path the machine has); amx_emulated runs the AMX path's logic with its tile
+// instructions done in C++, on any AVX512_VNNI CPU (tests).
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -63,8 +66,10 @@
 #if defined(__AVX2__)
 #include "intrinsics.h"
 #endif
+#include "isa.h"
 #include "quant_layout.h"
 #include "quant_out.h"
+#include "quant_tile_amx.h"
 #include "quant_tile_vnni.h"
 #if defined(__AVXVNNI__)
 #define CHUNKGEN_HAVE_AVX_VNNI 1
@@ -87,10 +92,14 @@ using quant::kS8Half;
 using quant::kU4;
 using quant::kU5;
 
-// The kernel's paths, lowest first; the build has those up to best_path().
-enum class Path { Scalar, Avx2, AvxVnni, Avx512Vnni };
+// The kernel's paths, lowest first; the build has those up to best_path(). AmxEmulated stands
+// apart: asked for by name, on a build with the VNNI tile.
+enum class Path { Scalar, Avx2, AvxVnni, Avx512Vnni, Amx, AmxEmulated };
 
 Path best_path() {
+#if defined(CHUNKGEN_HAVE_AMX_INT8)
+  if (amx_int8_granted()) return Path::Amx;
+#endif
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
   return Path::Avx512Vnni;
 #elif defined(CHUNKGEN_HAVE_AVX_VNNI)
@@ -104,6 +113,10 @@ Path best_path() {
 
 const char* path_name(Path p) {
   switch (p) {
+    case Path::AmxEmulated:
+      return "amx_emulated";
+    case Path::Amx:
+      return "amx";
     case Path::Avx512Vnni:
       return "avx512_vnni";
     case Path::AvxVnni:
@@ -121,14 +134,18 @@ Path current_path() {
   const char* env = std::getenv("CHUNKGEN_QUANT_ISA");
   if (env == nullptr || *env == '\0') return best;
   const std::string want(env);
-  for (Path p : {Path::Scalar, Path::Avx2, Path::AvxVnni, Path::Avx512Vnni})
+#if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+  if (want == path_name(Path::AmxEmulated)) return Path::AmxEmulated;
+#endif
+  for (Path p : {Path::Scalar, Path::Avx2, Path::AvxVnni, Path::Avx512Vnni, Path::Amx, Path::AmxEmulated})
     if (want == path_name(p)) {
 #if !defined(CHUNKGEN_HAVE_AVX_VNNI)
       if (p == Path::AvxVnni) return std::min(Path::Avx2, best);  // this build has no AVX-VNNI tile
 #endif
       return std::min(p, best);
     }
-  throw std::invalid_argument("CHUNKGEN_QUANT_ISA=" + want + " is not one of avx512_vnni, avx_vnni, avx2, scalar");
+  throw std::invalid_argument("CHUNKGEN_QUANT_ISA=" + want +
+                              " is not one of amx, avx512_vnni, avx_vnni, avx2, scalar, amx_emulated");
 }
 
 // One row of x (k floats) -> k int8 and k / 32 scales, and each block's scale * sum(q).
@@ -632,6 +649,54 @@ void quant_product_vnni(const QuantArgs& a) {
 }
 #endif
 
+#if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+// Rows from which the AMX path takes tiles of 16 rows; a smaller product runs on the VNNI tile. Not
+// yet timed on an AMX CPU: decode batches of up to 32 rows stay on the tile whose speed is known.
+constexpr int64_t kAmxMinRows = 64;
+
+// The AMX path (Tiles: the CPU's tile instructions or their emulation): each pair of groups (16
+// channels) over the tiles of 16 rows, then the rows left on the VNNI tile; threads and panels
+// split the pairs as the VNNI path does.
+template <typename Tiles, int kind, bool has_min, bool factored>
+void quant_product_amx(const QuantArgs& a) {
+  if (a.rows < kAmxMinRows) return quant_product_vnni<kind, has_min, factored>(a);
+  constexpr int nh = halves(kind);
+  const int64_t groups = (a.n + kGroup - 1) / kGroup, pairs = (groups + 1) / 2, k = a.nb * kBlock;
+  const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * a.nb * group_block_bytes(kind)));
+  const int64_t amx_rows = a.rows / amx::kRows * amx::kRows;
+  const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+    static const amx::TileConfig config;
+    Tiles::configure(config);  // per thread
+    std::vector<float> buf;
+    for (int64_t p0 = q0; p0 < q1; p0 += panel) {
+      const int64_t p1 = std::min(q1, p0 + panel);
+      each_panel<factored>(
+          a, nh, p0, p1, kWidenAboveVnni, 2, groups, buf, [&](auto form, const BlockScales& ws, const BlockScales& wm) {
+            constexpr bool f = decltype(form)::value;
+            for (int64_t p = p0; p < p1; ++p) {
+              const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
+              const vnni::GroupPair one[1] = {{quant::group_bytes_at(a.w, g0, a.nb, kind),
+                                               quant::group_bytes_at(a.w, g1, a.nb, kind), ws.group(g0, a.nb, nh),
+                                               ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1), wm.group(g1, a.nb, 1)}};
+              const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - 2 * p * kGroup));
+              for (int64_t m = 0; m < amx_rows; m += amx::kRows)
+                amx::tile<Tiles, kind, has_min, f>(one[0], a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,
+                                                   a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
+              for (int64_t m = amx_rows; m < a.rows;) {
+                const int rows = vnni_rows<kind, 1>(a.rows - m);
+                vnni_tile<kind, has_min, f, 1>(rows, one, a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,
+                                               a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
+                m += rows;
+              }
+            }
+          });
+    }
+    Tiles::release();
+  });
+}
+#endif
+
 #if defined(__AVX2__)
 // Rows at most which a 256-bit tile of the paired kinds takes both groups of a pair (16 channels);
 // more rows take one group (8 channels x up to kRows): two groups' sums over more rows would not fit
@@ -654,7 +719,11 @@ void tile_256_rows(int rows, Path path, const Groups<G>& gs, int64_t nb, const i
 
 template <int kind, bool has_min, bool factored>
 void quant_product(const QuantArgs& a, Path path) {
+#if defined(CHUNKGEN_HAVE_AMX_INT8)
+  if (path == Path::Amx) return quant_product_amx<amx::AmxTiles, kind, has_min, factored>(a);
+#endif
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
+  if (path == Path::AmxEmulated) return quant_product_amx<amx::EmulatedTiles, kind, has_min, factored>(a);
   if (path == Path::Avx512Vnni) return quant_product_vnni<kind, has_min, factored>(a);
 #endif
   constexpr int64_t bb = group_block_bytes(kind);
@@ -826,7 +895,7 @@ torch::Tensor quant_linear_op(const torch::Tensor& x_in, const torch::Tensor& qs
   auto xs = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
   auto xsum = torch::empty({rows, nb}, x.options().dtype(torch::kFloat32));
   quantize_rows(x, q.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<float>(), path,
-                path == Path::Avx512Vnni && !is_unsigned(kind));
+                path >= Path::Avx512Vnni && !is_unsigned(kind));  // the VNNI and AMX tiles' x + 128
   // bf16 rows are written as the tiles finish them (quant_out.h); fp16 ones go through fp32
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   auto y = torch::empty({rows, n}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));

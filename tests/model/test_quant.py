@@ -1,7 +1,7 @@
 """Quantized linear layers against an independent reference: every GGUF type's repacked weights
 equal gguf's own dequantizer, and the kernel's product equals dequantize(W) @ x in float64 within
-the bound the int8 quantization of x allows, on every path this machine has (AVX512_VNNI, AVX2 and
-the scalar reference)."""
+the bound the int8 quantization of x allows, on every path this machine has (AMX, AVX512_VNNI,
+AVX-VNNI, AVX2, the AMX tile emulated, and the scalar reference)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ TYPES = list(quant.GGUF_TYPES.values())
 K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 
-PATHS = ("avx512_vnni", "avx_vnni", "avx2", "scalar")  # best first
+# best first; amx_emulated (the AMX tile with its instructions done in C++, on any AVX512_VNNI CPU)
+# before the scalar reference
+PATHS = ("amx", "avx512_vnni", "avx_vnni", "avx2", "amx_emulated", "scalar")
 
 
 def _paths() -> list[str]:
@@ -187,6 +189,41 @@ def test_paths_agree_within_fp32_rounding(qtype):
     for path in _paths()[:-1]:
         with _on_path(path):
             torch.testing.assert_close(quant.quantized_linear(x, w), slow, rtol=1e-5, atol=1e-5, msg=path)
+
+
+AMX_PATHS = [p for p in ("amx", "amx_emulated") if p in _paths()]
+
+
+@pytest.mark.skipif(
+    not AMX_PATHS, reason="no AMX tile here: neither an AMX CPU nor the AVX512_VNNI one it is emulated beside"
+)
+@pytest.mark.parametrize("qtype", [*TYPES, "int8"], ids=lambda t: getattr(t, "name", t))
+def test_amx_tile_gives_a_row_the_vnni_tiles_bits(qtype):
+    """From 64 rows the AMX path runs tiles of 16 rows x 16 channels (the rest of the rows on the
+    VNNI tile): the same integer block sums and the same fp32 steps as the VNNI tile, so every row
+    has the same bits on either path and alone (one row: the VNNI tile), in fp32 and bf16; and the
+    product is within the activations' quantization bound of dequantize(W) @ x. Channels past the
+    last full pair (37: a pair of 5) and rows past the last full tile (70, 93) included."""
+    k = 512 if qtype in K_QUANTS else 320
+    if qtype == "int8":
+        w = quant.int8_per_channel(torch.randn(37, k) * 0.05)
+        reference = w.dequantize().double().numpy()
+    else:
+        w, reference = _weight(qtype, 37, k, seed=5)
+    generator = torch.Generator().manual_seed(7)
+    for rows, dtype in ((64, torch.float32), (70, torch.bfloat16), (93, torch.float32)):
+        x = torch.randn(rows, k, generator=generator).to(dtype)
+        with _on_path("avx512_vnni"):
+            vnni = quant.quantized_linear(x, w)
+            alone = [quant.quantized_linear(x[i : i + 1], w) for i in (0, 17, rows - 1)]
+        for path in AMX_PATHS:
+            with _on_path(path):
+                y = quant.quantized_linear(x, w)
+            assert torch.equal(y, vnni), (path, rows)
+            for i, one in zip((0, 17, rows - 1), alone):
+                assert torch.equal(y[i : i + 1], one), (path, rows, i)
+    with _on_path(AMX_PATHS[0]):
+        _check_product(w, reference, torch.randn(80, k, generator=generator))
 
 
 @settings(max_examples=20, deadline=None)
