@@ -167,7 +167,8 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
   for (int b = w.begin; b < w.end; ++b) {
     const int nseg = ws.seq_nseg[b];
     const auto [lo, hi] = segment_chunks(ws, b, w.seg);
-    if (b + 1 < w.end) {
+    const bool bf16_rows = sizeof(T) == 2 && p.invariant && isa != Isa::Fp32;
+    if (b + 1 < w.end && !bf16_rows) {
       const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);
       prefetch_chunks<T>(p, ws, pool, next_lo, next_hi, h);
     }
@@ -176,7 +177,15 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
     if (p.invariant && isa != Isa::Fp32) {  // bf16 K/V: the products phase 1 ran, one chunk at a time
       thread_local Bf16Scratch bsc;
-      own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, bsc);
+      // The next row's first chunk comes in a share per softmax row of this row's first chunk: at
+      // once (prefetch_chunks), its 100-odd lines were more prefetches than the core keeps in
+      // flight, and most were dropped (the phase 22 -> 15-16 ms a step at 256 rows, Zen 4).
+      NextChunkLines ahead;
+      if (b + 1 < w.end) {
+        const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);
+        if (next_lo < next_hi) ahead = NextChunkLines(p, h, ChunkRef{ws.chunk_slot[next_lo], ws.chunk_len[next_lo], 0});
+      }
+      own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, bsc, ahead);
       continue;
     }
 #else

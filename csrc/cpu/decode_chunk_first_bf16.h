@@ -342,10 +342,12 @@ struct NextChunkLines {
 };
 
 // prefetch_next: bring each next chunk in while this one is read (phase 1's shared chunks; a row's
-// own chunks are loaded by the caller, load_chunks).
+// own chunks are loaded by the caller, load_chunks). ahead: lines to bring in during the first
+// chunk, a share per softmax row (phase 2: the next row's first chunk).
 template <typename Q, typename ChunkAt, typename SpanAt>
 void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
-                        SpanAt span, Bf16Scratch& sc, bool prefetch_next = false) {
+                        SpanAt span, Bf16Scratch& sc, bool prefetch_next = false,
+                        const NextChunkLines& ahead = NextChunkLines()) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
   // The products' register blocks: 8 rows, or 4 for a row's own chunks in phase 2 (one sequence's
@@ -395,6 +397,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
         const int r = r0 + rr;
         uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
         next_lines.prefetch(r, Rp);
+        if (i == 0) ahead.prefetch(r, Rp);
         if (r >= R) {  // padding rows carry no weight
           std::fill_n(pr, Kn, uint16_t{0});
           continue;
@@ -436,7 +439,7 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
 // own chunks [lo, hi) and is written out.
 template <typename Q>
 void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int h, bool resume, int lo, int hi,
-                               Bf16Scratch& sc) {
+                               Bf16Scratch& sc, const NextChunkLines& ahead = NextChunkLines()) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
   continue_rows_bf16<Q>(
       p, ws, b, b + 1, h, resume, hi - lo,
@@ -447,8 +450,8 @@ void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int
           load_chunks<uint16_t>(p, ws, PoolView(p), lo + i, std::min(hi, lo + i + kLoadChunks), h);
         return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i], 0};
       },
-      [&](int i, int) { return std::pair<int, int>(p.window > 0 ? ws.chunk_lo[lo + i] : 0, ws.chunk_len[lo + i]); },
-      sc);
+      [&](int i, int) { return std::pair<int, int>(p.window > 0 ? ws.chunk_lo[lo + i] : 0, ws.chunk_len[lo + i]); }, sc,
+      false, ahead);
   Q* out = static_cast<Q*>(p.out);
   for (int g = 0; g < G; ++g) {
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(g) * 16));
