@@ -33,7 +33,7 @@ SHIPPED = (
 # A GPU build's peak per byte of weights: transformers' model while LlamaModel fuses q/k/v and
 # gate/up into new tensors (not measured again since the weights are released as they are fused).
 GPU_PEAK_PER_WEIGHT_BYTE = 2.0
-# A CPU build's peak over the layouts it keeps (see build_bytes), measured on random models of four
+# A CPU build's peak over the layouts it keeps (see build_bytes), measured on random models of five
 # shapes in bf16, fp32 and fp16 with batch-invariant numerics on and off: within the bound below.
 BUILD_SLACK = 0.10  # of the weights: pack_linear's and oneDNN's scratch, the allocator's own
 # transformers' modeling code and the tokenizer as they load (about 0.2 GiB), rotary tables, the

@@ -164,10 +164,11 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
   const T* V = static_cast<const T*>(p.v);
   Q* out = static_cast<Q*>(p.out);
   sc.reserve(G, d, p.chunk);
+  // bf16 K/V, batch-invariant: the products phase 1 ran, one chunk at a time
+  const bool bf16_rows = p.invariant && isa != Isa::Fp32;
   for (int b = w.begin; b < w.end; ++b) {
     const int nseg = ws.seq_nseg[b];
     const auto [lo, hi] = segment_chunks(ws, b, w.seg);
-    const bool bf16_rows = sizeof(T) == 2 && p.invariant && isa != Isa::Fp32;
     if (b + 1 < w.end && !bf16_rows) {
       const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);
       prefetch_chunks<T>(p, ws, pool, next_lo, next_hi, h);
@@ -175,11 +176,11 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
     if (ws.item_writes[b] && w.seg == nseg - 1) store_new_kv<T>(p, b, h);  // its segment has the last chunk
     const bool resume = p.invariant && p.chunk_first && p.seq_shared_ptr[b + 1] > p.seq_shared_ptr[b];
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
-    if (p.invariant && isa != Isa::Fp32) {  // bf16 K/V: the products phase 1 ran, one chunk at a time
+    if (bf16_rows) {
       thread_local Bf16Scratch bsc;
       // The next row's first chunk comes in a share per softmax row of this row's first chunk: at
       // once (prefetch_chunks), its 100-odd lines were more prefetches than the core keeps in
-      // flight, and most were dropped (the phase 22 -> 15-16 ms a step at 256 rows, Zen 4).
+      // flight, and most were dropped (the phase 25.5 -> 17.5 ms a step at 256 rows, Zen 4).
       NextChunkLines ahead;
       if (b + 1 < w.end) {
         const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);
@@ -188,8 +189,6 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
       own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, bsc, ahead);
       continue;
     }
-#else
-    (void)isa;
 #endif
     load_queries<Q>(p, sc, b, b + 1, h);
     if (resume)

@@ -588,6 +588,20 @@ void vnni_tile(int rows, const vnni::GroupPair (&pairs)[P], int64_t nb, const ui
   }
 }
 
+// Pair p of a product's groups (2p and 2p + 1, or 2p again for a lone last group) with their
+// scales (and mins) as given: what a 16-channel tile reads.
+template <int kind>
+vnni::GroupPair pair_of(const QuantArgs& a, const BlockScales& ws, const BlockScales& wm, int64_t p, int64_t groups) {
+  constexpr int nh = halves(kind);
+  const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
+  return {quant::group_bytes_at(a.w, g0, a.nb, kind),
+          quant::group_bytes_at(a.w, g1, a.nb, kind),
+          ws.group(g0, a.nb, nh),
+          ws.group(g1, a.nb, nh),
+          wm.group(g0, a.nb, 1),
+          wm.group(g1, a.nb, 1)};
+}
+
 // The AVX512_VNNI path: tiles of kVnniPairs pairs of groups where the panel has them (a last pair,
 // or one of fewer than 16 channels, alone), over tiles of vnni_rows rows.
 template <int kind, bool has_min, bool factored>
@@ -607,15 +621,7 @@ void quant_product_vnni(const QuantArgs& a) {
       each_panel<factored>(
           a, nh, p0, p1, kWidenAboveVnni, 2, groups, buf, [&](auto form, const BlockScales& ws, const BlockScales& wm) {
             constexpr bool f = decltype(form)::value;
-            const auto group_pair = [&](int64_t p) {
-              const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
-              return vnni::GroupPair{quant::group_bytes_at(a.w, g0, a.nb, kind),
-                                     quant::group_bytes_at(a.w, g1, a.nb, kind),
-                                     ws.group(g0, a.nb, nh),
-                                     ws.group(g1, a.nb, nh),
-                                     wm.group(g0, a.nb, 1),
-                                     wm.group(g1, a.nb, 1)};
-            };
+            const auto group_pair = [&](int64_t p) { return pair_of<kind>(a, ws, wm, p, groups); };
             const auto wide = [&](int64_t p) { return P > 1 && p + P <= std::min(p1, full_pairs); };
             for (int64_t m0 = 0; m0 < a.rows;) {
               const int step = wide(p0) ? vnni_rows<kind, P>(a.rows - m0) : vnni_rows<kind, 1>(a.rows - m0);
@@ -675,10 +681,7 @@ void quant_product_amx(const QuantArgs& a) {
           a, nh, p0, p1, kWidenAboveVnni, 2, groups, buf, [&](auto form, const BlockScales& ws, const BlockScales& wm) {
             constexpr bool f = decltype(form)::value;
             for (int64_t p = p0; p < p1; ++p) {
-              const int64_t g0 = 2 * p, g1 = std::min(g0 + 1, groups - 1);
-              const vnni::GroupPair one[1] = {{quant::group_bytes_at(a.w, g0, a.nb, kind),
-                                               quant::group_bytes_at(a.w, g1, a.nb, kind), ws.group(g0, a.nb, nh),
-                                               ws.group(g1, a.nb, nh), wm.group(g0, a.nb, 1), wm.group(g1, a.nb, 1)}};
+              const vnni::GroupPair one[1] = {pair_of<kind>(a, ws, wm, p, groups)};
               const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - 2 * p * kGroup));
               for (int64_t m = 0; m < amx_rows; m += amx::kRows)
                 amx::tile<Tiles, kind, has_min, f>(one[0], a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,

@@ -81,29 +81,25 @@ struct AmxTiles {
   }
   // C += A . B over 4-byte groups, A's bytes signed or not, B's signed or not; A and B a block
   // (tiles 2, 3) or a half block (4, 5).
+#define CHUNKGEN_AMX_DOT(a, b)        \
+  if constexpr (a_signed && b_signed) \
+    _tile_dpbssd(0, a, b);            \
+  else if constexpr (a_signed)        \
+    _tile_dpbsud(0, a, b);            \
+  else if constexpr (b_signed)        \
+    _tile_dpbusd(0, a, b);            \
+  else                                \
+    _tile_dpbuud(0, a, b)
   template <int c, int a, int b, bool a_signed, bool b_signed>
   static void dot() {
     static_assert(c == kC && ((a == kA && b == kB) || (a == kA16 && b == kB16)), "the tiles TileConfig shapes");
     if constexpr (a == kA) {
-      if constexpr (a_signed && b_signed)
-        _tile_dpbssd(0, 2, 3);
-      else if constexpr (a_signed)
-        _tile_dpbsud(0, 2, 3);
-      else if constexpr (b_signed)
-        _tile_dpbusd(0, 2, 3);
-      else
-        _tile_dpbuud(0, 2, 3);
+      CHUNKGEN_AMX_DOT(2, 3);
     } else {
-      if constexpr (a_signed && b_signed)
-        _tile_dpbssd(0, 4, 5);
-      else if constexpr (a_signed)
-        _tile_dpbsud(0, 4, 5);
-      else if constexpr (b_signed)
-        _tile_dpbusd(0, 4, 5);
-      else
-        _tile_dpbuud(0, 4, 5);
+      CHUNKGEN_AMX_DOT(4, 5);
     }
   }
+#undef CHUNKGEN_AMX_DOT
 };
 #undef CHUNKGEN_AMX_CASES
 #endif
