@@ -184,14 +184,34 @@ inline int hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float* qsum) {
+// 8 values of x as fp32, from x's own dtype (bf16 and fp16 widen exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+
+// One row of x -> int8 blocks, as quantize_row_scalar (the same bits), read in x's dtype; offset:
+// stored as x + 128 (quantize_rows).
+template <typename T>
+void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* scale, float* qsum, bool offset) {
   const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i flip = _mm256_set1_epi8(offset ? static_cast<char>(0x80) : 0);
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
+    const T* xb = x + b * kBlock;
     __m256 v[4];
     __m256 m = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      v[i] = load8(xb + 8 * i);
       m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
     }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -211,11 +231,12 @@ void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float
     i2 = _mm256_packs_epi32(i2, i3);
     i0 = _mm256_packs_epi16(i0, i2);
     i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), i0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_xor_si256(i0, flip));
     scale[b] = d;
     qsum[b] = d * static_cast<float>(hsum_i32(s));
   }
 }
+
 
 // 4 values of x (one int32) in every lane: each lane's 4 bytes meet one row's 4 weight values.
 inline __m256i broadcast4(const int8_t* p) {
@@ -782,15 +803,26 @@ void quant_product(const QuantArgs& a, Path path) {
   });
 }
 
-// x's int8 values per row (x fp32, bf16 or fp16: a row at a time widened, never the whole x);
-// `offset`: stored as x + 128 (unsigned), the operand the VNNI tile multiplies signed weights by.
+// x's int8 values per row, read in x's dtype (fp32, bf16 or fp16); `offset`: stored as x + 128
+// (unsigned), the operand the VNNI tile multiplies signed weights by. The vector paths read x as
+// it is; the scalar one widens a row at a time. A product's x of fewer than 32,768 values is
+// quantized on one thread (a decode step's 32 rows: the parallel region cost more than the work).
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* scale, float* qsum, Path path,
                    bool offset = false) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  const int64_t nb = k / kBlock;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+#if defined(__AVX2__)
+    if (path != Path::Scalar) {
+      // (a 512-bit version ran 1.5x slower on Zen 4: its narrowing stores and reductions cost more)
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row_avx2(x + r * k, k, q + r * k, scale + r * nb, qsum + r * nb, offset);
+      return;
+    }
+#endif
     std::vector<float> wide(std::is_same_v<T, float> ? 0 : k);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t nb = k / kBlock;
       int8_t* qr = q + r * k;
       const float* xr;
       if constexpr (std::is_same_v<T, float>) {
@@ -799,12 +831,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* scale,
         for (int64_t j = 0; j < k; ++j) wide[j] = static_cast<float>(x[r * k + j]);
         xr = wide.data();
       }
-#if defined(__AVX2__)
-      if (path != Path::Scalar)
-        quantize_row_avx2(xr, k, qr, scale + r * nb, qsum + r * nb);
-      else
-#endif
-        quantize_row_scalar(xr, k, qr, scale + r * nb, qsum + r * nb);
+      quantize_row_scalar(xr, k, qr, scale + r * nb, qsum + r * nb);
       if (offset)
         for (int64_t j = 0; j < k; ++j) qr[j] = static_cast<int8_t>(static_cast<uint8_t>(qr[j]) ^ 0x80u);
     }

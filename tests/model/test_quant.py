@@ -243,6 +243,23 @@ def test_activation_quantization_error_bound(rows, blocks, seed, scalar):
     torch.testing.assert_close(qsum, scale * q.float().view(rows, blocks, 32).sum(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [3, 100])  # one thread's share, and several threads'
+def test_activation_quantization_reads_each_dtype_as_its_fp32_values(dtype, rows):
+    """x in bf16 or fp16 is quantized as its exact fp32 values would be, on every path (the vector
+    paths read it in its own dtype, the scalar one widens it), with the same bits as the scalar path."""
+    generator = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=generator) * torch.rand(rows, 1, generator=generator) * 8).to(dtype)
+    x[0, :32] = 0  # an all-zero block: scale 0
+    with _on_path("scalar"):
+        want = torch.ops.chunkgen.quantize_rows(x.float())
+    for path in _paths():
+        with _on_path(path):
+            got = torch.ops.chunkgen.quantize_rows(x)
+        for g, w, name in zip(got, want, ("q", "scale", "qsum")):
+            assert torch.equal(g, w), (path, name)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_of_a_packed_weight(qtype):
     """An embedding lookup in the packed output layer it is tied to (`pack` undone for the rows
