@@ -237,7 +237,6 @@ void quantize_row_avx2(const T* x, int64_t k, int8_t* q, float* scale, float* qs
   }
 }
 
-
 // 4 values of x (one int32) in every lane: each lane's 4 bytes meet one row's 4 weight values.
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
