@@ -804,8 +804,8 @@ void quant_product(const QuantArgs& a, Path path) {
 
 // x's int8 values per row, read in x's dtype (fp32, bf16 or fp16); `offset`: stored as x + 128
 // (unsigned), the operand the VNNI tile multiplies signed weights by. The vector paths read x as
-// it is; the scalar one widens a row at a time. A product's x of fewer than 32,768 values is
-// quantized on one thread (a decode step's 32 rows: the parallel region cost more than the work).
+// it is; the scalar one widens a row at a time. A product's x of fewer than 32,768 values (a decode
+// step's 32 rows, a few microseconds of work) is quantized on one thread, without a parallel region.
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* scale, float* qsum, Path path,
                    bool offset = false) {
