@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check amx-check gpu-check clean-venv
+.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check cuda-racecheck amx-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -123,6 +123,15 @@ cuda-check: $(VENV)/.installed
 	  rm -rf $$shim; \
 	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi
+
+# The CUDA kernels' race check: tests/kernels/test_cuda_emulated.py with the emulator built under
+# ThreadSanitizer (four blocks of a launch at a time), so two threads that touch the same shared or
+# global bytes without a barrier between them fail it even when this run's values came out right.
+# libtsan is preloaded into Python, which loads the sanitized emulator. About 8 minutes on 2 cores.
+# Its reports go to stderr (--capture=sys leaves file descriptor 2 alone); any report exits 66.
+cuda-racecheck: $(VENV)/.installed-test
+	CHUNKGEN_EMU_SANITIZE=thread LD_PRELOAD=$$(g++ -print-file-name=libtsan.so) TSAN_OPTIONS=exitcode=66 \
+	  $(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/kernels/test_cuda_emulated.py
 
 # The AMX paths compiled for a CPU that has AMX (Sapphire Rapids), on any machine: the CPU kernels'
 # files with tile code, each assembled (GCC pastes a tile's number into the instruction's text, so a

@@ -6,6 +6,7 @@ not. Timing and real tensor cores still need a GPU (tests/kernels/test_cuda.py).
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,28 +25,35 @@ HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
 
 
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
+# `make cuda-racecheck` runs this file with the emulator under ThreadSanitizer (CHUNKGEN_EMU_SANITIZE=
+# thread, libtsan preloaded into Python): any two threads of a launch, or two blocks run together,
+# that touch the same bytes without a barrier between them fail the run, whether or not the race
+# changed this run's results. Fewer hypothesis examples there: a race is in the code's structure.
+SANITIZED = os.environ.get("CHUNKGEN_EMU_SANITIZE") == "thread"
+
+
+def examples(n: int) -> int:
+    return max(4, n // 4) if SANITIZED else n
+
+
+def build_emulated(source: Path, lib: Path, sanitize: bool) -> Path:
+    """Compiles an emulator harness (CUDA source included) into the shared library `lib`; sanitized,
+    it loads only into a process that preloaded libtsan."""
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the extension, and so for this test too"
-    lib = tmp_path_factory.mktemp("cuda_emu") / "tpp_cuda_emu.so"
+    flags = ["-fsanitize=thread", "-g", "-DCHUNKGEN_EMU_BLOCKS_AT_ONCE=4"] if sanitize else []
     subprocess.run(
-        [
-            cxx,
-            "-std=c++20",
-            "-O1",
-            "-pthread",
-            "-shared",
-            "-fPIC",
-            "-w",
-            "-DCHUNKGEN_CUDA_EMULATION",
-            str(HERE / "harness.cpp"),
-            "-o",
-            str(lib),
-        ],
+        [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", "-DCHUNKGEN_CUDA_EMULATION", *flags]
+        + [str(source), "-o", str(lib)],
         check=True,
     )
-    return ctypes.CDLL(str(lib))
+    return lib
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    lib = tmp_path_factory.mktemp("cuda_emu") / "tpp_cuda_emu.so"
+    return ctypes.CDLL(str(build_emulated(HERE / "harness.cpp", lib, SANITIZED)))
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +122,7 @@ def run_emulated(
     return out
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(24), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     n_seqs=st.integers(1, 10),
@@ -147,7 +155,7 @@ def test_emulated_cuda_kernel_matches_reference(
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(24), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     n_seqs=st.integers(1, 10),
@@ -198,7 +206,7 @@ def test_emulated_cuda_kernel_windows_and_softcap(
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     n_seqs=st.integers(2, 8),
@@ -339,7 +347,7 @@ def test_emulated_cuda_kernel_refuses_what_does_not_fit(emulated):
         run_emulated(emulated, q, pool.k[0], pool.v[0], ctx, 1 / 16, True, sms=8)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     rows=st.integers(1, 9),
@@ -414,7 +422,7 @@ def run_linear(emulator, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     return y
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(16), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
     m=st.integers(1, 140),

@@ -4,12 +4,14 @@
 //
 // Every CUDA thread is an OS thread; a block's threads run together and meet at real barriers
 // (__syncthreads, __syncwarp, and the two halves of a shuffle), so a missing barrier shows up as a
-// race, not as lockstep luck. Blocks run one after another. WMMA fragments hold whole tiles: each
+// race, not as lockstep luck. Blocks run one after another (a few at a time in the race check), in
+// grid order and reversed in turn. WMMA fragments hold whole tiles: each
 // lane loads and multiplies the full tile, lane 0 stores it. Loads check the alignment and leading
 // dimension rules of the real API. Launches check dynamic shared memory against the 48 KiB default
 // and the opt-in limit. Errors are recorded and reported by the harness, not thrown across threads.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -88,6 +90,13 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
 namespace emu {
 
 constexpr size_t kDefaultSmem = 48 * 1024;
+// Blocks of a launch run this many at a time (the race check runs several, so that two blocks
+// writing the same global memory meet under ThreadSanitizer), in grid order or reversed in turn:
+// a block that depends on another block of its launch running first sees both orders.
+#ifndef CHUNKGEN_EMU_BLOCKS_AT_ONCE
+#define CHUNKGEN_EMU_BLOCKS_AT_ONCE 1
+#endif
+constexpr int kBlocksAtOnce = CHUNKGEN_EMU_BLOCKS_AT_ONCE;
 
 struct Device {
   std::map<int, int> sms{{0, 132}};  // per device ordinal: the kernels cache limits per device
@@ -162,24 +171,31 @@ void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... arg
     return;
   }
   static std::atomic<unsigned> launches{0};
-  const bool at_issue = launches++ % 2 == 0;
-  for (int b = 0; b < grid; ++b) {
-    Block blk(threads, smem);
+  const unsigned n = launches++;
+  const bool at_issue = n % 2 == 0;
+  const bool reversed = n / 2 % 2 == 1;  // all four pairings of copy timing and block order occur
+  for (int first = 0; first < grid; first += kBlocksAtOnce) {
+    const int count = std::min(kBlocksAtOnce, grid - first);
+    std::vector<std::unique_ptr<Block>> blocks;
     std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t, b] {
-        threadIdx = dim3{static_cast<unsigned>(t), 1, 1};
-        blockIdx = dim3{static_cast<unsigned>(b), 1, 1};
-        blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
-        gridDim = dim3{static_cast<unsigned>(grid), 1, 1};
-        block = &blk;
-        copies_at_issue = at_issue;
-        kernel(args...);
-        // An exited thread no longer holds back its block's or its warp's barriers, as on a GPU.
-        my_warp().sync.arrive_and_drop();
-        blk.sync.arrive_and_drop();
-      });
+    pool.reserve(static_cast<size_t>(count * threads));
+    for (int j = 0; j < count; ++j) {
+      const int b = reversed ? grid - 1 - (first + j) : first + j;
+      Block* blk = blocks.emplace_back(std::make_unique<Block>(threads, smem)).get();
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, blk, t, b] {
+          threadIdx = dim3{static_cast<unsigned>(t), 1, 1};
+          blockIdx = dim3{static_cast<unsigned>(b), 1, 1};
+          blockDim = dim3{static_cast<unsigned>(threads), 1, 1};
+          gridDim = dim3{static_cast<unsigned>(grid), 1, 1};
+          block = blk;
+          copies_at_issue = at_issue;
+          kernel(args...);
+          // An exited thread no longer holds back its block's or its warp's barriers, as on a GPU.
+          my_warp().sync.arrive_and_drop();
+          blk->sync.arrive_and_drop();
+        });
+    }
     for (auto& th : pool) th.join();
   }
 }
@@ -292,6 +308,13 @@ void check_tile(const T* p, unsigned ldm, const char* what) {
   if ((ldm * sizeof(T)) % 16 != 0) emu::device().fail(std::string(what) + ": ldm not a multiple of 16 bytes");
 }
 
+// A store waits until every lane of the warp has arrived (the warp matrix functions do; CUDA C++
+// Programming Guide). The emulator needs it for an accumulator loaded, multiplied and stored back
+// in place: its lane 0 stores the whole tile, which other lanes may still be loading; on a GPU each
+// lane stores the elements it loaded, so there is no race. Nothing else waits: whatever wrote a
+// tile before a load, or reads it after a store, must synchronise, as it must on a GPU.
+inline void arrive_all() { emu::my_warp().sync.arrive_and_wait(); }
+
 template <typename Use, int M, int N, int K, typename T, typename L, typename S>
 void load_matrix_sync(fragment<Use, M, N, K, T, L>& f, const S* p, unsigned ldm) {
   using F = fragment<Use, M, N, K, T, L>;
@@ -334,6 +357,7 @@ void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a,
 
 template <int M, int N, int K>
 void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ldm, layout_t layout) {
+  arrive_all();
   check_tile(p, ldm, "store_matrix_sync");
   emu::check_shared(p, 0, "store_matrix_sync");
   if (emu::lane() != 0) return;
