@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check cuda-racecheck amx-check gpu-check clean-venv
+.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check cuda-racecheck cuda-memcheck amx-check gpu-check clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -124,14 +124,21 @@ cuda-check: $(VENV)/.installed
 	  echo "CUDA binding type-checks"; \
 	else echo "nvcc not found: CUDA compile check skipped"; fi
 
-# The CUDA kernels' race check: tests/kernels/test_cuda_emulated.py with the emulator built under
-# ThreadSanitizer (four blocks of a launch at a time), so two threads that touch the same shared or
-# global bytes without a barrier between them fail it even when this run's values came out right.
-# libtsan is preloaded into Python, which loads the sanitized emulator. About 8 minutes on 2 cores.
-# Its reports go to stderr (--capture=sys leaves file descriptor 2 alone); any report exits 66.
+# The CUDA kernels under the sanitizers: tests/kernels/test_cuda_emulated.py with the emulator built
+# under ThreadSanitizer (four blocks of a launch at a time: two threads touching the same shared or
+# global bytes without a barrier between them fail it even when this run's values came out right;
+# about 8 minutes on 2 cores), or AddressSanitizer (a read or write outside a buffer fails it; about
+# 2 minutes). Python preloads the runtime to load the sanitized emulator (and libstdc++, whose C++
+# throws AddressSanitizer must wrap). Reports go to stderr (--capture=sys leaves file descriptor 2
+# alone); any report exits 66. tests/kernels/test_cuda_sanitizers.py checks that both report.
+SANITIZED_TESTS := $(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/kernels/test_cuda_emulated.py
 cuda-racecheck: $(VENV)/.installed-test
 	CHUNKGEN_EMU_SANITIZE=thread LD_PRELOAD=$$(g++ -print-file-name=libtsan.so) TSAN_OPTIONS=exitcode=66 \
-	  $(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/kernels/test_cuda_emulated.py
+	  $(SANITIZED_TESTS)
+
+cuda-memcheck: $(VENV)/.installed-test
+	CHUNKGEN_EMU_SANITIZE=address LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:exitcode=66 $(SANITIZED_TESTS)
 
 # The AMX paths compiled for a CPU that has AMX (Sapphire Rapids), on any machine: the CPU kernels'
 # files with tile code, each assembled (GCC pastes a tile's number into the instruction's text, so a

@@ -25,23 +25,28 @@ HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
 
 
-# `make cuda-racecheck` runs this file with the emulator under ThreadSanitizer (CHUNKGEN_EMU_SANITIZE=
-# thread, libtsan preloaded into Python): any two threads of a launch, or two blocks run together,
-# that touch the same bytes without a barrier between them fail the run, whether or not the race
-# changed this run's results. Fewer hypothesis examples there: a race is in the code's structure.
-SANITIZED = os.environ.get("CHUNKGEN_EMU_SANITIZE") == "thread"
+# `make cuda-racecheck` and `make cuda-memcheck` run this file with the emulator under ThreadSanitizer
+# or AddressSanitizer (CHUNKGEN_EMU_SANITIZE=thread or address, the runtime preloaded into Python):
+# two threads of a launch, or two blocks run together, touching the same bytes without a barrier
+# between them, or an access outside a buffer, fail the run whether or not this run's results came
+# out right. Fewer hypothesis examples there: such defects are in the code's structure.
+SANITIZED = os.environ.get("CHUNKGEN_EMU_SANITIZE", "")
 
 
 def examples(n: int) -> int:
     return max(4, n // 4) if SANITIZED else n
 
 
-def build_emulated(source: Path, lib: Path, sanitize: bool) -> Path:
+def build_emulated(source: Path, lib: Path, sanitize: str) -> Path:
     """Compiles an emulator harness (CUDA source included) into the shared library `lib`; sanitized,
     it loads only into a process that preloaded libtsan."""
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the extension, and so for this test too"
-    flags = ["-fsanitize=thread", "-g", "-DCHUNKGEN_EMU_BLOCKS_AT_ONCE=4"] if sanitize else []
+    flags = {
+        "thread": ["-fsanitize=thread", "-g", "-DCHUNKGEN_EMU_BLOCKS_AT_ONCE=4"],
+        "address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"],
+        "": [],
+    }[sanitize]
     subprocess.run(
         [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", "-DCHUNKGEN_CUDA_EMULATION", *flags]
         + [str(source), "-o", str(lib)],

@@ -126,8 +126,8 @@ struct Block {
       : sync(threads),
         warps(static_cast<size_t>((threads + 31) / 32)),
         bytes(smem_bytes),
-        storage(new (std::align_val_t{128}) unsigned char[smem_bytes + 128]) {
-    std::memset(storage.get(), 0xff, smem_bytes + 128);  // unwritten shared memory reads as NaN, not zeros
+        storage(new (std::align_val_t{128}) unsigned char[smem_bytes]) {
+    std::memset(storage.get(), 0xff, smem_bytes);  // unwritten shared memory reads as NaN, not zeros
   }
   struct AlignedDelete {
     void operator()(unsigned char* p) const { ::operator delete[](p, std::align_val_t{128}); }
@@ -135,7 +135,9 @@ struct Block {
   std::barrier<> sync;
   std::vector<Warp> warps;
   size_t bytes;
-  std::unique_ptr<unsigned char[], AlignedDelete> storage;  // aligned like a GPU's shared memory window
+  // aligned like a GPU's shared memory window, and exactly the launch's bytes: AddressSanitizer
+  // (make cuda-memcheck) reports an access past them
+  std::unique_ptr<unsigned char[], AlignedDelete> storage;
   unsigned char* data() { return storage.get(); }
 };
 inline thread_local Block* block = nullptr;

@@ -1,6 +1,7 @@
-// Small kernels with and without the synchronisation they need, run under the emulator built with
-// ThreadSanitizer: the race check (`make cuda-racecheck`) is only worth its silence if these races
-// are reported and their synchronised twins are not (tests/kernels/test_cuda_racecheck.py).
+// Small kernels with and without the synchronisation or bounds they need, run under the emulator
+// built with ThreadSanitizer or AddressSanitizer: the race and memory checks (`make cuda-racecheck`,
+// `make cuda-memcheck`) are only worth their silence if these defects are reported and their
+// correct twins are not (tests/kernels/test_cuda_sanitizers.py).
 #include "cuda_emu.h"
 
 // Each thread writes its shared word, then reads its neighbour's: across warps that needs
@@ -24,12 +25,21 @@ __global__ void blocks_kernel(float* out, bool shared) {
   if (threadIdx.x == 0) out[shared ? 0 : blockIdx.x] += 1.f;
 }
 
+// Each thread copies in[i] for i < n; one thread too many reads one element past the end of in.
+__global__ void copy_kernel(const float* in, float* out, int n, bool one_past) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n + (one_past ? 1 : 0)) out[i] = in[i];
+}
+
 // kind 0-3: neighbours across warps (span 64) or within a warp (32), synchronised when even;
-// 4: each block writes its own word; 5: every block writes word 0.
-extern "C" int emu_canary(int kind, float* out) {
+// 4: each block writes its own word; 5: every block writes word 0; 6: `in` (n floats) copied
+// within its bounds; 7: one past them. out has room for 128 floats.
+extern "C" int emu_canary(int kind, const float* in, int n, float* out) {
   if (kind < 4)
     CHUNKGEN_LAUNCH(neighbour_kernel, 2, 64, 64 * sizeof(float), nullptr, out, kind < 2 ? 64 : 32, kind % 2 == 0);
-  else
+  else if (kind < 6)
     CHUNKGEN_LAUNCH(blocks_kernel, 4, 32, 0, nullptr, out, kind == 5);
+  else
+    CHUNKGEN_LAUNCH(copy_kernel, 2, 64, 0, nullptr, in, out, n, kind == 7);
   return emu::device().errors.empty() ? 0 : 2;
 }
