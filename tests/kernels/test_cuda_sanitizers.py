@@ -36,7 +36,9 @@ def preload(sanitizer: str) -> str:
     libs = [runtime(sanitizer)]
     if sanitizer == "address":
         cxx = shutil.which("g++") or shutil.which("c++")
-        libs.append(subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip())
+        libs.append(
+            subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
+        )
     return " ".join(libs)
 
 
