@@ -3,6 +3,7 @@
 // explicit __fmul_rn / __fadd_rn keep nvcc from contracting them into an FMA, even under fast math).
 // The RMSNorm's sum of squares is a block reduction here, so its last bit may differ from the CPU's.
 #include <cstdint>
+#include <type_traits>
 
 #include "device.cuh"
 
@@ -15,6 +16,7 @@ __device__ __forceinline__ float rnd(float f) {
 }
 
 constexpr int kThreads = 256;
+constexpr size_t kNormSmem = (kThreads / 32 + 1) * sizeof(float);
 
 // One block per row: the residual add, the sum of squares, then the normalised, weighted row.
 // One normed value as transformers rounds it (see the CPU kernel): Llama's norm rounds x * inv
@@ -43,17 +45,18 @@ __global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, 
     }
     part = __fadd_rn(part, __fmul_rn(v, v));
   }
-  __shared__ float sums[kThreads / 32];
+  // Dynamic shared memory (kNormSmem): each warp's sum, then the row's 1 / rms.
+  float* sums = reinterpret_cast<float*>(shared_bytes());
   for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
   if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = part;
   __syncthreads();
-  __shared__ float inv;
   if (threadIdx.x == 0) {
     float total = 0.f;
     for (int i = 0; i < kThreads / 32; ++i) total += sums[i];
-    inv = inv_rms(total, n, eps);
+    sums[kThreads / 32] = inv_rms(total, n, eps);
   }
   __syncthreads();
+  const float inv = sums[kThreads / 32];
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
     out[r * os + i] = from_float<T>(normed(x[i], w[i], inv, offset));
 }
@@ -161,9 +164,10 @@ void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, vo
                        void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    add_rms_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<T*>(residual), static_cast<const T*>(delta), static_cast<const T*>(weight), static_cast<T*>(out), n,
-        res_stride, delta_stride, out_stride, eps, offset);
+    CHUNKGEN_LAUNCH(add_rms_norm_kernel<T>, static_cast<unsigned>(rows), kThreads, kNormSmem,
+                    static_cast<cudaStream_t>(stream), static_cast<T*>(residual), static_cast<const T*>(delta),
+                    static_cast<const T*>(weight), static_cast<T*>(out), n, res_stride, delta_stride, out_stride, eps,
+                    offset);
   });
 }
 
@@ -179,15 +183,18 @@ void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos6
       using Q = decltype(qtag);
       auto launch = [&](auto* pos) {
         const auto cuda_stream = static_cast<cudaStream_t>(stream);
+        using P = std::remove_const_t<std::remove_pointer_t<decltype(pos)>>;
+        const auto norm_kernel = norm_rotary_kernel<T, Q, P>;  // one name: the launch macro splits on commas
+        const auto plain_kernel = rotary_kernel<T, Q, P>;
         if (q_norm != nullptr)
-          norm_rotary_kernel<T, Q><<<grid, kThreads, 0, cuda_stream>>>(
-              static_cast<T*>(qkv), qkv_stride, pos, static_cast<const T*>(cos), static_cast<const T*>(sin),
-              table_stride, rows, q_heads, kv_heads, d, static_cast<Q*>(q_out), static_cast<const T*>(q_norm),
-              static_cast<const T*>(k_norm), eps, offset_norm);
+          CHUNKGEN_LAUNCH(norm_kernel, grid, kThreads, 0, cuda_stream, static_cast<T*>(qkv), qkv_stride, pos,
+                          static_cast<const T*>(cos), static_cast<const T*>(sin), table_stride, rows, q_heads, kv_heads,
+                          d, static_cast<Q*>(q_out), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm), eps,
+                          offset_norm);
         else
-          rotary_kernel<T, Q><<<grid, kThreads, 0, cuda_stream>>>(
-              static_cast<T*>(qkv), qkv_stride, pos, static_cast<const T*>(cos), static_cast<const T*>(sin),
-              table_stride, rows, q_heads, kv_heads, d, static_cast<Q*>(q_out));
+          CHUNKGEN_LAUNCH(plain_kernel, grid, kThreads, 0, cuda_stream, static_cast<T*>(qkv), qkv_stride, pos,
+                          static_cast<const T*>(cos), static_cast<const T*>(sin), table_stride, rows, q_heads, kv_heads,
+                          d, static_cast<Q*>(q_out));
       };
       if (pos64)
         launch(static_cast<const int64_t*>(positions));
@@ -201,8 +208,8 @@ void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t ou
                    int dtype, void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
+    CHUNKGEN_LAUNCH(silu_mul_kernel<T>, blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream),
+                    static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
   });
 }
 
@@ -210,8 +217,8 @@ void gelu_tanh_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64
                         int dtype, void* stream) {
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    gelu_tanh_mul_kernel<T><<<blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
+    CHUNKGEN_LAUNCH(gelu_tanh_mul_kernel<T>, blocks_for(rows * n), kThreads, 0, static_cast<cudaStream_t>(stream),
+                    static_cast<const T*>(gate_up), in_stride, static_cast<T*>(out), out_stride, rows, n);
   });
 }
 

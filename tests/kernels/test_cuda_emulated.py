@@ -37,9 +37,9 @@ def examples(n: int) -> int:
     return max(4, n // 4) if SANITIZED else n
 
 
-def build_emulated(source: Path, lib: Path, sanitize: str) -> Path:
-    """Compiles an emulator harness (CUDA source included) into the shared library `lib`; sanitized,
-    it loads only into a process that preloaded libtsan."""
+def build_emulated(sources: list[Path], lib: Path, sanitize: str) -> Path:
+    """Compiles emulator harnesses (CUDA source included) into the shared library `lib`; sanitized,
+    it loads only into a process that preloaded the sanitizer's runtime."""
     cxx = shutil.which("g++") or shutil.which("c++")
     assert cxx, "a C++ compiler is needed to build the extension, and so for this test too"
     flags = {
@@ -49,7 +49,8 @@ def build_emulated(source: Path, lib: Path, sanitize: str) -> Path:
     }[sanitize]
     subprocess.run(
         [cxx, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w", "-DCHUNKGEN_CUDA_EMULATION", *flags]
-        + [str(source), "-o", str(lib)],
+        + [str(source) for source in sources]
+        + ["-o", str(lib)],
         check=True,
     )
     return lib
@@ -58,7 +59,7 @@ def build_emulated(source: Path, lib: Path, sanitize: str) -> Path:
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory):
     lib = tmp_path_factory.mktemp("cuda_emu") / "tpp_cuda_emu.so"
-    return ctypes.CDLL(str(build_emulated(HERE / "harness.cpp", lib, SANITIZED)))
+    return ctypes.CDLL(str(build_emulated([HERE / "harness.cpp", HERE / "harness_elementwise.cpp"], lib, SANITIZED)))
 
 
 @pytest.fixture(scope="session")
@@ -460,3 +461,97 @@ def test_emulated_invariant_linear_is_the_same_for_a_row_in_any_batch(emulator, 
     shuffled = run_linear(emulator, x[perm].contiguous(), w, b)
     assert torch.equal(shuffled, y[perm])
     assert torch.equal(run_linear(emulator, x, w, b, sms=1), y)  # wide blocks
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def _check(rc: int, err) -> None:
+    assert rc == 0, err.value.decode()
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 5),
+    hidden=st.sampled_from([64, 576, 640]),
+    heads=st.sampled_from([(9, 3), (8, 2), (4, 4)]),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    q_dtype=st.sampled_from([None, torch.float32]),
+    pos64=st.booleans(),
+)
+def test_emulated_elementwise_ops_equal_the_cpu_ones(emulator, seed, rows, hidden, heads, d, dtype, q_dtype, pos64):
+    """The decode step's CUDA elementwise ops (csrc/cuda/elementwise.cu) against the same ops on the CPU,
+    themselves bitwise the torch compositions (tests/kernels/test_elementwise.py): the residual add and
+    rotary bit for bit; the RMSNorms within one rounding, since the GPU sums squares as a block (or
+    warp) reduction, and SiLU and GELU too, since expf and the CPU's exp may differ in the last bit.
+    Every output starts as NaN. q into its own buffer in qkv's dtype or fp32; positions int32 or
+    int64; Llama's and Gemma's (1 + weight) norms; rows of 64 to 640 values over 256 threads."""
+    from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
+
+    g = torch.Generator().manual_seed(seed)
+    code = KV_TYPES[dtype]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    err = ctypes.create_string_buffer(4096)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (torch.randn(hidden, generator=g) * 0.2).to(dtype)
+    for offset in (False, True):
+        for with_delta in (True, False):
+            d_in = delta if with_delta else None
+            res_cpu, out_cpu = x.clone(), torch.empty_like(x)
+            add_rms_norm(res_cpu, d_in, w, 1e-6, out_cpu, offset)
+            res, out = x.clone(), torch.full_like(x, float("nan"))
+            _check(
+                emulator.emu_add_rms_norm(
+                    _ptr(res), _ptr(d_in), _ptr(w), _ptr(out), ctypes.c_int64(rows), ctypes.c_int64(hidden),
+                    ctypes.c_int64(hidden), ctypes.c_int64(hidden), ctypes.c_int64(hidden), ctypes.c_float(1e-6),
+                    int(offset), code, err, len(err),
+                ),
+                err,
+            )  # fmt: skip
+            assert torch.equal(res, res_cpu)
+            torch.testing.assert_close(out, out_cpu, **tol)
+
+    hq, hk = heads
+    table = 50
+    qkv = (torch.randn(rows, (hq + 2 * hk) * d, generator=g) * 3).to(dtype)
+    angles = torch.rand(table, 1, d, generator=g) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.randint(0, table, (rows,), generator=g, dtype=torch.int64 if pos64 else torch.int32)
+    norms = (torch.randn(d, generator=g) * 0.3 + 1).to(dtype), (torch.randn(d, generator=g) * 0.3).to(dtype)
+    q_type = q_dtype or dtype
+    for q_norm, k_norm, offset in ((None, None, False), (*norms, False), (*norms, True)):
+        mine_cpu, q_cpu = qkv.clone(), torch.empty(rows, hq, d, dtype=q_type)
+        rotary(mine_cpu, positions, cos, sin, hq, hk, q_cpu, q_norm, k_norm, 1e-6, offset)
+        mine, q = qkv.clone(), torch.full((rows, hq, d), float("nan"), dtype=q_type)
+        _check(
+            emulator.emu_rotary(
+                _ptr(mine), ctypes.c_int64(qkv.stride(0)), _ptr(positions), int(pos64), _ptr(cos), _ptr(sin),
+                ctypes.c_int64(cos.stride(0)), ctypes.c_int64(rows), ctypes.c_int64(hq), ctypes.c_int64(hk),
+                ctypes.c_int64(d), _ptr(q), KV_TYPES[q_type], _ptr(q_norm), _ptr(k_norm), ctypes.c_float(1e-6),
+                int(offset), code, err, len(err),
+            ),
+            err,
+        )  # fmt: skip
+        if q_norm is None:  # the same roundings, in the same order: the same bits
+            assert torch.equal(mine, mine_cpu) and torch.equal(q, q_cpu)
+        else:
+            torch.testing.assert_close(mine, mine_cpu, **tol)
+            torch.testing.assert_close(q, q_cpu, **tol)
+
+    gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 4).to(dtype)
+    for gelu, op in ((0, silu_mul), (1, gelu_tanh_mul)):
+        out_cpu = torch.empty(rows, hidden, dtype=dtype)
+        op(gate_up, out_cpu)
+        out = torch.full((rows, hidden), float("nan"), dtype=dtype)
+        _check(
+            emulator.emu_gated(
+                gelu, _ptr(gate_up), ctypes.c_int64(2 * hidden), _ptr(out), ctypes.c_int64(hidden),
+                ctypes.c_int64(rows), ctypes.c_int64(hidden), code, err, len(err),
+            ),
+            err,
+        )  # fmt: skip
+        torch.testing.assert_close(out, out_cpu, **tol)

@@ -49,7 +49,7 @@ def canaries(tmp_path_factory) -> dict:
         if runtime(sanitizer) is None:
             pytest.skip(f"the C++ compiler has no {sanitizer} sanitizer runtime, which the checks need")
         lib = tmp_path_factory.mktemp(f"canary_{sanitizer}") / "canary.so"
-        built[sanitizer] = build_emulated(SOURCE, lib, sanitize=sanitizer)
+        built[sanitizer] = build_emulated([SOURCE], lib, sanitize=sanitizer)
     return built
 
 

@@ -1,6 +1,5 @@
-// A thread-level CUDA emulator, just large enough to run csrc/cuda/decode_attention.cu, kv_write.cu and
-// invariant_linear.cu on the CPU so the kernels' indexing, masking, splitting and synchronisation are
-// tested on machines without a GPU.
+// A thread-level CUDA emulator, just large enough to run the kernels of csrc/cuda/ on the CPU, so their
+// indexing, masking, splitting and synchronisation are tested on machines without a GPU.
 //
 // Every CUDA thread is an OS thread; a block's threads run together and meet at real barriers
 // (__syncthreads, __syncwarp, and the two halves of a shuffle), so a missing barrier shows up as a
@@ -16,7 +15,9 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -80,6 +81,8 @@ inline float __bfloat162float(__nv_bfloat16 b) {
 inline float __expf(float x) { return std::exp(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 
 // ---- runtime ---------------------------------------------------------------------------------
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
@@ -202,6 +205,21 @@ void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... arg
   }
 }
 
+// Runs one host entry point, the error it throws and the misuse the emulator found into err.
+template <typename F>
+int run_checked(F&& call, char* err, int err_len) {
+  emu::device().errors.clear();
+  std::string message;
+  try {
+    call();
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  message += emu::device().errors;
+  std::snprintf(err, err_len, "%s", message.c_str());
+  return message.empty() ? 0 : 1;
+}
+
 }  // namespace emu
 
 #define CHUNKGEN_LAUNCH(kernel, grid, block, smem, stream, ...) \
@@ -239,6 +257,15 @@ inline float __shfl_sync(unsigned, float v, int src) {
   w.slot[emu::lane()] = v;
   w.sync.arrive_and_wait();
   const float r = w.slot[static_cast<unsigned>(src) & 31];
+  w.sync.arrive_and_wait();
+  return r;
+}
+inline float __shfl_down_sync(unsigned, float v, unsigned delta) {
+  emu::Warp& w = emu::my_warp();
+  w.slot[emu::lane()] = v;
+  w.sync.arrive_and_wait();
+  const unsigned src = emu::lane() + delta;
+  const float r = src < 32 ? w.slot[src] : v;  // lanes past the warp's end keep their own value
   w.sync.arrive_and_wait();
   return r;
 }

@@ -1,6 +1,7 @@
-// Runs the CUDA decode-attention, K/V-write and invariant linear kernels under the emulator, with a flat C ABI for
-// ctypes. Mirrors what the binding does before a real launch: partial offsets, the largest shared
-// range, the partial buffers (filled with NaN, so a row the kernels forget to write cannot pass).
+// Runs the CUDA decode-attention, K/V-write and invariant linear kernels under the emulator, with a flat C ABI
+// for ctypes (the elementwise ops: harness_elementwise.cpp). Mirrors what the binding does before a real launch:
+// partial offsets, the largest shared range, the partial buffers (filled with NaN, so a row the kernels forget to write
+// cannot pass).
 #include "cuda_emu.h"
 
 #include "../../../csrc/cuda/decode_attention.cu"
@@ -81,17 +82,12 @@ extern "C" int emu_decode_attention(const void* q, void* out, int q_type, const 
   split_space.l = split_l.data();
   split_space.splits = split_cap;
   select_device(sms);
-  emu::device().errors.clear();
-  std::string message;
-  try {
-    decode_attention_cuda_raw(p, part_off.data(), max_rows, part_o.data(), part_m.data(), part_l.data(), split_space,
-                              nullptr);
-  } catch (const std::exception& e) {
-    message = e.what();
-  }
-  message += emu::device().errors;
-  std::snprintf(err, err_len, "%s", message.c_str());
-  return message.empty() ? 0 : 1;
+  return emu::run_checked(
+      [&] {
+        decode_attention_cuda_raw(p, part_off.data(), max_rows, part_o.data(), part_m.data(), part_l.data(),
+                                  split_space, nullptr);
+      },
+      err, err_len);
 }
 
 // k, v [rows, kv_heads, head_dim] with the given strides (elements) into one pool layer.
@@ -114,16 +110,7 @@ extern "C" int emu_write_kv(const void* k, const void* v, int src_type, const in
   p.kv_heads = kv_heads;
   p.head_dim = head_dim;
   p.chunk = chunk;
-  emu::device().errors.clear();
-  std::string message;
-  try {
-    write_kv_cuda_raw(p, nullptr);
-  } catch (const std::exception& e) {
-    message = e.what();
-  }
-  message += emu::device().errors;
-  std::snprintf(err, err_len, "%s", message.c_str());
-  return message.empty() ? 0 : 1;
+  return emu::run_checked([&] { write_kv_cuda_raw(p, nullptr); }, err, err_len);
 }
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) w [n, k]^T (+ bias [n] where not null).
@@ -133,14 +120,5 @@ extern "C" int emu_invariant_linear(const void* x, int64_t ldx, const void* w, c
   using namespace chunkgen;
   InvariantLinearProblem p{x, ldx, w, bias, y, ldy, m, n, k, static_cast<KVType>(type)};
   select_device(sms);
-  emu::device().errors.clear();
-  std::string message;
-  try {
-    invariant_linear_cuda_raw(p, nullptr);
-  } catch (const std::exception& e) {
-    message = e.what();
-  }
-  message += emu::device().errors;
-  std::snprintf(err, err_len, "%s", message.c_str());
-  return message.empty() ? 0 : 1;
+  return emu::run_checked([&] { invariant_linear_cuda_raw(p, nullptr); }, err, err_len);
 }
