@@ -68,8 +68,11 @@ CASES = {  # kind in the canary: (sanitizer, what it does, the code a report mus
     5: ("thread", "every block writes one word", "+= 1.f"),
     6: ("address", "a copy within the buffer", None),
     7: ("address", "a read one past the buffer", "out[i] = in[i]"),
+    8: ("thread", "the warp at one shuffle", None),
+    9: ("thread", "the warp's halves at two shuffles", "emulator: __shfl_down_sync(0xffffffffu, v, 1)"),
 }
 REPORTS = {"thread": "WARNING: ThreadSanitizer: data race", "address": "ERROR: AddressSanitizer: heap-buffer-overflow"}
+EMULATOR = "emulator: "  # a CASES code the emulator's own check reports (exit 2, its message on stderr)
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
@@ -93,6 +96,12 @@ def test_sanitizers_report_exactly_the_defects(canaries, kind):
         text=True,
         timeout=120,
     )
+    if code_line is not None and code_line.startswith(EMULATOR):
+        line = line_of(code_line.removeprefix(EMULATOR)).split(":")[1]
+        assert run.returncode == 2 and f"is at the shuffle of line {line}" in run.stderr, (
+            f"{what}: {run.stderr[-2000:]}"
+        )
+        return
     reported = REPORTS[sanitizer] in run.stderr
     if code_line is None:
         assert run.returncode == 0 and not reported, f"{what}: {run.stderr[-3000:]}"

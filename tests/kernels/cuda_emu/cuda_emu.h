@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <source_location>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -122,6 +123,8 @@ inline Device& device() {
 struct Warp {
   std::barrier<> sync{32};
   float slot[32];
+  unsigned site[32];     // the source line of each lane's current shuffle
+  bool exited[32] = {};  // lanes whose thread has returned
 };
 
 struct Block {
@@ -197,6 +200,7 @@ void launch(void (*kernel)(P...), int grid, int threads, size_t smem, A&&... arg
           copies_at_issue = at_issue;
           kernel(args...);
           // An exited thread no longer holds back its block's or its warp's barriers, as on a GPU.
+          my_warp().exited[lane()] = true;
           my_warp().sync.arrive_and_drop();
           blk->sync.arrive_and_drop();
         });
@@ -252,30 +256,39 @@ inline unsigned char* shared_bytes_emu() { return emu::block->data(); }
 
 inline void __syncthreads() { emu::block->sync.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::my_warp().sync.arrive_and_wait(); }
-inline float __shfl_sync(unsigned, float v, int src) {
-  emu::Warp& w = emu::my_warp();
-  w.slot[emu::lane()] = v;
+// A shuffle of the full warp: every lane must take part, at the same shuffle (a lane that reached
+// another shuffle, or returned, makes the exchange undefined on a GPU; here it is an error), and
+// reads lane src's value (lanes past the warp's end keep their own).
+namespace emu {
+inline float exchange(unsigned mask, float v, unsigned src, const std::source_location& at) {
+  Warp& w = my_warp();
+  const unsigned me = lane();
+  if (mask != 0xffffffffu) device().fail("shuffle with a partial mask: the emulator takes full warps only");
+  w.slot[me] = v;
+  w.site[me] = at.line();
   w.sync.arrive_and_wait();
-  const float r = w.slot[static_cast<unsigned>(src) & 31];
+  for (unsigned l = 0; l < 32; ++l)
+    if (w.exited[l] || w.site[l] != at.line()) {
+      device().fail(std::string("shuffle at line ") + std::to_string(at.line()) + ": lane " + std::to_string(l) +
+                    (w.exited[l] ? " has returned" : " is at the shuffle of line " + std::to_string(w.site[l])));
+      break;
+    }
+  const float r = src < 32 ? w.slot[src] : v;
   w.sync.arrive_and_wait();
   return r;
 }
-inline float __shfl_down_sync(unsigned, float v, unsigned delta) {
-  emu::Warp& w = emu::my_warp();
-  w.slot[emu::lane()] = v;
-  w.sync.arrive_and_wait();
-  const unsigned src = emu::lane() + delta;
-  const float r = src < 32 ? w.slot[src] : v;  // lanes past the warp's end keep their own value
-  w.sync.arrive_and_wait();
-  return r;
+}  // namespace emu
+
+inline float __shfl_sync(unsigned mask, float v, int src, std::source_location at = std::source_location::current()) {
+  return emu::exchange(mask, v, static_cast<unsigned>(src) & 31, at);
 }
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
-  emu::Warp& w = emu::my_warp();
-  w.slot[emu::lane()] = v;
-  w.sync.arrive_and_wait();
-  const float r = w.slot[emu::lane() ^ static_cast<unsigned>(mask)];
-  w.sync.arrive_and_wait();
-  return r;
+inline float __shfl_down_sync(unsigned mask, float v, unsigned delta,
+                              std::source_location at = std::source_location::current()) {
+  return emu::exchange(mask, v, emu::lane() + delta, at);
+}
+inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask,
+                             std::source_location at = std::source_location::current()) {
+  return emu::exchange(mask, v, emu::lane() ^ static_cast<unsigned>(lane_mask), at);
 }
 
 // ---- asynchronous copies (cuda_pipeline.h: cp.async on sm_80+) -------------------------------
