@@ -3,11 +3,12 @@
 //
 // Every CUDA thread is an OS thread; a block's threads run together and meet at real barriers
 // (__syncthreads, __syncwarp, and the two halves of a shuffle), so a missing barrier shows up as a
-// race, not as lockstep luck. Blocks run one after another (a few at a time in the race check), in
-// grid order and reversed in turn. WMMA fragments hold whole tiles: each
-// lane loads and multiplies the full tile, lane 0 stores it. Loads check the alignment and leading
-// dimension rules of the real API. Launches check dynamic shared memory against the 48 KiB default
-// and the opt-in limit. Errors are recorded and reported by the harness, not thrown across threads.
+// race, not as lockstep luck, and the sanitizer builds (make cuda-racecheck, cuda-memcheck) report
+// it. Blocks run one after another (four at a time in the race check), in grid order and reversed
+// in turn. WMMA fragments hold whole tiles: each lane loads and multiplies the full tile, lane 0
+// stores it. Loads check the alignment and leading dimension rules of the real API. Launches check
+// dynamic shared memory against the 48 KiB default and the opt-in limit. A shuffle checks that the
+// whole warp takes part. Errors are recorded and reported by the harness, not thrown across threads.
 #pragma once
 
 #include <algorithm>
