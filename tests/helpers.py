@@ -332,6 +332,29 @@ def hf_greedy(model_dir, prompts_ids, max_new_tokens):
     return hf, outs
 
 
+def hf_greedy_after_shared_prefix(hf, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy answers, the prompts' common beginning computed once into a
+    `DynamicCache` that each `generate` continues from a copy of (transformers' own prompt reuse):
+    the same model and greedy search, without prefilling the shared part once a prompt."""
+    import copy
+    import inspect
+    import os
+
+    from transformers import DynamicCache
+
+    shared = len(os.path.commonprefix(prompts_ids)) - 1  # each prompt keeps a token of its own
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # 5.24 renamed it
+    prefix = DynamicCache()
+    hf(torch.tensor([prompts_ids[0][:shared]]), use_cache=True, **{name: prefix})
+    outs = []
+    for ids in prompts_ids:
+        gen = hf.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, **{name: copy.deepcopy(prefix)}
+        )
+        outs.append(gen[0, len(ids) :].tolist())
+    return outs
+
+
 # Answers of the default model equal to transformers' token for token, of the 16 parity questions,
 # in each dtype. bf16 itself moves near ties, and which ones with the thread count and the kernels
 # (the sums' order): on the Xeon, transformers in bf16 gave its own fp32 answers on 12-13 of these

@@ -313,6 +313,11 @@ def test_a_two_node_cluster_losing_a_node_mid_job_ends_on_the_node_left_with_a_l
         "OMP_NUM_THREADS": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
+        # Ray marks a killed node dead after three missed half-second health checks (the default,
+        # five of three seconds, made this test wait 15 s for it).
+        "RAY_health_check_period_ms": "500",
+        "RAY_health_check_timeout_ms": "500",
+        "RAY_health_check_failure_threshold": "3",
     }
     env.pop("RAY_ADDRESS", None)
     port = _free_port()
