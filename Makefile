@@ -127,8 +127,8 @@ cuda-check: $(VENV)/.installed
 # The CUDA kernels under the sanitizers: tests/kernels/test_cuda_emulated.py with the emulator built
 # under ThreadSanitizer (four blocks of a launch at a time: two threads touching the same shared or
 # global bytes without a barrier between them fail it even when this run's values came out right;
-# about 8 minutes on 2 cores), or AddressSanitizer (a read or write outside a buffer fails it; about
-# 2 minutes). Python preloads the runtime to load the sanitized emulator (and libstdc++, whose C++
+# about 4 minutes on 2 cores), or AddressSanitizer (a read or write outside a buffer fails it; about
+# 1 minute). Python preloads the runtime to load the sanitized emulator (and libstdc++, whose C++
 # throws AddressSanitizer must wrap). Reports go to stderr (--capture=sys leaves file descriptor 2
 # alone); any report exits 66. tests/kernels/test_cuda_sanitizers.py checks that both report.
 SANITIZED_TESTS := $(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/kernels/test_cuda_emulated.py
