@@ -280,18 +280,22 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
   });
 }
 
-// Prefill's K/V write (outside the decode op, so the indices are checked here, once per call).
+// Prefill's K/V write (outside the decode op, so the indices are checked here, once per call). The
+// indices are the host's, checked there whatever the pool's device: a bad one is an error naming it,
+// not a device-side assert that ends the process. A GPU pool takes a copy of them and one kernel.
 void write_kv_checked(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_layer, torch::Tensor v_layer,
                       const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
   TORCH_CHECK_VALUE(k_layer.dim() == 4 && v_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous(),
                     "k_layer and v_layer must be one contiguous layer of the pool");
-  check_index_tensor(write_slot, "write_slot", k_layer.device());
-  check_index_tensor(write_offset, "write_offset", k_layer.device());
-  if (k_layer.device().is_cpu()) {
-    check_range(write_slot, write_slot.numel(), 0, k_layer.size(0), "write_slot");
-    check_range(write_offset, write_offset.numel(), 0, k_layer.size(3), "write_offset");
-  }
-  write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
+  const torch::Device host(torch::kCPU);
+  check_index_tensor(write_slot, "write_slot", host);
+  check_index_tensor(write_offset, "write_offset", host);
+  check_range(write_slot, write_slot.numel(), 0, k_layer.size(0), "write_slot");
+  check_range(write_offset, write_offset.numel(), 0, k_layer.size(3), "write_offset");
+  if (k_layer.device().is_cpu())
+    write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
+  else
+    write_kv(k, v, k_layer, v_layer, write_slot.to(k_layer.device()), write_offset.to(k_layer.device()));
 }
 
 // ---- prefill attention ------------------------------------------------------------------------

@@ -343,22 +343,13 @@ class ChunkPool:
             self.v[:, dst, :, :n] = self.v[:, src, :, :n]
 
     def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer."""
-        if self.device.type == "cpu":  # one native pass, converting to the pool's dtype as it goes
-            from chunkgen._native import native
+        """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer, in one
+        native pass that converts to the pool's dtype as it goes (on a GPU, one kernel). The indices
+        are checked on the host first, where the engine builds them."""
+        from chunkgen._native import native
 
-            native().write_kv(
-                k,
-                v,
-                self.k[layer],
-                self.v[layer],
-                slots.to(torch.int32).contiguous(),
-                offsets.to(torch.int32).contiguous(),
-            )
-            return
-        slots, offsets = slots.to(self.device), offsets.to(self.device)
-        self.k[layer, slots, :, :, offsets] = k.to(self.dtype)
-        self.v[layer, slots, :, offsets] = v.to(self.dtype)
+        host = [t.to("cpu", torch.int32).contiguous() for t in (slots, offsets)]
+        native().write_kv(k, v, self.k[layer], self.v[layer], *host)
 
     def gather(self, layer: int, slots: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V `[kv_heads, n_tokens, head_dim]` of a path of slots (all full but the last)."""
@@ -371,10 +362,11 @@ class ChunkPool:
             v = torch.empty_like(k)
             native().gather_kv(self.k[layer], self.v[layer], slots.to(torch.long).contiguous(), n, k, v)
             return k, v
+        if not 0 <= n_tokens <= len(slots) * c:  # as the native gather says it
+            raise ValueError(f"n = {n_tokens} tokens do not fit {len(slots)} chunks of {c}")
         slots = slots.to(self.device)
         k = self.k[layer, slots].permute(1, 0, 3, 2).reshape(self.kv_heads, -1, self.head_dim)
         v = self.v[layer, slots].permute(1, 0, 2, 3).reshape(self.kv_heads, -1, self.head_dim)
-        assert k.shape[1] == len(slots) * c
         return k[:, :n_tokens], v[:, :n_tokens]
 
     # -- accounting -------------------------------------------------------------------------

@@ -414,18 +414,24 @@ def test_matching_cost_does_not_grow_with_the_number_of_cached_prompts(monkeypat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pool_write_and_gather_match_plain_indexing(dtype):
-    """The native K/V write and path gather (prefill's) against plain tensor indexing of the layout."""
+    check_pool_write_and_gather(dtype, "cpu")
+
+
+def check_pool_write_and_gather(dtype: torch.dtype, device: str) -> None:
+    """The native K/V write and path gather (prefill's) against plain tensor indexing of the layout;
+    bad indices are errors naming them, checked on the host (tests/kernels/test_cuda.py: a GPU pool)."""
     g = torch.Generator().manual_seed(0)
-    pool = ChunkPool(2, 3, 16, 8, dtype, budget_bytes=40 * 2 * 2 * 3 * 16 * 8 * 4)
+    pool = ChunkPool(2, 3, 16, 8, dtype, budget_bytes=40 * 2 * 2 * 3 * 16 * 8 * 4, device=device)
     slots = [pool.allocate() for _ in range(5)]
     path = torch.tensor([slots[3], slots[0], slots[4]])
     n = 19  # two full chunks of 8 and three tokens of the third
     pos = torch.arange(n)
-    k = torch.randn(n, 3, 16, generator=g)
-    kv = torch.randn(n, 2, 3, 16, generator=g)  # a strided v, as split from one product
+    k = torch.randn(n, 3, 16, generator=g).to(device)
+    kv = torch.randn(n, 2, 3, 16, generator=g).to(device)  # a strided v, as split from one product
     pool.write(1, path[pos // 8], pos % 8, k, kv[:, 1])
-    assert torch.equal(pool.k[1, path[pos // 8], :, :, pos % 8], k.to(dtype))
-    assert torch.equal(pool.v[1, path[pos // 8], :, pos % 8], kv[:, 1].to(dtype))
+    at = (path[pos // 8].to(device), pos.to(device) % 8)
+    assert torch.equal(pool.k[1, at[0], :, :, at[1]], k.to(dtype))
+    assert torch.equal(pool.v[1, at[0], :, at[1]], kv[:, 1].to(dtype))
     gk, gv = pool.gather(1, path, n)
     assert gk.shape == gv.shape == (3, n, 16)
     assert torch.equal(gk, k.to(dtype).transpose(0, 1))
@@ -436,3 +442,4 @@ def test_pool_write_and_gather_match_plain_indexing(dtype):
         pool.write(0, torch.tensor([0]), torch.tensor([8]), k[:1], k[:1])
     with pytest.raises(ValueError, match="do not fit"):
         pool.gather(0, path, 25)
+    assert torch.equal(pool.gather(1, path, n)[0], gk)  # nothing written, the device still usable

@@ -76,6 +76,14 @@ def test_cuda_engine_greedy_matches_transformers(default_model_dir, dtype):
     assert exact >= EXACT[dtype], f"only {exact}/16 answers equal token for token ({dtype})"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_write_and_gather_on_the_gpu(dtype):
+    """Prefill's K/V write (the K/V write kernel) and gather on a GPU pool, and their index errors."""
+    from tests.cache.test_cache import check_pool_write_and_gather
+
+    check_pool_write_and_gather(dtype, "cuda")
+
+
 def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_model):
     """CUDA graphs (one per bucket, replayed every step) against eager steps on the same workload
     as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving."""
