@@ -343,7 +343,7 @@ def hf_greedy_after_shared_prefix(hf, prompts_ids: list[list[int]], max_new_toke
     from transformers import DynamicCache
 
     shared = len(os.path.commonprefix(prompts_ids)) - 1  # each prompt keeps a token of its own
-    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # 5.24 renamed it
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # newer name
     prefix = DynamicCache()
     hf(torch.tensor([prompts_ids[0][:shared]]), use_cache=True, **{name: prefix})
     outs = []
