@@ -345,7 +345,8 @@ class ChunkPool:
     def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer, in one
         native pass that converts to the pool's dtype as it goes (on a GPU, one kernel). The indices
-        are checked on the host first, where the engine builds them."""
+        are checked on the host first, where the engine builds them (int32 there: no conversion per
+        layer)."""
         from chunkgen._native import native
 
         host = [t.to("cpu", torch.int32).contiguous() for t in (slots, offsets)]

@@ -81,7 +81,9 @@ class PrefillStep:
 
     tokens: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
-    write_slots: torch.Tensor  # pool slot and offset of every stored row (a row before write_from is not)
+    write_slots: (
+        torch.Tensor
+    )  # pool slot and offset of every stored row (int32, on the host; a row before write_from is not)
     write_offsets: torch.Tensor
     write_rows: torch.Tensor | None  # the stored rows, None when every row is stored (no gather)
     writes: bool
