@@ -21,6 +21,7 @@
 #include "elementwise.h"
 #include "invariant.h"
 #include "invariant_linear.h"
+#include "kv_write.h"
 #include "linear.h"
 #include "prefill_attention.h"
 #include "prefix_attention.h"
@@ -211,7 +212,10 @@ void check_context(int64_t slots, int64_t chunk, torch::Tensor shared_slot, torc
     }
 }
 
+}  // namespace
+
 // ---- the K/V write: row b's k, v [kv_heads, head_dim] go to (write_slot[b], write_offset[b]) ----
+// (csrc/kv_write.h; outside the anonymous namespace: the rotary op writes K/V too)
 
 void check_write(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& k_layer,
                  const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
@@ -227,6 +231,34 @@ void check_write(const torch::Tensor& k, const torch::Tensor& v, const torch::Te
                     "write_slot and write_offset must have one entry per row of k");
 }
 
+bool fits_write_kernel(const torch::Tensor& k_layer, const torch::Tensor& v_layer, const torch::Tensor& write_slot,
+                       const torch::Tensor& write_offset) {
+  return k_layer.is_contiguous() && v_layer.is_contiguous() && write_slot.is_contiguous() &&
+         write_offset.is_contiguous() && write_slot.scalar_type() == torch::kInt32 &&
+         write_offset.scalar_type() == torch::kInt32;
+}
+
+KVWriteProblem kv_write_problem(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_layer,
+                                torch::Tensor& v_layer, const torch::Tensor& write_slot,
+                                const torch::Tensor& write_offset) {
+  TORCH_CHECK_TYPE(v_layer.scalar_type() == k_layer.scalar_type(), "k and v pools must share a dtype");
+  KVWriteProblem p{};
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.src_type = kv_type_of(k);
+  for (int i = 0; i < 3; ++i) p.k_stride[i] = k.stride(i), p.v_stride[i] = v.stride(i);
+  p.k_layer = k_layer.data_ptr();
+  p.v_layer = v_layer.data_ptr();
+  p.pool_type = kv_type_of(k_layer);
+  p.slot = write_slot.data_ptr<int32_t>();
+  p.offset = write_offset.data_ptr<int32_t>();
+  p.rows = static_cast<int>(k.size(0));
+  p.kv_heads = static_cast<int>(k_layer.size(1));
+  p.head_dim = static_cast<int>(k_layer.size(2));
+  p.chunk = static_cast<int>(k_layer.size(3));
+  return p;
+}
+
 // k and v may be strided views (e.g. split from one qkv product): no copy before the write.
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_layer, torch::Tensor& v_layer,
               const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
@@ -236,24 +268,8 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
 #ifdef CHUNKGEN_WITH_CUDA
   // On the GPU one kernel writes both (csrc/cuda/kv_write.cu): no host read of the indices, no
   // int64 casts, one node in a step's graph instead of four or more.
-  if (k.is_cuda() && k_layer.is_contiguous() && v_layer.is_contiguous() && write_slot.is_contiguous() &&
-      write_offset.is_contiguous() && write_slot.scalar_type() == torch::kInt32 &&
-      write_offset.scalar_type() == torch::kInt32) {
-    KVWriteProblem p{};
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.src_type = kv_type_of(k);
-    for (int i = 0; i < 3; ++i) p.k_stride[i] = k.stride(i), p.v_stride[i] = v.stride(i);
-    p.k_layer = k_layer.data_ptr();
-    p.v_layer = v_layer.data_ptr();
-    p.pool_type = kv_type_of(k_layer);
-    TORCH_CHECK_TYPE(v_layer.scalar_type() == k_layer.scalar_type(), "k and v pools must share a dtype");
-    p.slot = write_slot.data_ptr<int32_t>();
-    p.offset = write_offset.data_ptr<int32_t>();
-    p.rows = static_cast<int>(rows);
-    p.kv_heads = static_cast<int>(k_layer.size(1));
-    p.head_dim = static_cast<int>(k_layer.size(2));
-    p.chunk = static_cast<int>(k_layer.size(3));
+  if (k.is_cuda() && fits_write_kernel(k_layer, v_layer, write_slot, write_offset)) {
+    const KVWriteProblem p = kv_write_problem(k, v, k_layer, v_layer, write_slot, write_offset);
     const c10::cuda::CUDAGuard guard(k.device());
     write_kv_cuda_raw(p, c10::cuda::getCurrentCUDAStream(k.device().index()).stream());
     return;
@@ -279,6 +295,8 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
     });
   });
 }
+
+namespace {
 
 // Prefill's K/V write (outside the decode op, so the indices are checked here, once per call). The
 // indices are the host's, checked there whatever the pool's device: a bad one is an error naming it,
@@ -372,7 +390,7 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
                          const torch::Tensor& seq_shared_ptr, const torch::Tensor& seq_shared_idx,
                          const torch::Tensor& priv_slot, const torch::Tensor& priv_count,
                          const torch::Tensor& priv_last_len, torch::Tensor& workspace, torch::Tensor& out, double scale,
-                         bool chunk_first, int64_t window, double softcap) {
+                         bool chunk_first, int64_t window, double softcap, bool store_kv) {
   TORCH_CHECK_VALUE(window >= 0 && window <= std::numeric_limits<int>::max(),
                     "window must be 0 (full attention) or a positive number of positions, got ", window);
   TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "softcap must be 0 (none) or positive, got ", softcap);
@@ -389,7 +407,7 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
   p.softcap = static_cast<float>(softcap);
   check_index_tensor(write_slot, "write_slot", q.device());
   check_index_tensor(write_offset, "write_offset", q.device());
-  const bool kernel_writes = q.device().is_cpu() && p.batch > 0 && k.size(0) == p.batch &&
+  const bool kernel_writes = store_kv && q.device().is_cpu() && p.batch > 0 && k.size(0) == p.batch &&
                              k.scalar_type() == k_layer.scalar_type() && v.scalar_type() == k.scalar_type();
   if (kernel_writes) {
     check_write(k, v, k_layer, write_slot, write_offset);
@@ -398,7 +416,7 @@ void decode_attention_op(const torch::Tensor& q, const torch::Tensor& k, const t
     for (int i = 0; i < 3; ++i) p.new_k_stride[i] = k.stride(i), p.new_v_stride[i] = v.stride(i);
     p.write_slot = write_slot.data_ptr<int32_t>();
     p.write_offset = write_offset.data_ptr<int32_t>();
-  } else {
+  } else if (store_kv) {  // else the rows' K/V are in the pool already (the rotary op stored them)
     write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
   }
   if (p.batch == 0) return;
@@ -487,21 +505,24 @@ torch::Tensor invariant_linear_op(const torch::Tensor& x, const torch::Tensor& w
 
 // Decode attention of one step, registered with the dispatcher so torch.compile and CUDA graphs see
 // one opaque op that honestly mutates the pool and `out`: it stores row b's k, v at
-// (write_slot[b], write_offset[b]) of `layer` in the pool, then attends q over the kernel context.
+// (write_slot[b], write_offset[b]) of `layer` in the pool (unless store_kv is false: the rotary op
+// stored them), then attends q over the kernel context.
 TORCH_LIBRARY(chunkgen, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, "
       "Tensor write_slot, Tensor write_offset, Tensor shared_slot, Tensor shared_len, Tensor shared_begin, "
       "Tensor shared_end, Tensor part_off, Tensor seq_shared_ptr, Tensor seq_shared_idx, Tensor priv_slot, "
       "Tensor priv_count, Tensor priv_last_len, Tensor(c!) workspace, Tensor(d!) out, float scale, "
-      "bool chunk_first, int window=0, float softcap=0.0) -> ()");
+      "bool chunk_first, int window=0, float softcap=0.0, bool store_kv=True) -> ()");
   // The decode forward's elementwise work, fused (csrc/elementwise.h says what each one rounds where).
   m.def(
       "add_rms_norm(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, Tensor(b!) out, "
       "bool offset=False) -> ()");
   m.def(
       "rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int q_heads, int kv_heads, "
-      "Tensor(b!) q_out, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool offset_norm=False) -> ()");
+      "Tensor(b!) q_out, Tensor? q_norm=None, Tensor? k_norm=None, float eps=0.0, bool offset_norm=False, "
+      "Tensor(c!)? k_cache=None, Tensor(d!)? v_cache=None, int layer=0, Tensor? write_slot=None, "
+      "Tensor? write_offset=None) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("gelu_tanh_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   // The greedy sampler's argmax (csrc/argmax.h); CPU only: other devices use torch.max.

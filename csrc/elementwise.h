@@ -9,6 +9,8 @@
 
 #include <optional>
 
+#include "attention.h"
+
 namespace chunkgen {
 
 // residual += delta (when given, rounded to residual's dtype), then
@@ -23,9 +25,15 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
 // float dtype: the rotated value, rounded to qkv's dtype, is then cast). Given q_norm and k_norm
 // [head_dim] (Qwen3, Gemma 3), each head is first RMS-normed over its head_dim values with them, as
 // add_rms_norm rounds (offset likewise), and the normed head is what gets rotated.
+// Given the pool (k_cache, v_cache: [layers, slots, ...]) and write_slot, write_offset (int32, on
+// qkv's device), the first write_slot.size(0) rows also store their rotated k heads and their v
+// heads (the kv_heads heads after the k heads) in `layer` of the pool, as decode_attention stores a
+// step's K/V: on a GPU that is the step's K/V write without a launch of its own.
 void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
                int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out, const std::optional<torch::Tensor>& q_norm,
-               const std::optional<torch::Tensor>& k_norm, double eps, bool offset_norm);
+               const std::optional<torch::Tensor>& k_norm, double eps, bool offset_norm,
+               const std::optional<torch::Tensor>& k_cache, const std::optional<torch::Tensor>& v_cache, int64_t layer,
+               const std::optional<torch::Tensor>& write_slot, const std::optional<torch::Tensor>& write_offset);
 
 // out [rows, n] = round(round(silu(gate)) * up), gate_up [rows, 2n] = [gate | up].
 void silu_mul_op(const torch::Tensor& gate_up, torch::Tensor& out);
@@ -41,7 +49,7 @@ void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, vo
 void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos64, const void* cos, const void* sin,
                  int64_t table_stride, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t d, void* q_out,
                  int q_out_dtype, const void* q_norm, const void* k_norm, float eps, bool offset_norm, int dtype,
-                 void* stream);
+                 const KVWriteProblem* write, void* stream);
 void silu_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows, int64_t n,
                    int dtype, void* stream);
 void gelu_tanh_mul_cuda(const void* gate_up, int64_t in_stride, void* out, int64_t out_stride, int64_t rows, int64_t n,

@@ -223,6 +223,7 @@ class _AttentionDispatchOnly:
         chunk_first,
         window: int = 0,
         softcap: float = 0.0,
+        store_kv: bool = True,
     ) -> None:
         if self._cached[0] is not arrays:  # one step's layers share the arrays: slice them once
             none = arrays.write_slot[:0]
@@ -251,6 +252,7 @@ class _AttentionDispatchOnly:
             chunk_first,
             window=window,
             softcap=softcap,
+            store_kv=store_kv,
         )
 
 

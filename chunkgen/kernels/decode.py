@@ -44,6 +44,7 @@ def _register_fake() -> None:
         chunk_first,
         window=0,
         softcap=0.0,
+        store_kv=True,
     ) -> None:
         return None
 
@@ -87,10 +88,12 @@ def decode_step_attention(
     chunk_first: bool,
     window: int = 0,
     softcap: float = 0.0,
+    store_kv: bool = True,
 ) -> None:
     """Store the step's k, v `[rows, kv_heads, head_dim]` in `layer` of the pool at the rows' write
-    positions, then attend q `[rows, q_heads, head_dim]` (fp32, or the pool's dtype; `out` the same)
-    over each row's path into `out`.
+    positions (store_kv=False: the rotary op stored them, `rotary_write_for`), then attend q
+    `[rows, q_heads, head_dim]` (fp32, or the pool's dtype; `out` the same) over each row's path
+    into `out`.
 
     window > 0 makes it a sliding-window layer: a row whose current token is at position t attends
     positions max(0, t - window + 1)..t only (the last `window` positions, itself included), and
@@ -122,6 +125,7 @@ def decode_step_attention(
         chunk_first,
         window,
         softcap,
+        store_kv,
     )
 
 

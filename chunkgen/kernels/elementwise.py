@@ -10,6 +10,8 @@ for bit against those compositions."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from chunkgen._native import native
@@ -27,7 +29,22 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("chunkgen::rotary")
     def _(
-        qkv, positions, cos, sin, q_heads, kv_heads, q_out, q_norm=None, k_norm=None, eps=0.0, offset_norm=False
+        qkv,
+        positions,
+        cos,
+        sin,
+        q_heads,
+        kv_heads,
+        q_out,
+        q_norm=None,
+        k_norm=None,
+        eps=0.0,
+        offset_norm=False,
+        k_cache=None,
+        v_cache=None,
+        layer=0,
+        write_slot=None,
+        write_offset=None,
     ) -> None:
         return None
 
@@ -58,6 +75,17 @@ def add_rms_norm(
     torch.ops.chunkgen.add_rms_norm.default(residual, delta, weight, eps, out, offset)
 
 
+class KVWrite(NamedTuple):
+    """Where rotary stores a step's K/V: the whole pool, a layer of it, and one (slot, offset) a
+    row (int32, on the pool's device) for the first `len(write_slot)` rows."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    layer: int
+    write_slot: torch.Tensor
+    write_offset: torch.Tensor
+
+
 def rotary(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -70,13 +98,32 @@ def rotary(
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
     offset_norm: bool = False,
+    write: KVWrite | None = None,
 ) -> None:
     """Rotate the q and k heads of each row of qkv `[rows, (q_heads + 2 kv_heads) * d]` by its
     position: k in place, q into q_out `[rows, q_heads, d]` (any float dtype). cos, sin: the tables of
     every position, `[positions, ..., d]` in qkv's dtype; positions int32 or int64. With q_norm and
-    k_norm `[d]` (Qwen3, Gemma 3) each head is RMS-normed first, rounded as add_rms_norm rounds."""
+    k_norm `[d]` (Qwen3, Gemma 3) each head is RMS-normed first, rounded as add_rms_norm rounds.
+    With `write`, its rows also store their rotated k and their v in the pool, as the decode op
+    stores a step's K/V: on a GPU, the step's K/V write without a kernel of its own."""
+    w = write or KVWrite(None, None, 0, None, None)  # type: ignore[arg-type]
     torch.ops.chunkgen.rotary.default(
-        qkv, positions, cos, sin, q_heads, kv_heads, q_out, q_norm, k_norm, eps, offset_norm
+        qkv,
+        positions,
+        cos,
+        sin,
+        q_heads,
+        kv_heads,
+        q_out,
+        q_norm,
+        k_norm,
+        eps,
+        offset_norm,
+        w.k_cache,
+        w.v_cache,
+        w.layer,
+        w.write_slot,
+        w.write_offset,
     )
 
 

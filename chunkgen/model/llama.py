@@ -25,7 +25,7 @@ from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.context import ContextArrays
 from chunkgen.cache.pool import ChunkPool, kv_shape, language_config
 from chunkgen.kernels import decode_step_attention, invariant
-from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
+from chunkgen.kernels.elementwise import KVWrite, add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 from chunkgen.kernels.prefill import PrefillStep, prefill_attention
 
 SUPPORTED_ARCHITECTURES = (
@@ -369,6 +369,7 @@ class LlamaModel:
         self._rotary_dim = self._rope(self._rope_keys[0], probe, torch.zeros(1, dtype=torch.long, device=self.device))[
             0
         ].shape[-1]
+        self.kv_write_in_rotary: bool | None = None  # None: on a GPU (rotary_writes_kv)
 
     # -- pieces shared by prefill and decode --------------------------------------------------
     # The forward's elementwise work runs as fused ops (kernels/elementwise.py) that round as the
@@ -446,11 +447,13 @@ class LlamaModel:
         positions: torch.Tensor,
         q: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        kv_write: Callable[[int], KVWrite] | None = None,
     ) -> torch.Tensor:
         """Every decoder layer over the rows of x (the residual stream, updated in place), then the
         final norm: returns the normed hidden states. q `[rows, q_heads, d]` receives each layer's
         rotated queries (its dtype is the one attention takes); attend(layer, q, k, v) returns the
-        attention output `[rows, q_heads * d]` in the model's dtype.
+        attention output `[rows, q_heads * d]` in the model's dtype. kv_write(layer), given where
+        `rotary_writes_kv`: where the rotary op stores the layer's K/V.
 
         Per layer: add_rms_norm, qkv, (q/k norm), rotary, attention, o, (post norm), add_rms_norm,
         gate_up, activation * up, down, (post norm). Each residual add is fused into the norm after
@@ -485,6 +488,7 @@ class LlamaModel:
                     layer.k_norm,
                     self.eps,
                     self.offset_norms,
+                    None if kv_write is None else kv_write(i),
                 )
             else:
                 if layer.q_norm is not None:
@@ -600,6 +604,7 @@ class LlamaModel:
         rows = x.shape[0]
         q = torch.empty(rows, self.q_heads, self.head_dim, dtype=x.dtype, device=x.device)
         out = torch.empty_like(q)
+        fused = self.rotary_writes_kv(x.device)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             decode_step_attention(
@@ -616,11 +621,24 @@ class LlamaModel:
                 chunk_first,
                 window=self.layers[i].window,
                 softcap=self.softcap,
+                store_kv=not fused,
             )
             self._prefill_attend(wave, pool, i, q[d_rows:], k[d_rows:], v[d_rows:], out[d_rows:])
             return out.view(rows, -1)
 
-        return self._layers(x, positions, q, attend)
+        def kv_write(i: int) -> KVWrite:  # the step's rows, the first d_rows: the wave's are stored apart
+            return KVWrite(k_cache, v_cache, i, step.write_slot, step.write_offset)
+
+        return self._layers(x, positions, q, attend, kv_write if fused else None)
+
+    def rotary_writes_kv(self, device: torch.device) -> bool:
+        """Whether a decode step's K/V go to the pool from the rotary op, not from the decode op.
+        On a GPU it saves a kernel a layer; the CPU's decode kernel stores a row's K/V as it reads
+        the row's last chunk, while its lines are in cache. Models with partial rotary (their q and
+        k rotate in torch) keep the decode op's write. `kv_write_in_rotary` set on the model
+        overrides the device's choice (tests run the GPU's data flow on the CPU)."""
+        chosen = self.kv_write_in_rotary if self.kv_write_in_rotary is not None else device.type == "cuda"
+        return chosen and self._rotary_dim == self.head_dim
 
     # -- decode -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -644,6 +662,7 @@ class LlamaModel:
         q = torch.empty(rows, self.q_heads, self.head_dim, dtype=q_dtype, device=x.device)
         out = torch.empty_like(q)
         flat = out.view(rows, -1)
+        fused = self.rotary_writes_kv(x.device)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             decode_step_attention(
@@ -660,7 +679,11 @@ class LlamaModel:
                 chunk_first,
                 window=self.layers[i].window,
                 softcap=self.softcap,
+                store_kv=not fused,
             )
             return flat if flat.dtype == x.dtype else flat.to(x.dtype)
 
-        return self._logits(self._layers(x, step.positions, q, attend))
+        def kv_write(i: int) -> KVWrite:
+            return KVWrite(k_cache, v_cache, i, step.write_slot, step.write_offset)
+
+        return self._logits(self._layers(x, step.positions, q, attend, kv_write if fused else None))

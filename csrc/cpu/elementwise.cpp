@@ -9,6 +9,7 @@
 //   8-lane vectors, four interleaved accumulators): a different order changes the mean's last bit,
 //   and that flips a bf16 rounding now and then.
 #include "../elementwise.h"
+#include "../kv_write.h"
 
 #ifdef CHUNKGEN_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -433,7 +434,9 @@ void add_rms_norm_op(torch::Tensor& residual, const std::optional<torch::Tensor>
 
 void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
                int64_t q_heads, int64_t kv_heads, torch::Tensor& q_out, const std::optional<torch::Tensor>& q_norm,
-               const std::optional<torch::Tensor>& k_norm, double eps, bool offset_norm) {
+               const std::optional<torch::Tensor>& k_norm, double eps, bool offset_norm,
+               const std::optional<torch::Tensor>& k_cache, const std::optional<torch::Tensor>& v_cache, int64_t layer,
+               const std::optional<torch::Tensor>& write_slot, const std::optional<torch::Tensor>& write_offset) {
   check_rows(qkv, "qkv", qkv);
   const int dt = dtype_code(qkv, "qkv");
   const int64_t rows = qkv.size(0);
@@ -468,15 +471,50 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
     TORCH_CHECK_TYPE((*w)->scalar_type() == qkv.scalar_type(), "q_norm and k_norm must be in qkv's dtype (",
                      qkv.scalar_type(), "), got ", (*w)->scalar_type());
   }
+  const bool writes = k_cache.has_value();
+  TORCH_CHECK_VALUE(
+      v_cache.has_value() == writes && write_slot.has_value() == writes && write_offset.has_value() == writes,
+      "k_cache, v_cache, write_slot and write_offset go together: give all four or none");
+  torch::Tensor k_layer, v_layer, k_rows, v_rows;  // with the write: the pool's layer, and the rows it takes
+  if (writes) {
+    TORCH_CHECK_VALUE(k_cache->dim() == 5 && v_cache->dim() == 5 && k_cache->device() == qkv.device() &&
+                          v_cache->device() == qkv.device(),
+                      "k_cache and v_cache must be the whole pool, [layers, slots, ...], on qkv's device; got ",
+                      k_cache->sizes(), " and ", v_cache->sizes());
+    TORCH_CHECK_VALUE(layer >= 0 && layer < k_cache->size(0), "layer ", layer, " is outside the pool's ",
+                      k_cache->size(0), " layers");
+    TORCH_CHECK_VALUE((q_heads + 2 * kv_heads) * d <= qkv.size(1), "qkv rows of ", qkv.size(1), " values cannot hold ",
+                      q_heads, " + 2 x ", kv_heads, " heads of ", d, " (q, k and v)");
+    for (const auto* t : {&write_slot, &write_offset}) {
+      TORCH_CHECK_TYPE((*t)->scalar_type() == torch::kInt32, "write_slot and write_offset must be int32, got ",
+                       (*t)->scalar_type());
+      TORCH_CHECK_VALUE((*t)->dim() == 1 && (*t)->is_contiguous() && (*t)->device() == qkv.device(),
+                        "write_slot and write_offset must be contiguous 1-d tensors on qkv's device");
+    }
+    const int64_t n = write_slot->size(0);
+    TORCH_CHECK_VALUE(n <= rows, "write_slot has ", n, " rows; qkv has ", rows);
+    k_layer = k_cache->select(0, layer);
+    v_layer = v_cache->select(0, layer);
+    k_rows = qkv.narrow(0, 0, n).narrow(1, q_heads * d, kv_heads * d).unflatten(1, {kv_heads, d});
+    v_rows = qkv.narrow(0, 0, n).narrow(1, (q_heads + kv_heads) * d, kv_heads * d).unflatten(1, {kv_heads, d});
+    check_write(k_rows, v_rows, k_layer, *write_slot, *write_offset);
+  }
   if (rows == 0) return;
   const int64_t ts = cos.size(0) > 1 ? cos.stride(0) : d;
   const bool pos64 = positions.scalar_type() == torch::kInt64;
   if (!qkv.device().is_cpu()) {
 #ifdef CHUNKGEN_WITH_CUDA
+    KVWriteProblem write{};
+    if (writes) {
+      TORCH_CHECK_VALUE(fits_write_kernel(k_layer, v_layer, *write_slot, *write_offset),
+                        "the pool's layers must be contiguous for rotary's K/V write");
+      write = kv_write_problem(k_rows, v_rows, k_layer, v_layer, *write_slot, *write_offset);
+    }
     const c10::cuda::CUDAGuard guard(qkv.device());
     rotary_cuda(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), pos64, cos.data_ptr(), sin.data_ptr(), ts, rows,
                 q_heads, kv_heads, d, q_out.data_ptr(), qt, q_norm ? q_norm->data_ptr() : nullptr,
-                k_norm ? k_norm->data_ptr() : nullptr, static_cast<float>(eps), offset_norm, dt, stream_of(qkv));
+                k_norm ? k_norm->data_ptr() : nullptr, static_cast<float>(eps), offset_norm, dt,
+                writes ? &write : nullptr, stream_of(qkv));
     return;
 #else
     TORCH_CHECK_VALUE(false, "chunkgen was built without CUDA kernels; qkv is on ", qkv.device());
@@ -506,6 +544,7 @@ void rotary_op(torch::Tensor& qkv, const torch::Tensor& positions, const torch::
                          offset_norm);
     });
   });
+  if (writes) write_kv(k_rows, v_rows, k_layer, v_layer, *write_slot, *write_offset);  // the rotated k
   (void)dt;
   (void)qt;
 }

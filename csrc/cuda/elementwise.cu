@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../attention.h"
 #include "device.cuh"
 
 namespace chunkgen {
@@ -61,18 +62,55 @@ __global__ void add_rms_norm_kernel(T* res, const T* delta, const T* w, T* out, 
     out[r * os + i] = from_float<T>(normed(x[i], w[i], inv, offset));
 }
 
-// One thread per (row, rotated head, pair i / i + d/2): both halves of the pair are read before
-// either is written, so the rotation is safe in place.
+// The step's K/V write fused into rotary (kv.rows > 0; see KVWriteProblem): rows below kv.rows store
+// their rotated k pair and, from the v heads that follow the k heads in qkv, their v pair in the
+// pool, as csrc/cuda/kv_write.cu stores them. The pool's dtype is a branch uniform over the grid.
+__device__ __forceinline__ void store_pool(void* base, int64_t i, KVType type, float f) {
+  if (type == KVType::F32)
+    static_cast<float*>(base)[i] = f;
+  else if (type == KVType::BF16)
+    static_cast<__nv_bfloat16*>(base)[i] = from_float<__nv_bfloat16>(f);
+  else
+    static_cast<__half*>(base)[i] = from_float<__half>(f);
+}
+
+// Element (t, offset) of row r's kv head h in the pool: K heads are [d, chunk], V heads [chunk, d].
+__device__ __forceinline__ int64_t pool_head(const KVWriteProblem& w, int64_t r, int64_t h) {
+  return (static_cast<int64_t>(w.slot[r]) * w.kv_heads + h) * w.head_dim * w.chunk;
+}
+
+__device__ __forceinline__ void store_k_pair(const KVWriteProblem& w, int64_t r, int64_t h, int64_t i, int64_t half,
+                                             float lo, float hi) {
+  const int64_t base = pool_head(w, r, h) + w.offset[r];
+  store_pool(w.k_layer, base + i * w.chunk, w.pool_type, lo);
+  store_pool(w.k_layer, base + (i + half) * w.chunk, w.pool_type, hi);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_v_pair(const KVWriteProblem& w, const T* v, int64_t r, int64_t h, int64_t i,
+                                             int64_t half) {
+  const int64_t base = pool_head(w, r, h) + static_cast<int64_t>(w.offset[r]) * w.head_dim;
+  store_pool(w.v_layer, base + i, w.pool_type, to_float(v[i]));
+  store_pool(w.v_layer, base + i + half, w.pool_type, to_float(v[i + half]));
+}
+
+// One thread per (row, head, pair i / i + d/2): both halves of the pair are read before either is
+// written, so the rotation is safe in place. Heads: the q and k heads, then, when the K/V are
+// written here, the v heads (copied, not rotated).
 template <typename T, typename Q, typename P>
 __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts,
-                              int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out) {
-  const int64_t half = d / 2;
+                              int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out, KVWriteProblem kv) {
+  const int64_t half = d / 2, heads = hq + hk + (kv.rows > 0 ? hk : 0);
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= rows * (hq + hk) * half) return;
-  const int64_t i = idx % half, h = (idx / half) % (hq + hk), r = idx / (half * (hq + hk));
+  if (idx >= rows * heads * half) return;
+  const int64_t i = idx % half, h = (idx / half) % heads, r = idx / (half * heads);
+  T* x = qkv + r * stride + h * d;
+  if (h >= hq + hk) {
+    if (r < kv.rows) store_v_pair(kv, x, r, h - hq - hk, i, half);
+    return;
+  }
   const T* c = cos + static_cast<int64_t>(pos[r]) * ts;
   const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
-  T* x = qkv + r * stride + h * d;
   const float a = to_float(x[i]), b = to_float(x[i + half]);
   const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, to_float(c[i]))), rnd<T>(__fmul_rn(-b, to_float(s[i])))));
   const float hi =
@@ -84,21 +122,29 @@ __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos
   } else {
     x[i] = from_float<T>(lo);
     x[i + half] = from_float<T>(hi);
+    if (r < kv.rows) store_k_pair(kv, r, h - hq, i, half, lo, hi);
   }
 }
 
 // With q/k norms: one warp per (row, head). The warp sums the head's squares (every lane ends with
 // the total), then each lane norms and rotates its own pairs: a pair is read only by the lane that
-// writes it, and all reads of the sum come before the shuffle, so the head is safe in place.
+// writes it, and all reads of the sum come before the shuffle, so the head is safe in place. When
+// the K/V are written here, the v heads follow (a warp copies one).
 template <typename T, typename Q, typename P>
 __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts,
                                    int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out, const T* qn, const T* kn,
-                                   float eps, bool offset) {
+                                   float eps, bool offset, KVWriteProblem kv) {
+  const int64_t heads = hq + hk + (kv.rows > 0 ? hk : 0);
   const int64_t head = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (head >= rows * (hq + hk)) return;  // the whole warp leaves together
+  if (head >= rows * heads) return;  // the whole warp leaves together
   const int lane = threadIdx.x % 32;
-  const int64_t h = head % (hq + hk), r = head / (hq + hk), half = d / 2;
+  const int64_t h = head % heads, r = head / heads, half = d / 2;
   T* x = qkv + r * stride + h * d;
+  if (h >= hq + hk) {  // a v head: the whole warp takes this branch, before any shuffle
+    if (r < kv.rows)
+      for (int64_t i = lane; i < half; i += 32) store_v_pair(kv, x, r, h - hq - hk, i, half);
+    return;
+  }
   float part = 0.f;
   for (int64_t i = lane; i < d; i += 32) part = __fadd_rn(part, __fmul_rn(to_float(x[i]), to_float(x[i])));
   for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
@@ -118,6 +164,7 @@ __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T
     } else {
       x[i] = from_float<T>(lo);
       x[i + half] = from_float<T>(hi);
+      if (r < kv.rows) store_k_pair(kv, r, h - hq, i, half, lo, hi);
     }
   }
 }
@@ -174,9 +221,11 @@ void add_rms_norm_cuda(void* residual, const void* delta, const void* weight, vo
 void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos64, const void* cos, const void* sin,
                  int64_t table_stride, int64_t rows, int64_t q_heads, int64_t kv_heads, int64_t d, void* q_out,
                  int q_out_dtype, const void* q_norm, const void* k_norm, float eps, bool offset_norm, int dtype,
-                 void* stream) {
-  const unsigned grid = q_norm != nullptr ? blocks_for(rows * (q_heads + kv_heads) * 32)
-                                          : blocks_for(rows * (q_heads + kv_heads) * (d / 2));
+                 const KVWriteProblem* write, void* stream) {
+  KVWriteProblem kv{};  // rows 0: nothing written
+  if (write != nullptr) kv = *write;
+  const int64_t heads = q_heads + kv_heads + (kv.rows > 0 ? kv_heads : 0);
+  const unsigned grid = q_norm != nullptr ? blocks_for(rows * heads * 32) : blocks_for(rows * heads * (d / 2));
   by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     by_dtype(q_out_dtype, [&](auto qtag) {
@@ -190,11 +239,11 @@ void rotary_cuda(void* qkv, int64_t qkv_stride, const void* positions, bool pos6
           CHUNKGEN_LAUNCH(norm_kernel, grid, kThreads, 0, cuda_stream, static_cast<T*>(qkv), qkv_stride, pos,
                           static_cast<const T*>(cos), static_cast<const T*>(sin), table_stride, rows, q_heads, kv_heads,
                           d, static_cast<Q*>(q_out), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm), eps,
-                          offset_norm);
+                          offset_norm, kv);
         else
           CHUNKGEN_LAUNCH(plain_kernel, grid, kThreads, 0, cuda_stream, static_cast<T*>(qkv), qkv_stride, pos,
                           static_cast<const T*>(cos), static_cast<const T*>(sin), table_stride, rows, q_heads, kv_heads,
-                          d, static_cast<Q*>(q_out));
+                          d, static_cast<Q*>(q_out), kv);
       };
       if (pos64)
         launch(static_cast<const int64_t*>(positions));

@@ -6,6 +6,7 @@ sizes, hidden host syncs) shows up here as a wrong token or a counted op."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -95,6 +96,30 @@ def test_graph_replay_over_mirrored_buffers_equals_eager_with_preemption(llm):
     assert got == eager
     assert engine.runner.captures == len(set(rows))  # one capture per (bucket, layout)
     assert engine.runner.ctx.uploads == engine.stats.decode_steps
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_kv_stored_by_rotary_gives_the_same_tokens(llm, monkeypatch, compiled):
+    """The GPU's data flow (the rotary op stores a decode step's K/V, the decode op stores none)
+    run on the CPU, whose own keeps the decode op's write: the same tokens, over steps that mix
+    prefill waves into decode rows (the wave's K/V still stored apart) and through torch.compile.
+    The pool starts as NaN, so a K/V that neither op stored shows in the tokens."""
+    torch._dynamo.reset()
+    eager, _ = run(llm.new_engine(), workload())
+    monkeypatch.setattr(llm.model, "kv_write_in_rotary", True)
+    engine = with_runner(llm, compile_backend="aot_eager" if compiled else None)
+    for t in (engine.pool.k, engine.pool.v):
+        t.fill_(float("nan"))
+    with contextlib.nullcontext([]) if compiled else OpLog() as log:
+        got, _ = run(engine, workload())
+    assert got == eager
+    assert engine.stats.mixed_steps > 0
+    if not compiled:  # every layer of a decode step: rotary took the pool, the decode op stored nothing
+        calls = [(str(f).split(".")[1], a) for f, a, _ in log.calls if str(f).startswith("chunkgen.")]
+        rotary = [a for name, a in calls if name == "rotary"]
+        attention = [a for name, a in calls if name == "decode_attention"]
+        assert attention and all(a[-1] is False for a in attention)
+        assert sum(len(a) > 11 and a[11] is not None for a in rotary) == len(attention)  # the pool, given
 
 
 def prepared_runner(llm, **runner_args) -> ModelRunner:

@@ -84,6 +84,16 @@ def test_pool_write_and_gather_on_the_gpu(dtype):
     check_pool_write_and_gather(dtype, "cuda")
 
 
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_rotary_stores_the_steps_kv_on_the_gpu(dtype, pool_dtype, norms):
+    """The decode step's K/V write fused into the rotary kernel: the bits of rotary, then the pool's
+    write kernel."""
+    from tests.kernels.test_elementwise import check_rotary_kv_write
+
+    check_rotary_kv_write(dtype, pool_dtype, norms, "cuda")
+
+
 def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_model):
     """CUDA graphs (one per bucket, replayed every step) against eager steps on the same workload
     as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving."""

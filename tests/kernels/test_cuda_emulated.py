@@ -6,6 +6,7 @@ not. Timing and real tensor cores still need a GPU (tests/kernels/test_cuda.py).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import subprocess
@@ -489,7 +490,7 @@ def test_emulated_elementwise_ops_equal_the_cpu_ones(emulator, seed, rows, hidde
     warp) reduction, and SiLU and GELU too, since expf and the CPU's exp may differ in the last bit.
     Every output starts as NaN. q into its own buffer in qkv's dtype or fp32; positions int32 or
     int64; Llama's and Gemma's (1 + weight) norms; rows of 64 to 640 values over 256 threads."""
-    from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
+    from chunkgen.kernels.elementwise import KVWrite, add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 
     g = torch.Generator().manual_seed(seed)
     code = KV_TYPES[dtype]
@@ -523,24 +524,51 @@ def test_emulated_elementwise_ops_equal_the_cpu_ones(emulator, seed, rows, hidde
     positions = torch.randint(0, table, (rows,), generator=g, dtype=torch.int64 if pos64 else torch.int32)
     norms = (torch.randn(d, generator=g) * 0.3 + 1).to(dtype), (torch.randn(d, generator=g) * 0.3).to(dtype)
     q_type = q_dtype or dtype
-    for q_norm, k_norm, offset in ((None, None, False), (*norms, False), (*norms, True)):
+    # With the step's K/V write fused in: the first write_rows rows (all, or all but the last, as a
+    # mixed step's decode rows before its wave's) into a NaN pool of the model's dtype or fp32.
+    chunk, slots = 16, 2 * rows + 1
+    pool_type = dtype if seed % 2 else torch.float32
+    write_rows = rows - (seed // 2) % 2 if rows > 1 else rows
+    slot = torch.randperm(slots, generator=g)[:write_rows].to(torch.int32)
+    offset = torch.randint(0, chunk, (write_rows,), generator=g, dtype=torch.int32)
+    layer = 1
+    for (q_norm, k_norm, offset_norm), write in itertools.product(
+        ((None, None, False), (*norms, False), (*norms, True)), (False, True)
+    ):
+        k_cache = torch.full((2, slots, hk, d, chunk), float("nan"), dtype=pool_type)
+        v_cache = torch.full((2, slots, hk, chunk, d), float("nan"), dtype=pool_type)
         mine_cpu, q_cpu = qkv.clone(), torch.empty(rows, hq, d, dtype=q_type)
-        rotary(mine_cpu, positions, cos, sin, hq, hk, q_cpu, q_norm, k_norm, 1e-6, offset)
+        k_cpu, v_cpu = k_cache.clone(), v_cache.clone()
+        kv = KVWrite(k_cpu, v_cpu, layer, slot, offset) if write else None
+        rotary(mine_cpu, positions, cos, sin, hq, hk, q_cpu, q_norm, k_norm, 1e-6, offset_norm, kv)
         mine, q = qkv.clone(), torch.full((rows, hq, d), float("nan"), dtype=q_type)
         _check(
             emulator.emu_rotary(
                 _ptr(mine), ctypes.c_int64(qkv.stride(0)), _ptr(positions), int(pos64), _ptr(cos), _ptr(sin),
                 ctypes.c_int64(cos.stride(0)), ctypes.c_int64(rows), ctypes.c_int64(hq), ctypes.c_int64(hk),
                 ctypes.c_int64(d), _ptr(q), KV_TYPES[q_type], _ptr(q_norm), _ptr(k_norm), ctypes.c_float(1e-6),
-                int(offset), code, err, len(err),
+                int(offset_norm), code, _ptr(k_cache[layer]), _ptr(v_cache[layer]), KV_TYPES[pool_type],
+                _ptr(slot), _ptr(offset), write_rows if write else 0, chunk, err, len(err),
             ),
             err,
         )  # fmt: skip
         if q_norm is None:  # the same roundings, in the same order: the same bits
             assert torch.equal(mine, mine_cpu) and torch.equal(q, q_cpu)
+            torch.testing.assert_close(k_cache, k_cpu, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v_cache, v_cpu, rtol=0, atol=0, equal_nan=True)
         else:
             torch.testing.assert_close(mine, mine_cpu, **tol)
             torch.testing.assert_close(q, q_cpu, **tol)
+            torch.testing.assert_close(k_cache, k_cpu, equal_nan=True, **tol)
+            torch.testing.assert_close(v_cache, v_cpu, equal_nan=True, **tol)
+        if write:  # the pool holds exactly the written rows' rotated k (as qkv holds it) and v
+            k_rows = mine[:write_rows, hq * d : (hq + hk) * d].view(write_rows, hk, d).to(pool_type)
+            v_rows = mine[:write_rows, (hq + hk) * d :].view(write_rows, hk, d).to(pool_type)
+            s_, o_ = slot.long(), offset.long()
+            assert torch.equal(k_cache[layer, s_, :, :, o_], k_rows) and torch.equal(v_cache[layer, s_, :, o_], v_rows)
+            assert int(k_cache.isnan().logical_not().sum()) == write_rows * hk * d
+        else:
+            assert bool(k_cache.isnan().all() and v_cache.isnan().all())
 
     gate_up = (torch.randn(rows, 2 * hidden, generator=g) * 4).to(dtype)
     for gelu, op in ((0, silu_mul), (1, gelu_tanh_mul)):

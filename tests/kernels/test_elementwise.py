@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkgen.kernels.elementwise import add_rms_norm, gelu_tanh_mul, rotary, silu_mul
+from chunkgen.kernels.elementwise import KVWrite, add_rms_norm, gelu_tanh_mul, rotary, silu_mul
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -117,6 +117,71 @@ def test_qk_norm_rotary_is_the_composition_it_replaces(dtype, offset, d):
         rotary(got, positions, cos, sin, hq, hk, got_q, qn, None, eps)
     with pytest.raises(ValueError, match="q_norm and k_norm"):
         rotary(got, positions, cos, sin, hq, hk, got_q, qn[:-1], kn[:-1], eps)
+
+
+KV_WRITE_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("dtype,pool_dtype", KV_WRITE_DTYPES)
+@pytest.mark.parametrize("norms", [False, True])
+def test_rotary_stores_the_steps_kv_as_the_pool_write_does(dtype, pool_dtype, norms):
+    check_rotary_kv_write(dtype, pool_dtype, norms, "cpu")
+
+
+def check_rotary_kv_write(dtype: torch.dtype, pool_dtype: torch.dtype, norms: bool, device: str) -> None:
+    """With a KVWrite, rotary also stores the first len(write_slot) rows' rotated k and their v in
+    the pool's layer (the GPU's decode step, one kernel a layer fewer): the same bits as rotary
+    followed by the pool's own write; the other rows, layers and slots untouched; qkv and q as
+    without it. (Run on a GPU by tests/kernels/test_cuda.py.)"""
+    from chunkgen._native import native
+
+    g = torch.Generator().manual_seed(7 + norms)
+    rows, hq, hk, d, chunk, slots, table = 6, 9, 3, 64, 16, 9, 100
+    qkv = (torch.randn(rows, (hq + 2 * hk) * d, generator=g) * 3).to(dtype).to(device)
+    angles = torch.rand(table, 1, d, generator=g) * 40
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    positions = torch.randint(0, table, (rows,), generator=g, dtype=torch.int32).to(device)
+    qk_norms = ((torch.randn(d, generator=g) * 0.3 + 1).to(dtype).to(device),) * 2 if norms else (None, None)
+    slot = torch.tensor([4, 0, 8, 2, 5], dtype=torch.int32)  # 5 of 6 rows: a mixed step's decode rows
+    offset = torch.tensor([0, 15, 3, 7, 1], dtype=torch.int32)
+    pool = lambda shape: torch.full((2, slots, hk, *shape), float("nan"), dtype=pool_dtype, device=device)  # noqa: E731
+    k_cache, v_cache = pool((d, chunk)), pool((chunk, d))
+    got, q = qkv.clone(), torch.empty(rows, hq, d, dtype=dtype, device=device)
+    write = KVWrite(k_cache, v_cache, 1, slot.to(device), offset.to(device))
+    rotary(got, positions, cos, sin, hq, hk, q, *qk_norms, 1e-6, False, write)
+    want, want_q = qkv.clone(), torch.empty(rows, hq, d, dtype=dtype, device=device)
+    rotary(want, positions, cos, sin, hq, hk, want_q, *qk_norms, 1e-6)
+    want_k, want_v = pool((d, chunk)), pool((chunk, d))
+    n = len(slot)
+    k = want[:n, hq * d : (hq + hk) * d].view(n, hk, d)
+    native().write_kv(k, want[:n, (hq + hk) * d :].view(n, hk, d), want_k[1], want_v[1], slot, offset)
+    assert bits_equal(got.cpu(), want.cpu()) and bits_equal(q.cpu(), want_q.cpu())
+    assert bits_equal(k_cache.cpu(), want_k.cpu()) and bits_equal(v_cache.cpu(), want_v.cpu())
+    assert int(k_cache.isnan().logical_not().sum()) == int(v_cache.isnan().logical_not().sum()) == n * hk * d
+
+
+def test_rotary_checks_its_kv_write():
+    qkv, cos, q = torch.randn(3, 4 * 16), torch.ones(8, 1, 16), torch.empty(3, 1, 16)
+    pos = torch.zeros(3, dtype=torch.int32)
+    k_cache, v_cache = torch.empty(2, 4, 1, 16, 8), torch.empty(2, 4, 1, 8, 16)
+    idx = torch.zeros(3, dtype=torch.int32)
+    cases = [
+        (KVWrite(k_cache, None, 0, idx, idx), "go together"),
+        (KVWrite(k_cache, v_cache, 2, idx, idx), "layer 2 is outside"),
+        (KVWrite(k_cache, v_cache, 0, idx.long(), idx), "must be int32"),
+        (KVWrite(k_cache, v_cache, 0, torch.zeros(4, dtype=torch.int32), idx), "write_slot has 4 rows"),
+        (KVWrite(k_cache[:, :, :, :8], v_cache, 0, idx, idx), "pool's heads"),
+    ]
+    for write, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            rotary(qkv.clone(), pos, cos, cos, 1, 1, q, write=write)
+    with pytest.raises(ValueError, match="cannot hold 1 \\+ 2 x 1 heads"):  # no room for v
+        rotary(torch.randn(3, 2 * 16), pos, cos, cos, 1, 1, q, write=KVWrite(k_cache, v_cache, 0, idx, idx))
 
 
 def test_rotary_rejects_a_position_outside_the_table():
