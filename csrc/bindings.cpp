@@ -298,22 +298,27 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_l
 
 namespace {
 
-// Prefill's K/V write (outside the decode op, so the indices are checked here, once per call). The
-// indices are the host's, checked there whatever the pool's device: a bad one is an error naming it,
-// not a device-side assert that ends the process. A GPU pool takes a copy of them and one kernel.
-void write_kv_checked(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_layer, torch::Tensor v_layer,
-                      const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
-  TORCH_CHECK_VALUE(k_layer.dim() == 4 && v_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous(),
-                    "k_layer and v_layer must be one contiguous layer of the pool");
+// Prefill's K/V write (outside the decode op): its indices are checked once a wave, on the host
+// where the engine builds them (check_write_indices: a bad one is an error naming it, not a
+// device-side assert that ends the process), then given on the pool's device for every layer.
+void check_write_indices(const torch::Tensor& write_slot, const torch::Tensor& write_offset, int64_t slots,
+                         int64_t chunk) {
   const torch::Device host(torch::kCPU);
   check_index_tensor(write_slot, "write_slot", host);
   check_index_tensor(write_offset, "write_offset", host);
-  check_range(write_slot, write_slot.numel(), 0, k_layer.size(0), "write_slot");
-  check_range(write_offset, write_offset.numel(), 0, k_layer.size(3), "write_offset");
-  if (k_layer.device().is_cpu())
-    write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
-  else
-    write_kv(k, v, k_layer, v_layer, write_slot.to(k_layer.device()), write_offset.to(k_layer.device()));
+  TORCH_CHECK_VALUE(write_slot.numel() == write_offset.numel(),
+                    "write_slot and write_offset must have one entry a row");
+  check_range(write_slot, write_slot.numel(), 0, slots, "write_slot");
+  check_range(write_offset, write_offset.numel(), 0, chunk, "write_offset");
+}
+
+void write_kv_layer(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_layer, torch::Tensor v_layer,
+                    const torch::Tensor& write_slot, const torch::Tensor& write_offset) {
+  TORCH_CHECK_VALUE(k_layer.dim() == 4 && v_layer.dim() == 4 && k_layer.is_contiguous() && v_layer.is_contiguous(),
+                    "k_layer and v_layer must be one contiguous layer of the pool");
+  check_index_tensor(write_slot, "write_slot", k_layer.device());
+  check_index_tensor(write_offset, "write_offset", k_layer.device());
+  write_kv(k, v, k_layer, v_layer, write_slot, write_offset);
 }
 
 // ---- prefill attention ------------------------------------------------------------------------
@@ -567,10 +572,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Dense K, V [kv_heads, n, head_dim] (into k_out, v_out) of the first n tokens along a path of slots of "
         "one CPU pool layer",
         py::arg("k_layer"), py::arg("v_layer"), py::arg("slots"), py::arg("n"), py::arg("k_out"), py::arg("v_out"));
-  m.def("write_kv", &chunkgen::write_kv_checked,
-        "Store rows of k, v [rows, kv_heads, head_dim] at (write_slot, write_offset) (int32) of one pool layer",
+  m.def("write_kv", &chunkgen::write_kv_layer,
+        "Store rows of k, v [rows, kv_heads, head_dim] at (write_slot, write_offset) (int32, on the pool's "
+        "device, checked by check_write_indices) of one pool layer",
         py::arg("k"), py::arg("v"), py::arg("k_layer"), py::arg("v_layer"), py::arg("write_slot"),
         py::arg("write_offset"));
+  m.def("check_write_indices", &chunkgen::check_write_indices,
+        "Raise ValueError naming the first (slot, offset) (int32, on the host) outside slots x chunk",
+        py::arg("write_slot"), py::arg("write_offset"), py::arg("slots"), py::arg("chunk"));
   m.def("prefill_attention", &chunkgen::prefill_attention,
         "(o, lse) of softmax(q k^T * scale + mask) v for bfloat16 CPU q [B, Hq, T, d], k, v [B, Hk, S, d] "
         "(GQA: Hq a multiple of Hk), optional additive mask [B or 1, 1, T, S]; causal aligns the last query "

@@ -449,7 +449,7 @@ def store_new_tokens(pool, spans, k: torch.Tensor, v: torch.Tensor) -> None:
     for sp in spans:
         pos = torch.arange(sp.start, sp.start + sp.count)
         slots = torch.tensor(sp.path_slots)[pos // C]
-        pool.write(0, slots, pos % C, k[sp.row : sp.row + sp.count], v[sp.row : sp.row + sp.count])
+        pool.write(0, pool.write_indices(slots, pos % C), k[sp.row : sp.row + sp.count], v[sp.row : sp.row + sp.count])
 
 
 def random_wave(seed: int, n_seqs: int, chunk: int, kv_heads: int, head_dim: int, dtype: torch.dtype):

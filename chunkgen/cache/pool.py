@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import weakref
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,14 @@ def kv_shape(config) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, kv_heads, head_dim
+
+
+class WriteIndices(NamedTuple):
+    """Where a write's rows go: slot and offset (int32), checked against the pool and on its
+    device (ChunkPool.write_indices)."""
+
+    slots: torch.Tensor
+    offsets: torch.Tensor
 
 
 class ChunkPool:
@@ -342,15 +351,25 @@ class ChunkPool:
             self.k[:, dst, :, :, :n] = self.k[:, src, :, :, :n]
             self.v[:, dst, :, :n] = self.v[:, src, :, :n]
 
-    def write(self, layer: int, slots: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v `[tokens, kv_heads, head_dim]` at (slot, offset) positions of one layer, in one
-        native pass that converts to the pool's dtype as it goes (on a GPU, one kernel). The indices
-        are checked on the host first, where the engine builds them (int32 there: no conversion per
-        layer)."""
+    def write_indices(self, slots: torch.Tensor, offsets: torch.Tensor) -> WriteIndices:
+        """(slot, offset) of each row a write stores, checked on the host against the pool (a bad
+        one is an error naming it, where indexing on a GPU would meet a device-side assert) and
+        then put on the pool's device: made once for all of a wave's layers."""
         from chunkgen._native import native
 
         host = [t.to("cpu", torch.int32).contiguous() for t in (slots, offsets)]
-        native().write_kv(k, v, self.k[layer], self.v[layer], *host)
+        native().check_write_indices(*host, self.k.shape[1], self.chunk_size)
+        if self.device.type == "cpu":
+            return WriteIndices(*host)
+        return WriteIndices(*(t.pin_memory().to(self.device, non_blocking=True) for t in host))
+
+    def write(self, layer: int, at: WriteIndices, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v `[rows, kv_heads, head_dim]` at the positions `at` (write_indices) of one
+        layer, in one native pass that converts to the pool's dtype as it goes (on a GPU, one
+        kernel)."""
+        from chunkgen._native import native
+
+        native().write_kv(k, v, self.k[layer], self.v[layer], at.slots, at.offsets)
 
     def gather(self, layer: int, slots: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V `[kv_heads, n_tokens, head_dim]` of a path of slots (all full but the last)."""

@@ -308,8 +308,9 @@ class ModelRunner:
         return PrefillStep(
             tokens=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
-            write_slots=torch.tensor(w_slots, dtype=torch.int32),  # on the host, as the pool's write takes them
-            write_offsets=torch.tensor(w_offs, dtype=torch.int32),
+            write_at=self.pool.write_indices(
+                torch.tensor(w_slots, dtype=torch.int32), torch.tensor(w_offs, dtype=torch.int32)
+            ),
             write_rows=None if every_row else torch.tensor(w_rows, dtype=torch.long, device=dev),
             writes=bool(w_rows),
             groups=groups,

@@ -193,7 +193,17 @@ def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
         kind = encoding_name(raw)
         if kind is not None and not kind.startswith("binary"):
             return RowError(None, f"is {kind} text, not UTF-8; save the file as UTF-8")
-        return RowError(None, f"invalid UTF-8 at byte {exc.start}")
+        message = f"not UTF-8 text (the byte {raw[exc.start]:#04x} at column {exc.start + 1}); save the file as UTF-8"
+        try:  # the row read with its bad bytes kept aside: the record can name its id and the field
+            obj = json.loads(
+                raw.decode("utf-8", "surrogateescape"), parse_int=_parse_int, object_pairs_hook=unique_keys
+            )
+        except (ValueError, RecursionError):
+            return RowError(None, message)
+        if not isinstance(obj, dict):
+            return RowError(None, message)
+        field = _unencodable(obj)
+        return RowError(field if isinstance(field, str) else None, message, row=obj)
     try:
         obj = json.loads(text, parse_int=_parse_int, object_pairs_hook=unique_keys)
     except DuplicateKey as exc:

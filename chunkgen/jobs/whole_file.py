@@ -27,13 +27,14 @@ class FileMistake(ValueError):
     """The whole file cannot be what the run needs; the message says what it looks like."""
 
 
-def _first_lines(path: Path, n: int = SAMPLE_ROWS) -> list[bytes]:
-    """The first `n` non-blank lines, each bounded (bounded.lines): an endless line stops at the limit."""
-    out: list[bytes] = []
+def _first_lines(path: Path, n: int = SAMPLE_ROWS) -> list[tuple[int, bytes]]:
+    """The first `n` non-blank lines with their line numbers, each bounded (bounded.lines): an
+    endless line stops at the limit."""
+    out: list[tuple[int, bytes]] = []
     with path.open("rb") as f:
-        for raw in bounded.lines(f, skip=False):
+        for number, raw in enumerate(bounded.lines(f, skip=False), 1):
             if raw.strip():
-                out.append(raw)
+                out.append((number, raw))
                 if len(out) >= n:
                     break
     return out
@@ -70,17 +71,38 @@ def _looks_like(lines: list[bytes]) -> str:
     return "not JSONL (one JSON object per line)"
 
 
+def _not_utf8(numbered: list[tuple[int, bytes]]) -> str | None:
+    """Where the first of these lines that is not UTF-8 breaks it, when every one of them is not
+    (a Latin-1 or Windows-1252 export): then the encoding is the file's mistake, not its format."""
+    first = None
+    for number, raw in numbered:
+        try:
+            raw.decode("utf-8")
+            return None
+        except UnicodeDecodeError as exc:
+            if first is None:
+                first = f"line {number} has the byte {raw[exc.start]:#04x} at column {exc.start + 1}"
+    return first
+
+
 def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id_field: str) -> None:
     """Raises FileMistake when the first rows show the whole file is unusable (see the module)."""
-    lines = _first_lines(path)
-    if not lines:
+    numbered = _first_lines(path)
+    if not numbered:
         return
+    lines = [raw for _, raw in numbered]
     check_encoding(path, lines[0])
+    where = _not_utf8(numbered)
+    if where is not None:
+        raise FileMistake(
+            f"{path} is not UTF-8 text ({where}; a spreadsheet or Windows export is often "
+            "Latin-1 or Windows-1252); save it as UTF-8"
+        )
     rows = [obj for _, obj in read_rows(lines)]
     objects = [r for r in rows if isinstance(r, dict)]
     if not objects and not any(isinstance(r, RowError) and r.row is not None for r in rows):
-        what = "the first row" if len(rows) == 1 else f"none of the first {len(rows)} rows"
-        raise FileMistake(f"{path}: {what} is a JSON object; the file looks like {_looks_like(lines)}")
+        what = "the first row is not" if len(rows) == 1 else f"none of the first {len(rows)} rows is"
+        raise FileMistake(f"{path}: {what} a JSON object; the file looks like {_looks_like(lines)}")
     if fmt == "openai" or not templates or any(_looks_openai(o) for o in objects):
         urls = [o.get("url") for o in objects if _looks_openai(o)]
         if urls and all(u is not None and u not in OPENAI_URLS for u in urls):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkgen._native import native, native_cpu_available
-from chunkgen.cache.pool import ChunkPool
+from chunkgen.cache.pool import ChunkPool, WriteIndices
 from chunkgen.kernels import invariant
 
 MAX_GROUP_TOKENS = 512  # new tokens per group: bounds the padded own-part batch
@@ -81,10 +81,7 @@ class PrefillStep:
 
     tokens: torch.Tensor  # [rows]
     positions: torch.Tensor  # [rows]
-    write_slots: (
-        torch.Tensor
-    )  # pool slot and offset of every stored row (int32, on the host; a row before write_from is not)
-    write_offsets: torch.Tensor
+    write_at: WriteIndices  # pool slot and offset of every stored row (a row before write_from is not)
     write_rows: torch.Tensor | None  # the stored rows, None when every row is stored (no gather)
     writes: bool
     groups: list[Group]

@@ -562,7 +562,7 @@ class LlamaModel:
         sequence's path (kernels/prefill.py)."""
         if step.writes:
             rows_kv = (k, v) if step.write_rows is None else (k[step.write_rows], v[step.write_rows])
-            pool.write(i, step.write_slots, step.write_offsets, *rows_kv)
+            pool.write(i, step.write_at, *rows_kv)
         prefill_attention(
             step.groups,
             i,

@@ -428,7 +428,7 @@ def check_pool_write_and_gather(dtype: torch.dtype, device: str) -> None:
     pos = torch.arange(n)
     k = torch.randn(n, 3, 16, generator=g).to(device)
     kv = torch.randn(n, 2, 3, 16, generator=g).to(device)  # a strided v, as split from one product
-    pool.write(1, path[pos // 8], pos % 8, k, kv[:, 1])
+    pool.write(1, pool.write_indices(path[pos // 8], pos % 8), k, kv[:, 1])
     at = (path[pos // 8].to(device), pos.to(device) % 8)
     assert torch.equal(pool.k[1, at[0], :, :, at[1]], k.to(dtype))
     assert torch.equal(pool.v[1, at[0], :, at[1]], kv[:, 1].to(dtype))
@@ -436,10 +436,11 @@ def check_pool_write_and_gather(dtype: torch.dtype, device: str) -> None:
     assert gk.shape == gv.shape == (3, n, 16)
     assert torch.equal(gk, k.to(dtype).transpose(0, 1))
     assert torch.equal(gv, kv[:, 1].to(dtype).transpose(0, 1))
-    with pytest.raises(ValueError, match="outside"):
-        pool.write(0, torch.tensor([pool.max_slots + 1]), torch.tensor([0]), k[:1], k[:1])
-    with pytest.raises(ValueError, match="outside"):
-        pool.write(0, torch.tensor([0]), torch.tensor([8]), k[:1], k[:1])
+    end = pool.max_slots + 1  # the scratch slot is the last one
+    with pytest.raises(ValueError, match=rf"write_slot\[0\] = {end} is outside \[0, {end}\)"):
+        pool.write_indices(torch.tensor([pool.max_slots + 1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="write_offset\\[1\\] = 8 is outside"):
+        pool.write_indices(torch.tensor([0, 1]), torch.tensor([7, 8]))
     with pytest.raises(ValueError, match="do not fit"):
         pool.gather(0, path, 25)
     assert torch.equal(pool.gather(1, path, n)[0], gk)  # nothing written, the device still usable

@@ -571,6 +571,22 @@ def test_values_a_later_step_cannot_handle_become_the_rows_error_records():
     assert err.field == "body.messages[0].content" and "surrogate" in err.message
 
 
+def test_a_row_that_is_not_utf8_is_an_error_record_naming_its_id_line_and_field():
+    """A Latin-1 row among UTF-8 ones (a spreadsheet's export): its record says where the byte is,
+    names the row by its id and the field holding the byte; a row whose bytes are no JSON at all
+    still gets its line."""
+    latin1 = '{"id": "b", "question": "caf\u00e9"}'.encode("latin-1")
+    items = list(template_jobs(rows_of('{"id": "a", "question": "x"}', latin1, b"\x80 garbage"), templates(), {}))
+    assert [type(i).__name__ for i in items] == ["Job", "ErrorRecord", "ErrorRecord"]
+    err = items[1]
+    assert (err.id, err.line, err.field) == ("b", 2, "question")
+    assert err.message == "not UTF-8 text (the byte 0xe9 at column 29); save the file as UTF-8"
+    assert (items[2].id, items[2].line, items[2].field) == (None, 3, None) and "0x80 at column 1" in items[2].message
+    batch = b'{"custom_id": "c", "body": {"messages": [{"role": "user", "content": "\xe9"}]}}'
+    (err,) = openai_jobs(rows_of(batch), {})
+    assert (err.id, err.field) == ("c", "body.messages[0].content") and "not UTF-8" in err.message
+
+
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),

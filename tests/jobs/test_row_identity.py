@@ -128,12 +128,20 @@ def test_whole_file_mistakes_name_what_the_file_looks_like(tmp_path):
         '[{"id": "a"},\n {"id": "b"}]\n': "JSON array",
         '{"id": "a", "questoin": "x"}\n{"id": "b", "questoin": "y"}\n': "did you mean 'questoin'",
     }
-    for text, says in cases.items():
+    latin1 = '{"id": "a", "question": "caf\u00e9"}\n\n{"id": "b", "question": "na\u00efve"}\n'.encode("latin-1")
+    cases = {
+        **{text.encode(): says for text, says in cases.items()},
+        b"id,question\n": "the first row is not a JSON object; the file looks like CSV",
+        latin1: "not UTF-8 text \\(line 1 has the byte 0xe9 at column 29; .*Latin-1",
+    }
+    for data, says in cases.items():
         path = tmp_path / "q.jsonl"
-        path.write_text(text)
+        path.write_bytes(data)
         with pytest.raises(FileMistake, match=says):
             check_sample(path, "auto", templates, "id")
     path.write_text('not json\n{"id": "a", "question": "x"}\n{"id": "b"}\n')  # some bad rows: their own records
+    check_sample(path, "auto", templates, "id")
+    path.write_bytes(b'{"id": "a", "question": "x"}\n' + latin1)  # so are rows that are not UTF-8
     check_sample(path, "auto", templates, "id")
 
 

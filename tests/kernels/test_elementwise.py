@@ -159,7 +159,8 @@ def check_rotary_kv_write(dtype: torch.dtype, pool_dtype: torch.dtype, norms: bo
     want_k, want_v = pool((d, chunk)), pool((chunk, d))
     n = len(slot)
     k = want[:n, hq * d : (hq + hk) * d].view(n, hk, d)
-    native().write_kv(k, want[:n, (hq + hk) * d :].view(n, hk, d), want_k[1], want_v[1], slot, offset)
+    v = want[:n, (hq + hk) * d :].view(n, hk, d)
+    native().write_kv(k, v, want_k[1], want_v[1], slot.to(device), offset.to(device))
     assert bits_equal(got.cpu(), want.cpu()) and bits_equal(q.cpu(), want_q.cpu())
     assert bits_equal(k_cache.cpu(), want_k.cpu()) and bits_equal(v_cache.cpu(), want_v.cpu())
     assert int(k_cache.isnan().logical_not().sum()) == int(v_cache.isnan().logical_not().sum()) == n * hk * d
