@@ -85,6 +85,10 @@ def _not_utf8(numbered: list[tuple[int, bytes]]) -> str | None:
     return first
 
 
+def _first(n: int) -> str:
+    return "the first row" if n == 1 else f"the first {n} rows"
+
+
 def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id_field: str) -> None:
     """Raises FileMistake when the first rows show the whole file is unusable (see the module)."""
     numbered = _first_lines(path)
@@ -101,15 +105,15 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
     rows = [obj for _, obj in read_rows(lines)]
     objects = [r for r in rows if isinstance(r, dict)]
     if not objects and not any(isinstance(r, RowError) and r.row is not None for r in rows):
-        what = "the first row is not" if len(rows) == 1 else f"none of the first {len(rows)} rows is"
+        what = "the first row is not" if len(rows) == 1 else f"none of {_first(len(rows))} is"
         raise FileMistake(f"{path}: {what} a JSON object; the file looks like {_looks_like(lines)}")
     if fmt == "openai" or not templates or any(_looks_openai(o) for o in objects):
         urls = [o.get("url") for o in objects if _looks_openai(o)]
         if urls and all(u is not None and u not in OPENAI_URLS for u in urls):
             shown = ", ".join(map(repr, dict.fromkeys(map(str, urls))))
             raise FileMistake(
-                f"{path}: the first {len(urls)} rows ask for {shown}, which chunkgen does not serve; "
-                f"it answers {' and '.join(OPENAI_URLS)}"
+                f"{path}: {_first(len(urls))} {'asks' if len(urls) == 1 else 'ask'} for {shown}, which "
+                f"chunkgen does not serve; it answers {' and '.join(OPENAI_URLS)}"
             )
         return
     only = next(iter(templates.values())) if len(templates) == 1 else None
@@ -122,9 +126,11 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
             if not any(name in o for o in users):
                 near = difflib.get_close_matches(name, have, n=1, cutoff=0.5)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
+                one = len(users) == 1
+                rows = "the first row for it does not have" if one else f"none of {_first(len(users))} for it has"
                 raise FileMistake(
-                    f"template {t.name!r} ({t.path}) needs the field {name!r}, which none of the first "
-                    f"{len(users)} rows for it has (they have {', '.join(map(repr, have)) or 'no fields'}){hint}"
+                    f"template {t.name!r} ({t.path}) needs the field {name!r}, which {rows} "
+                    f"({'it has' if one else 'they have'} {', '.join(map(repr, have)) or 'no fields'}){hint}"
                 )
 
 

@@ -132,6 +132,8 @@ def test_whole_file_mistakes_name_what_the_file_looks_like(tmp_path):
     cases = {
         **{text.encode(): says for text, says in cases.items()},
         b"id,question\n": "the first row is not a JSON object; the file looks like CSV",
+        b'{"id": "a", "questoin": "x"}\n': "which the first row for it does not have \\(it has 'questoin'\\)",
+        b'{"id": "a", "questoin": "x"}\n{"id": "b", "questoin": "y"}\n': "none of the first 2 rows for it has",
         latin1: "not UTF-8 text \\(line 1 has the byte 0xe9 at column 29; .*Latin-1",
     }
     for data, says in cases.items():
