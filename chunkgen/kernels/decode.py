@@ -91,7 +91,7 @@ def decode_step_attention(
     store_kv: bool = True,
 ) -> None:
     """Store the step's k, v `[rows, kv_heads, head_dim]` in `layer` of the pool at the rows' write
-    positions (store_kv=False: the rotary op stored them, `rotary_write_for`), then attend q
+    positions (store_kv=False: the rotary op stored them, `LlamaModel.rotary_writes_kv`), then attend q
     `[rows, q_heads, head_dim]` (fp32, or the pool's dtype; `out` the same) over each row's path
     into `out`.
 

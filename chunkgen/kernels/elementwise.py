@@ -106,7 +106,7 @@ def rotary(
     k_norm `[d]` (Qwen3, Gemma 3) each head is RMS-normed first, rounded as add_rms_norm rounds.
     With `write`, its rows also store their rotated k and their v in the pool, as the decode op
     stores a step's K/V: on a GPU, the step's K/V write without a kernel of its own."""
-    w = write or KVWrite(None, None, 0, None, None)  # type: ignore[arg-type]
+    k_cache, v_cache, layer, write_slot, write_offset = write if write is not None else (None, None, 0, None, None)
     torch.ops.chunkgen.rotary.default(
         qkv,
         positions,
@@ -119,11 +119,11 @@ def rotary(
         k_norm,
         eps,
         offset_norm,
-        w.k_cache,
-        w.v_cache,
-        w.layer,
-        w.write_slot,
-        w.write_offset,
+        k_cache,
+        v_cache,
+        layer,
+        write_slot,
+        write_offset,
     )
 
 
