@@ -43,14 +43,42 @@ def encoding_name(data: bytes) -> str | None:
     return None
 
 
+def bad_byte(data: bytes, start: int, line: int = 1) -> str:
+    """Where a decode failed, as an editor shows it: "line L has the byte 0xE9 at column C" for
+    the byte at `start` of data whose first line is number `line`."""
+    line_start = data.rfind(b"\n", 0, start) + 1
+    line += data.count(b"\n", 0, start)
+    return f"line {line} has the byte {data[start]:#04x} at column {start - line_start + 1}"
+
+
+def not_utf8_rows(where: str, location: str) -> NotText:
+    """A query file whose rows are not UTF-8, at `location` (bad_byte)."""
+    return NotText(
+        f"{where} is not UTF-8 text ({location}; a spreadsheet or Windows export is often Latin-1 or "
+        "Windows-1252); save it as UTF-8"
+    )
+
+
+def first_bad_line(path: Path) -> str | None:
+    """bad_byte of a file's first line that is not UTF-8 (lines read bounded); None if none."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(lines(f), 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return bad_byte(raw, exc.start, number)
+    return None
+
+
 def not_utf8(data: bytes, where: str, exc: UnicodeDecodeError | None = None) -> NotText:
-    """The error for bytes that do not decode: the encoding named when it shows, else the byte."""
+    """The error for bytes that do not decode: the encoding named when it shows, else the byte and
+    its line and column (a Latin-1 or Windows-1252 file, most often)."""
     kind = encoding_name(data)
     if kind is not None and not kind.startswith("binary"):
         return NotText(f"{where} is {kind} text, not UTF-8; save it as UTF-8")
     if kind is not None:
         return NotText(f"{where} is not text: {kind}")
-    at = f" (invalid byte at {exc.start})" if exc is not None else ""
+    at = f" ({bad_byte(data, exc.start)})" if exc is not None else ""
     return NotText(f"{where} is not UTF-8 text{at}; save it as UTF-8")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkgen.bounded import ROW_BYTES, Overlong, TooLarge, lines, read_text
+from chunkgen.bounded import ROW_BYTES, Overlong, TooLarge, bad_byte, first_bad_line, lines, read_text
 from chunkgen.jobs.requests import ErrorRecord, Job, template_jobs
 from chunkgen.jobs.templates import load_templates
 from tests.cli.test_mistakes import _env
@@ -39,6 +39,18 @@ def test_utf16_is_named_as_such(tmp_path):
     path.write_bytes('user = "{q}"\n'.encode("utf-16"))
     with pytest.raises(ValueError, match="UTF-16 text, not UTF-8"):
         read_text(path)
+
+
+def test_latin1_text_is_refused_at_its_line_column_and_byte(tmp_path):
+    """A Latin-1 file (a Windows editor's) names where UTF-8 breaks, as an editor would show it."""
+    path = tmp_path / "t.toml"
+    path.write_bytes('name = "t"\nsystem = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"is not UTF-8 text \(line 2 has the byte 0xe9 at column 14\)"):
+        read_text(path)
+    assert bad_byte(b"ab\ncd\xe9", 5, line=10) == "line 11 has the byte 0xe9 at column 3"
+    assert first_bad_line(path) == "line 2 has the byte 0xe9 at column 14"
+    path.write_bytes(b"fine\n")
+    assert first_bad_line(path) is None
 
 
 def test_an_overlong_line_is_skipped_in_bounded_memory():

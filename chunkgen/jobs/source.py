@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkgen.bounded import TooLarge, check_regular, not_utf8
+from chunkgen.bounded import TooLarge, check_regular, encoding_name, first_bad_line, not_utf8, not_utf8_rows
 from chunkgen.bounded import lines as bounded_lines
 from chunkgen.config import OptionError
 from chunkgen.device import human_bytes
@@ -203,11 +203,14 @@ def _csv_as_jsonl(queries: str) -> tuple[tempfile.TemporaryDirectory | None, str
     target = Path(folder.name) / (Path(queries).stem + ".jsonl")
     try:
         csv_to_jsonl(Path(queries), target)
-    except UnicodeDecodeError as exc:
+    except UnicodeDecodeError:
         folder.cleanup()
         with open(queries, "rb") as f:
             head = f.read(4096)
-        raise OptionError("--queries", str(not_utf8(head, queries, exc))) from None
+        where = first_bad_line(Path(queries))
+        if encoding_name(head) is not None or where is None:
+            raise OptionError("--queries", str(not_utf8(head, queries))) from None
+        raise OptionError("--queries", str(not_utf8_rows(queries, where))) from None
     except OSError:
         folder.cleanup()
         raise

@@ -81,7 +81,7 @@ def _not_utf8(numbered: list[tuple[int, bytes]]) -> str | None:
             return None
         except UnicodeDecodeError as exc:
             if first is None:
-                first = f"line {number} has the byte {raw[exc.start]:#04x} at column {exc.start + 1}"
+                first = bounded.bad_byte(raw, exc.start, number)
     return first
 
 
@@ -98,10 +98,7 @@ def check_sample(path: Path, fmt: str, templates: dict[str, Template] | None, id
     check_encoding(path, lines[0])
     where = _not_utf8(numbered)
     if where is not None:
-        raise FileMistake(
-            f"{path} is not UTF-8 text ({where}; a spreadsheet or Windows export is often "
-            "Latin-1 or Windows-1252); save it as UTF-8"
-        )
+        raise FileMistake(str(bounded.not_utf8_rows(str(path), where)))
     rows = [obj for _, obj in read_rows(lines)]
     objects = [r for r in rows if isinstance(r, dict)]
     if not objects and not any(isinstance(r, RowError) and r.row is not None for r in rows):

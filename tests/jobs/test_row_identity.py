@@ -118,6 +118,16 @@ def test_csv_queries_are_read_natively(tiny_model, tmp_path):
     assert strip(records(out_csv)) == strip(records(out_jsonl))
 
 
+def test_a_latin1_csv_is_refused_at_its_line_column_and_byte(tmp_path):
+    """A spreadsheet's Latin-1 export: one run-time line naming where UTF-8 breaks, before the model
+    loads (a CSV is converted whole before the run starts)."""
+    csv_file, out = tmp_path / "q.csv", tmp_path / "out.jsonl"
+    csv_file.write_bytes('id,question\na,"fine, thanks"\nb,caf\u00e9\n'.encode("latin-1"))
+    res = _run(*base_args(tmp_path / "no-model", out, queries=csv_file))
+    assert res.exit_code != 0 and not out.exists()
+    assert "q.csv is not UTF-8 text (line 3 has the byte 0xe9 at column 6;" in res.output, res.output
+
+
 def test_whole_file_mistakes_name_what_the_file_looks_like(tmp_path):
     from chunkgen.jobs.whole_file import FileMistake, check_sample
 
