@@ -137,6 +137,11 @@ class ErrorRecord:
     message: str
 
 
+# The key under which a CSV row converted to JSON (whole_file.csv_rows) carries its mistake, which
+# the row reader makes the row's error record.
+CSV_ERROR = "chunkgen:csv_row_error"
+
+
 class RowError(Exception):
     def __init__(self, field: str | None, message: str, row: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -216,6 +221,8 @@ def _parse(number: int, raw: bytes) -> dict[str, Any] | RowError:
         return RowError(None, f"not usable JSON: {exc}")
     if not isinstance(obj, dict):
         return RowError(None, f"expected a JSON object, got {type(obj).__name__}")
+    if CSV_ERROR in obj:
+        return RowError(None, str(obj.pop(CSV_ERROR)), row=obj)
     bad = _unencodable(obj)
     if bad is not False:
         return RowError(

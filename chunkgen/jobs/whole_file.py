@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkgen import bounded
-from chunkgen.jobs.requests import OPENAI_URLS, TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
+from chunkgen.jobs.requests import CSV_ERROR, OPENAI_URLS, TEMPLATE_OVERRIDES, RowError, _looks_openai, read_rows
 from chunkgen.jobs.templates import Template
 
 SAMPLE_ROWS = 20  # rows read to judge the file: enough that one odd row decides nothing
@@ -149,6 +149,13 @@ def csv_rows(path: Path) -> Iterator[str]:
                 yield "\n"
                 continue
             row: dict[str, Any] = {}
+            unnamed = [i + 1 for i, c in enumerate(cells) if c.strip() and (i >= len(header) or not header[i])]
+            if unnamed:  # a value no header names: its text would be lost without a word
+                row[CSV_ERROR] = (
+                    f"column {unnamed[0]} holds a value the header names no field for (the header has "
+                    f"{len(header)} columns, this row {len(cells)}); a value that holds a comma must be in "
+                    "double quotes"
+                )
             for name, value in zip(header, cells):
                 if value == "" or not name:
                     continue

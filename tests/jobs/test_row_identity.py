@@ -118,6 +118,22 @@ def test_csv_queries_are_read_natively(tiny_model, tmp_path):
     assert strip(records(out_csv)) == strip(records(out_jsonl))
 
 
+def test_a_csv_value_no_header_names_is_the_rows_error_not_lost(tmp_path):
+    """An unquoted comma splits a value into a cell past the header's: that row is an error record
+    (its id, its line, the column), not a question cut short without a word; empty trailing cells
+    (a spreadsheet's) are nothing."""
+    from chunkgen.jobs.whole_file import csv_rows
+
+    path = tmp_path / "q.csv"
+    path.write_text('id,question\na,"What is 2 + 2, exactly?"\nb,What is 3 + 3, exactly?\nc,Is 7 prime?,,\n')
+    lines = [line.encode() for line in csv_rows(path)]
+    templates = load_templates(PROMPTS / "arithmetic_cot.toml")
+    a, b, c = template_jobs(read_rows(lines), templates, {})
+    assert a.id == "a" and c.id == "c" and not isinstance(c, ErrorRecord)
+    assert isinstance(b, ErrorRecord) and (b.id, b.line) == ("b", 3)
+    assert b.message.startswith("column 3 holds a value the header names no field for (the header has 2 columns")
+
+
 def test_a_latin1_csv_is_refused_at_its_line_column_and_byte(tmp_path):
     """A spreadsheet's Latin-1 export: one run-time line naming where UTF-8 breaks, before the model
     loads (a CSV is converted whole before the run starts)."""
