@@ -178,6 +178,15 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def indexed(device: str | torch.device) -> torch.device:
+    """The device with its index ("cuda" is the current GPU, cuda:N): torch tells cuda and cuda:0
+    apart when it compares devices, though tensors always live on an indexed one."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def device_guard(device: str | torch.device) -> AbstractContextManager[Any]:
     """Makes `device` the current CUDA device while the block runs, so what reads the current device
     (new streams, graph capture, the kernels' launches) lands on it; nothing on the CPU."""

@@ -17,6 +17,7 @@ from chunkgen.cache.pages import (
     page_size,
     populate_in_background,
 )
+from chunkgen.device import indexed
 
 # Steps whose peak use the pool keeps backed: free slots up to the largest of these peaks stay
 # resident for the next steps (a prefill wave frees its rows' chunks and the next one takes them
@@ -101,7 +102,7 @@ class ChunkPool:
         ready_rows: the batch the pool expects; the slots its first wave writes (a chunk a row past
         a shared prompt, two slabs at least) are backed ahead of use."""
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.chunk_size, self.dtype, self.device = chunk_size, dtype, torch.device(device)
+        self.chunk_size, self.dtype, self.device = chunk_size, dtype, indexed(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.bytes_per_slot = 2 * num_layers * kv_heads * head_dim * chunk_size * itemsize
         self.max_slots = int(budget_bytes) // self.bytes_per_slot

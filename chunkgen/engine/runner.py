@@ -219,6 +219,10 @@ class ModelRunner:
         self._graph_pool = graph.pool()
 
         def replay() -> torch.Tensor:
+            # The graph reads and writes the buffers bound at capture: held here, so that after a
+            # layout change (new buffers, this key never stepped again) largest_capture's replay
+            # still reads its own, not memory the allocator has handed to something else.
+            _ = arrays, ws
             graph.replay()
             return logits
 

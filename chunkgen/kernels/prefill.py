@@ -70,7 +70,9 @@ class Group:
     mask: torch.Tensor | None  # [M, 1, T, L] additive, the model's dtype
     real: torch.Tensor | None  # positions of [M * T] that are real queries, in row order
     positions: torch.Tensor | None = None  # [R] each row's position in its sequence (for windows)
-    path_slots: torch.Tensor | None = None  # a lone sequence's chunks up to its last new token (int32)
+    # A lone sequence's chunks up to its last new token: int32 on the host for the CPU's in-place
+    # kernels, int64 on the device elsewhere (gathered whole: _whole_path).
+    path_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -158,6 +160,7 @@ def _slots(slots: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _lone(sp: PrefillSpan, chunk: int, device: torch.device) -> Group:
+    path = sp.path_slots[: -(-(sp.start + sp.count) // chunk)]
     return Group(
         rows=torch.arange(sp.row, sp.row + sp.count, device=device),
         contiguous=(sp.row, sp.row + sp.count),
@@ -170,7 +173,9 @@ def _lone(sp: PrefillSpan, chunk: int, device: torch.device) -> Group:
         mask=None,
         real=None,
         positions=torch.arange(sp.start, sp.start + sp.count, device=device),
-        path_slots=torch.tensor(sp.path_slots[: -(-(sp.start + sp.count) // chunk)], dtype=torch.int32),
+        path_slots=(
+            torch.tensor(path, dtype=torch.int32) if torch.device(device).type == "cpu" else _slots(path, device)
+        ),
     )
 
 
@@ -273,6 +278,8 @@ def attention_lse(
     if q.device.type == "cpu":
         if q.dtype == torch.bfloat16 and q.shape[-1] % 16 == 0 and _own_kernel():
             return native().prefill_attention(q, k, v, scale, causal, mask)
+        if causal and q.shape[2] != k.shape[2]:  # torch's kernel aligns causality top-left
+            return fused_attention_lse(q, k, v, scale, causal, mask)
         # The fused kernel reads rows as unit-stride vectors whatever the strides say (a one-chunk
         # gather of the transposed K is such a view).
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -397,6 +404,9 @@ def prefill_attention(
                 q[a_b[0] : a_b[1]], pool.k[layer], pool.v[layer], g.path_slots, n, scale, g.prefix_len, window, softcap
             )[0]
             continue
+        if g.key_idx is None and _gathers_whole_path(q):
+            _whole_path(g, layer, q, pool, scale, out, window, softcap)
+            continue
         if window or softcap:
             _masked_group(g, layer, q, k, v, pool, scale, out, window, softcap)
             continue
@@ -423,6 +433,33 @@ def prefill_attention(
             out[a_b[0] : a_b[1]] = o
         else:
             out[g.rows] = o.to(out.dtype)
+
+
+def _gathers_whole_path(q: torch.Tensor) -> bool:
+    """Whether a lone sequence the in-place kernels do not read is gathered whole (_whole_path):
+    off the CPU."""
+    return q.device.type != "cpu"
+
+
+def _whole_path(
+    g: Group, layer: int, q: torch.Tensor, pool: ChunkPool, scale: float, out: torch.Tensor, window: int, softcap: float
+) -> None:
+    """A lone sequence off the CPU: its whole path (cached and new tokens, stored before attention)
+    gathered from the pool and attended in one causal product. No cached part merged with a new
+    one, so a row's bits do not depend on where the cache ended, which other rows of a batch
+    decide (batch-invariant numerics ask that; the CPU reads the path in place to the same end)."""
+    a, b = g.contiguous
+    n = g.prefix_len + b - a
+    kp, vp = pool.gather(layer, g.path_slots, n)  # [Hk, n, d]
+    qg = q[a:b].transpose(0, 1)[None]
+    if window or softcap:
+        key_pos = torch.arange(n, device=q.device)
+        lower = g.positions - window if window else torch.full_like(g.positions, -1)
+        visible = (key_pos[None, :] <= g.positions[:, None]) & (key_pos[None, :] > lower[:, None])
+        o, _ = _masked_attention_lse(qg, kp[None], vp[None], scale, visible[None], softcap)
+    else:
+        o, _ = attention_lse(qg, kp[None].to(q.dtype), vp[None].to(q.dtype), scale, causal=True)
+    out[a:b] = o[0].transpose(0, 1).to(out.dtype)
 
 
 def _own_parts(

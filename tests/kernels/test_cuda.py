@@ -96,12 +96,22 @@ def test_rotary_stores_the_steps_kv_on_the_gpu(dtype, pool_dtype, norms):
 
 def test_cuda_graph_replay_equals_eager_with_joins_leaves_and_preemption(tiny_model):
     """CUDA graphs (one per bucket, replayed every step) against eager steps on the same workload
-    as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving."""
+    as the CPU replay test: a KV budget that forces preemption, sequences joining and leaving.
+    Batch-invariant numerics: eager steps run their rows as they are and captured ones a padded
+    bucket, which without them may take other kernel plans (cuBLAS, the sequence-first splits)."""
     from chunkgen.engine import Request, SamplingParams
     from chunkgen.llm import LLM
     from tests.helpers import CHUNK, run, template_prompts
 
-    llm = LLM(model=str(tiny_model), dtype="fp32", device="cuda", chunk_size=CHUNK, kv_memory="64MiB", max_batch=8)
+    llm = LLM(
+        model=str(tiny_model),
+        dtype="fp32",
+        device="cuda",
+        chunk_size=CHUNK,
+        kv_memory="64MiB",
+        max_batch=8,
+        batch_invariant="on",
+    )
     prompts = [llm.encode(p) for p in template_prompts("tool_dispatcher", 12)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     chunks = -(-max(map(len, prompts)) // CHUNK) + 4 * (-(-(20 + CHUNK) // CHUNK) + 1)

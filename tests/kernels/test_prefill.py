@@ -398,9 +398,51 @@ def test_prefill_on_the_fused_path_matches_naive(seed, n_seqs, chunk, heads, hea
     with (
         mock.patch.object(prefill, "attention_lse", fused),
         mock.patch.object(prefill, "_prefix_in_place", lambda *a: False),
+        mock.patch.object(prefill, "_gathers_whole_path", lambda q: True),
     ):
         prefill_attention(plan_groups(spans, chunk, dtype, q.device), 0, q, k, v, pool, scale, out)
     assert fused.call_count >= len(plan_groups(spans, chunk, dtype, q.device))
     want = prefill_reference(q, k, v, pool, spans, scale)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 6),
+    chunk=st.sampled_from([8, 16]),
+    heads=st.sampled_from([(4, 2), (9, 3)]),
+    window_kind=st.sampled_from(["none", "inside", "across"]),
+    softcap=st.sampled_from([0.0, 5.0]),
+)
+def test_a_lone_sequence_off_the_cpu_is_its_whole_path_in_one_product(seed, n_seqs, chunk, heads, window_kind, softcap):
+    """As the GPU runs a wave of lone sequences (batch-invariant numerics make every sequence
+    one): each over its whole path gathered from the pool, cached and new tokens alike, in one
+    product with no merge (the fused causal one, or the masked one for a window or a cap), against
+    naive attention."""
+    from unittest import mock
+
+    from chunkgen.kernels import prefill
+
+    hq, hk = heads
+    dtype, head_dim = torch.float32, 32
+    pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, head_dim, dtype)
+    window = {"none": 0, "inside": 3 * chunk, "across": chunk // 2 + 1}[window_kind]
+    gen = torch.Generator().manual_seed(seed + 1)
+    q, k, v = (torch.randn(rows, h, head_dim, generator=gen) for h in (hq, hk, hk))
+    store_new_tokens(pool, spans, k, v)
+    out = torch.full((rows, hq, head_dim), float("nan"))
+    whole = mock.Mock(wraps=prefill._whole_path)
+    merged = mock.Mock(wraps=prefill.merge)
+    with (
+        mock.patch.object(prefill, "_prefix_in_place", lambda *a: False),
+        mock.patch.object(prefill, "_gathers_whole_path", lambda q: True),
+        mock.patch.object(prefill, "_whole_path", whole),
+        mock.patch.object(prefill, "merge", merged),
+    ):
+        groups = plan_groups(spans, chunk, dtype, q.device, alone=True)
+        prefill_attention(groups, 0, q, k, v, pool, head_dim**-0.5, out, window=window, softcap=softcap)
+    assert whole.call_count == len(spans) and merged.call_count == 0
+    want = prefill_reference(q, k, v, pool, spans, head_dim**-0.5, window=window, softcap=softcap)
+    assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-4), (out.double() - want).abs().max()
