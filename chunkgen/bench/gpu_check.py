@@ -360,6 +360,22 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
             label=f"{E2E_MODEL} batch-invariant",
         )
     )  # fmt: skip
+    # Unshared prefill with a wave's lone sequences attended a sequence at a time (as before the
+    # variable-length product), beside the 256-row stage's chunkgen_noshare: what that product saves.
+    out = work / "e2e-256-per-sequence-prefill.json"
+    stages.append(
+        Stage(
+            "bench e2e 256 rows, per-sequence prefill",
+            [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
+             "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", "256", "--max-batch", "256",
+             "--kv-memory", E2E_KV_MEMORY, "--systems", "chunkgen_noshare", "--json", str(out)],
+            90,
+            out,
+            kind="e2e",
+            label=f"{E2E_MODEL} per-sequence prefill",
+            env={"CHUNKGEN_PREFILL_VARLEN": "0"},
+        )
+    )  # fmt: skip
     # The linear layers' part of that cost: cuBLAS against the batch-invariant product per shape.
     out = work / "linear-bf16.json"
     stages.append(

@@ -17,6 +17,7 @@ so the buffer refresh a replay depends on is exercised everywhere.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -26,7 +27,7 @@ from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.engine.prompt_scores import Entry, ScoreSpan, score_spans
 from chunkgen.kernels import invariant, workspace_for
-from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, lone_spans, plan_groups
+from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, lone_batch, lone_spans, plan_groups
 from chunkgen.model.llama import LlamaModel
 
 
@@ -141,6 +142,10 @@ class ModelRunner:
         self.wave_piece_tokens = (
             wave_piece_tokens(model.hidden_size, pool.chunk_size) if self.device.type == "cpu" else 0
         )
+        # A wave's lone sequences as one variable-length product a layer (LoneBatch): off the CPU,
+        # whose in-place kernels read them as one call already; True runs the GPU's way on the CPU.
+        # CHUNKGEN_PREFILL_VARLEN=0 attends them a sequence at a time (what it replaced, to time).
+        self.lone_varlen = self.device.type != "cpu" and os.environ.get("CHUNKGEN_PREFILL_VARLEN", "1") != "0"
         asked = self.device.type == "cpu" if enforce_eager is None else enforce_eager
         self.enforce_eager = asked or not model.graph_safe
         self.ctx = KernelContext(
@@ -319,7 +324,8 @@ class ModelRunner:
             writes=bool(w_rows),
             groups=groups,
             logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
-            lone=lone_spans(groups) if dev.type == "cpu" else None,
+            lone=None if self.lone_varlen else lone_spans(groups),
+            varlen=lone_batch(groups, C, dev) if self.lone_varlen else None,
         )
 
 

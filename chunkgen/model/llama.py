@@ -575,6 +575,7 @@ class LlamaModel:
             window=self.layers[i].window,
             softcap=self.softcap,
             lone=step.lone,
+            varlen=step.varlen,
         )
 
     def mixes(self, k_cache: torch.Tensor) -> bool:

@@ -357,3 +357,23 @@ def test_a_wave_in_pieces_gives_the_bits_of_the_whole_wave(tiny_model, dtype):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs and a.logprobs
     assert whole[2].prompt_logprobs == pieced[2].prompt_logprobs
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch-invariant", "fast"])
+def test_lone_sequences_in_one_variable_length_product_give_the_same_tokens(llm, batch_invariant):
+    """The GPU's prefill data flow run on the CPU: a wave's lone sequences (every one with
+    batch-invariant numerics; else those with nothing shared cached) gathered from the pool and
+    attended in one variable-length causal product a layer (LoneBatch), instead of the CPU's
+    in-place kernel: the same greedy tokens, over waves mixed into decode steps."""
+    from unittest import mock
+
+    from chunkgen.kernels import prefill
+
+    want, _ = run(with_runner(llm, batch_invariant=batch_invariant), workload())
+    engine = with_runner(llm, batch_invariant=batch_invariant)
+    engine.runner.lone_varlen = True
+    varlen = mock.Mock(wraps=prefill.varlen_causal_attention)
+    with mock.patch.object(prefill, "varlen_causal_attention", varlen):
+        got, _ = run(engine, workload())
+    assert got == want
+    assert varlen.call_count > 0 and engine.stats.mixed_steps > 0

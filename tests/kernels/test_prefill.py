@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels import invariant
-from chunkgen.kernels.prefill import PrefillSpan, lone_spans, plan_groups, prefill_attention
+from chunkgen.kernels.prefill import PrefillSpan, lone_batch, lone_spans, plan_groups, prefill_attention
 from tests.helpers import (
     PATHS,
     WINDOW_KINDS,
@@ -446,3 +446,75 @@ def test_a_lone_sequence_off_the_cpu_is_its_whole_path_in_one_product(seed, n_se
     assert whole.call_count == len(spans) and merged.call_count == 0
     want = prefill_reference(q, k, v, pool, spans, head_dim**-0.5, window=window, softcap=softcap)
     assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-4), (out.double() - want).abs().max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 8),
+    chunk=st.sampled_from([8, 16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    alone=st.booleans(),
+)
+def test_lone_sequences_off_the_cpu_are_one_variable_length_product(seed, n_seqs, chunk, heads, dtype, alone):
+    """As the GPU runs a wave (lone_batch): its lone sequences (with batch-invariant numerics every
+    sequence; else those that share no full chunk, between the groups' rows) gathered from the
+    pool by one index and attended in one variable-length causal product, each over its whole
+    path and nothing else; the groups as before. Against naive attention, a NaN anywhere in the
+    pool that a sequence does not own, so a key gathered from another's path or past its end shows."""
+    from unittest import mock
+
+    from chunkgen.kernels import prefill
+
+    hq, hk = heads
+    head_dim = 32
+    pool, spans, rows = random_wave(seed, n_seqs, chunk, hk, head_dim, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q, k, v = (torch.randn(rows, h, head_dim, generator=gen).to(dtype) for h in (hq, hk, hk))
+    store_new_tokens(pool, spans, k, v)
+    out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
+    groups = plan_groups(spans, chunk, dtype, q.device, alone=alone)
+    batch = prefill.lone_batch(groups, chunk, q.device)
+    lone = [g for g in groups if g.key_idx is None]
+    assert (batch is None) == (not lone)
+    varlen = mock.Mock(wraps=prefill.varlen_causal_attention)
+    whole = mock.Mock(wraps=prefill._whole_path)
+    with (
+        mock.patch.object(prefill, "_prefix_in_place", lambda *a: False),
+        mock.patch.object(prefill, "_gathers_whole_path", lambda q: True),
+        mock.patch.object(prefill, "varlen_causal_attention", varlen),
+        mock.patch.object(prefill, "_whole_path", whole),
+    ):
+        prefill_attention(groups, 0, q, k, v, pool, head_dim**-0.5, out, varlen=batch)
+    assert varlen.call_count == (1 if lone else 0) and whole.call_count == 0
+    if batch is not None:
+        assert batch.cu_q[-1] == sum(g.contiguous[1] - g.contiguous[0] for g in lone)
+        assert batch.cu_k[-1] == sum(g.prefix_len + g.contiguous[1] - g.contiguous[0] for g in lone)
+    want = prefill_reference(q, k, v, pool, spans, head_dim**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
+
+
+def test_a_lone_batch_keeps_its_rows_where_groups_lie_between_them():
+    """Lone sequences around a group of two that share a full chunk: the batch's rows are the lone
+    ones only, in order (an index, not a range), and its keys each sequence's whole path."""
+    C = 8
+    pool = ChunkPool(1, 2, 16, C, torch.float32, budget_bytes=1 << 22)
+    shared = pool.allocate()
+    a, b, c, d = ([pool.allocate() for _ in range(n)] for n in (2, 1, 1, 1))
+    spans = [
+        PrefillSpan(0, a, 0, 10),  # fresh: rows 0-9, keys 0-9 of its two chunks
+        PrefillSpan(C + 2, [shared] + b, 10, 3),  # these two share `shared`: a group
+        PrefillSpan(C + 1, [shared] + c, 13, 4),
+        PrefillSpan(3, d, 17, 2),  # 3 cached tokens of its own chunk: lone, rows 17-18
+    ]
+    groups = plan_groups(spans, C, torch.float32, "cpu")
+    batch = lone_batch(groups, C, "cpu")
+    assert batch.rows.tolist() == list(range(10)) + [17, 18]
+    assert batch.cu_q.tolist() == [0, 10, 12] and batch.cu_k.tolist() == [0, 10, 15]
+    assert (batch.max_q, batch.max_k) == (10, 10)
+    assert batch.key_slots.tolist() == [a[0]] * 8 + [a[1]] * 2 + [d[0]] * 5
+    assert batch.key_offsets.tolist() == list(range(8)) + [0, 1] + list(range(5))
+    alone = lone_batch(plan_groups(spans, C, torch.float32, "cpu", alone=True), C, "cpu")
+    assert alone.rows == slice(0, 19) and alone.cu_k.tolist() == [0, 10, 23, 36, 41]
