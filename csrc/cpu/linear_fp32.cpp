@@ -49,8 +49,8 @@ inline void fma_rows(const float* x, int64_t ldx, const float* wb, int64_t k, fl
     const vf b0 = load(wb + i * kCols), b1 = load(wb + i * kCols + W);
     for (int r = 0; r < R; ++r) {
       const vf a = splat(x[r * ldx + i]);
-      acc0[r] += a * b0;
-      acc1[r] += a * b1;
+      acc0[r] = decode::vfma(a, b0, acc0[r]);  // explicit: the same rounding in every R's instance
+      acc1[r] = decode::vfma(a, b1, acc1[r]);
     }
   }
   if (cols == kCols) {

@@ -1,6 +1,10 @@
 // The online softmax the decode kernel's fp32 path is made of: scores of a block of query rows
 // against one chunk (K stored transposed, so each score vector is vertical FMAs), the running
 // (o, m, l) update with the chunk's values, merging partial states, and writing a normalized row.
+// Every multiply-add is an explicit vfma: the functions are instantiated per row-block size, and
+// the compiler's contraction of a * b + c, free in each instance, had o * alpha + p * v fused one
+// way in some and the other way in others, so a row's bits followed how many rows ran with it (AVX2,
+// where the blocks are 6 rows: a row's output differed between blocks of 4 and of 6 + 2).
 // Soft-capping and sliding windows are compile-time cases (Masked): full attention pays nothing.
 #pragma once
 
@@ -26,8 +30,8 @@ inline void scores(const float* q, const T* kt, int nv, int C, int d, float* s) 
       const vf k0 = load(kp), k1 = load(kp + W);
       for (int r = 0; r < RB; ++r) {
         const vf qb = splat(q[r * d + t]);  // d is the row stride: one index per (r, t)
-        acc[r][0] += qb * k0;
-        acc[r][1] += qb * k1;
+        acc[r][0] = vfma(qb, k0, acc[r][0]);
+        acc[r][1] = vfma(qb, k1, acc[r][1]);
       }
     }
     for (int r = 0; r < RB; ++r) {
@@ -40,7 +44,7 @@ inline void scores(const float* q, const T* kt, int nv, int C, int d, float* s) 
     const T* kp = kt + jv * W;
     for (int t = 0; t < d; ++t, kp += C) {
       const vf k0 = load(kp);
-      for (int r = 0; r < RB; ++r) acc[r] += splat(q[r * d + t]) * k0;
+      for (int r = 0; r < RB; ++r) acc[r] = vfma(splat(q[r * d + t]), k0, acc[r]);
     }
     for (int r = 0; r < RB; ++r) store(s + r * C + jv * W, acc[r]);
   }
@@ -63,8 +67,8 @@ inline void weighted_values(const float* p, int C, const T* v, int n, int d, flo
       const float* pj = p + j;
       for (int r = 0; r < RB; ++r) {
         const vf pb = splat(pj[static_cast<size_t>(r) * C]);
-        acc[r][0] += pb * v0;
-        acc[r][1] += pb * v1;
+        acc[r][0] = vfma(pb, v0, acc[r][0]);
+        acc[r][1] = vfma(pb, v1, acc[r][1]);
       }
     }
     for (int r = 0; r < RB; ++r) {
@@ -78,7 +82,7 @@ inline void weighted_values(const float* p, int C, const T* v, int n, int d, flo
     const T* vp = v + c * W;
     for (int j = 0; j < n; ++j, vp += d) {
       const vf v0 = load(vp);
-      for (int r = 0; r < RB; ++r) acc[r] += splat(p[r * C + j]) * v0;
+      for (int r = 0; r < RB; ++r) acc[r] = vfma(splat(p[r * C + j]), v0, acc[r]);
     }
     for (int r = 0; r < RB; ++r) store(o + r * d + c * W, acc[r]);
   }

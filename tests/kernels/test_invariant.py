@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from chunkgen._native import native
-from chunkgen.cache import ChunkPool, KernelContext
+from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.kernels import decode_attention, invariant
 from chunkgen.kernels.prefill import PrefillSpan, lone_spans, plan_groups, prefill_attention
 from chunkgen.model.llama import Linear
@@ -72,6 +72,41 @@ def test_a_rows_decode_attention_is_the_same_in_any_batch(
         tree.remove(s)
     for s, o in _decode(pool, tree, queries, chunk_first=rnd.random() < 0.5).items():
         assert torch.equal(o, full[s]), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (6, 1)])
+def test_rows_that_share_every_chunk_keep_their_bits_whatever_their_number(dtype, heads):
+    """n rows of one prompt, every chunk shared (phase 1 reads each for blocks of rows whose size
+    follows n and the thread count): row 0's output has the same bits for n = 1..12, with one thread
+    and two, at three prompt lengths. The fp32 online softmax, instantiated per row-block size, once
+    rounded o * alpha + p * v one way in some block sizes and the other way in others (AVX2's blocks
+    of 6 rows): a 98-token prompt's row 0 differed among 1 and 2 rows by an ulp."""
+    q_heads, kv_heads = heads
+    d, chunk = 64, 16
+    threads = torch.get_num_threads()
+    for length in (6 * chunk + 2, 7 * chunk - 5, 3 * chunk + 9):
+        pool = ChunkPool(1, kv_heads, d, chunk, dtype, budget_bytes=1 << 24)
+        tree = PrefixTree(pool)
+        for s in range(12):
+            tree.insert(s, list(range(length)))  # one prompt: its partial last chunk is shared too
+            tree.mark_ready(s)
+        gen = torch.Generator().manual_seed(length)
+        pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen).to(dtype))
+        pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen).to(dtype))
+        queries = {s: torch.randn(q_heads, d, generator=gen) for s in range(12)}
+        seen = []
+        try:
+            for n in range(12, 0, -1):
+                for t in sorted({1, threads}):
+                    torch.set_num_threads(t)
+                    seen.append((n, t, _decode(pool, tree, {s: queries[s] for s in range(n)}, chunk_first=True)[0]))
+                tree.remove(n - 1)
+        finally:
+            torch.set_num_threads(threads)
+        alone = seen[-1][2]
+        for n, t, o in seen:
+            assert torch.equal(o, alone), f"{length} tokens: row 0 among {n} rows on {t} threads"
 
 
 def _prefill_wave(pool: ChunkPool, paths: dict, queries: dict, wave: list, window: int, softcap: float) -> dict:
