@@ -27,7 +27,8 @@ from chunkgen._native import native
 from chunkgen.cache import ChunkPool, KernelContext, PrefixTree
 from chunkgen.engine.prompt_scores import Entry, ScoreSpan, score_spans
 from chunkgen.kernels import invariant, workspace_for
-from chunkgen.kernels.prefill import PrefillSpan, PrefillStep, lone_batch, lone_spans, plan_groups
+from chunkgen.kernels.prefill import Group, PrefillSpan, PrefillStep, lone_spans, plan_groups
+from chunkgen.kernels.varlen import VarlenWave, flash_takes, plan_wave
 from chunkgen.model.llama import LlamaModel
 
 
@@ -142,10 +143,10 @@ class ModelRunner:
         self.wave_piece_tokens = (
             wave_piece_tokens(model.hidden_size, pool.chunk_size) if self.device.type == "cpu" else 0
         )
-        # A wave's lone sequences as one variable-length product a layer (LoneBatch): off the CPU,
-        # whose in-place kernels read them as one call already; True runs the GPU's way on the CPU.
-        # CHUNKGEN_PREFILL_VARLEN=0 attends them a sequence at a time (what it replaced, to time).
-        self.lone_varlen = self.device.type != "cpu" and os.environ.get("CHUNKGEN_PREFILL_VARLEN", "1") != "0"
+        # A wave's attention as variable-length products (kernels/varlen.py): off the CPU, whose
+        # in-place kernels read a wave's sequences in one call already; True runs the GPU's way on
+        # the CPU. CHUNKGEN_PREFILL_VARLEN=0: a sequence or group at a time (what it replaced, to time).
+        self.prefill_varlen = self.device.type != "cpu" and os.environ.get("CHUNKGEN_PREFILL_VARLEN", "1") != "0"
         asked = self.device.type == "cpu" if enforce_eager is None else enforce_eager
         self.enforce_eager = asked or not model.graph_safe
         self.ctx = KernelContext(
@@ -324,9 +325,17 @@ class ModelRunner:
             writes=bool(w_rows),
             groups=groups,
             logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
-            lone=None if self.lone_varlen else lone_spans(groups),
-            varlen=lone_batch(groups, C, dev) if self.lone_varlen else None,
+            lone=None if self.prefill_varlen else lone_spans(groups),
+            varlen=self._varlen_wave(groups) if self.prefill_varlen else None,
         )
+
+    def _varlen_wave(self, groups: list[Group]) -> VarlenWave | None:
+        """The wave's lone sequences as one product, and its groups as two more where the flash
+        kernel takes them (their parts merge by a log-sum-exp, which the fp32 kernel's varlen
+        form keeps padded per run: fp32 groups take the per-group path)."""
+        dev, m = self.device, self.model
+        with_groups = dev.type != "cuda" or flash_takes(m.dtype, m.head_dim, dev)
+        return plan_wave(groups, self.pool.chunk_size, dev, with_groups)
 
 
 def _score_spans(items: list[PrefillItem]) -> list[ScoreSpan]:

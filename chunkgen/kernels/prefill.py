@@ -11,9 +11,8 @@ On a GPU both go through torch's memory-efficient kernel, which returns the log-
 (`fused_attention_lse`). The shared prefix's product folds the GQA group into the query rows, so
 the prefix K/V are read once per KV head. A wave's lone sequences (every sequence of a wave that
 shares nothing cached, and with batch-invariant numerics every sequence) run as one
-variable-length causal product a layer instead (`LoneBatch`): their whole paths gathered from the
-pool by one index, then torch's flash kernel (fp16, bf16: GQA as it is, no split of the keys) or
-its memory-efficient one (fp32), each sequence over its own keys only.
+variable-length causal product a layer instead, and in fp16 and bf16 so do the groups, as two
+more (kernels/varlen.py): a few kernels a layer for the whole wave.
 
 On the CPU: chunkgen's own kernel in bf16 on AMX or AVX512_BF16 (csrc/cpu/prefill_attention.cpp),
 torch's otherwise. A group's shared prefix is read in place from the pool by the decode kernel's
@@ -43,6 +42,7 @@ import torch
 from chunkgen._native import native, native_cpu_available
 from chunkgen.cache.pool import ChunkPool, WriteIndices
 from chunkgen.kernels import invariant
+from chunkgen.kernels.varlen import VarlenWave, wave_attention
 
 MAX_GROUP_TOKENS = 512  # new tokens per group: bounds the padded own-part batch
 
@@ -77,7 +77,8 @@ class Group:
     # A lone sequence's chunks up to its last new token: int32 on the host for the CPU's in-place
     # kernels, int64 on the device elsewhere (gathered whole: _whole_path).
     path_slots: torch.Tensor | None = None
-    path: list[int] | None = None  # the same chunks as a list (planning a wave's LoneBatch)
+    path: list[int] | None = None  # the same chunks as a list (planning a VarlenWave)
+    members: list[PrefillSpan] | None = None  # a group's sequences (planning a VarlenWave)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class PrefillStep:
     groups: list[Group]
     logit_rows: list[int]
     lone: LoneSpans | None = None  # the lone groups as one causal product a layer (lone_spans)
-    varlen: LoneBatch | None = None  # the same off the CPU (lone_batch)
+    varlen: VarlenWave | None = None  # off the CPU: lone sequences, and groups, as varlen products
 
 
 @dataclass
@@ -119,56 +120,6 @@ def lone_spans(groups: list[Group]) -> LoneSpans | None:
         spans.append((a, b - a, g.prefix_len, at))
         at += len(g.path_slots)
     return LoneSpans(torch.tensor(spans, dtype=torch.long), torch.cat([g.path_slots for g in lone]))
-
-
-@dataclass
-class LoneBatch:
-    """A wave's lone sequences as one variable-length causal product a layer, off the CPU (planned
-    once a wave, on the device): sequence i's queries are rows cu_q[i]..cu_q[i + 1] of the wave's
-    lone rows, its keys the whole path (cached and new tokens, stored before attention), gathered
-    from the pool at (key_slots, key_offsets)[cu_k[i]..cu_k[i + 1]]; its last query sees its last
-    key. One gather and one product a layer, where a sequence each took a dozen kernels."""
-
-    rows: slice | torch.Tensor  # the lone rows of the wave, sequence after sequence
-    key_slots: torch.Tensor  # [total_k] int64: the chunk each key is in
-    key_offsets: torch.Tensor  # [total_k] int64: its position in that chunk
-    cu_q: torch.Tensor  # [N + 1] int32: where each sequence's queries start, then the end
-    cu_k: torch.Tensor  # [N + 1] int32: the same for its keys
-    max_q: int
-    max_k: int
-
-
-def lone_batch(groups: list[Group], chunk: int, device: torch.device | str) -> LoneBatch | None:
-    """The lone groups of a wave as one LoneBatch on `device`, or None where there are none."""
-    lone = sorted((g for g in groups if g.key_idx is None), key=lambda g: g.contiguous[0])
-    if not lone:
-        return None
-    rows, slots, offsets, n_q, n_k = [], [], [], [], []
-    for g in lone:
-        a, b = g.contiguous
-        n = g.prefix_len + b - a
-        pos = torch.arange(n)
-        rows.append(torch.arange(a, b))
-        slots.append(torch.tensor(g.path, dtype=torch.long)[pos // chunk])
-        offsets.append(pos % chunk)
-        n_q.append(b - a)
-        n_k.append(n)
-    all_rows = torch.cat(rows)
-    first = int(all_rows[0])
-    contiguous = torch.equal(all_rows, torch.arange(first, first + len(all_rows)))
-
-    def starts(counts: list[int]) -> torch.Tensor:
-        return torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-
-    return LoneBatch(
-        rows=slice(first, first + len(all_rows)) if contiguous else all_rows.to(device),
-        key_slots=torch.cat(slots).to(device),
-        key_offsets=torch.cat(offsets).to(device),
-        cu_q=starts(n_q),
-        cu_k=starts(n_k),
-        max_q=max(n_q),
-        max_k=max(n_k),
-    )
 
 
 def plan_groups(
@@ -279,6 +230,7 @@ def _shared(
         mask=mask.to(device),
         real=(qidx.view(-1) != R).nonzero().view(-1).to(device),
         positions=torch.cat([torch.arange(sp.start, sp.start + sp.count) for sp in members]).to(device),
+        members=members,
     )
 
 
@@ -429,7 +381,7 @@ def prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
     lone: LoneSpans | None = None,
-    varlen: LoneBatch | None = None,
+    varlen: VarlenWave | None = None,
 ) -> None:
     """out[rows] = attention of the wave's new tokens over their paths: q `[rows, q_heads, d]`,
     k, v `[rows, kv_heads, d]` (the new tokens' own K/V, also already written to the pool).
@@ -438,8 +390,9 @@ def prefill_attention(
     sliding window); softcap > 0: scaled scores s become softcap * tanh(s / softcap).
     lone: the lone groups as one product (lone_spans(groups)), where they are read in place: the
     same bits as one call each, in one OpenMP region instead of one a sequence.
-    varlen: the lone groups as one variable-length product (lone_batch(groups)), the way off the
-    CPU, in layers without a window or a cap (which the fused kernels do not take)."""
+    varlen: the lone groups, and where planned the shared groups, as variable-length products
+    (varlen.plan_wave), the way off the CPU, in layers without a window or a cap (which the fused
+    kernels do not take)."""
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0 (0: off), got {window} and {softcap}")
     if q.dtype == torch.float16 and pool.dtype == torch.float32 and q.device.type == "cpu":
@@ -457,8 +410,8 @@ def prefill_attention(
         native().causal_attention(q, pool.k[layer], pool.v[layer], lone.slots, lone.spans, scale, out, window, softcap)
         groups = [g for g in groups if g.key_idx is not None]
     elif varlen is not None and not window and not softcap:
-        _lone_batch_product(varlen, layer, q, pool, scale, out)
-        groups = [g for g in groups if g.key_idx is not None]
+        wave_attention(varlen, layer, q, pool, scale, out)
+        groups = [] if varlen.groups else [g for g in groups if g.key_idx is not None]
     for g in groups:
         a_b = g.contiguous
         if g.key_idx is None and in_place:
@@ -498,63 +451,6 @@ def prefill_attention(
             out[a_b[0] : a_b[1]] = o
         else:
             out[g.rows] = o.to(out.dtype)
-
-
-def _lone_batch_product(
-    lb: LoneBatch, layer: int, q: torch.Tensor, pool: ChunkPool, scale: float, out: torch.Tensor
-) -> None:
-    """out[lb.rows]: every lone sequence over its whole path, in one gather and one product."""
-    # Advanced indices on either side of sliced dims put the keys first: [total_k, kv_heads, d],
-    # as the variable-length kernels take them, in one index kernel each from the pool's layouts.
-    k = pool.k[layer][lb.key_slots, :, :, lb.key_offsets].to(q.dtype)
-    v = pool.v[layer][lb.key_slots, :, lb.key_offsets].to(q.dtype)
-    out[lb.rows] = varlen_causal_attention(q[lb.rows], k, v, lb, scale).to(out.dtype)
-
-
-def varlen_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lb: LoneBatch, scale: float
-) -> torch.Tensor:
-    """Sequence i's queries q[cu_q[i]:cu_q[i + 1]] over its keys k, v[cu_k[i]:cu_k[i + 1]],
-    causally, its last query on its last key: q `[total_q, Hq, d]`, k, v `[total_k, Hk, d]` (Hq a
-    multiple of Hk), out `[total_q, Hq, d]` in q's dtype. No sequence's rows depend on another's:
-    each is its own work in the kernels' grids, in the same kernel whatever the batch, and its
-    keys are never split across blocks."""
-    if q.device.type == "cuda":
-        if _flash_varlen(q):
-            # A longest query count of 1 would send the whole batch down the kernel's decode path
-            # (other tiles, other bits), so a one-token sequence's rows would follow its batch:
-            # the count only sizes the grid, and 2 sizes it as 1 does.
-            return torch.ops.aten._flash_attention_forward(
-                q, k, v, lb.cu_q, lb.cu_k, max(lb.max_q, 2), lb.max_k, 0.0, True, False, scale=scale, num_splits=1
-            )[0]
-        G = q.shape[1] // k.shape[1]
-        if G > 1:  # the memory-efficient kernel takes one KV head per query head
-            k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-        causal_from_bottom_right = 2
-        return torch.ops.aten._efficient_attention_forward(
-            q[None], k[None], v[None], None, lb.cu_q, lb.cu_k, lb.max_q, lb.max_k, 0.0, causal_from_bottom_right,
-            False, scale=scale,
-        )[0][0]  # fmt: skip
-    # Elsewhere (the tests run the GPU's data flow on the CPU): the same contract, a sequence at a time.
-    out = torch.empty_like(q)
-    cq, ck = lb.cu_q.tolist(), lb.cu_k.tolist()
-    for i in range(len(cq) - 1):
-        qi = q[cq[i] : cq[i + 1]].transpose(0, 1)[None]
-        ki, vi = (x[ck[i] : ck[i + 1]].transpose(0, 1)[None] for x in (k, v))
-        out[cq[i] : cq[i + 1]] = fused_attention_lse(qi, ki, vi, scale, causal=True)[0][0].transpose(0, 1)
-    return out
-
-
-def _flash_varlen(q: torch.Tensor) -> bool:
-    """Whether torch's flash kernel takes these queries: fp16 or bf16, heads of a multiple of 8 up to
-    256, an sm80 or newer GPU, a torch built with it."""
-    return (
-        q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] % 8 == 0
-        and q.shape[-1] <= 256
-        and torch.backends.cuda.is_flash_attention_available()
-        and torch.cuda.get_device_capability(q.device) >= (8, 0)
-    )
 
 
 def _gathers_whole_path(q: torch.Tensor) -> bool:

@@ -360,20 +360,24 @@ def test_a_wave_in_pieces_gives_the_bits_of_the_whole_wave(tiny_model, dtype):
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch-invariant", "fast"])
-def test_lone_sequences_in_one_variable_length_product_give_the_same_tokens(llm, batch_invariant):
-    """The GPU's prefill data flow run on the CPU: a wave's lone sequences (every one with
-    batch-invariant numerics; else those with nothing shared cached) gathered from the pool and
-    attended in one variable-length causal product a layer (LoneBatch), instead of the CPU's
-    in-place kernel: the same greedy tokens, over waves mixed into decode steps."""
+def test_a_wave_as_variable_length_products_gives_the_same_tokens(llm, batch_invariant):
+    """The GPU's prefill data flow run on the CPU (kernels/varlen.py): a wave's lone sequences
+    (every one with batch-invariant numerics) in one variable-length causal product a layer over
+    their whole paths, its groups in two (prefix and own parts, merged), instead of the CPU's
+    in-place kernels: the same greedy tokens, over waves mixed into decode steps."""
     from unittest import mock
 
-    from chunkgen.kernels import prefill
+    from chunkgen.kernels import varlen
 
     want, _ = run(with_runner(llm, batch_invariant=batch_invariant), workload())
     engine = with_runner(llm, batch_invariant=batch_invariant)
-    engine.runner.lone_varlen = True
-    varlen = mock.Mock(wraps=prefill.varlen_causal_attention)
-    with mock.patch.object(prefill, "varlen_causal_attention", varlen):
+    engine.runner.prefill_varlen = True
+    products = mock.Mock(wraps=varlen.varlen_attention)
+    with mock.patch.object(varlen, "varlen_attention", products):
         got, _ = run(engine, workload())
     assert got == want
-    assert varlen.call_count > 0 and engine.stats.mixed_steps > 0
+    assert engine.stats.mixed_steps > 0
+    causal = [c.args[3].causal for c in products.call_args_list]
+    prefixes = causal.count(False)  # the groups' prefix products: none where every sequence is lone
+    assert causal.count(True) > 0
+    assert (prefixes == 0) if batch_invariant else (prefixes > 0)

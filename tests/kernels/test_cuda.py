@@ -335,15 +335,20 @@ def test_cuda_prefill_wave_matches_naive(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("alone", [True, False], ids=["every-sequence", "lone-ones"])
-def test_cuda_lone_sequences_in_one_variable_length_product(dtype, alone):
-    """A wave's lone sequences in one gather and one variable-length causal product (torch's flash
-    kernel in fp16 and bf16, its memory-efficient one in fp32) on a GPU pool: against naive
-    attention, and each sequence's rows bit for bit the same when it is batched alone."""
+@pytest.mark.parametrize("alone", [True, False], ids=["every-sequence", "groups-too"])
+def test_cuda_wave_as_variable_length_products(dtype, alone):
+    """A wave on a GPU pool as the engine plans it there (varlen.plan_wave): lone sequences in one
+    variable-length causal product (torch's flash kernel in fp16 and bf16, its memory-efficient
+    one in fp32), groups in two more where flash takes them: against naive attention, and each
+    lone sequence's rows bit for bit the same when it is batched alone."""
     from chunkgen.cache import ChunkPool
-    from chunkgen.kernels.prefill import Group, lone_batch, plan_groups, prefill_attention
+    from chunkgen.kernels.prefill import plan_groups, prefill_attention
+    from chunkgen.kernels.varlen import flash_takes, plan_wave
     from tests.helpers import prefill_reference, random_wave, store_new_tokens
 
+    cuda = torch.device("cuda")
+    with_groups = flash_takes(dtype, 64, cuda)
+    assert with_groups == (dtype != torch.float32)  # an H100 or H200 takes both 16-bit types
     for seed in range(4):
         cpu_pool, spans, rows = random_wave(seed, 6, 16, 3, 64, dtype)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -353,16 +358,15 @@ def test_cuda_lone_sequences_in_one_variable_length_product(dtype, alone):
                          tensors=(cpu_pool.k.cuda(), cpu_pool.v.cuda()))  # fmt: skip
         qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
         out = torch.full((rows, 9, 64), float("nan"), dtype=dtype, device="cuda")
-        groups = plan_groups(spans, 16, dtype, torch.device("cuda"), alone=alone)
-        prefill_attention(groups, 0, qc, kc, vc, pool, 64**-0.5, out, varlen=lone_batch(groups, 16, "cuda"))
+        groups = plan_groups(spans, 16, dtype, cuda, alone=alone)
+        prefill_attention(groups, 0, qc, kc, vc, pool, 64**-0.5, out, varlen=plan_wave(groups, 16, cuda, with_groups))
         want = prefill_reference(q, k, v, cpu_pool, spans, 64**-0.5)
         tol = 1e-3 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
         for g in (g for g in groups if g.key_idx is None):
             a, b = g.contiguous
-            one: list[Group] = [g]
             each = torch.full_like(out, float("nan"))
-            prefill_attention(one, 0, qc, kc, vc, pool, 64**-0.5, each, varlen=lone_batch(one, 16, "cuda"))
+            prefill_attention([g], 0, qc, kc, vc, pool, 64**-0.5, each, varlen=plan_wave([g], 16, cuda, with_groups))
             assert torch.equal(each[a:b], out[a:b]), f"seed {seed}: rows {a}-{b} depend on the batch"
 
 

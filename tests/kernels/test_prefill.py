@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from chunkgen.cache import ChunkPool
 from chunkgen.kernels import invariant
-from chunkgen.kernels.prefill import PrefillSpan, lone_batch, lone_spans, plan_groups, prefill_attention
+from chunkgen.kernels.prefill import PrefillSpan, lone_spans, plan_groups, prefill_attention
+from chunkgen.kernels.varlen import plan_wave
 from tests.helpers import (
     PATHS,
     WINDOW_KINDS,
@@ -448,7 +449,7 @@ def test_a_lone_sequence_off_the_cpu_is_its_whole_path_in_one_product(seed, n_se
     assert torch.allclose(out.double(), want, atol=1e-4, rtol=1e-4), (out.double() - want).abs().max()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     n_seqs=st.integers(1, 8),
@@ -456,16 +457,18 @@ def test_a_lone_sequence_off_the_cpu_is_its_whole_path_in_one_product(seed, n_se
     heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     alone=st.booleans(),
+    with_groups=st.booleans(),
 )
-def test_lone_sequences_off_the_cpu_are_one_variable_length_product(seed, n_seqs, chunk, heads, dtype, alone):
-    """As the GPU runs a wave (lone_batch): its lone sequences (with batch-invariant numerics every
-    sequence; else those that share no full chunk, between the groups' rows) gathered from the
-    pool by one index and attended in one variable-length causal product, each over its whole
-    path and nothing else; the groups as before. Against naive attention, a NaN anywhere in the
-    pool that a sequence does not own, so a key gathered from another's path or past its end shows."""
+def test_a_wave_off_the_cpu_is_a_few_variable_length_products(seed, n_seqs, chunk, heads, dtype, alone, with_groups):
+    """As the GPU runs a wave (varlen.plan_wave): its lone sequences (with batch-invariant numerics
+    every sequence) in one variable-length causal product over their whole paths; its groups
+    (with_groups: as the GPU plans them in fp16 and bf16) in two, every member's rows over the
+    group's prefix and each member over its own part, merged by their log-sum-exp; else the
+    groups one at a time as before. Against naive attention, with NaN wherever the pool holds no
+    token, so a key gathered from another sequence's path or past a run's end shows."""
     from unittest import mock
 
-    from chunkgen.kernels import prefill
+    from chunkgen.kernels import prefill, varlen
 
     hq, hk = heads
     head_dim = 32
@@ -475,30 +478,37 @@ def test_lone_sequences_off_the_cpu_are_one_variable_length_product(seed, n_seqs
     store_new_tokens(pool, spans, k, v)
     out = torch.full((rows, hq, head_dim), float("nan"), dtype=dtype)
     groups = plan_groups(spans, chunk, dtype, q.device, alone=alone)
-    batch = prefill.lone_batch(groups, chunk, q.device)
+    wave = plan_wave(groups, chunk, q.device, with_groups)
     lone = [g for g in groups if g.key_idx is None]
-    assert (batch is None) == (not lone)
-    varlen = mock.Mock(wraps=prefill.varlen_causal_attention)
+    shared = [g for g in groups if g.key_idx is not None]
+    assert (wave is None) == (not lone and not (shared and with_groups))
+    products = mock.Mock(wraps=varlen.varlen_attention)
     whole = mock.Mock(wraps=prefill._whole_path)
+    own = mock.Mock(wraps=prefill._own_parts)
     with (
         mock.patch.object(prefill, "_prefix_in_place", lambda *a: False),
         mock.patch.object(prefill, "_gathers_whole_path", lambda q: True),
-        mock.patch.object(prefill, "varlen_causal_attention", varlen),
+        mock.patch.object(varlen, "varlen_attention", products),
         mock.patch.object(prefill, "_whole_path", whole),
+        mock.patch.object(prefill, "_own_parts", own),
     ):
-        prefill_attention(groups, 0, q, k, v, pool, head_dim**-0.5, out, varlen=batch)
-    assert varlen.call_count == (1 if lone else 0) and whole.call_count == 0
-    if batch is not None:
-        assert batch.cu_q[-1] == sum(g.contiguous[1] - g.contiguous[0] for g in lone)
-        assert batch.cu_k[-1] == sum(g.prefix_len + g.contiguous[1] - g.contiguous[0] for g in lone)
+        prefill_attention(groups, 0, q, k, v, pool, head_dim**-0.5, out, varlen=wave)
+    planned_groups = bool(shared) and with_groups
+    assert products.call_count == bool(lone) + 2 * planned_groups and whole.call_count == 0
+    assert own.call_count == (0 if with_groups else len(shared))
+    if wave is not None and wave.lone is not None:
+        assert wave.lone.cu_q[-1] == sum(g.contiguous[1] - g.contiguous[0] for g in lone)
+        assert wave.lone.cu_k[-1] == sum(g.prefix_len + g.contiguous[1] - g.contiguous[0] for g in lone)
     want = prefill_reference(q, k, v, pool, spans, head_dim**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (out.double() - want).abs().max()
 
 
-def test_a_lone_batch_keeps_its_rows_where_groups_lie_between_them():
-    """Lone sequences around a group of two that share a full chunk: the batch's rows are the lone
-    ones only, in order (an index, not a range), and its keys each sequence's whole path."""
+def test_a_varlen_wave_keeps_each_part_at_its_rows():
+    """Lone sequences around a group of two that share a full chunk: the lone product's rows are
+    the lone ones only, in order (an index, not a range), its keys each one's whole path; the
+    group's prefix run is both members' rows over the shared chunk, its own runs each member's
+    tokens past it."""
     C = 8
     pool = ChunkPool(1, 2, 16, C, torch.float32, budget_bytes=1 << 22)
     shared = pool.allocate()
@@ -509,12 +519,19 @@ def test_a_lone_batch_keeps_its_rows_where_groups_lie_between_them():
         PrefillSpan(C + 1, [shared] + c, 13, 4),
         PrefillSpan(3, d, 17, 2),  # 3 cached tokens of its own chunk: lone, rows 17-18
     ]
-    groups = plan_groups(spans, C, torch.float32, "cpu")
-    batch = lone_batch(groups, C, "cpu")
-    assert batch.rows.tolist() == list(range(10)) + [17, 18]
-    assert batch.cu_q.tolist() == [0, 10, 12] and batch.cu_k.tolist() == [0, 10, 15]
-    assert (batch.max_q, batch.max_k) == (10, 10)
-    assert batch.key_slots.tolist() == [a[0]] * 8 + [a[1]] * 2 + [d[0]] * 5
-    assert batch.key_offsets.tolist() == list(range(8)) + [0, 1] + list(range(5))
-    alone = lone_batch(plan_groups(spans, C, torch.float32, "cpu", alone=True), C, "cpu")
-    assert alone.rows == slice(0, 19) and alone.cu_k.tolist() == [0, 10, 23, 36, 41]
+    wave = plan_wave(plan_groups(spans, C, torch.float32, "cpu"), C, "cpu", with_groups=True)
+    assert wave.lone_rows.tolist() == list(range(10)) + [17, 18]
+    assert wave.lone.cu_q.tolist() == [0, 10, 12] and wave.lone.cu_k.tolist() == [0, 10, 15]
+    assert (wave.lone.max_q, wave.lone.max_k, wave.lone.causal) == (10, 10, True)
+    assert wave.lone.key_slots.tolist() == [a[0]] * 8 + [a[1]] * 2 + [d[0]] * 5
+    assert wave.lone.key_offsets.tolist() == list(range(8)) + [0, 1] + list(range(5))
+    assert wave.group_rows == slice(10, 17)
+    assert wave.prefix.cu_q.tolist() == [0, 7] and wave.prefix.cu_k.tolist() == [0, 8] and not wave.prefix.causal
+    assert wave.prefix.key_slots.tolist() == [shared] * 8
+    assert wave.own.cu_q.tolist() == [0, 3, 7] and wave.own.cu_k.tolist() == [0, 5, 10] and wave.own.causal
+    assert wave.own.key_slots.tolist() == [b[0]] * 5 + [c[0]] * 5
+    assert wave.own.key_offsets.tolist() == [0, 1, 2, 3, 4] * 2
+    alone = plan_wave(plan_groups(spans, C, torch.float32, "cpu", alone=True), C, "cpu", with_groups=True)
+    assert alone.lone_rows == slice(0, 19) and alone.lone.cu_k.tolist() == [0, 10, 23, 36, 41]
+    assert alone.prefix is None and not alone.groups
+    assert plan_wave(plan_groups(spans[1:3], C, torch.float32, "cpu"), C, "cpu", with_groups=False) is None
