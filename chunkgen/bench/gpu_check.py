@@ -360,19 +360,19 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
             label=f"{E2E_MODEL} batch-invariant",
         )
     )  # fmt: skip
-    # Unshared prefill with a wave's lone sequences attended a sequence at a time (as before the
-    # variable-length product), beside the 256-row stage's chunkgen_noshare: what that product saves.
-    out = work / "e2e-256-per-sequence-prefill.json"
+    # Prefill a group (or lone sequence) at a time, as before the variable-length products
+    # (kernels/varlen.py), beside the 256-row stage's chunkgen_noshare and chunkgen: what they save.
+    out = work / "e2e-256-group-by-group-prefill.json"
     stages.append(
         Stage(
-            "bench e2e 256 rows, per-sequence prefill",
+            "bench e2e 256 rows, prefill group by group",
             [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
              "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", "256", "--max-batch", "256",
-             "--kv-memory", E2E_KV_MEMORY, "--systems", "chunkgen_noshare", "--json", str(out)],
+             "--kv-memory", E2E_KV_MEMORY, "--systems", "chunkgen_noshare,chunkgen", "--json", str(out)],
             90,
             out,
             kind="e2e",
-            label=f"{E2E_MODEL} per-sequence prefill",
+            label=f"{E2E_MODEL} prefill group by group",
             env={"CHUNKGEN_PREFILL_VARLEN": "0"},
         )
     )  # fmt: skip

@@ -175,10 +175,10 @@ def test_default_stages_cover_the_issue_grid(tmp_path):
     names = [s.name for s in stages]
     assert names == ["build", "tests/kernels/test_cuda.py", "bench kernel bf16", "bench e2e 32 rows",
                      "bench e2e 256 rows", "bench e2e 256 rows, batch-invariant",
-                     "bench e2e 256 rows, per-sequence prefill", "bench linear bf16"]  # fmt: skip
+                     "bench e2e 256 rows, prefill group by group", "bench linear bf16"]  # fmt: skip
     assert stages[0].env["TORCH_CUDA_ARCH_LIST"] == "9.0" and stages[0].env["CHUNKGEN_CUDA"] == "1"
     by_name = dict(zip(names, stages))
-    assert by_name["bench e2e 256 rows, per-sequence prefill"].env == {"CHUNKGEN_PREFILL_VARLEN": "0"}
+    assert by_name["bench e2e 256 rows, prefill group by group"].env == {"CHUNKGEN_PREFILL_VARLEN": "0"}
     e2e = by_name["bench e2e 256 rows, batch-invariant"].argv
     assert e2e[e2e.index("--n-queries") + 1] == "256" and e2e[e2e.index("--max-batch") + 1] == "256"
     assert all("--device" in s.argv and "cuda" in s.argv for s in stages[2:])
