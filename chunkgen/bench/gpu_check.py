@@ -337,36 +337,22 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
             kind="kernel",
         ),
     ]  # fmt: skip
+
+    def e2e(name: str, rows: int, systems: str, file: str, limit: float, label: str, *extra: str, **stage) -> Stage:
+        """A bench e2e stage on the E2E_MODEL workload at `rows` rows (batch = rows)."""
+        out = work / file
+        argv = [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
+                "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", str(rows), "--max-batch", str(rows),
+                "--kv-memory", E2E_KV_MEMORY, *extra, "--systems", systems, "--json", str(out)]  # fmt: skip
+        return Stage(name, argv, limit, out, kind="e2e", label=label, **stage)
+
     for rows in E2E_ROWS:
-        out = work / f"e2e-{rows}.json"
-        stages.append(
-            Stage(
-                f"bench e2e {rows} rows",
-                [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
-                 "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", str(rows), "--max-batch", str(rows),
-                 "--kv-memory", E2E_KV_MEMORY,
-                 "--systems", E2E_SYSTEMS, "--json", str(out)],
-                120,
-                out,
-                kind="e2e",
-                label=E2E_MODEL,
-            )
-        )  # fmt: skip
+        stages.append(e2e(f"bench e2e {rows} rows", rows, E2E_SYSTEMS, f"e2e-{rows}.json", 120, E2E_MODEL))
     # The cost of batch-invariant numerics on the GPU (off there by default until this is known):
     # chunkgen alone at 256 rows with --batch-invariant on, beside the 256-row stage above.
-    out = work / "e2e-256-invariant.json"
     stages.append(
-        Stage(
-            "bench e2e 256 rows, batch-invariant",
-            [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
-             "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", "256", "--max-batch", "256",
-             "--kv-memory", E2E_KV_MEMORY, "--batch-invariant", "on",
-             "--systems", "chunkgen", "--json", str(out)],
-            90,
-            out,
-            kind="e2e",
-            label=f"{E2E_MODEL} batch-invariant",
-        )
+        e2e("bench e2e 256 rows, batch-invariant", 256, "chunkgen", "e2e-256-invariant.json", 90,
+            f"{E2E_MODEL} batch-invariant", "--batch-invariant", "on")
     )  # fmt: skip
     # The linear layers' part of that cost: cuBLAS against the batch-invariant product per shape.
     out = work / "linear-bf16.json"
@@ -377,20 +363,10 @@ def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
     # Last and optional (it takes only what the budget has left): prefill a group or lone sequence
     # at a time, as before the variable-length products (kernels/varlen.py), beside the 256-row
     # stage's chunkgen_noshare and chunkgen: what they save.
-    out = work / "e2e-256-group-by-group-prefill.json"
     stages.append(
-        Stage(
-            "bench e2e 256 rows, prefill group by group",
-            [*chunkgen, "bench", "e2e", "--device", "cuda", "--dtype", "bf16", "--dummy-weights", E2E_MODEL,
-             "--n-shared", "2048", "--max-new-tokens", "64", "--n-queries", "256", "--max-batch", "256",
-             "--kv-memory", E2E_KV_MEMORY, "--systems", "chunkgen_noshare,chunkgen", "--json", str(out)],
-            90,
-            out,
-            kind="e2e",
-            label=f"{E2E_MODEL} prefill group by group",
-            env={"CHUNKGEN_PREFILL_VARLEN": "0"},
-            optional=True,
-        )
+        e2e("bench e2e 256 rows, prefill group by group", 256, "chunkgen_noshare,chunkgen",
+            "e2e-256-group-by-group-prefill.json", 90, f"{E2E_MODEL} prefill group by group",
+            env={"CHUNKGEN_PREFILL_VARLEN": "0"}, optional=True)
     )  # fmt: skip
     return stages
 

@@ -331,8 +331,8 @@ class ModelRunner:
 
     def _varlen_wave(self, groups: list[Group]) -> VarlenWave | None:
         """The wave's lone sequences as one product, and its groups as two more where the flash
-        kernel takes them (their parts merge by a log-sum-exp, which the fp32 kernel's varlen
-        form keeps padded per run: fp32 groups take the per-group path)."""
+        kernel takes them (their parts merge by a log-sum-exp, read from the flash kernel only:
+        fp32 groups take the per-group path)."""
         dev, m = self.device, self.model
         with_groups = dev.type != "cuda" or flash_takes(m.dtype, m.head_dim, dev)
         return plan_wave(groups, self.pool.chunk_size, dev, with_groups)

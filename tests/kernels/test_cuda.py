@@ -311,22 +311,32 @@ def test_cuda_fused_attention_lse_matches_float64(dtype, kind):
     torch.testing.assert_close(lse.cpu().double(), want_lse, atol=tol, rtol=tol)
 
 
+def _cuda_wave(seed: int, dtype: torch.dtype):
+    """A randomized wave (tests.helpers.random_wave: 6 sequences, chunks of 16, 9 query heads on 3
+    KV heads of 64) with its new K/V stored, its pool copied to the GPU: (cpu_pool, GPU pool, spans,
+    q, k, v on the host)."""
+    from chunkgen.cache import ChunkPool
+    from tests.helpers import random_wave, store_new_tokens
+
+    cpu_pool, spans, rows = random_wave(seed, 6, 16, 3, 64, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q, k, v = (torch.randn(rows, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+    store_new_tokens(cpu_pool, spans, k, v)
+    pool = ChunkPool(1, 3, 64, 16, dtype, budget_bytes=1 << 26, device="cuda",
+                     tensors=(cpu_pool.k.cuda(), cpu_pool.v.cuda()))  # fmt: skip
+    return cpu_pool, pool, spans, q, k, v
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_prefill_wave_matches_naive(dtype):
     """A randomized wave (shared prefixes, own chunks, lone sequences) prefilled on the GPU: the
     prefix gathered from a GPU pool, every product fused, parts merged by their LSE."""
-    from chunkgen.cache import ChunkPool
     from chunkgen.kernels.prefill import plan_groups, prefill_attention
-    from tests.helpers import prefill_reference, random_wave, store_new_tokens
+    from tests.helpers import prefill_reference
 
     for seed in range(4):
-        cpu_pool, spans, rows = random_wave(seed, 6, 16, 3, 64, dtype)
-        gen = torch.Generator().manual_seed(seed + 1)
-        q, k, v = (torch.randn(rows, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
-        store_new_tokens(cpu_pool, spans, k, v)
-        pool = ChunkPool(1, 3, 64, 16, dtype, budget_bytes=1 << 26, device="cuda",
-                         tensors=(cpu_pool.k.cuda(), cpu_pool.v.cuda()))  # fmt: skip
-        out = torch.full((rows, 9, 64), float("nan"), dtype=dtype, device="cuda")
+        cpu_pool, pool, spans, q, k, v = _cuda_wave(seed, dtype)
+        out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
         groups = plan_groups(spans, 16, dtype, torch.device("cuda"))
         prefill_attention(groups, 0, q.cuda(), k.cuda(), v.cuda(), pool, 64**-0.5, out)
         want = prefill_reference(q, k, v, cpu_pool, spans, 64**-0.5)
@@ -341,23 +351,17 @@ def test_cuda_wave_as_variable_length_products(dtype, alone):
     variable-length causal product (torch's flash kernel in fp16 and bf16, its memory-efficient
     one in fp32), groups in two more where flash takes them: against naive attention, and each
     lone sequence's rows bit for bit the same when it is batched alone."""
-    from chunkgen.cache import ChunkPool
     from chunkgen.kernels.prefill import plan_groups, prefill_attention
     from chunkgen.kernels.varlen import flash_takes, plan_wave
-    from tests.helpers import prefill_reference, random_wave, store_new_tokens
+    from tests.helpers import prefill_reference
 
     cuda = torch.device("cuda")
     with_groups = flash_takes(dtype, 64, cuda)
     assert with_groups == (dtype != torch.float32)  # an H100 or H200 takes both 16-bit types
     for seed in range(4):
-        cpu_pool, spans, rows = random_wave(seed, 6, 16, 3, 64, dtype)
-        gen = torch.Generator().manual_seed(seed + 1)
-        q, k, v = (torch.randn(rows, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
-        store_new_tokens(cpu_pool, spans, k, v)
-        pool = ChunkPool(1, 3, 64, 16, dtype, budget_bytes=1 << 26, device="cuda",
-                         tensors=(cpu_pool.k.cuda(), cpu_pool.v.cuda()))  # fmt: skip
+        cpu_pool, pool, spans, q, k, v = _cuda_wave(seed, dtype)
         qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
-        out = torch.full((rows, 9, 64), float("nan"), dtype=dtype, device="cuda")
+        out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
         groups = plan_groups(spans, 16, dtype, cuda, alone=alone)
         prefill_attention(groups, 0, qc, kc, vc, pool, 64**-0.5, out, varlen=plan_wave(groups, 16, cuda, with_groups))
         want = prefill_reference(q, k, v, cpu_pool, spans, 64**-0.5)
