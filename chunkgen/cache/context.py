@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from chunkgen.cache.tree import Chunk, PrefixTree, SeqId
+from chunkgen.cache.tree import ENTER, ROWS, Chunk, PrefixTree, SeqId
 
 
 def checks_enabled() -> bool:
@@ -191,7 +191,7 @@ class KernelContext:
             tail = paths[seq][-1]
             if tail is not self._tails[row]:  # the tail filled up and a new private chunk began
                 n = int(count[row])
-                if n == width:
+                if n == width or tail.parent is not self._tails[row]:  # no room, or several chunks
                     self.rebuild()
                     return
                 slot[row * width + n] = tail.slot
@@ -201,51 +201,67 @@ class KernelContext:
         self._np_view("priv_last_len")[: len(self.order)] = [len(t.tokens) if t.ref == 1 else 0 for t in self._tails]
 
     def rebuild(self) -> None:
-        """Recompute every array from the tree (what a structure change needs), in place."""
-        tree = self.tree
-        self.order = [s for s in tree.batch_order() if s not in self.excluded]
-        self.row_of = {seq: i for i, seq in enumerate(self.order)}
-        shared_index: dict[int, int] = {}
+        """Recompute every array from the tree (what a structure change needs), in place. One walk
+        over the live forest (tree.live_forest: its shared chunks and each row's private tail), so
+        Python touches each live chunk once; the rows' lists of shared chunks, the bulk of the
+        arrays (rows x shared depth), are laid out by numpy from each chunk's run of rows."""
+        excluded = self.excluded
+        order: list[SeqId] = []
+        privates: list[list[Chunk]] = []  # per row, its private chunks
         shared: list[Chunk] = []
         begin: list[int] = []
         end: list[int] = []
-        seq_ptr = [0]
-        seq_idx: list[int] = []
-        private: list[list[int]] = []
-        tails: list[Chunk] = []
-        for row, seq in enumerate(self.order):
-            path = tree.paths[seq]
-            mine: list[int] = []
-            for chunk in path:
-                if chunk.ref > 1:
-                    c = shared_index.get(id(chunk))
-                    if c is None:
-                        c = shared_index[id(chunk)] = len(shared)
+        depth: list[int] = []  # a shared chunk's place in its rows' lists (shared ancestors above it)
+        opened: list[int] = []  # the walk's shared chunks that some row reads: their indices
+        pending: list[Chunk] = []  # the walk's shared chunks under which no row was read yet
+        for kind, item in self.tree.live_forest().walk():
+            if kind is ROWS:
+                if excluded:
+                    item = [r for r in item if r[0] not in excluded]
+                    if not item:
+                        continue
+                if pending:  # the first row under them: their runs start here
+                    row = len(order)
+                    for chunk in pending:
+                        depth.append(len(opened))
+                        opened.append(len(shared))
                         shared.append(chunk)
                         begin.append(row)
                         end.append(row)
-                    end[c] = row + 1
-                    seq_idx.append(c)
-                else:
-                    mine.append(chunk.slot)
-            seq_ptr.append(len(seq_idx))
-            private.append(mine)
-            tails.append(path[-1])
-        B = len(self.order)
+                    pending.clear()
+                order.extend(seq for seq, _ in item)
+                privates.extend(mine for _, mine in item)
+            elif kind is ENTER:
+                pending.append(item)
+            elif pending:
+                pending.pop()  # no row of this step reads it
+            else:
+                end[opened.pop()] = len(order)
+        self.order = order
+        self.row_of = {seq: i for i, seq in enumerate(order)}
+        paths = self.tree.paths
+        tails = [paths[seq][-1] for seq in order]
+        n_private = [len(m) for m in privates]
+        private = [c.slot for m in privates for c in m]
+        B, S = len(order), len(shared)
+        b = np.asarray(begin, dtype=np.int64)
+        runs = np.asarray(end, dtype=np.int64) - b  # rows each shared chunk covers
+        run_end = np.cumsum(runs)
+        pairs = int(run_end[-1]) if S else 0  # (row, shared chunk) entries of seq_shared_idx
         self.rows = self._rows_for(B)
         rows_cap, width_cap, shared_cap, index_cap = self._caps
-        need_width = max((len(p) for p in private), default=0) + 4  # room to grow before a rebuild
+        need_width = max(n_private, default=0) + 4  # room to grow before a rebuild
         caps = (
             max(rows_cap, self.rows if self.buckets is None else self.buckets[-1]),
             max(width_cap, _pow2(need_width, 8)),
-            max(shared_cap, _pow2(len(shared), 8)),
-            max(index_cap, _pow2(len(seq_idx), 16)),
+            max(shared_cap, _pow2(S, 8)),
+            max(index_cap, _pow2(pairs, 16)),
         )
         if caps != self._caps:
             self._allocate(*caps)
         else:
             self._np[self._hot_len :] = 0
-        rows, width, S = self.rows, self._caps[1], len(shared)
+        rows, width = self.rows, self._caps[1]
         pad = self.scratch_slot if self.scratch_slot is not None else 0
         self._np_view("write_slot")[B:] = pad
         self._np_view("write_offset")[B:] = 0
@@ -256,23 +272,34 @@ class KernelContext:
         self._np_view("shared_begin")[:S] = begin
         self._np_view("shared_end")[:S] = end
         part_off = self._np_view("part_off")
-        part_off[1 : S + 1] = np.cumsum(np.asarray(end, dtype=np.int64) - np.asarray(begin, dtype=np.int64))
-        part_off[S + 1 :] = part_off[S]
+        part_off[1 : S + 1] = run_end
+        part_off[S + 1 :] = pairs
         ptr = self._np_view("seq_shared_ptr")
-        ptr[: B + 1] = seq_ptr
-        ptr[B + 1 : rows + 1] = len(seq_idx)  # padded rows list no shared chunk
-        self._np_view("seq_shared_idx")[: len(seq_idx)] = seq_idx
-        slot = self._np_view("priv_slot")
+        ptr[0] = 0
+        # a row's shared chunks: those whose runs have begun by it, less those that have ended
+        edges = np.bincount(b, minlength=B + 1) - np.bincount(b + runs, minlength=B + 1)
+        ptr[1 : B + 1] = np.cumsum(np.cumsum(edges[:B]))
+        ptr[B + 1 : rows + 1] = pairs  # padded rows list no shared chunk
+        if pairs:
+            # Chunk c lists itself for rows begin[c].. at depth[c] of each row's list.
+            chunk_of = np.repeat(np.arange(S, dtype=np.int32), runs)
+            row_of = np.repeat(b - (run_end - runs), runs) + np.arange(pairs)
+            at = ptr[:B][row_of] + np.repeat(np.asarray(depth, dtype=np.int64), runs)
+            self._np_view("seq_shared_idx")[at] = chunk_of
         count = self._np_view("priv_count")
         count[:] = 0
-        for row, mine in enumerate(private):
-            slot[row * width : row * width + len(mine)] = mine
-            count[row] = len(mine)
+        count[:B] = n_private
+        if private:
+            n = np.asarray(n_private, dtype=np.int64)
+            first = np.cumsum(n) - n  # where each row's slots start in `private`
+            row_of = np.repeat(np.arange(B, dtype=np.int64), n)
+            at = row_of * width + np.arange(len(private)) - np.repeat(first, n)
+            self._np_view("priv_slot")[at] = private
         self._np_view("priv_last_len")[:] = 0
-        self._np_view("priv_last_len")[:B] = [len(t.tokens) if p else 0 for t, p in zip(tails, private)]
+        self._np_view("priv_last_len")[:B] = [len(t.tokens) if n else 0 for t, n in zip(tails, n_private)]
         self.shared_chunks = shared
         self._tails = tails
-        self.version = tree.version
+        self.version = self.tree.version
         self.rebuilds += 1
         self._cold_dirty = True
         if checks_enabled():

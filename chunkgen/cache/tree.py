@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from chunkgen.cache.pool import ChunkPool, PoolExhausted
 
@@ -70,6 +70,40 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 # identical siblings exist, e.g. a chunk still being prefilled and its ready twin, or no sharing).
 _Key = tuple[int, tuple[int, ...]]
 _Index = dict[_Key, dict[Chunk, None]]
+
+
+ENTER, LEAVE, ROWS = "enter", "leave", "rows"  # LiveForest.walk's events
+Row = tuple[SeqId, list[Chunk]]  # a live sequence and its private chunks (its path's tail)
+
+
+class LiveForest(NamedTuple):
+    """PrefixTree.live_forest: for the root and each shared live chunk (by id), `ends` the
+    sequences whose path ends there, and `below` what hangs under it in the order the paths first
+    reach it: shared children (Chunk) and runs of sequences that go on alone (lists of Row)."""
+
+    root: Chunk
+    ends: dict[int, list[Row]]
+    below: dict[int, list[Chunk | list[Row]]]
+
+    def walk(self) -> Iterator[tuple[str, Chunk | list[Row]]]:
+        """The forest depth first, as events: (ENTER, chunk) and (LEAVE, chunk) around a shared
+        chunk's subtree, and (ROWS, rows) for its sequences, in leaf order: every shared chunk's
+        rows come between its ENTER and its LEAVE. Runs of rows come whole, so a caller's work
+        per row can be one list operation over the run."""
+        stack: list = list(reversed(self.below.get(id(self.root), ())))
+        while stack:
+            item = stack.pop()
+            if type(item) is list:
+                yield ROWS, item
+            elif type(item) is tuple:  # (chunk,): its subtree is done
+                yield LEAVE, item[0]
+            else:
+                yield ENTER, item
+                ending = self.ends.get(id(item))
+                if ending:
+                    yield ROWS, ending
+                stack.append((item,))
+                stack.extend(reversed(self.below.get(id(item), ())))
 
 
 class PrefixTree:
@@ -331,27 +365,47 @@ class PrefixTree:
         path = self.paths[seq]
         return [path[p // C].slot for p in range(start, end)], [p % C for p in range(start, end)]
 
+    def live_forest(self) -> LiveForest:
+        """The live sequences' paths as a forest of their shared chunks (ref > 1), each sequence
+        hung from the deepest one with its private chunks (ref 1, always the path's tail: a ref
+        never grows downwards). A path is walked from its tail up to the first chunk already
+        seen, so the cost is the live chunks' count, not the paths' lengths."""
+        root = self.root
+        ends: dict[int, list[Row]] = {}
+        below: dict[int, list[Chunk | list[Row]]] = {}
+        seen: set[int] = {id(root)}
+        last, run = None, []  # the previous sequence's anchor, and the run of rows it joined
+        for seq, path in self.paths.items():
+            i = len(path)
+            while i and path[i - 1].ref == 1:
+                i -= 1
+            anchor = path[i - 1] if i else root
+            if i == len(path):
+                ends.setdefault(id(anchor), []).append((seq, []))
+                last = None
+            elif anchor is last:  # nothing hung there since: the same run, the chunks above seen
+                run.append((seq, path[i:]))
+                continue
+            else:
+                under = below.setdefault(id(anchor), [])
+                if under and type(under[-1]) is list:  # the run of rows hung there last
+                    run = under[-1]
+                else:
+                    run = []
+                    under.append(run)
+                run.append((seq, path[i:]))
+                last = anchor
+            node = anchor
+            while id(node) not in seen:
+                seen.add(id(node))
+                below.setdefault(id(node.parent), []).append(node)
+                node = node.parent
+        return LiveForest(root, ends, below)
+
     def batch_order(self) -> list[SeqId]:
         """Live sequences in leaf (DFS) order: every chunk covers a contiguous run of them.
-        Walks the live paths only, so the cached chunks beside them cost nothing."""
-        ending: dict[int, list[SeqId]] = {}
-        live: dict[int, list[Chunk]] = {}  # id(chunk) -> its children that live sequences read
-        seen: set[int] = set()
-        for seq, path in self.paths.items():
-            ending.setdefault(id(path[-1]), []).append(seq)
-            parent = self.root
-            for chunk in path:
-                if id(chunk) not in seen:
-                    seen.add(id(chunk))
-                    live.setdefault(id(parent), []).append(chunk)
-                parent = chunk
-        order: list[SeqId] = []
-        stack = list(reversed(live.get(id(self.root), ())))
-        while stack:
-            node = stack.pop()
-            order.extend(ending.get(id(node), ()))
-            stack.extend(reversed(live.get(id(node), ())))
-        return order
+        Walks the live chunks only, so the cached chunks beside them cost nothing."""
+        return [seq for kind, item in self.live_forest().walk() if kind is ROWS for seq, _ in item]
 
     def iter_chunks(self) -> Iterator[Chunk]:
         stack = list(self.root.children)
