@@ -301,6 +301,29 @@ class PrefixTree:
         self.lengths[seq] += 1
         return slot, offset, kind
 
+    def append_all(self, seqs: Sequence[SeqId], tokens: Sequence[int], out: dict[SeqId, tuple[int, int]]) -> int:
+        """append(seqs[i], tokens[i]) for each in turn, its (slot, offset) put in `out`, until one
+        finds no chunk: returns how many were appended (fewer than len(seqs): the next one raised
+        PoolExhausted and changed nothing). A decode step's common case, a private tail with room,
+        is done inline: one step of 256 rows is 256 of these."""
+        paths, lengths, grown, C = self.paths, self.lengths, self._grown, self.chunk_size
+        for i, seq in enumerate(seqs):
+            tail = paths[seq][-1]
+            n = len(tail.tokens)
+            if n < C and tail.ref == 1:
+                if tail not in grown:
+                    grown[tail] = n
+                tail.tokens.append(tokens[i])
+                lengths[seq] += 1
+                out[seq] = (tail.slot, n)
+                continue
+            try:
+                slot, offset, _ = self.append(seq, tokens[i])
+            except PoolExhausted:
+                return i
+            out[seq] = (slot, offset)
+        return len(seqs)
+
     # -- leaves ------------------------------------------------------------------------------
     def remove(self, seq: SeqId) -> None:
         """Drop a sequence. Chunks no other sequence reads stay as cache when sharing is on and

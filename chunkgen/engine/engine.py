@@ -502,8 +502,7 @@ class Engine:
         self.stats.generated_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(entry)
-        p = seq.params
-        out = seq.output
+        p = seq.request.params
         m = seq.matcher
         # Consumed here only: a preempted sequence recomputes its K/V, never its tokens.
         if m is not None and not m.consume_token(token):  # the mask allowed it: a bug, not the model's
@@ -519,21 +518,24 @@ class Engine:
         elif p.stop:  # decoded a few tokens at a time; only new text is searched
             seq.detok = seq.detok or IncrementalDetokenizer(self.tokenizer, p.stop)
             _, hit = seq.detok.add(token)
-            if not hit and (len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context):
+            if not hit and (
+                len(seq.tokens) - seq.num_prompt >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context
+            ):
                 _, hit = seq.detok.finish()  # text held back mid-character may end in a stop string
             if hit:  # the text ends before the stop string, token_ids with the last token wholly before it
                 seq.finish_reason, seq.text = "stop", seq.detok.text
-                cut = len(out) - seq.detok.num_tokens
+                cut = len(seq.tokens) - seq.num_prompt - seq.detok.num_tokens
                 del seq.tokens[seq.num_prompt + seq.detok.num_tokens :]
                 if seq.logprobs is not None:
                     del seq.logprobs[seq.detok.num_tokens :]
                 if m is not None and cut:
                     m.rollback(cut)  # so whether the answer satisfies its constraint is judged on what is kept
                 return
-        if seq.finish_reason is None and (len(out) >= p.max_new_tokens or len(seq.tokens) >= self.model.max_context):
+        n = len(seq.tokens)
+        if seq.finish_reason is None and (n - seq.num_prompt >= p.max_new_tokens or n >= self.model.max_context):
             seq.finish_reason = "length"
         if seq.finish_reason:
-            seq.text = self.tokenizer.decode(out, skip_special_tokens=True)
+            seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
 
     def _release(self, seq: Sequence) -> None:
         if seq.matcher is not None:

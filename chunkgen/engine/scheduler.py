@@ -275,32 +275,25 @@ class Scheduler:
         recompute; the oldest always progresses, so preemption cannot ping-pong. A sequence that
         is the only one left and still gets no chunk has outgrown the whole budget: it ends with
         "length"."""
-        gone: set[int] = set()
-        for seq in decoding:  # oldest first, so victims (youngest) never appended yet
-            if seq.seq_id in gone:
-                continue
-            while True:
-                try:
-                    slot, offset, _ = self.tree.append(seq.seq_id, seq.tokens[-1])
-                except PoolExhausted:
-                    if batch.prefill:
-                        self._requeue(batch.prefill)
-                        batch.prefill = []
-                        continue
-                    if len(self.running) == 1:
-                        self._remove(seq)
-                        seq.finish_reason = "length"
-                        batch.ended.append(seq)
-                        break
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    gone.add(victim.seq_id)
-                    batch.preempted += 1
-                    if victim is seq:
-                        break
-                    continue
-                batch.slots[seq.seq_id] = (slot, offset)
+        rest = decoding  # oldest first, so victims (youngest) never appended yet
+        while rest:
+            done = self.tree.append_all([s.seq_id for s in rest], [s.tokens[-1] for s in rest], batch.slots)
+            if done == len(rest):
                 break
+            rest = rest[done:]  # rest[0] found no chunk: tried again unless it leaves
+            if batch.prefill:
+                self._requeue(batch.prefill)
+                batch.prefill = []
+            elif len(self.running) == 1:
+                self._remove(rest[0])
+                rest[0].finish_reason = "length"
+                batch.ended.append(rest[0])
+                rest = rest[1:]
+            else:
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted += 1
+                rest = [s for s in rest if s is not victim]
         batch.decode = [s for s in self.running if s.seq_id in batch.slots]
 
     def _requeue(self, wave: list[Admission]) -> None:

@@ -444,3 +444,44 @@ def check_pool_write_and_gather(dtype: torch.dtype, device: str) -> None:
     with pytest.raises(ValueError, match="do not fit"):
         pool.gather(0, path, 25)
     assert torch.equal(pool.gather(1, path, n)[0], gk)  # nothing written, the device still usable
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 120), st.booleans()), min_size=1, max_size=8),
+    steps=st.integers(1, 60),
+    slots=st.sampled_from([12, 16, 4096]),
+)
+def test_append_all_is_append_one_by_one(prompts, steps, slots):
+    """The decode step's batched append against append() in a loop, on twin trees: the same
+    positions, the same tokens in the same chunks, and where the pool runs out, the same sequence
+    stopped at with nothing of it changed."""
+    bases = [[1, 2, 3] * 40, [4, 5] * 60, [2] * 120, [1, 2, 3] * 20 + [9] * 60]
+    twins = []
+    for _ in range(2):
+        tree = PrefixTree(make_pool(16, slots))
+        for i, (which, n, own) in enumerate(prompts):  # without a token of its own: a shared tail
+            try:
+                tree.insert(i, bases[which][:n] + ([50 + i] if own else []))
+            except PoolExhausted:
+                break
+            tree.mark_ready(i)
+        twins.append(tree)
+    one, many = twins
+    seqs = list(one.paths)
+    for step in range(steps):
+        tokens = [7 + step + s % 2 for s in seqs]
+        want: dict = {}
+        for s, t in zip(seqs, tokens):
+            try:
+                want[s] = one.append(s, t)[:2]
+            except PoolExhausted:
+                break
+        got: dict = {}
+        assert many.append_all(seqs, tokens, got) == len(want)
+        assert got == want
+        for s in seqs:
+            assert many.tokens(s) == one.tokens(s) and many.slots(s) == one.slots(s)
+        many.check()
+        if len(want) < len(seqs):
+            break
