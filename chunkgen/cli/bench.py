@@ -241,7 +241,8 @@ def bench_step(
     r["machine"] = ceilings
     stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
-                 f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}")
+                 f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}"
+                 f" ({r['engine_cpu_ms']:.2f} ms of it the engine thread's CPU time)")
     stdout.print(step_table(r, ceilings))
     if json_out:
         floor = bench.host_floor_engine(llm.tokenizer)

@@ -30,4 +30,5 @@ def test_step_profile_counts_quantized_products(tiny_model):
 
     assert r["linear_gflop"] * 1e9 == pytest.approx(2 * len(prompts) * sum(weights(w) for w in linears))
     assert 0 < r["linear_ms"] <= r["step_ms"]
+    assert 0 < r["engine_cpu_ms"] <= r["step_ms"]  # one thread's CPU time within the steps' wall time
     assert 0 < r["prefill_linear_s"] <= r["prefill_s"]
