@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from chunkgen._native import native
@@ -299,30 +300,31 @@ class ModelRunner:
 
     def prepare_prefill(self, items: list[PrefillItem]) -> PrefillStep:
         C = self.pool.chunk_size
-        ids, positions, w_slots, w_offs, w_rows, spans = [], [], [], [], [], []
+        spans, ids, positions, w_slots, w_offs, w_rows = [], [], [], [], [], []
         row = 0
+        # numpy per item, not Python per token: a wave of 64 fresh 2,112-token prompts is 135k rows
         for it in items:
             n = len(it.tokens)
-            ids.extend(it.tokens[it.start :])
-            positions.extend(range(it.start, n))
-            for p in range(max(it.write_from, it.start), n):
-                w_slots.append(it.path_slots[p // C])
-                w_offs.append(p % C)
-                w_rows.append(row + p - it.start)
+            new = np.arange(it.start, n)
+            ids.append(np.asarray(it.tokens[it.start :], dtype=np.int64))
+            positions.append(new)
+            written = new[max(it.write_from, it.start) - it.start :]
+            w_slots.append(np.asarray(it.path_slots, dtype=np.int32)[written // C])
+            w_offs.append(written % C)
+            w_rows.append(written + (row - it.start))
             spans.append(PrefillSpan(it.start, it.path_slots, row, n - it.start))
             row += n - it.start
+        written_rows = sum(len(w) for w in w_rows)
         dev = self.device
         # Usually every new row is written: then K/V go to the pool without a gather first.
-        every_row = w_rows == list(range(row))
+        every_row = written_rows == row
         groups = plan_groups(spans, C, self.model.dtype, dev, alone=self.batch_invariant)
         return PrefillStep(
-            tokens=torch.tensor(ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
-            write_at=self.pool.write_indices(
-                torch.tensor(w_slots, dtype=torch.int32), torch.tensor(w_offs, dtype=torch.int32)
-            ),
-            write_rows=None if every_row else torch.tensor(w_rows, dtype=torch.long, device=dev),
-            writes=bool(w_rows),
+            tokens=_column(ids, np.int64).to(dev),
+            positions=_column(positions, np.int64).to(dev),
+            write_at=self.pool.write_indices(_column(w_slots, np.int32), _column(w_offs, np.int32)),
+            write_rows=None if every_row else _column(w_rows, np.int64).to(dev),
+            writes=written_rows > 0,
             groups=groups,
             logit_rows=[sp.row + sp.count - 1 for sp, it in zip(spans, items) if it.want_logits],
             lone=None if self.prefill_varlen else lone_spans(groups),
@@ -336,6 +338,11 @@ class ModelRunner:
         dev, m = self.device, self.model
         with_groups = dev.type != "cuda" or flash_takes(m.dtype, m.head_dim, dev)
         return plan_wave(groups, self.pool.chunk_size, dev, with_groups)
+
+
+def _column(parts: list[np.ndarray], dtype: type) -> torch.Tensor:
+    """One host tensor of the items' parts, end to end."""
+    return torch.from_numpy(np.concatenate([*parts, np.zeros(0, dtype)]).astype(dtype, copy=False))
 
 
 def _score_spans(items: list[PrefillItem]) -> list[ScoreSpan]:

@@ -381,3 +381,41 @@ def test_a_wave_as_variable_length_products_gives_the_same_tokens(llm, batch_inv
     prefixes = causal.count(False)  # the groups' prefix products: none where every sequence is lone
     assert causal.count(True) > 0
     assert (prefixes == 0) if batch_invariant else (prefixes > 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(1, 3 * CHUNK), st.integers(0, 3 * CHUNK), st.integers(0, 3 * CHUNK)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_a_waves_inputs_are_its_items_token_by_token(llm, shapes):
+    """prepare_prefill lays a wave's inputs out by numpy: held to its items read a token at a time
+    (the new tokens, their positions, where the written ones go and which rows they are)."""
+    runner = llm.new_engine().runner
+    C = runner.pool.chunk_size
+    items, ids, positions, slots, offsets, rows = [], [], [], [], [], []
+    row = 0
+    for i, (n, start, write_from) in enumerate(shapes):
+        start = min(start, n - 1)
+        write_from = min(max(write_from, start), n)  # recomputed tokens before write_from are not stored
+        path = [(7 * i + j) % runner.pool.max_slots for j in range(-(-n // C))]
+        items.append(PrefillItem([100 + i + p for p in range(n)], start, write_from, path))
+        for p in range(start, n):
+            ids.append(100 + i + p)
+            positions.append(p)
+            if p >= write_from:
+                slots.append(path[p // C])
+                offsets.append(p % C)
+                rows.append(row)
+            row += 1
+    step = runner.prepare_prefill(items)
+    assert step.tokens.tolist() == ids and step.positions.tolist() == positions
+    assert step.write_at.slots.tolist() == slots and step.write_at.offsets.tolist() == offsets
+    assert step.writes == bool(rows)
+    assert (step.write_rows is None) == (rows == list(range(row)))
+    if step.write_rows is not None:
+        assert step.write_rows.tolist() == rows
+    assert step.tokens.dtype == step.positions.dtype == torch.long
