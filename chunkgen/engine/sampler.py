@@ -135,9 +135,9 @@ class SamplingBatch:
         self.u_host = host_buffer((len(self.sampled),), torch.float64, device)
         # rows asking for logprobs (engine/logits.py reads them on the device)
         self.logprob_rows = [i for i, p in enumerate(self.params) if p.logprobs is not None]
-        self.logprob_index = (
+        self.logprob_index = (  # None: every row asks, or none (no copy to the device then)
             None
-            if len(self.logprob_rows) == len(self.params)
+            if len(self.logprob_rows) in (0, len(self.params))
             else torch.tensor(self.logprob_rows, dtype=torch.long, device=device)
         )
         self.max_logprobs = max((self.params[i].logprobs or 0 for i in self.logprob_rows), default=0)
