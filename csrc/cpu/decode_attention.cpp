@@ -186,7 +186,7 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
         const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);
         if (next_lo < next_hi) ahead = NextChunkLines(p, h, ChunkRef{ws.chunk_slot[next_lo], ws.chunk_len[next_lo], 0});
       }
-      own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, bsc, ahead);
+      own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, isa == Isa::Amx, bsc, ahead);
       continue;
     }
 #endif
@@ -242,7 +242,7 @@ inline void chunk_first_phase(const DecodeProblem& p, Workspace& ws, Isa isa, Sc
     for (size_t level = 0; level + 1 < ws.level_ptr.size(); ++level)
 #pragma omp for schedule(dynamic, 1)
       for (int it = ws.level_ptr[level]; it < ws.level_ptr[level + 1]; ++it)
-        shared_item_bf16_invariant<Q>(p, ws, ws.shared_items[it], bsc);
+        shared_item_bf16_invariant<Q>(p, ws, ws.shared_items[it], isa == Isa::Amx, bsc);
     return;
   }
   if (isa != Isa::Fp32) {
@@ -289,10 +289,10 @@ template <typename T, typename Q>
 void run(DecodeProblem p, Isa isa) {
   const double t0 = omp_get_wtime();
   // Batch-invariant: both phases run each row's arithmetic chunk by chunk, the same in either (bf16
-  // K/V: AVX512_BF16 products, AMX's tiles being another order of sums; fp32 K/V: the fp32 path);
-  // with a window, every row reads its chunks itself (a window's rows of a shared chunk need not nest).
-  if (p.invariant && isa == Isa::Amx) isa = Isa::Avx512Bf16;
+  // K/V: the same bf16 products, AMX's tiles where the CPU has them; fp32 K/V: the fp32 path); with
+  // a window, every row reads its chunks itself (a window's rows of a shared chunk need not nest).
   if (p.invariant && p.window > 0) p.chunk_first = false;
+  const bool invariant_tiles = p.invariant && isa == Isa::Amx && sizeof(T) == 2;
   const int nthreads = omp_get_max_threads();
   Workspace& ws = workspace();
   int block = 1;  // chunks the bf16 path multiplies at once
@@ -323,6 +323,10 @@ void run(DecodeProblem p, Isa isa) {
 #pragma omp parallel
   {
     thread_local Scratch sc;
+#if defined(CHUNKGEN_HAVE_AMX)
+    static const bf16::TileConfig tile_config;
+    if (invariant_tiles) _tile_loadconfig(&tile_config);  // both phases' products; per thread
+#endif
     chunk_first_phase<T, Q>(p, ws, isa, sc);
 #pragma omp master
     t2 = omp_get_wtime();
@@ -335,6 +339,9 @@ void run(DecodeProblem p, Isa isa) {
     if (segments)
 #pragma omp for schedule(static)
       for (int row = 0; row < out_rows; ++row) merge_segments<Q>(p, ws, sc, row);
+#if defined(CHUNKGEN_HAVE_AMX)
+    if (invariant_tiles) _tile_release();
+#endif
   }
   const double t4 = omp_get_wtime();
   clock.plan_s += t1 - t0;

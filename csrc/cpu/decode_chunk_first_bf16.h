@@ -283,8 +283,10 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 // carried as they are), so a row's bits do not depend on the rows beside it or on where its path
 // is cut into shared groups. chunk(i) gives chunk i's (slot, valid tokens, first position), span(i,
 // r) the tokens [lo, len) of it row r reads (its window's first token; a causal row's last). A
-// chunk a row reads none of leaves its state as it was, bit for bit. Always the AVX512_BF16
-// products (AMX's tiles are another order of sums).
+// chunk a row reads none of leaves its state as it was, bit for bit. amx: the products on AMX tiles
+// (the caller has loaded bf16::TileConfig on this thread), rows padded to whole tiles of 16, else on
+// AVX512_BF16's dot products. Either way a row's sums are its own (a tile's row reads only its own
+// row of A), but the two are other orders of sums: every caller in a process takes the same one.
 struct ChunkRef {
   int64_t slot;
   int len, pos;
@@ -346,14 +348,15 @@ struct NextChunkLines {
 // chunk, a share per softmax row (phase 2: the next row's first chunk).
 template <typename Q, typename ChunkAt, typename SpanAt>
 void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
-                        SpanAt span, Bf16Scratch& sc, bool prefetch_next = false,
+                        SpanAt span, Bf16Scratch& sc, bool amx, bool prefetch_next = false,
                         const NextChunkLines& ahead = NextChunkLines()) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
-  // The products' register blocks: 8 rows, or 4 for a row's own chunks in phase 2 (one sequence's
-  // query heads, 3 in a GQA group of 3: fewer padding rows).
-  const int R = (b1 - b0) * G, Rp = bf16::round_up(R, R <= 4 ? 4 : 8);
-  const auto gemm = R <= 4 ? bf16::gemm_dpbf16<4> : bf16::gemm_dpbf16<8>;
+  // The products' row blocks: AMX's tiles of 16; on dot products register blocks of 8 rows, or 4
+  // for a row's own chunks in phase 2 (one sequence's query heads, 3 in a GQA group of 3: fewer
+  // padding rows).
+  const int R = (b1 - b0) * G, Rp = bf16::round_up(R, amx ? 16 : R <= 4 ? 4 : 8);
+  const Gemm gemm = amx ? bf16::gemm_for(true) : R <= 4 ? bf16::gemm_dpbf16<4> : bf16::gemm_dpbf16<8>;
   grow(sc.kp, packed_chunk_elems(p));  // one chunk's K^T and V, packed
   grow(sc.q, static_cast<size_t>(Rp) * dp);
   grow(sc.o, static_cast<size_t>(Rp) * d);
@@ -414,7 +417,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
 
 // Phase 1, batch-invariant: item w's rows continue their states over its shared group.
 template <typename Q>
-void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const SharedItem& w, Bf16Scratch& sc) {
+void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const SharedItem& w, bool amx, Bf16Scratch& sc) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
   continue_rows_bf16<Q>(
       p, ws, w.begin, w.end, w.head, w.level > 0, w.last - w.first,
@@ -426,7 +429,7 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
         const int c = ws.group_chunks[w.first + i], n = p.shared_len[c];
         return std::pair<int, int>(p.window > 0 ? window_lo(ws, w.begin + r / G, ws.shared_pos[c], n) : 0, n);
       },
-      sc, true);
+      sc, amx, true);
   for (int r = 0; r < (w.end - w.begin) * G; ++r) {
     const size_t at = static_cast<size_t>(w.begin + r / G) * Hq + w.head * G + r % G;
     std::memcpy(ws.part_o.data() + at * d, sc.o.data() + static_cast<size_t>(r) * d, sizeof(float) * d);
@@ -439,7 +442,7 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
 // own chunks [lo, hi) and is written out.
 template <typename Q>
 void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int h, bool resume, int lo, int hi,
-                               Bf16Scratch& sc, const NextChunkLines& ahead = NextChunkLines()) {
+                               bool amx, Bf16Scratch& sc, const NextChunkLines& ahead = NextChunkLines()) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim;
   continue_rows_bf16<Q>(
       p, ws, b, b + 1, h, resume, hi - lo,
@@ -451,7 +454,7 @@ void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int
         return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i], 0};
       },
       [&](int i, int) { return std::pair<int, int>(p.window > 0 ? ws.chunk_lo[lo + i] : 0, ws.chunk_len[lo + i]); }, sc,
-      false, ahead);
+      amx, false, ahead);
   Q* out = static_cast<Q*>(p.out);
   for (int g = 0; g < G; ++g) {
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.lv.data() + static_cast<size_t>(g) * 16));

@@ -161,7 +161,8 @@ constexpr int kBf16CausalRows = 192;
 // item's other rows, the wave or whether the prefix was cached). With a window the item starts at
 // the chunk its first row's window starts in, each row's tokens from its own window's start (a
 // chunk a row reads none of leaves its state as it was, bit for bit); soft-capping as in decode.
-void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, int blk, int h, decode::Bf16Scratch& sc) {
+void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, int blk, int h, bool amx,
+                      decode::Bf16Scratch& sc) {
   const int G = sh.G(), d = sh.d, C = sh.C, Hq = sh.Hq;
   const int per_item = std::max(1, kBf16CausalRows / G);
   const int r0 = blk * per_item, r1 = std::min(pr.R, r0 + per_item);
@@ -190,7 +191,7 @@ void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, in
         const int len = static_cast<int>(std::clamp<int64_t>(pos - c * C + 1, 0, n));
         return std::pair<int, int>(chunk_lo(sh, pos, c, len), len);
       },
-      sc);
+      sc, amx);
   for (int r = r0; r < r1; ++r)
     for (int g = 0; g < G; ++g) {
       const int s = (r - r0) * G + g;
@@ -244,9 +245,18 @@ void attend_products(const std::vector<Product<T, Q>>& products, const Shape& sh
     if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<Q, uint16_t>) {
       if (bf16) {
         thread_local decode::Bf16Scratch bsc;
+        // the decode kernel's products (decode_attention.cpp), AMX tiles where it takes them
+        const bool amx = current_isa() == Isa::Amx;
+#if defined(CHUNKGEN_HAVE_AMX)
+        static const bf16::TileConfig tile_config;
+        if (amx) _tile_loadconfig(&tile_config);  // per thread
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int it = 0; it < n_items; ++it)
-          attend_item_bf16(products[items[it].product], sh, items[it].blk, items[it].h, bsc);
+          attend_item_bf16(products[items[it].product], sh, items[it].blk, items[it].h, amx, bsc);
+#if defined(CHUNKGEN_HAVE_AMX)
+        if (amx) _tile_release();
+#endif
       }
     }
 #endif
@@ -379,8 +389,8 @@ std::tuple<torch::Tensor, torch::Tensor> prefix_attention(const torch::Tensor& q
                     "prefix_attention: a window or soft-capping needs a causal product (first >= 0)");
   // bf16 K/V: bf16 products on AVX512_BF16 or AMX (in this build and on this CPU, CHUNKGEN_CPU_ISA
   // lowering) for a group's prefix; for a causal product the bf16 products one chunk at a time
-  // (attend_item_bf16, AVX512_BF16); the fp32 products (bf16 read, fp32 arithmetic) for a prefix
-  // with batch-invariant numerics, or where the CPU has no bf16 products.
+  // (attend_item_bf16, the decode kernel's: AMX tiles or AVX512_BF16); the fp32 products (bf16 read, fp32 arithmetic)
+  // for a prefix with batch-invariant numerics, or where the CPU has no bf16 products.
   const auto dtype = q.scalar_type();
   const Isa isa = dtype == torch::kBFloat16 ? current_isa() : Isa::Fp32;
   const bool bf16_products = dtype == torch::kBFloat16 && isa != Isa::Fp32 && first < 0 && !batch_invariant();

@@ -45,8 +45,8 @@
 // The portable scalar path computes the same integer block sums from the same layout; the paths
 // differ only in fp32 rounding (FMA vs multiply and add, and where the scales are applied).
 // AMX int8 (quant_tile_amx.h): 16 rows x 16 channels a tile instruction, for the tiles of 16 rows
-// of products with at least kAmxMinRows rows, the rest of the rows on the VNNI tile; both give a
-// row the same bits. CHUNKGEN_QUANT_ISA=avx512_vnni|avx_vnni|avx2|scalar lowers the path at run time
+// of products with at least kAmxMinRows rows (16 or 64 by kind), the rest of the rows on the VNNI
+// tile; both give a row the same bits. CHUNKGEN_QUANT_ISA=avx512_vnni|avx_vnni|avx2|scalar lowers the path at run time
 // (a test runs every path the machine has); amx_emulated runs the AMX path's logic with its tile
 // instructions done in C++, on any AVX512_VNNI CPU (tests).
 #include <omp.h>
@@ -676,25 +676,29 @@ void quant_product_vnni(const QuantArgs& a) {
 #endif
 
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
-// Rows from which the AMX path takes tiles of 16 rows; a smaller product runs on the VNNI tile. Not
-// yet timed on an AMX CPU: decode batches of up to 32 rows stay on the tile whose speed is known.
-constexpr int64_t kAmxMinRows = 64;
+// Rows from which the AMX path takes tiles of 16 rows; a smaller product runs on the VNNI tile.
+// Measured on a 2-core Xeon (AMX) against the VNNI tile, SmolLM2-135M's products: Q8_0 and int8
+// (a block's B tile is its packed bytes) 1.07-1.62x at 16-48 rows; the 4- and 5-bit kinds, whose
+// bytes are spread first, and Q6_K's halves 0.81-1.02x below 64 rows (k = 1,536), 1.07-1.24x at 64.
+template <int kind>
+constexpr int64_t kAmxMinRows = quant::is_unsigned(kind) || quant::halves(kind) == 2 ? 64 : 16;
 
 // The AMX path (Tiles: the CPU's tile instructions or their emulation): each pair of groups (16
 // channels) over the tiles of 16 rows, then the rows left on the VNNI tile; threads and panels
 // split the pairs as the VNNI path does.
 template <typename Tiles, int kind, bool has_min, bool factored>
 void quant_product_amx(const QuantArgs& a) {
-  if (a.rows < kAmxMinRows) return quant_product_vnni<kind, has_min, factored>(a);
+  if (a.rows < kAmxMinRows<kind>) return quant_product_vnni<kind, has_min, factored>(a);
   constexpr int nh = halves(kind);
   const int64_t groups = (a.n + kGroup - 1) / kGroup, pairs = (groups + 1) / 2, k = a.nb * kBlock;
   const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * a.nb * group_block_bytes(kind)));
   const int64_t amx_rows = a.rows / amx::kRows * amx::kRows;
   const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
-    static const amx::TileConfig config;
+    static const amx::TileConfig config(nh);
     Tiles::configure(config);  // per thread
     std::vector<float> buf;
+    amx::PreparedPair prep;
     for (int64_t p0 = q0; p0 < q1; p0 += panel) {
       const int64_t p1 = std::min(q1, p0 + panel);
       each_panel<factored>(
@@ -703,9 +707,10 @@ void quant_product_amx(const QuantArgs& a) {
             for (int64_t p = p0; p < p1; ++p) {
               const vnni::GroupPair one[1] = {pair_of<kind>(a, ws, wm, p, groups)};
               const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - 2 * p * kGroup));
+              amx::prepare_pair<kind>(one[0], a.nb, prep);
               for (int64_t m = 0; m < amx_rows; m += amx::kRows)
-                amx::tile<Tiles, kind, has_min, f>(one[0], a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,
-                                                   a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
+                amx::tile<Tiles, kind, has_min, f>(one[0], prep, a.nb, xq + m * k, k, a.xs + m * a.nb,
+                                                   a.xsum + m * a.nb, a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
               for (int64_t m = amx_rows; m < a.rows;) {
                 const int rows = vnni_rows<kind, 1>(a.rows - m);
                 vnni_tile<kind, has_min, f, 1>(rows, one, a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,

@@ -224,3 +224,31 @@ def test_the_switch_reaches_the_kernels():
     assert not native().batch_invariant() and not invariant.enabled()
     invariant.set_enabled(True)
     assert native().batch_invariant() and invariant.enabled()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n_seqs=st.integers(1, 8),
+    shared_len=st.integers(0, 200),
+    chunk=st.sampled_from([16, 64]),
+    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    decode_steps=st.integers(0, 2),
+)
+def test_a_rows_decode_attention_has_the_bits_of_its_prefill(seed, n_seqs, shared_len, chunk, heads, dtype, decode_steps):
+    """A preempted row recomputes its K/V by prefill, tokens it had decoded included, and the KV
+    budget and the batch decide which rows are preempted: so a position's attention has the same
+    bits whether a decode step or a prefill wave computes it (its last token's row, the rest of its
+    path cached), on the products each takes on this CPU."""
+    q_heads, kv_heads = heads
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, 64, dtype, decode_steps=decode_steps)
+    gen = torch.Generator().manual_seed(seed + 2)
+    queries = {s: torch.randn(q_heads, 64, generator=gen).to(dtype) for s in range(n_seqs)}
+    decoded = _decode(pool, tree, queries, chunk_first=True)
+    for s in range(n_seqs):
+        n = tree.lengths[s]
+        rows = torch.zeros(n, q_heads, 64, dtype=dtype)
+        rows[-1] = queries[s]
+        prefilled = _prefill_wave(pool, {s: tree.slots(s)}, {s: rows}, [(s, n - 1)], 0, 0.0)[s]
+        assert torch.equal(prefilled[0], decoded[s]), s

@@ -199,11 +199,12 @@ AMX_PATHS = [p for p in ("amx", "amx_emulated") if p in _paths()]
 )
 @pytest.mark.parametrize("qtype", [*TYPES, "int8"], ids=lambda t: getattr(t, "name", t))
 def test_amx_tile_gives_a_row_the_vnni_tiles_bits(qtype):
-    """From 64 rows the AMX path runs tiles of 16 rows x 16 channels (the rest of the rows on the
-    VNNI tile): the same integer block sums and the same fp32 steps as the VNNI tile, so every row
-    has the same bits on either path and alone (one row: the VNNI tile), in fp32 and bf16; and the
-    product is within the activations' quantization bound of dequantize(W) @ x. Channels past the
-    last full pair (37: a pair of 5) and rows past the last full tile (70, 93) included."""
+    """From 16 rows (Q8_0, int8) or 64 (the other kinds) the AMX path runs tiles of 16 rows x 16
+    channels (the rest of the rows on the VNNI tile): the same integer block sums and the same fp32
+    steps as the VNNI tile, so every row has the same bits on either path and alone (one row: the
+    VNNI tile), in fp32 and bf16; and the product is within the activations' quantization bound of
+    dequantize(W) @ x. Channels past the last full pair (37: a pair of 5) and rows past the last full
+    tile (20, 70, 93) included."""
     k = 512 if qtype in K_QUANTS else 320
     if qtype == "int8":
         w = quant.int8_per_channel(torch.randn(37, k) * 0.05)
@@ -211,7 +212,7 @@ def test_amx_tile_gives_a_row_the_vnni_tiles_bits(qtype):
     else:
         w, reference = _weight(qtype, 37, k, seed=5)
     generator = torch.Generator().manual_seed(7)
-    for rows, dtype in ((64, torch.float32), (70, torch.bfloat16), (93, torch.float32)):
+    for rows, dtype in ((20, torch.bfloat16), (64, torch.float32), (70, torch.bfloat16), (93, torch.float32)):
         x = torch.randn(rows, k, generator=generator).to(dtype)
         with _on_path("avx512_vnni"):
             vnni = quant.quantized_linear(x, w)
