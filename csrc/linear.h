@@ -7,9 +7,9 @@
 
 namespace chunkgen {
 
-// Rows of x the packed product takes in one pass (more go in panels of these; the model sends
-// more to the general GEMM unless its numerics are batch-invariant, csrc/invariant.h).
-constexpr int64_t kPackedLinearMaxRows = 32;
+// bf16 takes any rows in one parallel region (on AMX, panels of rows over each block of W while it
+// is in cache); the model sends more than 32 rows to the general GEMM unless its numerics are
+// batch-invariant (csrc/invariant.h).
 // fp32: the product keeps its rate at every decode batch (x stays in L2 while the blocks pass);
 // more rows go in panels of these.
 constexpr int64_t kPackedLinearFp32MaxRows = 256;

@@ -44,55 +44,85 @@ torch::Tensor pack_linear_op(const torch::Tensor& w) {
 #if defined(CHUNKGEN_HAVE_AMX)
 namespace {
 
-// Row tiles RT (16 rows each) x two 16-column tiles per block: accumulators in tiles 0..3, x's
-// row tiles in 4..5, the block's two column tiles in 6..7.
+// One block of the product for RT row tiles (16 rows each) at xr: the block's two 16-column tiles
+// over all of k (accumulators in tiles 0..3, x's row tiles in 4..5, the block's column tiles in
+// 6..7), its first `rows` rows rounded to bf16 into y (row stride n) at column n0. A row's sums are
+// its own tile row's, whatever RT and the rows beside it.
 template <int RT>
+inline void amx_block_rows(const uint16_t* xr, int64_t ldr, int rows, const uint16_t* wb, int64_t kp, int64_t n,
+                           int64_t n0, uint16_t* y, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < kp; k += 32) {
+    const uint16_t* wk = wb + k * 32;  // 16 pair-rows of 32 columns
+    _tile_loadd(6, wk, 128);
+    _tile_loadd(7, wk + 32, 128);
+    _tile_loadd(4, xr + k, ldr * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, xr + 16 * ldr + k, ldr * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if constexpr (RT == 2) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+  const int64_t cols = std::min<int64_t>(32, n - n0);
+  const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  for (int r = 0; r < rows; ++r) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32));
+    _mm512_mask_storeu_epi16(y + r * n + n0, m, (__m512i)v);
+  }
+}
+
+// Rows of x a thread passes over each of its blocks at once (prefill waves): the panel's x stays in
+// L2 while each block's weights are read once for all its rows. One panel of 32 rows per call, as
+// before, read each layer's weights from L3 again for every 32 rows of a 2,112-row wave.
+constexpr int kAmxPanelRows = 256;
+
+// y = x W^T for any rows: each thread a contiguous run of blocks (at a decode batch each streams one
+// run of memory), panels of rows over each block. A panel is read in place where its rows are whole
+// tiles of 16 and do not crowd an L1 set, else from this thread's copy (spread, zero-padded rows).
 void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp, int64_t n,
                        uint16_t* y) {
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
+  const bool crowd = rows_crowd_a_set(ldx * 2, 16);
 #pragma omp parallel
   {
     static const bf16::TileConfig tile_config;
     _tile_loadconfig(&tile_config);
     alignas(64) float c[32 * 32];
-    // x and ldx are shared by the threads: each reads its own spread copy through xr and ldr.
-    int64_t ldr = ldx;
-    const uint16_t* xr = rows_crowd_a_set(ldx * 2, 16) ? spread_rows(x, ldx, 16 * RT, kp, ldr) : x;
+    thread_local std::vector<uint16_t> copy;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    // Contiguous block ranges: each thread streams one run of memory.
-    for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
-      const uint16_t* wb = w + b * block_elems;
-      _tile_zero(0);
-      _tile_zero(1);
-      if constexpr (RT == 2) {
-        _tile_zero(2);
-        _tile_zero(3);
+    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    for (int p0 = 0; p0 < rows && b0 < b1; p0 += kAmxPanelRows) {
+      const int pr = std::min(kAmxPanelRows, rows - p0), tile_rows = bf16::round_up(pr, 16);
+      const uint16_t* xr = x + p0 * ldx;
+      int64_t ldr = ldx;
+      if (crowd || tile_rows != pr) {
+        // x and ldx are shared by the threads: each reads its own copy through xr and ldr.
+        ldr = crowd ? ((kp / 32) | 1) * 32 : kp;
+        copy.assign(static_cast<size_t>(tile_rows) * ldr, 0);
+        for (int r = 0; r < pr; ++r) std::memcpy(copy.data() + r * ldr, xr + r * ldx, sizeof(uint16_t) * kp);
+        xr = copy.data();
       }
-      for (int64_t k = 0; k < kp; k += 32) {
-        const uint16_t* wk = wb + k * 32;  // 16 pair-rows of 32 columns
-        _tile_loadd(6, wk, 128);
-        _tile_loadd(7, wk + 32, 128);
-        _tile_loadd(4, xr + k, ldr * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if constexpr (RT == 2) {
-          _tile_loadd(5, xr + 16 * ldr + k, ldr * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+      for (int64_t b = b0; b < b1; ++b)
+        for (int r = 0; r < pr; r += 32) {
+          const int left = std::min(32, pr - r);
+          if (left > 16)
+            amx_block_rows<2>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c);
+          else
+            amx_block_rows<1>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c);
         }
-      }
-      _tile_stored(0, c, 128);
-      _tile_stored(1, c + 16, 128);
-      if constexpr (RT == 2) {
-        _tile_stored(2, c + 16 * 32, 128);
-        _tile_stored(3, c + 16 * 32 + 16, 128);
-      }
-      const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
-      const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-      for (int r = 0; r < rows; ++r) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32));
-        _mm512_mask_storeu_epi16(y + r * n + n0, m, (__m512i)v);
-      }
     }
     _tile_release();
   }
@@ -204,14 +234,6 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
                     " on ", x.device());
   if (x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat)
     return packed_linear_fp32_op(x, packed, n);
-  // AMX's tiles take 16 or 32 rows: panels of rows (a row's sums are the same in any panel). The
-  // AVX512_BF16 product takes any rows at once.
-  if (x.size(0) > kPackedLinearMaxRows && current_isa() == Isa::Amx) {
-    std::vector<torch::Tensor> parts;
-    for (int64_t r0 = 0; r0 < x.size(0); r0 += kPackedLinearMaxRows)
-      parts.push_back(packed_linear_op(x.slice(0, r0, std::min(x.size(0), r0 + kPackedLinearMaxRows)), packed, n));
-    return torch::cat(parts);
-  }
   TORCH_CHECK_TYPE(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
                    "packed_linear: x and packed must be both bfloat16 or both float32, got ", x.scalar_type(), " and ",
                    packed.scalar_type());
@@ -225,16 +247,14 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
   const Isa isa = current_isa();
   TORCH_CHECK(isa != Isa::Fp32, "packed_linear needs AMX or AVX512_BF16; the CPU kernels' path is ", isa_name(isa));
-  const int rt = rows > 16 ? 2 : 1;
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t ldx = x.stride(0);
-  // The tiles read 16 or 32 full rows of k padded to 32, the dot products each row's k padded to
-  // 32: x as it is when it has them, else a zero-padded copy (this thread's own, so that calls from
-  // other threads do not share it).
+  // Both products read each row's k padded to 32 (the tiles' partial last tile of rows comes from
+  // their own padded copy): x as it is when it has them, else a zero-padded copy (this thread's own,
+  // so that calls from other threads do not share it).
   thread_local std::vector<uint16_t> padded;
-  const int64_t padded_rows = isa == Isa::Amx ? 16 * rt : rows;
-  if ((isa == Isa::Amx && rows != padded_rows) || k != kp || x.stride(1) != 1) {
-    padded.assign(static_cast<size_t>(padded_rows) * kp, 0);
+  if (k != kp || x.stride(1) != 1) {
+    padded.assign(static_cast<size_t>(rows) * kp, 0);
     const int64_t step = x.stride(1);
     for (int64_t r = 0; r < rows; ++r)
       if (step == 1)
@@ -248,10 +268,7 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
   uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
 #if defined(CHUNKGEN_HAVE_AMX)
   if (isa == Isa::Amx) {
-    if (rt == 2)
-      packed_linear_amx<2>(xs, ldx, static_cast<int>(rows), w, kp, n, out);
-    else
-      packed_linear_amx<1>(xs, ldx, static_cast<int>(rows), w, kp, n, out);
+    packed_linear_amx(xs, ldx, static_cast<int>(rows), w, kp, n, out);
     return y;
   }
 #endif

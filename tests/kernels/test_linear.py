@@ -53,8 +53,9 @@ def test_the_product_is_x_times_w_transposed(path, rows, n, k, strided, seed):
 @needs_bf16
 @pytest.mark.parametrize("path", BF16_PATHS)
 def test_a_rows_result_does_not_depend_on_the_calls_rows(path):
-    """AMX takes panels of 32 rows, the AVX512_BF16 product any rows in groups of 14 per weight
-    block: a row's output is bit-identical in calls of 1 to 300 rows, wherever it falls. k = 2,048
+    """AMX takes panels of 256 rows, 32 at a time over each weight block (a last partial tile
+    from a zero-padded copy), the AVX512_BF16 product any rows in groups of 14 per weight block: a
+    row's output is bit-identical in calls of 1 to 300 rows, wherever it falls. k = 2,048
     puts rows 4 KiB apart, which the product reads from a copy whose rows are not (a lone row as
     it is)."""
     for k in (200, 2048):
