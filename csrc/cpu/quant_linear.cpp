@@ -679,7 +679,7 @@ void quant_product_vnni(const QuantArgs& a) {
 // Rows from which the AMX path takes tiles of 16 rows; a smaller product runs on the VNNI tile.
 // Measured on a 2-core Xeon (AMX) against the VNNI tile, SmolLM2-135M's products: Q8_0 and int8
 // (a block's B tile is its packed bytes) 1.07-1.62x at 16-48 rows; the 4- and 5-bit kinds, whose
-// bytes are spread first, and Q6_K's halves 0.81-1.02x below 64 rows (k = 1,536), 1.07-1.24x at 64.
+// bytes are spread first, and Q6_K's halves 0.81-1.13x below 64 rows (k = 1,536), 1.07-1.24x at 64.
 template <int kind>
 constexpr int64_t kAmxMinRows = quant::is_unsigned(kind) || quant::halves(kind) == 2 ? 64 : 16;
 

@@ -236,7 +236,9 @@ def test_the_switch_reaches_the_kernels():
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     decode_steps=st.integers(0, 2),
 )
-def test_a_rows_decode_attention_has_the_bits_of_its_prefill(seed, n_seqs, shared_len, chunk, heads, dtype, decode_steps):
+def test_a_rows_decode_attention_has_the_bits_of_its_prefill(
+    seed, n_seqs, shared_len, chunk, heads, dtype, decode_steps
+):
     """A preempted row recomputes its K/V by prefill, tokens it had decoded included, and the KV
     budget and the batch decide which rows are preempted: so a position's attention has the same
     bits whether a decode step or a prefill wave computes it (its last token's row, the rest of its
