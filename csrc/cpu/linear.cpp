@@ -84,9 +84,9 @@ inline void amx_block_rows(const uint16_t* xr, int64_t ldr, int rows, const uint
   }
 }
 
-// Rows of x a thread passes over each of its blocks at once (prefill waves): the panel's x stays in
-// L2 while each block's weights are read once for all its rows. One panel of 32 rows per call, as
-// before, read each layer's weights from L3 again for every 32 rows of a 2,112-row wave.
+// Rows of x a thread passes over each of its blocks at once (prefill waves, large decode batches):
+// the panel's x stays in L2 while each block's weights are read once for all its rows (a call per
+// 32 rows read every weight of the layer again for each 32).
 constexpr int kAmxPanelRows = 256;
 
 // y = x W^T for any rows: each thread a contiguous run of blocks (at a decode batch each streams one
@@ -101,20 +101,14 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
     static const bf16::TileConfig tile_config;
     _tile_loadconfig(&tile_config);
     alignas(64) float c[32 * 32];
-    thread_local std::vector<uint16_t> copy;
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
     for (int p0 = 0; p0 < rows && b0 < b1; p0 += kAmxPanelRows) {
       const int pr = std::min(kAmxPanelRows, rows - p0), tile_rows = bf16::round_up(pr, 16);
       const uint16_t* xr = x + p0 * ldx;
       int64_t ldr = ldx;
-      if (crowd || tile_rows != pr) {
-        // x and ldx are shared by the threads: each reads its own copy through xr and ldr.
-        ldr = crowd ? ((kp / 32) | 1) * 32 : kp;
-        copy.assign(static_cast<size_t>(tile_rows) * ldr, 0);
-        for (int r = 0; r < pr; ++r) std::memcpy(copy.data() + r * ldr, xr + r * ldx, sizeof(uint16_t) * kp);
-        xr = copy.data();
-      }
+      // x and ldx are shared by the threads: each reads its own copy through xr and ldr.
+      if (crowd || tile_rows != pr) xr = spread_rows(xr, ldx, pr, kp, ldr, tile_rows);
       for (int64_t b = b0; b < b1; ++b)
         for (int r = 0; r < pr; r += 32) {
           const int left = std::min(32, pr - r);

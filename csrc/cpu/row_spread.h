@@ -7,6 +7,7 @@
 // every set; each thread makes its own, since each reads every row.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -24,14 +25,16 @@ inline bool rows_crowd_a_set(int64_t row_bytes, int group) {
 }
 
 // Rows [0, rows) of x (elems each, row stride ldx) in this thread's own buffer, ld elements a row,
-// ld an odd number of cache lines.
+// ld an odd number of cache lines; rows [rows, padded_rows) zero (AMX's tiles read whole tiles of
+// 16 rows).
 template <typename T>
-const T* spread_rows(const T* x, int64_t ldx, int64_t rows, int64_t elems, int64_t& ld) {
+const T* spread_rows(const T* x, int64_t ldx, int64_t rows, int64_t elems, int64_t& ld, int64_t padded_rows = 0) {
   thread_local std::vector<T> buf;
   constexpr int64_t per_line = 64 / sizeof(T);
   ld = (((elems + per_line - 1) / per_line) | 1) * per_line;
-  buf.resize(static_cast<size_t>(rows * ld));
+  buf.resize(static_cast<size_t>(std::max(rows, padded_rows) * ld));
   for (int64_t r = 0; r < rows; ++r) std::memcpy(buf.data() + r * ld, x + r * ldx, sizeof(T) * elems);
+  if (padded_rows > rows) std::memset(buf.data() + rows * ld, 0, sizeof(T) * (padded_rows - rows) * ld);
   return buf.data();
 }
 
