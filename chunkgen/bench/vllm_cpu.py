@@ -4,10 +4,13 @@ on a JSON file of token ids, and its figures come back as JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -42,12 +45,41 @@ def run_worker(mode: str, work: dict, kv_gib: int, threads: int | None = None) -
         cmd = [vllm_python(), str(WORKER), mode, work_file, out_file, "--kv-gib", str(kv_gib)]
         if threads is not None:
             cmd += ["--threads", str(threads)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode or not os.path.exists(out_file):
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
-            raise VllmUnavailable(f"vLLM failed ({vllm_python()}, exit {done.returncode}):\n{tail}")
+        # Its output to a file, not a pipe: a pipe stays open while any child of the worker lives.
+        log_file = os.path.join(tmp, "log.txt")
+        with open(log_file, "w") as log, _own_process_group(cmd, log) as proc:
+            proc.wait()
+        if proc.returncode or not os.path.exists(out_file):
+            with open(log_file, errors="replace") as f:
+                tail = "\n".join(f.read().strip().splitlines()[-8:])
+            raise VllmUnavailable(f"vLLM failed ({vllm_python()}, exit {proc.returncode}):\n{tail}")
         with open(out_file) as f:
             return json.load(f)
+
+
+@contextlib.contextmanager
+def _own_process_group(cmd: list[str], log):
+    """The worker (its output to `log`) in a process group of its own, which is ended (SIGKILL)
+    however the bench leaves it: on return, on an exception, and on SIGTERM, which is turned into
+    SystemExit while it runs (in the main thread); a bench killed outright is seen to be gone by the
+    worker, which ends its group itself (vllm_worker.py). vLLM starts its engine and workers as
+    child processes, which outlived a killed bench and ran beside the next benchmark."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+    try:
+        yield proc
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 KV_GIB = 4  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE): prefix caching keeps the shared prompt once

@@ -143,7 +143,28 @@ def score(work: dict, kv_gib: int) -> dict:
     return {"wall_s": wall, "prefilled_tokens": computed, "scores": scores}
 
 
+def _end_with_the_bench() -> None:
+    """A watch on the bench that started this worker: once it is gone (killed outright, kill -9),
+    the worker's process group is ended, vLLM's engine processes with it, which would otherwise run
+    on beside the next benchmark. Only where the worker leads a group of its own (as vllm_cpu.py
+    starts it), so that a worker run by hand never ends its shell's group."""
+    if os.getpgrp() != os.getpid():
+        return
+    import signal
+    import threading
+
+    bench = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == bench:
+            time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="bench-watch", daemon=True).start()
+
+
 def main() -> None:
+    _end_with_the_bench()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("generate", "score"))
     ap.add_argument("work")

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 import textwrap
+import time
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -118,3 +121,61 @@ def test_vllm_beside_dummy_weights_draws_its_own_of_the_same_config(monkeypatch,
     assert work["load_format"] == "dummy" and work["config_json"] == json.loads(tiny_config.read_text())
     assert not os.path.exists(work["model"])  # a folder of its own for the run, gone after it
     assert "random weights of the config" in " ".join(res.output.split())
+
+
+# Stands in for vLLM's python as a process tree: it leaves a child running (as vLLM's engine and
+# workers are), writes the child's pid, then either answers at once or waits.
+FAMILY = """#!/bin/sh
+sleep 300 &
+echo $! > {pidfile}
+{then}
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _ends(pid: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while _running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_workers_processes_end_with_the_bench(monkeypatch, tmp_path):
+    """A vLLM run's processes must not outlive the bench's call: neither when the worker answers
+    (its children left behind) nor when the bench is stopped with SIGTERM mid-run. Once, a killed
+    bench's vLLM processes ran on beside the next benchmark."""
+    from chunkgen.bench.vllm_cpu import run_worker
+
+    family, pidfile = tmp_path / "python", tmp_path / "child.pid"
+    family.write_text(FAMILY.format(pidfile=pidfile, then='echo "{}" > "$4"'))  # $4: the out file
+    family.chmod(family.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CHUNKGEN_VLLM_PYTHON", str(family))
+    assert run_worker("generate", {}, 1) == {}
+    assert _ends(int(pidfile.read_text()))
+
+    family.write_text(FAMILY.format(pidfile=pidfile, then="wait"))
+    pidfile.unlink()
+    bench = subprocess.Popen(
+        [sys.executable, "-c", "from chunkgen.bench.vllm_cpu import run_worker; run_worker('generate', {}, 1)"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline and bench.poll() is None, "the stand-in never started"
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    assert _running(child)
+    bench.terminate()
+    assert bench.wait(timeout=30) != 0
+    assert _ends(child)
