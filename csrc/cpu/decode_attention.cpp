@@ -292,7 +292,7 @@ void run(DecodeProblem p, Isa isa) {
   // K/V: the same bf16 products, AMX's tiles where the CPU has them; fp32 K/V: the fp32 path); with
   // a window, every row reads its chunks itself (a window's rows of a shared chunk need not nest).
   if (p.invariant && p.window > 0) p.chunk_first = false;
-  const bool invariant_tiles = p.invariant && isa == Isa::Amx && sizeof(T) == 2;
+  [[maybe_unused]] const bool invariant_tiles = p.invariant && isa == Isa::Amx && sizeof(T) == 2;  // AMX builds
   const int nthreads = omp_get_max_threads();
   Workspace& ws = workspace();
   int block = 1;  // chunks the bf16 path multiplies at once

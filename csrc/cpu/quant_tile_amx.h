@@ -178,7 +178,8 @@ inline void spread_unsigned(const uint8_t* a, const uint8_t* b, uint8_t* dst) {
 
 // What every tile of rows reads of one pair, made once for all of them: the unsigned kinds' bytes
 // spread (a block's B tile, 512 bytes), the signed kinds' correction 128 sum(w) of each block (or
-// half), 16 int32. Spread per tile instead, the 4-bit kinds ran 0.55-0.77x the VNNI tile.
+// half), 16 int32. Spread per tile (and with one tile slot), the 4-bit kinds ran 0.55-0.77x the
+// VNNI tile.
 struct PreparedPair {
   std::vector<uint8_t> spread;
   std::vector<int32_t> corr;
