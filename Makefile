@@ -102,7 +102,9 @@ clean-venv:
 	rm -rf $(VENV)
 
 # Compile the CUDA kernels with nvcc for A100 and H100 even without a GPU, so a syntax or template
-# error fails CI; then type-check the binding's CUDA branch against torch's headers (the CPU wheel
+# error fails CI, and so does a kernel that spills registers or keeps an array in local memory
+# (ptxas's warnings as errors: either adds per-thread memory traffic, which the emulator cannot
+# show); then type-check the binding's CUDA branch against torch's headers (the CPU wheel
 # ships c10/cuda but not the one header CMake writes, so a stand-in is generated). Uses the venv's
 # torch. Skipped (with a note) where no nvcc is installed.
 cuda-check: $(VENV)/.installed
@@ -110,9 +112,10 @@ cuda-check: $(VENV)/.installed
 	  set -e; \
 	  for f in csrc/cuda/*.cu; do \
 	    nvcc -std=c++17 -O3 --use_fast_math -c $$f -o /dev/null \
-	      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90; \
+	      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+	      -Xptxas --warn-on-spills,--warn-on-local-memory-usage,--warning-as-error; \
 	  done; \
-	  echo "CUDA kernels compile (sm_80, sm_90)"; \
+	  echo "CUDA kernels compile (sm_80, sm_90), none spills or uses local memory"; \
 	  cuda_inc=$$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/.*INCLUDES="-I\([^" ]*\).*/\1/p' | head -1); \
 	  shim=$$(mktemp -d); mkdir -p $$shim/c10/cuda/impl; \
 	  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > $$shim/c10/cuda/impl/cuda_cmake_macros.h; \
