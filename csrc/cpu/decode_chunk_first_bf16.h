@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../attention.h"
+#include "aligned.h"
 #include "decode_plan.h"
 #include "isa.h"
 #include "kv_lines.h"
@@ -29,8 +30,8 @@ namespace decode {
 // Per-thread buffers of the bf16 chunk-first phase: one block's K and V repacked, then queries,
 // scores, probabilities, the product P.V and the running (o, m, l) of the item's rows.
 struct Bf16Scratch {
-  std::vector<uint16_t> kp, vp, q, p;
-  std::vector<float> s, o, m, l, lv;
+  AlignedVector<uint16_t> kp, vp, q, p;
+  AlignedVector<float> s, o, m, l, lv;
 };
 
 constexpr int kBf16Rows = 32;      // query rows per product: two 16-row tiles

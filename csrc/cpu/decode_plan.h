@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../attention.h"
+#include "aligned.h"
 #include "online_softmax.h"
 
 namespace chunkgen {
@@ -34,7 +35,7 @@ struct SeqItem {
 // Reused between calls so that a steady decode loop does not allocate.
 struct Workspace {
   std::vector<int64_t> shared_row;  // first partial row of each shared chunk
-  std::vector<float> part_o, part_m, part_l;
+  AlignedVector<float> part_o, part_m, part_l;
   // Shared chunk c's partial rows hold a result (it is the first chunk of its items): the merge
   // reads only those, not every chunk's rows, which lie a whole batch of rows apart.
   std::vector<uint8_t> holds_partial;
@@ -42,7 +43,7 @@ struct Workspace {
   std::vector<int32_t> group_chunks;                          // live shared chunks, ordered by their row range
   std::vector<int32_t> chunk_slot, chunk_len, seq_chunk_ptr;  // chunks each sequence reads itself
   std::vector<int32_t> seq_nseg, seg_row;
-  std::vector<float> seg_o, seg_m, seg_l;
+  AlignedVector<float> seg_o, seg_m, seg_l;
   std::vector<SeqItem> seq_items;
   std::vector<uint8_t> item_writes;  // row b's new K/V are stored by its sequence-first item
   // Batch-invariant plan: shared_items ordered by level, level L's items at
@@ -50,7 +51,7 @@ struct Workspace {
   // shared chunks read so far lives in part_o / part_m / part_l at row b * q_heads + query head
   // (the bf16 path keeps l as 16 lane sums, part_lv).
   std::vector<int32_t> level_ptr;
-  std::vector<float> part_lv;
+  AlignedVector<float> part_lv;
   // Sliding windows: rows [eff_begin, eff_end) of each shared chunk read it (all its rows without a
   // window); with one, each shared chunk's first position, each row's window start, and the first
   // token inside the window of each chunk a row reads itself.

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "aligned.h"
 #include "bf16_gemm.h"
 #include "isa.h"
 #include "row_spread.h"
@@ -246,7 +247,7 @@ torch::Tensor packed_linear_op(const torch::Tensor& x, const torch::Tensor& pack
   // Both products read each row's k padded to 32 (the tiles' partial last tile of rows comes from
   // their own padded copy): x as it is when it has them, else a zero-padded copy (this thread's own,
   // so that calls from other threads do not share it).
-  thread_local std::vector<uint16_t> padded;
+  thread_local AlignedVector<uint16_t> padded;
   if (k != kp || x.stride(1) != 1) {
     padded.assign(static_cast<size_t>(rows) * kp, 0);
     const int64_t step = x.stride(1);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../attention.h"
+#include "aligned.h"
 #include "bf16_gemm.h"
 #include "vec.h"
 
@@ -95,7 +96,7 @@ inline void from_f32(float x, float* dst) { *dst = x; }
 inline void from_f32(float x, uint16_t* dst) { *dst = bf16::from_float(x); }
 
 struct Scratch {
-  std::vector<float> q, o, m, l, s, alpha;
+  AlignedVector<float> q, o, m, l, s, alpha;
   std::vector<int> lo;  // per row: first token of the chunk inside the row's window
   void reserve(int rows, int d, int C) {
     const size_t r = static_cast<size_t>(rows);

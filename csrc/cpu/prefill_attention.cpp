@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "aligned.h"
 #include "bf16_gemm.h"
 #include "isa.h"
 
@@ -41,15 +42,15 @@ struct Item {
 
 // Reused between calls (one call at a time, as prefill runs): no allocation per layer.
 struct Workspace {
-  std::vector<uint16_t> kp, vp;  // packed K^T and V blocks of every (batch, kv head)
+  AlignedVector<uint16_t> kp, vp;  // packed K^T and V blocks of every (batch, kv head)
   std::vector<Item> items;
 };
 
 // Per-thread buffers of one item: queries and the running state, and one tile's scores and
 // probabilities.
 struct Scratch {
-  std::vector<uint16_t> q;
-  std::vector<float> o, m, lv;
+  AlignedVector<uint16_t> q;
+  AlignedVector<float> o, m, lv;
   alignas(64) float s[16 * kKeys];
   alignas(64) uint16_t p[16 * kKeys];
 };

@@ -63,6 +63,7 @@
 #include <utility>
 #include <vector>
 
+#include "aligned.h"
 #if defined(__AVX2__)
 #include "intrinsics.h"
 #endif
@@ -527,7 +528,8 @@ struct QuantArgs {
 
 // Factored scales (and mins) of groups [g0, g1) widened to plain fp32 ones in buf, once for all the
 // tiles of x rows that pass over a panel of them (the tiles would widen them once each).
-std::pair<BlockScales, BlockScales> widen(const QuantArgs& a, int nh, int64_t g0, int64_t g1, std::vector<float>& buf) {
+std::pair<BlockScales, BlockScales> widen(const QuantArgs& a, int nh, int64_t g0, int64_t g1,
+                                          AlignedVector<float>& buf) {
   const int64_t per_group = a.nb * nh * kGroup, per_group_min = a.wm.q != nullptr ? a.nb * kGroup : 0;
   buf.resize(static_cast<size_t>((g1 - g0) * (per_group + per_group_min)));
   float* ws = buf.data();
@@ -556,7 +558,7 @@ std::pair<BlockScales, BlockScales> widen(const QuantArgs& a, int nh, int64_t g0
 // once per tile of rows, costs more than a pass over the panel's scales).
 template <bool factored, typename Panel>
 void each_panel(const QuantArgs& a, int nh, int64_t p0, int64_t p1, int64_t widen_above, int64_t groups_per_p,
-                int64_t groups, std::vector<float>& buf, Panel&& panel) {
+                int64_t groups, AlignedVector<float>& buf, Panel&& panel) {
   if constexpr (factored) {
     if (a.rows > widen_above) {
       const auto [ws, wm] = widen(a, nh, p0 * groups_per_p, std::min(p1 * groups_per_p, groups), buf);
@@ -635,7 +637,7 @@ void quant_product_vnni(const QuantArgs& a) {
   const int64_t panel = std::max<int64_t>(P, (192 << 10) / (2 * group_bytes));  // pairs whose weights stay in L2
   const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
   at::parallel_for(0, pairs, P, [&](int64_t p0_, int64_t p1_) {
-    std::vector<float> buf;
+    AlignedVector<float> buf;
     for (int64_t p0 = p0_; p0 < p1_; p0 += panel) {
       const int64_t p1 = std::min(p1_, p0 + panel);
       each_panel<factored>(
@@ -697,7 +699,7 @@ void quant_product_amx(const QuantArgs& a) {
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     static const amx::TileConfig config(nh);
     Tiles::configure(config);  // per thread
-    std::vector<float> buf;
+    AlignedVector<float> buf;
     amx::PreparedPair prep;
     for (int64_t p0 = q0; p0 < q1; p0 += panel) {
       const int64_t p1 = std::min(q1, p0 + panel);
@@ -763,7 +765,7 @@ void quant_product(const QuantArgs& a, Path path) {
   const int64_t pairs = (groups + 1) / 2;
   const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * group_bytes));
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
-    std::vector<float> buf;
+    AlignedVector<float> buf;
     for (int64_t q = q0; q < q1; q += panel) {
       const int64_t p0 = 2 * q, p1 = std::min(groups, 2 * std::min(q1, q + panel));
       each_panel<factored>(
@@ -825,7 +827,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int8_t* q, float* scale,
       return;
     }
 #endif
-    std::vector<float> wide(std::is_same_v<T, float> ? 0 : k);
+    AlignedVector<float> wide(std::is_same_v<T, float> ? 0 : k);
     for (int64_t r = r0; r < r1; ++r) {
       int8_t* qr = q + r * k;
       const float* xr;

@@ -17,6 +17,7 @@
 // of a build for AMX on a CPU without it).
 #pragma once
 
+#include "aligned.h"
 #include "quant_tile_vnni.h"
 
 #if defined(CHUNKGEN_HAVE_AVX512_VNNI)
@@ -181,8 +182,8 @@ inline void spread_unsigned(const uint8_t* a, const uint8_t* b, uint8_t* dst) {
 // half), 16 int32. Spread per tile (and with one tile slot), the 4-bit kinds ran 0.55-0.77x the
 // VNNI tile.
 struct PreparedPair {
-  std::vector<uint8_t> spread;
-  std::vector<int32_t> corr;
+  AlignedVector<uint8_t> spread;
+  AlignedVector<int32_t> corr;
 };
 
 template <int kind>

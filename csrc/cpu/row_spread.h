@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 #include <vector>
+#include "aligned.h"
 
 namespace chunkgen {
 
@@ -29,7 +30,7 @@ inline bool rows_crowd_a_set(int64_t row_bytes, int group) {
 // 16 rows).
 template <typename T>
 const T* spread_rows(const T* x, int64_t ldx, int64_t rows, int64_t elems, int64_t& ld, int64_t padded_rows = 0) {
-  thread_local std::vector<T> buf;
+  thread_local AlignedVector<T> buf;
   constexpr int64_t per_line = 64 / sizeof(T);
   ld = (((elems + per_line - 1) / per_line) | 1) * per_line;
   buf.resize(static_cast<size_t>(std::max(rows, padded_rows) * ld));
