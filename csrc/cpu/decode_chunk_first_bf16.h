@@ -198,13 +198,13 @@ inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf1
         full ? chunk_probabilities<true, false>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax)
              : chunk_probabilities<false, false>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax);
     }
-    if (lazy) {
+    // Too far above the max so far (a lane's log2 probability past the headroom): again, from a
+    // new max. The lanes are compared first, the horizontal max taken only then.
+    if (lazy && _mm512_cmp_ps_mask(xmax, _mm512_set1_ps(kLazyHeadroom), _CMP_GT_OQ)) {
       const float over = _mm512_reduce_max_ps(xmax);  // log2 of the largest probability
-      if (over > kLazyHeadroom) {                     // too far above the max so far: again, from a new max
-        mx = _mm512_set1_ps(m + over / kLog2e);
-        lazy = false;
-        continue;
-      }
+      mx = _mm512_set1_ps(m + over / kLog2e);
+      lazy = false;
+      continue;
     }
     std::fill(pr + blk.N, pr + blk.Kn, uint16_t{0});
     float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
