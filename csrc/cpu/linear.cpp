@@ -16,6 +16,7 @@
 #include "aligned.h"
 #include "bf16_gemm.h"
 #include "isa.h"
+#include "output_lines.h"
 #include "row_spread.h"
 
 namespace chunkgen {
@@ -42,6 +43,26 @@ torch::Tensor pack_linear_op(const torch::Tensor& w) {
   return packed;
 }
 
+#if defined(CHUNKGEN_HAVE_AVX512_BF16)
+namespace {
+
+// Rows [0, rows) of a block's fp32 sums c (32 a row) rounded to bf16 into y (row stride n) at
+// column n0; streamed (output_lines.h) where the block is whole.
+inline void store_block(const float* c, int rows, uint16_t* y, int64_t n, int64_t n0, bool stream) {
+  const int64_t cols = std::min<int64_t>(32, n - n0);
+  const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  for (int r = 0; r < rows; ++r) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32));
+    if (stream && cols == 32)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(y + r * n + n0), (__m512i)v);
+    else
+      _mm512_mask_storeu_epi16(y + r * n + n0, m, (__m512i)v);
+  }
+}
+
+}  // namespace
+#endif
+
 #if defined(CHUNKGEN_HAVE_AMX)
 namespace {
 
@@ -51,7 +72,7 @@ namespace {
 // its own tile row's, whatever RT and the rows beside it.
 template <int RT>
 inline void amx_block_rows(const uint16_t* xr, int64_t ldr, int rows, const uint16_t* wb, int64_t kp, int64_t n,
-                           int64_t n0, uint16_t* y, float* c) {
+                           int64_t n0, uint16_t* y, float* c, bool stream) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (RT == 2) {
@@ -77,12 +98,7 @@ inline void amx_block_rows(const uint16_t* xr, int64_t ldr, int rows, const uint
     _tile_stored(2, c + 16 * 32, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
   }
-  const int64_t cols = std::min<int64_t>(32, n - n0);
-  const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
-  for (int r = 0; r < rows; ++r) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32));
-    _mm512_mask_storeu_epi16(y + r * n + n0, m, (__m512i)v);
-  }
+  store_block(c, rows, y, n, n0, stream);
 }
 
 // Rows of x a thread passes over each of its blocks at once (prefill waves, large decode batches):
@@ -96,7 +112,7 @@ constexpr int kAmxPanelRows = 256;
 void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t* w, int64_t kp, int64_t n,
                        uint16_t* y) {
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
-  const bool crowd = rows_crowd_a_set(ldx * 2, 16);
+  const bool crowd = rows_crowd_a_set(ldx * 2, 16), stream = stream_output(y, rows, n * 2);
 #pragma omp parallel
   {
     static const bf16::TileConfig tile_config;
@@ -114,11 +130,14 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
         for (int r = 0; r < pr; r += 32) {
           const int left = std::min(32, pr - r);
           if (left > 16)
-            amx_block_rows<2>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c);
+            amx_block_rows<2>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c,
+                              stream);
           else
-            amx_block_rows<1>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c);
+            amx_block_rows<1>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c,
+                              stream);
         }
     }
+    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
     _tile_release();
   }
 }
@@ -167,6 +186,7 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
   const int64_t blocks = (n + 31) / 32, block_elems = kp * 32;
   const bool spread = rows > 1 && rows_crowd_a_set(ldx * 2, std::min(rows, kGroup));
   const int panel_rows = spread ? static_cast<int>(std::max<int64_t>(256, kSpreadBytes / (2 * kp))) : rows;
+  const bool stream = stream_output(y, rows, n * 2);
 #pragma omp parallel
   {
     alignas(64) float c[kGroup * 32];
@@ -179,8 +199,7 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
       uint16_t* yp = y + static_cast<int64_t>(p0) * n;
       for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
         const uint16_t* wb = w + b * block_elems;
-        const int64_t n0 = b * 32, cols = std::min<int64_t>(32, n - n0);
-        const __mmask32 m = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+        const int64_t n0 = b * 32;
         for (int r = 0; r < panel; r += kGroup) {
           const int g = std::min(kGroup, panel - r);
           // clang-format off
@@ -194,13 +213,11 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
             default: break;
           }
           // clang-format on
-          for (int rr = 0; rr < g; ++rr) {
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(c + rr * 32 + 16), _mm512_load_ps(c + rr * 32));
-            _mm512_mask_storeu_epi16(yp + (r + rr) * n + n0, m, (__m512i)v);
-          }
+          store_block(c, g, yp + r * n, n, n0, stream);
         }
       }
     }
+    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
   }
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "../linear.h"
+#include "output_lines.h"
 #include "row_spread.h"
 #include "vec.h"
 
@@ -38,7 +39,7 @@ struct Prefetch {
 
 template <int R>
 inline void fma_rows(const float* x, int64_t ldx, const float* wb, int64_t k, float* y, int64_t ldy, int cols,
-                     Prefetch pf) {
+                     Prefetch pf, bool stream) {
   vf acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = vf{};
   for (int64_t i = 0, turn = pf.phase; i < k; ++i) {
@@ -52,6 +53,13 @@ inline void fma_rows(const float* x, int64_t ldx, const float* wb, int64_t k, fl
       acc0[r] = decode::vfma(a, b0, acc0[r]);  // explicit: the same rounding in every R's instance
       acc1[r] = decode::vfma(a, b1, acc1[r]);
     }
+  }
+  if (cols == kCols && stream) {  // whole lines (output_lines.h)
+    for (int r = 0; r < R; ++r) {
+      decode::stream(y + r * ldy, acc0[r]);
+      decode::stream(y + r * ldy + W, acc1[r]);
+    }
+    return;
   }
   if (cols == kCols) {
     for (int r = 0; r < R; ++r) {
@@ -70,10 +78,10 @@ inline void fma_rows(const float* x, int64_t ldx, const float* wb, int64_t k, fl
 
 template <int R>
 inline void fma_rows_tail(int rows, const float* x, int64_t ldx, const float* wb, int64_t k, float* y, int64_t ldy,
-                          int cols, Prefetch pf) {
+                          int cols, Prefetch pf, bool stream) {
   if constexpr (R > 0) {
-    if (rows == R) return fma_rows<R>(x, ldx, wb, k, y, ldy, cols, pf);
-    fma_rows_tail<R - 1>(rows, x, ldx, wb, k, y, ldy, cols, pf);
+    if (rows == R) return fma_rows<R>(x, ldx, wb, k, y, ldy, cols, pf, stream);
+    fma_rows_tail<R - 1>(rows, x, ldx, wb, k, y, ldy, cols, pf, stream);
   }
 }
 
@@ -100,6 +108,7 @@ int64_t packed_linear_fp32_cols() { return kCols; }
 
 void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t k, int64_t n, float* y) {
   const int64_t blocks = (n + kCols - 1) / kCols;
+  const bool stream = stream_output(y, rows, n * 4);
   // One parallel region for every panel: threads write disjoint columns, so no panel waits for
   // another (on a busy machine each region's barrier waits for a descheduled thread).
 #pragma omp parallel
@@ -122,11 +131,12 @@ void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* 
         float* yb = y + p0 * n + b * kCols;
         int r = 0, g = 0;
         for (; r + kGroup <= panel; r += kGroup, ++g)
-          fma_rows<kGroup>(xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups});
+          fma_rows<kGroup>(xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups}, stream);
         if (r < panel)
-          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups});
+          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups}, stream);
       }
     }
+    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
   }
 }
 

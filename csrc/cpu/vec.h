@@ -55,6 +55,18 @@ inline vf load(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift
   return (vf)u;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// v at p (aligned to W floats) by a streaming store, past the cache (output_lines.h).
+inline void stream(float* p, vf v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX__)
+  _mm256_stream_ps(p, (__m256)v);
+#elif defined(__SSE__)
+  _mm_stream_ps(p, (__m128)v);
+#else
+  store(p, v);
+#endif
+}
 // fp32 -> bf16 rounded to nearest even, NaN kept a quiet NaN: torch's rounding, in integer lanes
 // (U: uint32 lanes as many as V's floats; the quantized products use it at 8 and 16 lanes too).
 template <typename U, typename V>

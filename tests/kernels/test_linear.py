@@ -86,6 +86,24 @@ def test_rows_in_several_spread_panels_keep_their_bits(path):
 
 @needs_bf16
 @pytest.mark.parametrize("path", BF16_PATHS)
+@pytest.mark.parametrize("n", [3072, 3080])
+def test_a_large_output_keeps_its_bits(path, n):
+    """300 rows of 3,072 columns (1.8 MiB) go out as streaming stores (csrc/cpu/output_lines.h),
+    3,080 columns (rows not whole cache lines) and a call of a few rows through the cache: every
+    row has the bits it has alone, and is x W^T."""
+    w = torch.randn(n, 576).bfloat16()
+    x = torch.randn(300, 576).bfloat16()
+    with forced(path):
+        full = packed_linear(x, w)
+        for start, rows in ((0, 7), (150, 1), (290, 10)):
+            assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
+    want = x.double() @ w.double().t()
+    bound = want.abs() * 2**-8 + (x.double().abs() @ w.double().abs().t()) * 576 * 2**-23
+    assert ((full.double() - want).abs() <= bound).all()
+
+
+@needs_bf16
+@pytest.mark.parametrize("path", BF16_PATHS)
 def test_a_weight_with_nan_touches_only_its_own_columns(path):
     w = torch.randn(40, 64).bfloat16()
     w[33, 5] = float("nan")
@@ -170,6 +188,19 @@ def test_an_fp32_rows_result_does_not_depend_on_the_calls_rows():
         for rows in (1, 6, 7, 14, 15, 256, 257):
             for start in (0, 5, 600 - rows):
                 assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
+
+
+@pytest.mark.parametrize("n", [1024, 1028])
+def test_a_large_fp32_output_keeps_its_bits(n):
+    """300 rows of 1,024 fp32 columns (1.2 MiB) go out as streaming stores, 1,028 (rows not whole
+    cache lines) and a call of a few rows through the cache: each row as alone, and x W^T."""
+    w = torch.randn(n, 200)
+    x = torch.randn(300, 200)
+    full = packed_linear(x, w)
+    for start, rows in ((0, 6), (150, 1), (290, 10)):
+        assert torch.equal(packed_linear(x[start : start + rows], w), full[start : start + rows])
+    want = x.double() @ w.double().t()
+    assert ((full.double() - want).abs() <= (x.double().abs() @ w.double().abs().t()) * 200 * 2**-23).all()
 
 
 def test_the_fp32_product_keeps_a_nan_in_its_own_column_and_refuses_bad_arguments():
