@@ -11,6 +11,10 @@
 
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include "intrinsics.h"
+#endif
+
 namespace chunkgen {
 
 // Outputs this large go out as streaming stores: at 96 rows the 3,072- and 49,152-column products
@@ -22,5 +26,15 @@ constexpr int64_t kStreamOutputBytes = 256 << 10;
 inline bool stream_output(const void* y, int64_t rows, int64_t row_bytes) {
   return reinterpret_cast<uintptr_t>(y) % 64 == 0 && row_bytes % 64 == 0 && rows * row_bytes >= kStreamOutputBytes;
 }
+
+#if defined(__AVX512F__)
+// rows x 64 bytes from src (packed) to dst (rows ld elements of T apart), by streaming stores.
+template <typename T>
+inline void stream_lines(const T* src, int64_t rows, T* dst, int64_t ld) {
+  constexpr int64_t per_line = 64 / sizeof(T);
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + r * ld), _mm512_load_si512(src + r * per_line));
+}
+#endif
 
 }  // namespace chunkgen

@@ -68,6 +68,7 @@
 #include "intrinsics.h"
 #endif
 #include "isa.h"
+#include "output_lines.h"
 #include "quant_layout.h"
 #include "quant_out.h"
 #include "quant_tile_amx.h"
@@ -696,10 +697,14 @@ void quant_product_amx(const QuantArgs& a) {
   const int64_t panel = std::max<int64_t>(1, (192 << 10) / (2 * a.nb * group_block_bytes(kind)));
   const int64_t amx_rows = a.rows / amx::kRows * amx::kRows;
   const auto* xq = reinterpret_cast<const uint8_t*>(a.xq);
+  // A large bf16 output goes out whole lines at a time (output_lines.h): a pair's 16 channels are
+  // half of a line, so two pairs' rows meet in a stage first.
+  const bool stream = a.y.h != nullptr && stream_output(a.y.h, a.rows, a.n * 2);
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     static const amx::TileConfig config(nh);
     Tiles::configure(config);  // per thread
     AlignedVector<float> buf;
+    AlignedVector<c10::BFloat16> stage(stream ? static_cast<size_t>(a.rows) * 4 * kGroup : 0);
     amx::PreparedPair prep;
     for (int64_t p0 = q0; p0 < q1; p0 += panel) {
       const int64_t p1 = std::min(q1, p0 + panel);
@@ -709,19 +714,26 @@ void quant_product_amx(const QuantArgs& a) {
             for (int64_t p = p0; p < p1; ++p) {
               const vnni::GroupPair one[1] = {pair_of<kind>(a, ws, wm, p, groups)};
               const int channels = static_cast<int>(std::min<int64_t>(2 * kGroup, a.n - 2 * p * kGroup));
+              // Staged: an even pair and the odd one after it in this panel, both whole.
+              const int64_t even = p & ~int64_t{1};
+              const bool staged = stream && even >= p0 && even + 1 < p1 && (even + 2) * 2 * kGroup <= a.n;
+              const Out y = staged ? Out{nullptr, stage.data() + (p - even) * 2 * kGroup} : a.y.at(2 * p * kGroup);
+              const int64_t ldy = staged ? 4 * kGroup : a.n;
               amx::prepare_pair<kind>(one[0], a.nb, prep);
               for (int64_t m = 0; m < amx_rows; m += amx::kRows)
                 amx::tile<Tiles, kind, has_min, f>(one[0], prep, a.nb, xq + m * k, k, a.xs + m * a.nb,
-                                                   a.xsum + m * a.nb, a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
+                                                   a.xsum + m * a.nb, y.at(m * ldy), ldy, channels);
               for (int64_t m = amx_rows; m < a.rows;) {
                 const int rows = vnni_rows<kind, 1>(a.rows - m);
                 vnni_tile<kind, has_min, f, 1>(rows, one, a.nb, xq + m * k, k, a.xs + m * a.nb, a.xsum + m * a.nb,
-                                               a.y.at(m * a.n + 2 * p * kGroup), a.n, channels);
+                                               y.at(m * ldy), ldy, channels);
                 m += rows;
               }
+              if (staged && p != even) stream_lines(stage.data(), a.rows, a.y.h + 2 * even * kGroup, a.n);
             }
           });
     }
+    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
     Tiles::release();
   });
 }

@@ -312,6 +312,21 @@ def test_bf16_rows_are_the_fp32_products_rounded(qtype, path):
     assert torch.equal(y16, quant.quantized_linear(x16.float(), w).half())
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1056, 1064])
+def test_a_large_bf16_output_keeps_its_bits(qtype, n, path):
+    """300 rows of 1,056 bf16 channels (619 KiB, 66 pairs of groups: the second thread's first pair
+    alone) go out whole lines at a time through a stage on the AMX path (csrc/cpu/output_lines.h);
+    1,064 (rows not whole lines) through the cache: the bits of the fp32 product rounded, and of
+    each row alone."""
+    w = quant.pack(_weight(qtype, n, 512, seed=n)[0])
+    x = torch.randn(300, 512).bfloat16()
+    y = quant.quantized_linear(x, w)
+    assert torch.equal(y, quant.quantized_linear(x.float(), w).bfloat16())
+    for rows in (slice(0, 1), slice(150, 170), slice(299, 300)):
+        assert torch.equal(quant.quantized_linear(x[rows], w), y[rows])
+
+
 FACTORED = K_QUANTS
 
 
