@@ -5,8 +5,10 @@
 // 49,152-column output layer: all in one) the lines evict each other before the next block fills
 // their neighbours. Streaming stores write whole lines without reading them. Measured on the Xeon's
 // AMX in a 256-row decode step of the default model (ms a step, the four product shapes):
-// 14.0 / 7.4 / 19.2 / 12.9 with plain stores, 12.4 / 5.6 / 14.3 / 7.7 streaming (the step 137 ->
-// 126 ms); at 32 rows, where reading the weights bounds every product, they made no difference.
+// 14.0 / 7.4 / 19.2 / 12.9 with plain stores, 12.4 / 5.6 / 14.3 / 7.7 streaming. The ops that read
+// the outputs then find them in memory and take back a part (about 4 ms); the step's wall time
+// went from 133-141 to 128-129 ms. At 32 rows, where reading the weights bounds every product,
+// streaming made no difference.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +20,8 @@
 namespace chunkgen {
 
 // Outputs this large go out as streaming stores: at 96 rows the 3,072- and 49,152-column products
-// gained 1.9 and 1.5 ms a step, the 576- and 960-column ones (110 and 184 KiB) 0.2-0.3.
+// gained 1.9 and 1.5 ms a step, the 576- and 960-column ones (110 and 184 KiB) 0.2-0.3. Streaming
+// only outputs past 4 MiB (the output layer's) left the 256-row step at 131-135 ms.
 constexpr int64_t kStreamOutputBytes = 256 << 10;
 
 // Whether a product's output y, rows x row_bytes, goes out as streaming stores: only whole lines
