@@ -130,11 +130,9 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
         for (int r = 0; r < pr; r += 32) {
           const int left = std::min(32, pr - r);
           if (left > 16)
-            amx_block_rows<2>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c,
-                              stream);
+            amx_block_rows<2>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c, stream);
           else
-            amx_block_rows<1>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c,
-                              stream);
+            amx_block_rows<1>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c, stream);
         }
     }
     if (stream) _mm_sfence();  // the streamed lines before the other threads read y

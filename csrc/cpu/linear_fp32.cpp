@@ -133,7 +133,8 @@ void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* 
         for (; r + kGroup <= panel; r += kGroup, ++g)
           fma_rows<kGroup>(xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups}, stream);
         if (r < panel)
-          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups}, stream);
+          fma_rows_tail<kGroup - 1>(panel - r, xp + r * ldp, ldp, wb, k, yb + r * n, n, cols, {next, g, groups},
+                                    stream);
       }
     }
     if (stream) _mm_sfence();  // the streamed lines before the other threads read y
