@@ -135,7 +135,7 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
             amx_block_rows<1>(xr + r * ldr, ldr, left, w + b * block_elems, kp, n, b * 32, y + (p0 + r) * n, c, stream);
         }
     }
-    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
+    if (stream) stream_fence();  // the streamed lines before the other threads read y
     _tile_release();
   }
 }
@@ -215,7 +215,7 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
         }
       }
     }
-    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
+    if (stream) stream_fence();  // the streamed lines before the other threads read y
   }
 }
 

@@ -137,7 +137,7 @@ void packed_linear_fp32(const float* x, int64_t ldx, int64_t rows, const float* 
                                     stream);
       }
     }
-    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
+    if (stream) stream_fence();  // the streamed lines before the other threads read y
   }
 }
 

@@ -13,9 +13,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
 #include "intrinsics.h"
-#endif
 
 namespace chunkgen {
 
@@ -28,6 +26,13 @@ constexpr int64_t kStreamOutputBytes = 256 << 10;
 // (y and its row stride on 64-byte boundaries), and only large outputs.
 inline bool stream_output(const void* y, int64_t rows, int64_t row_bytes) {
   return reinterpret_cast<uintptr_t>(y) % 64 == 0 && row_bytes % 64 == 0 && rows * row_bytes >= kStreamOutputBytes;
+}
+
+// Orders a thread's streaming stores before what it does next (the threads joining to read y).
+inline void stream_fence() {
+#if defined(__SSE__)
+  _mm_sfence();
+#endif
 }
 
 #if defined(__AVX512F__)

@@ -733,7 +733,7 @@ void quant_product_amx(const QuantArgs& a) {
             }
           });
     }
-    if (stream) _mm_sfence();  // the streamed lines before the other threads read y
+    if (stream) stream_fence();  // the streamed lines before the other threads read y
     Tiles::release();
   });
 }
