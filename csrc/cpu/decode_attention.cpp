@@ -29,6 +29,7 @@
 #include "isa.h"
 #include "kv_lines.h"
 #include "online_softmax.h"
+#include "prefetch.h"
 #include "vec.h"
 
 namespace chunkgen {
@@ -142,8 +143,8 @@ inline void prefetch_chunks(const DecodeProblem& p, const Workspace& ws, const P
     const T* k = static_cast<const T*>(p.k) + off;
     const T* v = static_cast<const T*>(p.v) + off;
     for (int t = 0; t < d; ++t)
-      for (int j = 0; j < n; j += kLine) __builtin_prefetch(k + static_cast<size_t>(t) * C + j, 0, 2);
-    for (size_t e = 0; e < static_cast<size_t>(n) * d; e += kLine) __builtin_prefetch(v + e, 0, 2);
+      for (int j = 0; j < n; j += kLine) prefetch_l2(k + static_cast<size_t>(t) * C + j);
+    for (size_t e = 0; e < static_cast<size_t>(n) * d; e += kLine) prefetch_l2(v + e);
   }
 }
 
@@ -178,9 +179,9 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
     if (bf16_rows) {
       thread_local Bf16Scratch bsc;
-      // The next row's first chunk comes in a share per softmax row of this row's first chunk: at
-      // once (prefetch_chunks), its 100-odd lines were more prefetches than the core keeps in
-      // flight, and most were dropped (the phase 25.5 -> 17.5 ms a step at 256 rows, Zen 4).
+      // The next row's first chunk comes in a share per softmax row of this row's first chunk,
+      // spread so that its 100-odd lines are never more prefetches than the core keeps in flight
+      // (the phase 25.5 -> 17.5 ms a step at 256 rows, Zen 4, against none).
       NextChunkLines ahead;
       if (b + 1 < w.end) {
         const auto [next_lo, next_hi] = segment_chunks(ws, b + 1, w.seg);

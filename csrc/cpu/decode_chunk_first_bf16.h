@@ -23,6 +23,7 @@
 #include "isa.h"
 #include "kv_lines.h"
 #include "online_softmax.h"
+#include "prefetch.h"
 
 namespace chunkgen {
 namespace decode {
@@ -118,7 +119,7 @@ struct NextBlock {
   void prefetch(int r, int Rp) const {
     const int l_end = static_cast<int>(static_cast<int64_t>(r + 1) * lines / Rp);
     for (int l = static_cast<int>(static_cast<int64_t>(r) * lines / Rp); l < l_end; ++l)
-      _mm_prefetch(region[l / region_lines] + 64 * (l % region_lines), _MM_HINT_T1);
+      prefetch_l2(region[l / region_lines] + 64 * (l % region_lines));
   }
 };
 
@@ -340,7 +341,7 @@ struct NextChunkLines {
   void prefetch(int r, int Rp) const {
     const int l_end = static_cast<int>(static_cast<int64_t>(r + 1) * lines / Rp);
     for (int l = static_cast<int>(static_cast<int64_t>(r) * lines / Rp); l < l_end; ++l)
-      _mm_prefetch(l < k_lines ? k + 64 * l : v + 64 * (l - k_lines), _MM_HINT_T1);
+      prefetch_l2(l < k_lines ? k + 64 * l : v + 64 * (l - k_lines));
   }
 };
 
