@@ -26,10 +26,11 @@ struct SharedItem {
   int first, last, head, begin, end;
   int level = 0;  // groups before this one on its rows' paths (batch-invariant plan only)
 };
-// Sequence-first work: rows [begin, end) against one KV head, each over segment `seg` of its own
-// chunks (several segments only for a lone long tail; then end = begin + 1).
+// Sequence-first work: rows [begin, end), each against KV heads [head, head + heads), over segment
+// `seg` of its own chunks (several segments only for a lone long tail; then end = begin + 1 and
+// one head an item).
 struct SeqItem {
-  int begin, end, head, seg;
+  int begin, end, head, heads, seg;
 };
 
 // Reused between calls so that a steady decode loop does not allocate.
@@ -289,17 +290,18 @@ inline void plan_seq_items(const DecodeProblem& p, Workspace& ws, int target_ite
   if (max_seg > 1) {
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < Hk; ++h)
-        for (int sgi = 0; sgi < ws.seq_nseg[b]; ++sgi) ws.seq_items.push_back({b, b + 1, h, sgi});
+        for (int sgi = 0; sgi < ws.seq_nseg[b]; ++sgi) ws.seq_items.push_back({b, b + 1, h, 1, sgi});
   } else {
     constexpr int64_t kRowCost = 32;
     int64_t total = 0;
     for (int b = 0; b < B; ++b) total += kRowCost + seq_tokens(ws, b);
-    const int per_head = std::max(1, (4 * target_items + Hk - 1) / Hk);
-    const int64_t per_item = std::max<int64_t>(1, (total + per_head - 1) / per_head);
+    // Each item takes every head of its rows (see seq_item).
+    const int items = 4 * target_items;
+    const int64_t per_item = std::max<int64_t>(1, (total + items - 1) / items);
     for (int b0 = 0, b1; b0 < B; b0 = b1) {
       int64_t work = 0;
       for (b1 = b0; b1 < B && (b1 == b0 || work < per_item); ++b1) work += kRowCost + seq_tokens(ws, b1);
-      for (int h = 0; h < Hk; ++h) ws.seq_items.push_back({b0, b1, h, 0});
+      ws.seq_items.push_back({b0, b1, 0, Hk, 0});
     }
   }
   const size_t seg_rows = static_cast<size_t>(ws.seg_row[B]) * p.q_heads;
