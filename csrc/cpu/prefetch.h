@@ -2,10 +2,10 @@
 // it) for free of side effects: a function made of nothing but prefetches is found to be const and
 // its calls are deleted. The decode kernel's prefetch of the next row's chunks in phase 2
 // (prefetch_chunks, the fp32 path) was gone from the binary that way, and the bf16 path's lost
-// theirs whenever the inliner left NextChunkLines::prefetch a call (the phase 27.5 -> 32 ms a step
-// at 256 rows). A volatile asm is a side effect no pass removes. It also ties the compiler's hands:
-// the fp32 linear product's prefetch (linear_fp32.cpp, in a loop of FMAs, where the builtin is
-// kept) as this asm made the product 2x slower, so it stays a builtin.
+// theirs whenever the inliner left NextChunkLines::prefetch a call. A volatile asm is a side
+// effect no pass removes. It also ties the compiler's hands: the fp32 linear product's prefetch
+// (linear_fp32.cpp, in a loop of FMAs, where the builtin is kept) as this asm made the product 2x
+// slower, so it stays a builtin.
 #pragma once
 
 namespace chunkgen {
