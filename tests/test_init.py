@@ -12,13 +12,14 @@ import pytest
 @pytest.mark.parametrize(
     "given, expected",
     [
-        ({}, ("unset", "2000")),
+        ({}, ("unset", "10000")),
+        ({"CHUNKGEN_THREADS": "fixed"}, ("unset", "2000")),
         ({"OMP_WAIT_POLICY": "PASSIVE"}, ("PASSIVE", "unset")),
         ({"GOMP_SPINCOUNT": "300000"}, ("unset", "300000")),
     ],
 )
-def test_openmp_threads_spin_briefly_unless_the_environment_says_otherwise(given, expected):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | given
+def test_openmp_threads_spin_briefly_and_less_with_a_fixed_count_unless_the_environment_says_otherwise(given, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CHUNKGEN_THREADS")} | given
     code = (
         "import sys, os, chunkgen; e = os.environ; "
         "print(e.get('OMP_WAIT_POLICY', 'unset'), e.get('GOMP_SPINCOUNT', 'unset'), 'torch' in sys.modules)"

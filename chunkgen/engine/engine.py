@@ -24,6 +24,7 @@ from chunkgen.engine.runner import ModelRunner, PrefillItem
 from chunkgen.engine.sampler import SamplingBatch, StepReader, draw, make_generator, redo_short_rows
 from chunkgen.engine.scheduler import Admission, Batch, Scheduler, kv_budget_error
 from chunkgen.engine.sequence import Request, Result, Sequence
+from chunkgen.engine.threads import steer_threads
 from chunkgen.model.llama import LlamaModel
 
 # New tokens of a CPU prefill wave whose freed activations are handed back to the OS before the next
@@ -291,6 +292,8 @@ class Engine:
         results, self._refused = self._refused, []
         if not self.scheduler.has_work:
             return results
+        if self.pool.device.type == "cpu":
+            steer_threads()
         batch = self.scheduler.schedule()
         self.stats.preemptions += batch.preempted
         self.stats.held_back_steps += batch.held_back
