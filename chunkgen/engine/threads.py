@@ -94,10 +94,7 @@ class ThreadGovernor:
 
     def steer(self) -> int:
         """The thread count for the next step: resampled when the last sample is old enough."""
-        outside = torch.get_num_threads()
-        if outside != self.current:  # someone else set it: that is the new most
-            self.ceiling = self.current = outside
-            self._raise_votes = 0
+        self.follow_outside()
         now = self._clock()
         if now - self._last.wall_s < self.interval_s:
             return self.current
@@ -110,6 +107,13 @@ class ThreadGovernor:
             torch.set_num_threads(want)
             self.current = want
         return self.current
+
+    def follow_outside(self) -> None:
+        """A count someone else set (torch.set_num_threads) is the new most."""
+        outside = torch.get_num_threads()
+        if outside != self.current:
+            self.ceiling = self.current = outside
+            self._raise_votes = 0
 
     def _wanted(self) -> int:
         free = len(self.cpus) - self.others
@@ -142,3 +146,13 @@ def steer_threads() -> int:
                 pass
         _local.governor = governor
     return governor.steer() if governor else torch.get_num_threads()
+
+
+def configured_threads() -> int:
+    """The threads a step of this thread's engine runs on when no other process is busy: what to
+    give another engine benchmarked beside chunkgen, whatever the load took away meanwhile."""
+    governor = getattr(_local, "governor", None)
+    if not governor:
+        return torch.get_num_threads()
+    governor.follow_outside()
+    return governor.ceiling
