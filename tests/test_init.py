@@ -19,7 +19,9 @@ import pytest
     ],
 )
 def test_openmp_threads_spin_briefly_and_less_with_a_fixed_count_unless_the_environment_says_otherwise(given, expected):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CHUNKGEN_THREADS")} | given
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CHUNKGEN_THREADS")
+    } | given
     code = (
         "import sys, os, chunkgen; e = os.environ; "
         "print(e.get('OMP_WAIT_POLICY', 'unset'), e.get('GOMP_SPINCOUNT', 'unset'), 'torch' in sys.modules)"
