@@ -121,9 +121,10 @@ def profile_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
         _timed(model, "decode", decode, "model"),
     ):
         t0, c0 = time.perf_counter(), time.thread_time()
-        done = 0
+        done, threads = 0, set()
         while engine.has_work and done < steps:
             engine.step()
+            threads.add(torch.get_num_threads())  # the step's, as the thread governor set it first
             done += 1
         total, total_cpu = time.perf_counter() - t0, time.thread_time() - c0
     ms = lambda s: 1e3 * s / done  # noqa: E731
@@ -137,6 +138,7 @@ def profile_steps(llm: LLM, prompts: list[list[int]], steps: int = 30) -> dict:
     return {
         "batch": len(prompts),
         "steps": done,
+        "threads": sorted(threads),
         "step_ms": ms(total),
         "attention_ms": ms(sec["attention"]),
         "linear_ms": ms(sec["linear"]),

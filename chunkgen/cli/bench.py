@@ -211,6 +211,14 @@ def step_table(r: dict, ceilings: dict | None) -> Table:
 
 # One line per option: the signature reads like the --help it makes.
 # fmt: off
+def _on_threads(threads: list[int]) -> str:
+    """' on 2 threads', or ' on 1-2 threads' where the thread governor changed the count between steps."""
+    if not threads:
+        return ""
+    low, high = threads[0], threads[-1]
+    return f" on {low} thread{'s' if high > 1 else ''}" if low == high else f" on {low}-{high} threads"
+
+
 @bench_app.command("step")
 def bench_step(
     model: MODEL = DEFAULT_MODEL,
@@ -242,7 +250,8 @@ def bench_step(
     # 1.14 ms right after them, 0.32 ms before).
     ceilings = machine_ceilings() if llm.config.device == "cpu" else None
     r["machine"] = ceilings
-    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps): "
+    stdout.print(f"decode step at batch {r['batch']} ({n_shared} shared tokens, {dtype}, mean of {r['steps']} steps"
+                 f"{_on_threads(r['threads'])}): "
                  f"{r['step_ms']:.1f} ms = attention {r['attention_ms']:.1f} + linear layers {r['linear_ms']:.1f}"
                  f" + other model ops {r['other_model_ms']:.1f} + engine (tree, sampling, Python) {r['engine_ms']:.1f}"
                  f" ({r['engine_cpu_ms']:.2f} ms of it the engine thread's CPU time)")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from chunkgen._native import native_cpu_available
+from chunkgen.engine.threads import configured_threads
 
 pytestmark = pytest.mark.skipif(
     not native_cpu_available() or not hasattr(torch.ops.chunkgen, "quant_linear"),
@@ -32,3 +33,11 @@ def test_step_profile_counts_quantized_products(tiny_model):
     assert 0 < r["linear_ms"] <= r["step_ms"]
     assert 0 < r["engine_cpu_ms"] <= r["step_ms"]  # one thread's CPU time within the steps' wall time
     assert 0 < r["prefill_linear_s"] <= r["prefill_s"]
+    assert r["threads"] and all(1 <= t <= configured_threads() for t in r["threads"])  # as the steps ran
+
+
+def test_the_step_line_says_the_threads_the_steps_ran_on():
+    from chunkgen.cli.bench import _on_threads
+
+    assert _on_threads([2]) == " on 2 threads" and _on_threads([1]) == " on 1 thread"
+    assert _on_threads([1, 2]) == " on 1-2 threads" and _on_threads([]) == ""
