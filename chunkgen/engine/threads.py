@@ -26,8 +26,7 @@ import torch
 
 SAMPLE_INTERVAL_S = 0.5
 # A thread is given up when other processes' load takes more than this share of the core it would
-# run on (beside one busy process on 2 cores, spinning threads leave it about 2/3 of a core), and
-# taken back (after two samples in a row) when less than TAKE_BACK_BELOW: a margin so that a load
+# run on, and taken back (after two samples in a row) when less than TAKE_BACK_BELOW: a margin so that a load
 # near the line does not flip the count on every sample.
 GIVE_UP_AT = 0.5
 TAKE_BACK_BELOW = 0.3
@@ -139,10 +138,10 @@ def steer_threads() -> int:
     governor = getattr(_local, "governor", None)
     if governor is None:
         governor = False
-        if adaptive() and torch.get_num_threads() > 1:
+        if adaptive():  # also at one thread: a later torch.set_num_threads raises its most
             try:
                 governor = ThreadGovernor()
-            except (OSError, ValueError):  # no /proc/stat (not Linux) or one read otherwise
+            except (OSError, ValueError):  # no /proc/stat (not Linux), or one this parser cannot read
                 pass
         _local.governor = governor
     return governor.steer() if governor else torch.get_num_threads()

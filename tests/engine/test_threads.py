@@ -25,7 +25,8 @@ class FakeMachine:
         self.own += own_cores * seconds
         self.busy += (own_cores + other_cores) * seconds
 
-    def governor(self, cpus: int) -> ThreadGovernor:
+    def governor(self, cpus: int, threads: int) -> ThreadGovernor:
+        torch.set_num_threads(threads)
         return ThreadGovernor(
             frozenset(range(cpus)), busy=lambda _: self.busy, own=lambda: self.own, clock=lambda: self.now
         )
@@ -39,9 +40,8 @@ def threads_restored():
 
 
 def test_the_thread_count_gives_way_to_a_busy_process_and_comes_back_when_it_ends(threads_restored, monkeypatch):
-    torch.set_num_threads(2)
     machine = FakeMachine()
-    governor = machine.governor(cpus=2)
+    governor = machine.governor(cpus=2, threads=2)
     machine.run(1.0, own_cores=2.0, other_cores=0.0)
     assert governor.steer() == 2
     machine.run(1.0, own_cores=1.33, other_cores=0.67)  # three busy threads on two cores
@@ -57,9 +57,8 @@ def test_the_thread_count_gives_way_to_a_busy_process_and_comes_back_when_it_end
 
 
 def test_a_light_load_keeps_every_thread_and_a_load_near_the_line_does_not_flip_it(threads_restored):
-    torch.set_num_threads(2)
     machine = FakeMachine()
-    governor = machine.governor(cpus=2)
+    governor = machine.governor(cpus=2, threads=2)
     for load in (0.2, 0.45, 0.1):
         machine.run(1.0, own_cores=1.8, other_cores=load)
         assert governor.steer() == 2
@@ -71,13 +70,11 @@ def test_a_light_load_keeps_every_thread_and_a_load_near_the_line_does_not_flip_
 
 
 def test_on_many_cores_only_the_busy_ones_are_given_up(threads_restored):
-    torch.set_num_threads(8)
     machine = FakeMachine()
-    governor = machine.governor(cpus=8)
+    governor = machine.governor(cpus=8, threads=8)
     machine.run(1.0, own_cores=5.0, other_cores=3.0)
     assert governor.steer() == 5
-    torch.set_num_threads(8)
-    governor = machine.governor(cpus=16)  # threads fewer than the CPUs: a load that leaves 8 free costs none
+    governor = machine.governor(cpus=16, threads=8)  # threads fewer than the CPUs: a load that leaves 8 free costs none
     machine.run(1.0, own_cores=8.0, other_cores=7.8)
     assert governor.steer() == 8
     machine.run(1.0, own_cores=8.0, other_cores=20.0)  # more than the CPUs can hold: one thread is left
@@ -85,9 +82,8 @@ def test_on_many_cores_only_the_busy_ones_are_given_up(threads_restored):
 
 
 def test_samples_no_more_often_than_its_interval(threads_restored):
-    torch.set_num_threads(2)
     machine = FakeMachine()
-    governor = machine.governor(cpus=2)
+    governor = machine.governor(cpus=2, threads=2)
     machine.run(0.1, own_cores=1.0, other_cores=1.0)
     assert governor.steer() == 2  # too soon after the first sample to judge
     machine.run(0.5, own_cores=1.0, other_cores=1.0)
@@ -95,9 +91,8 @@ def test_samples_no_more_often_than_its_interval(threads_restored):
 
 
 def test_a_count_set_from_outside_is_the_new_most(threads_restored):
-    torch.set_num_threads(2)
     machine = FakeMachine()
-    governor = machine.governor(cpus=2)
+    governor = machine.governor(cpus=2, threads=2)
     torch.set_num_threads(1)
     machine.run(1.0, own_cores=1.0, other_cores=0.0)
     assert governor.steer() == 1 and governor.ceiling == 1
@@ -130,6 +125,15 @@ def test_fixed_threads_leave_the_count_alone(monkeypatch, threads_restored):
     monkeypatch.setattr(threads, "_local", threads.threading.local())
     with pytest.raises(ValueError, match="CHUNKGEN_THREADS='sometimes'"):
         threads.steer_threads()
+
+
+def test_a_thread_that_starts_on_one_thread_follows_a_count_raised_later(monkeypatch, threads_restored):
+    monkeypatch.setenv("CHUNKGEN_THREADS", "adaptive")
+    monkeypatch.setattr(threads, "_local", threads.threading.local())
+    torch.set_num_threads(1)
+    assert threads.steer_threads() == 1 and threads._local.governor
+    torch.set_num_threads(2)
+    assert threads.steer_threads() == 2 and threads.configured_threads() == 2
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
