@@ -209,8 +209,6 @@ def step_table(r: dict, ceilings: dict | None) -> Table:
     return table
 
 
-# One line per option: the signature reads like the --help it makes.
-# fmt: off
 def _on_threads(threads: list[int]) -> str:
     """' on 2 threads', or ' on 1-2 threads' where the thread governor changed the count between steps."""
     if not threads:
@@ -219,6 +217,8 @@ def _on_threads(threads: list[int]) -> str:
     return f" on {low} thread{'s' if high > 1 else ''}" if low == high else f" on {low}-{high} threads"
 
 
+# One line per option: the signature reads like the --help it makes.
+# fmt: off
 @bench_app.command("step")
 def bench_step(
     model: MODEL = DEFAULT_MODEL,

@@ -26,8 +26,8 @@ import torch
 
 SAMPLE_INTERVAL_S = 0.5
 # A thread is given up when other processes' load takes more than this share of the core it would
-# run on, and taken back (after two samples in a row) when less than TAKE_BACK_BELOW: a margin so that a load
-# near the line does not flip the count on every sample.
+# run on, and taken back (after two samples in a row) when less than TAKE_BACK_BELOW: a margin so
+# that a load near the line does not flip the count on every sample.
 GIVE_UP_AT = 0.5
 TAKE_BACK_BELOW = 0.3
 
