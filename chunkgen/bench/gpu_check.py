@@ -521,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--write-baseline", action="store_true", help="replace this GPU's baseline with this run")
     ap.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--baseline-dir", type=Path, default=ROOT / "benchmarks" / "gpu-baselines")
+    ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "gpu-check",
+                    help="the stages' JSON, the log and the requirements' site folder (emptied first)")  # fmt: skip
     ap.add_argument("--copy-to", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                     help="also copy the result files and the log here (default: $OUT when set)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -534,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": commit_of(ROOT),
         "command": "make gpu-check",
     }
-    work = ROOT / "build" / "gpu-check"
+    work = args.work_dir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     log_path = work / "gpu-check.log"

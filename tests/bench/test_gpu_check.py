@@ -240,3 +240,32 @@ def test_the_check_times_the_invariant_linear_product_against_cublas(tmp_path):
     cells, _ = gc.collect_cells([stage], [gc.StageResult(stage.name, "ok", 1.0)])
     assert cells["linear bfloat16 960x576 rows=32 invariant"] == gc.Cell(9.5, "us")
     assert cells["linear bfloat16 960x576 rows=32 cublas"].control
+
+
+def test_main_runs_the_stages_with_the_requirements_site_on_their_path(tmp_path, monkeypatch):
+    """The whole run as a lent machine makes it, with the GPU and the stages stood in for: every stage
+    finds the requirements stage's site folder on its path, the report, the first baseline and the
+    log are written and copied to the return folder, and the exit status is 0."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(gc, "gpu_identity", lambda: (H200, {"torch": "2.11.0+cu130", "cuda": "13.0", "arch": "9.0"}))
+    rows = json.dumps([kernel_row("chunk_tpp", 250.0), kernel_row("sdpa", 125.0)])
+    site_first = f"import os, sys; assert sys.path.index({str(work / 'site')!r}) < len(sys.path), sys.path"
+    write = f"{site_first}; open({str(work / 'kernel.json')!r}, 'w').write({rows!r})"
+
+    def stages(python, work_dir, arch):
+        assert work_dir == work and arch == "9.0"
+        return [
+            gc.Stage("requirements", [python, "-c", "print('met')"], 30),
+            gc.Stage("bench kernel bf16", [python, "-c", write], 30, work / "kernel.json", kind="kernel"),
+        ]
+
+    monkeypatch.setattr(gc, "default_stages", stages)
+    argv = ["--results-dir", str(tmp_path / "results"), "--baseline-dir", str(tmp_path / "baselines"),
+            "--work-dir", str(work), "--copy-to", str(out)]  # fmt: skip
+    assert gc.main(argv) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "gpu-check.log" in names and "nvidia-h200.json" in names
+    assert any(n.endswith("-gpu-check-nvidia-h200.md") for n in names)
+    report = next(out.glob("*-gpu-check-nvidia-h200.md")).read_text()
+    assert "| requirements | ok |" in report and "No baseline for NVIDIA H200 existed" in report
