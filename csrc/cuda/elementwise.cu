@@ -97,6 +97,27 @@ __device__ __forceinline__ void store_v_pair(const KVWriteProblem& w, const T* v
 // One thread per (row, head, pair i / i + d/2): both halves of the pair are read before either is
 // written, so the rotation is safe in place. Heads: the q and k heads, then, when the K/V are
 // written here, the v heads (copied, not rotated).
+// Rotates the pair (a, b) = (x[i], x[i + half]) of head h of row r by its position's cos and sin,
+// rounding each product and the sum to T as the CPU kernel does; a q head goes to q_out, a k head
+// back in place (and to the pool when the step's K/V are written here).
+template <typename T, typename Q>
+__device__ __forceinline__ void rotate_pair(T* x, const T* c, const T* s, float a, float b, int64_t r, int64_t h,
+                                            int64_t i, int64_t half, int64_t hq, int64_t d, Q* q_out,
+                                            const KVWriteProblem& kv) {
+  const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, to_float(c[i]))), rnd<T>(__fmul_rn(-b, to_float(s[i])))));
+  const float hi =
+      rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, to_float(c[i + half]))), rnd<T>(__fmul_rn(a, to_float(s[i + half])))));
+  if (h < hq) {
+    Q* q = q_out + (r * hq + h) * d;
+    q[i] = from_float<Q>(lo);
+    q[i + half] = from_float<Q>(hi);
+  } else {
+    x[i] = from_float<T>(lo);
+    x[i + half] = from_float<T>(hi);
+    if (r < kv.rows) store_k_pair(kv, r, h - hq, i, half, lo, hi);
+  }
+}
+
 template <typename T, typename Q, typename P>
 __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos, const T* sin, int64_t ts,
                               int64_t rows, int64_t hq, int64_t hk, int64_t d, Q* q_out, KVWriteProblem kv) {
@@ -111,19 +132,7 @@ __global__ void rotary_kernel(T* qkv, int64_t stride, const P* pos, const T* cos
   }
   const T* c = cos + static_cast<int64_t>(pos[r]) * ts;
   const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
-  const float a = to_float(x[i]), b = to_float(x[i + half]);
-  const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, to_float(c[i]))), rnd<T>(__fmul_rn(-b, to_float(s[i])))));
-  const float hi =
-      rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, to_float(c[i + half]))), rnd<T>(__fmul_rn(a, to_float(s[i + half])))));
-  if (h < hq) {
-    Q* q = q_out + (r * hq + h) * d;
-    q[i] = from_float<Q>(lo);
-    q[i + half] = from_float<Q>(hi);
-  } else {
-    x[i] = from_float<T>(lo);
-    x[i + half] = from_float<T>(hi);
-    if (r < kv.rows) store_k_pair(kv, r, h - hq, i, half, lo, hi);
-  }
+  rotate_pair(x, c, s, to_float(x[i]), to_float(x[i + half]), r, h, i, half, hq, d, q_out, kv);
 }
 
 // With q/k norms: one warp per (row, head). The warp sums the head's squares (every lane ends with
@@ -154,18 +163,7 @@ __global__ void norm_rotary_kernel(T* qkv, int64_t stride, const P* pos, const T
   const T* s = sin + static_cast<int64_t>(pos[r]) * ts;
   for (int64_t i = lane; i < half; i += 32) {
     const float a = normed(x[i], w[i], inv, offset), b = normed(x[i + half], w[i + half], inv, offset);
-    const float lo = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(a, to_float(c[i]))), rnd<T>(__fmul_rn(-b, to_float(s[i])))));
-    const float hi =
-        rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(b, to_float(c[i + half]))), rnd<T>(__fmul_rn(a, to_float(s[i + half])))));
-    if (h < hq) {
-      Q* q = q_out + (r * hq + h) * d;
-      q[i] = from_float<Q>(lo);
-      q[i + half] = from_float<Q>(hi);
-    } else {
-      x[i] = from_float<T>(lo);
-      x[i + half] = from_float<T>(hi);
-      if (r < kv.rows) store_k_pair(kv, r, h - hq, i, half, lo, hi);
-    }
+    rotate_pair(x, c, s, a, b, r, h, i, half, hq, d, q_out, kv);
   }
 }
 
