@@ -42,13 +42,8 @@ TYPE_NAMES = {v: k for k, v in GGUF_TYPES.items()}
 
 
 @dataclass
-class QuantWeight:
-    """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4; for U5 20 bytes a block, its 16 of
-    nibbles and a 32-bit word of fifth bits, bit j for value j; else [n, k] int8), scales [n, k/32]
-    ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. Scales and mins are fp32,
-    or factored: int8, times scale_d (min_d) [n, k/256] fp16 (the file's own) for the 8 blocks of a
-    super-block.
-    `pack` makes the layout the kernel reads."""
+class _Blocks:
+    """Block-quantized W [n, k]: its bytes, block scales and mins (the subclasses say in which layout)."""
 
     kind: int
     qs: torch.Tensor
@@ -62,11 +57,22 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self)
+        parts = (self.qs, self.scales, self.mins, self.scale_d, self.min_d)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     @property
     def factored(self) -> bool:
         return self.scale_d is not None
+
+
+@dataclass
+class QuantWeight(_Blocks):
+    """W [n, k] row by row: qs bytes ([n, k/2] nibbles for U4; for U5 20 bytes a block, its 16 of
+    nibbles and a 32-bit word of fifth bits, bit j for value j; else [n, k] int8), scales [n, k/32]
+    ([n, k/16] for S8_HALF) and mins [n, k/32] or None, all contiguous. Scales and mins are fp32,
+    or factored: int8, times scale_d (min_d) [n, k/256] fp16 (the file's own) for the 8 blocks of a
+    super-block.
+    `pack` makes the layout the kernel reads."""
 
     def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fp32 scales [n, k/32 or k/16] and mins [n, k/32] (or None) of every block."""
@@ -97,11 +103,6 @@ class QuantWeight:
             pick(self.scale_d),
             pick(self.min_d),
         )
-
-
-def _nbytes(w) -> int:
-    parts = (w.qs, w.scales, w.mins, w.scale_d, w.min_d)
-    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def _unfactor(values: torch.Tensor, d: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -136,7 +137,7 @@ def _unpack_bits(words: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class PackedWeight:
+class PackedWeight(_Blocks):
     """W [n, k] as the kernel streams it (csrc/cpu/quant_linear.cpp): channels in groups of 8
     (the last padded with zero rows), each group's blocks of 32 values along k with its 8 channels'
     values interleaved 4 at a time, in units of 32 bytes: qs [groups, k/32, units * 32], or for the
@@ -145,24 +146,6 @@ class PackedWeight:
     [groups, k/32, halves, 8], mins [groups, k/32, 8]. Factored
     ones put the groups in pairs, 16 channels side by side (csrc/cpu/quant_layout.h): scales
     [pairs, k/32, halves, 16], mins [pairs, k/32, 16], scale_d and min_d [pairs, k/256, 16]."""
-
-    kind: int
-    qs: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
-    n: int
-    k: int
-    source: str
-    scale_d: torch.Tensor | None = None
-    min_d: torch.Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self)
-
-    @property
-    def factored(self) -> bool:
-        return self.scale_d is not None
 
 
 def pack(w: QuantWeight) -> PackedWeight:
