@@ -56,9 +56,14 @@ demo: install
 	@mkdir -p $(dir $(OUT))
 	$(PY) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
-# -rs: the summary ends with one line per skipped test and why it was skipped.
+# Two parts: every test but those marked `serial` spread over TEST_WORKERS processes (pytest-xdist;
+# `auto` is one a core, at most 4), then the serial ones alone. The exit status is the first part's
+# failure, else the second's. -rs: each part ends with one line per skipped test and why.
+TEST_WORKERS ?= auto
 test: install-test
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --maxprocesses 4 -m "not serial and not llama_cpp"; a=$$?; \
+	$(PY) -m pytest -q -rs -m "serial and not llama_cpp"; b=$$?; \
+	if [ $$a -ne 0 ]; then exit $$a; fi; exit $$b
 
 # llama.cpp on the same GGUF file as chunkgen: `bench e2e --systems llama_cpp` and the agreement
 # test the suite leaves out (pytest -m llama_cpp). llama-cpp-python is an sdist that compiles

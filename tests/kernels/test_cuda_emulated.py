@@ -25,6 +25,11 @@ from tests.helpers import TOLERANCE, WINDOW_KINDS, build_tree, draw_window, nan_
 HERE = Path(__file__).parent / "cuda_emu"
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/attention.h KVType
 
+# Every emulated CUDA thread is an OS thread and a block's threads meet at barriers, so a launch
+# waits for its slowest thread to be scheduled: beside another busy process on 2 cores a test ran
+# 5-10x slower, against 2x for an ordinary one.
+pytestmark = pytest.mark.serial
+
 
 # `make cuda-racecheck` and `make cuda-memcheck` run this file with the emulator under ThreadSanitizer
 # or AddressSanitizer (CHUNKGEN_EMU_SANITIZE=thread or address, the runtime preloaded into Python):

@@ -17,6 +17,7 @@ import pytest
 from tests.kernels.test_cuda_emulated import HERE, build_emulated
 
 SOURCE = HERE / "sanitizer_canary.cpp"
+pytestmark = pytest.mark.serial  # the emulator's threads meet at barriers (test_cuda_emulated.py)
 
 
 def runtime(sanitizer: str) -> str | None:

@@ -16,6 +16,9 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from chunkgen.scale.ray import WorkerShape, actor_options, choose_worker, plan_workers  # noqa: E402
 from tests.helpers import PROMPTS, base_args, records, run_cli  # noqa: E402
 
+# Its clusters take the machine's CPUs as their own, and its timeouts assume them free.
+pytestmark = pytest.mark.serial
+
 
 def test_workers_are_sized_from_the_cluster():
     gpus = plan_workers("cuda", None, {"CPU": 16.0, "GPU": 4.0}, [16.0])
