@@ -56,12 +56,13 @@ demo: install
 	@mkdir -p $(dir $(OUT))
 	$(PY) -m chunkgen run --template $(TEMPLATE) --queries $(QUERIES) --out $(OUT) --resume
 
-# Two parts: every test but those marked `serial` spread over TEST_WORKERS processes (pytest-xdist;
-# `auto` is one a core, at most 4), then the serial ones alone. The exit status is the first part's
-# failure, else the second's. -rs: each part ends with one line per skipped test and why.
-TEST_WORKERS ?= auto
+# Two parts: every test but those marked `serial` spread over TEST_WORKERS processes (pytest-xdist:
+# one per CPU this process may run on, at most 4; xdist's own `auto` counts physical cores, one on a
+# 2-vCPU machine whose vCPUs are a core's two threads), then the serial ones alone. The exit status
+# is the first part's failure, else the second's. -rs: each part ends with one line per skipped test.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; echo $$n)
 test: install-test
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --maxprocesses 4 -m "not serial and not llama_cpp"; a=$$?; \
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) -m "not serial and not llama_cpp"; a=$$?; \
 	$(PY) -m pytest -q -rs -m "serial and not llama_cpp"; b=$$?; \
 	if [ $$a -ne 0 ]; then exit $$a; fi; exit $$b
 
