@@ -27,7 +27,7 @@ KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/atten
 
 # Every emulated CUDA thread is an OS thread and a block's threads meet at barriers, so a launch
 # waits for its slowest thread to be scheduled: beside another busy process on 2 cores a test ran
-# 5-10x slower, against 2x for an ordinary one.
+# 5-10x slower, where an engine test ran 1.3-1.5x slower (benchmarks/results/2026-12-04-test-workers-zen4.md).
 pytestmark = pytest.mark.serial
 
 
