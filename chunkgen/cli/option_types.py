@@ -135,8 +135,9 @@ BATCH_INVARIANT = Annotated[
         "--batch-invariant",
         metavar="auto|on|off",
         help="on: a row's answer and logprobs do not depend on the rows run beside it (--max-batch, --resume, "
-        "--shard, a warm cache); off: each kernel call's fastest plan, a few percent faster, answers may differ "
-        "near ties; auto: on, except on a GPU (docs/batch-invariance.md).",
+        "--shard, a warm cache); off: each kernel call's own fastest plan, answers may differ near ties (on the "
+        "CPUs measured no faster end to end; on a GPU not yet measured); auto: on, except on a GPU "
+        "(docs/batch-invariance.md).",
     ),
 ]
 MIXED_PREFILL_TOKENS = Annotated[
