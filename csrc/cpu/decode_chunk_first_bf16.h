@@ -29,10 +29,11 @@ namespace chunkgen {
 namespace decode {
 
 // Per-thread buffers of the bf16 chunk-first phase: one block's K and V repacked, then queries,
-// scores, probabilities, the product P.V and the running (o, m, l) of the item's rows.
+// scores, probabilities, the product P.V and the running (o, m, l) of the item's rows; o1: the
+// batch-invariant path's product for a row done chunk by chunk (continue_rows_bf16).
 struct Bf16Scratch {
   AlignedVector<uint16_t> kp, vp, q, p;
-  AlignedVector<float> s, o, m, l, lv;
+  AlignedVector<float> s, o, m, l, lv, o1;
 };
 
 constexpr int kBf16Rows = 32;      // query rows per product: two 16-row tiles
@@ -159,6 +160,12 @@ inline void raise_max(Bf16Scratch& sc, const Bf16Block& blk, int r, int d, __m51
   for (int k = 0; k < d; k += 16) _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_loadu_ps(o + k), av));
 }
 
+// Scores sr[0, n) capped as scale * s would be, so the scale still applies after.
+inline void cap_scores(const DecodeProblem& p, float* sr, int n) {
+  const float inv = 1.f / p.scale;
+  for (int j = 0; j < n; j += 16) store(sr + j, soft_cap(load(sr + j) * p.scale, p.softcap) * inv);
+}
+
 // Online softmax of one row's scores of the block (sr: N scores; pr: its Kn probabilities). A
 // row's first block finds its max first; a later block uses the max so far and moves it only when a
 // probability would exceed 2^kLazyHeadroom (rare after the first blocks): then the row is rescaled
@@ -168,10 +175,7 @@ inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf1
   const int C = p.chunk, d = p.head_dim;
   const __m512 scale = _mm512_set1_ps(p.scale), scale2 = _mm512_set1_ps(p.scale * kLog2e);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  if (p.softcap > 0.f) {  // capped as scale * s would be, so the scale still applies below
-    const float inv = 1.f / p.scale;
-    for (int j = 0; j < blk.N; j += 16) store(sr + j, soft_cap(load(sr + j) * p.scale, p.softcap) * inv);
-  }
+  if (p.softcap > 0.f) cap_scores(p, sr, blk.N);
   float m = sc.m[r];
   bool lazy = m != kNegInf;
   __m512 mx = neg_inf;
@@ -212,6 +216,34 @@ inline void row_block_softmax(const DecodeProblem& p, Bf16Scratch& sc, const Bf1
     _mm512_storeu_ps(lv, _mm512_add_ps(_mm512_loadu_ps(lv), sum));
     return;
   }
+}
+
+// Row r's chunks [from, blk.nc) of a block whose max is found (C scores and C probabilities a
+// chunk), each against the max so far as row_block_softmax takes a single chunk, bit for bit, with
+// its fixed costs once: the first chunk that would move the max (blk.nc when none does), the
+// state as the chunks before it left it.
+inline int lazy_chunks(const DecodeProblem& p, Bf16Scratch& sc, const Bf16Block& blk, int r, float* sr, uint16_t* pr,
+                       int from) {
+  const int C = p.chunk;
+  const float m = sc.m[r];
+  if (m == kNegInf) return from;
+  const __m512 scale2 = _mm512_set1_ps(p.scale * kLog2e), neg_m2 = _mm512_set1_ps(-m * kLog2e);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf), headroom = _mm512_set1_ps(kLazyHeadroom);
+  float* lv = sc.lv.data() + static_cast<size_t>(r) * 16;
+  __m512 l = _mm512_loadu_ps(lv);
+  int jc = from;
+  for (; jc < blk.nc; ++jc) {
+    if (p.softcap > 0.f) cap_scores(p, sr + jc * C, C);
+    __m512 sum = _mm512_setzero_ps(), xmax = neg_inf;
+    if (blk.len[jc] == C && blk.lo[jc] == 0)
+      chunk_probabilities<true, true>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax);
+    else
+      chunk_probabilities<false, true>(sr, pr, blk, jc, C, scale2, neg_m2, sum, xmax);
+    if (_mm512_cmp_ps_mask(xmax, headroom, _CMP_GT_OQ)) break;
+    l = _mm512_add_ps(l, sum);
+  }
+  _mm512_storeu_ps(lv, l);
+  return jc;
 }
 
 // Item w (shared chunks x rows, one KV head) in bf16 products with fp32 accumulation and an fp32
@@ -319,53 +351,88 @@ inline size_t packed_chunk_elems(const DecodeProblem& p) {
          static_cast<size_t>(bf16::round_up(p.chunk, 32)) * p.head_dim;
 }
 
-// The next chunk's lines, toward L2 a share per softmax row of the chunk before it, for phase 1,
-// which packs each shared chunk as it reaches it (one pack per row piece; the second from L2 or
+// Chunks of one product pass of the batch-invariant path at the most (kBlockTokens of the
+// smallest chunks).
+constexpr int kMaxBlockChunks = kBlockTokens / 16;
+
+// The next chunks' lines, toward L2 a share per softmax row of the chunks before them, for phase
+// 1, which packs each shared chunk as it reaches it (one pack per row piece; the second from L2 or
 // L3). A pass that packed every shared chunk once before the items read the step's shared K/V from
 // memory with nothing to overlap it, and with its 1.5 MiB of packed chunks a layer some processes
 // ran the phase 1.4-1.8x slower than others (32 rows on 2,048 shared, SmolLM2's heads, Zen 5).
 struct NextChunkLines {
-  const char *k = nullptr, *v = nullptr;
-  int k_lines = 0, lines = 0;
+  const char* k[kMaxBlockChunks];
+  const char* v[kMaxBlockChunks];
+  int v_lines[kMaxBlockChunks];
+  int n = 0, k_lines = 0, lines = 0;
 
   NextChunkLines() = default;
-  NextChunkLines(const DecodeProblem& p, int h, const ChunkRef& c) {
-    if (c.len <= 0) return;
+  NextChunkLines(const DecodeProblem& p, int h, const ChunkRef& c) { add(p, h, c); }
+
+  void add(const DecodeProblem& p, int h, const ChunkRef& c) {
+    if (c.len <= 0 || n == kMaxBlockChunks) return;
     const size_t off = PoolView(p).at(c.slot, h);
-    k = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.k) + off);
-    v = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.v) + off);
+    k[n] = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.k) + off);
+    v[n] = reinterpret_cast<const char*>(static_cast<const uint16_t*>(p.v) + off);
     k_lines = p.head_dim * p.chunk * 2 / 64;
-    lines = k_lines + (c.len * p.head_dim * 2 + 63) / 64;
+    v_lines[n] = (c.len * p.head_dim * 2 + 63) / 64;
+    lines += k_lines + v_lines[n++];
   }
 
   void prefetch(int r, int Rp) const {
     const int l_end = static_cast<int>(static_cast<int64_t>(r + 1) * lines / Rp);
-    for (int l = static_cast<int>(static_cast<int64_t>(r) * lines / Rp); l < l_end; ++l)
-      prefetch_l2(l < k_lines ? k + 64 * l : v + 64 * (l - k_lines));
+    int j = 0, base = 0;  // chunk j's lines start at line base
+    for (int l = static_cast<int>(static_cast<int64_t>(r) * lines / Rp); l < l_end; ++l) {
+      while (l - base >= k_lines + v_lines[j]) base += k_lines + v_lines[j++];
+      const int x = l - base;
+      prefetch_l2(x < k_lines ? k[j] + 64 * x : v[j] + 64 * (x - k_lines));
+    }
   }
 };
 
-// prefetch_next: bring each next chunk in while this one is read (phase 1's shared chunks; a row's
+// Consecutive chunks that go through one pair of products: their indices and references. Only a
+// block's last chunk may be partly filled.
+struct ChunkBlock {
+  int nc = 0;
+  int at[kMaxBlockChunks];
+  ChunkRef c[kMaxBlockChunks];
+};
+
+// prefetch_next: bring each next block in while this one is read (phase 1's shared chunks; a row's
 // own chunks are loaded by the caller, load_chunks). ahead: lines to bring in during the first
-// chunk, a share per softmax row (phase 2: the next row's first chunk).
+// block, a share per softmax row (phase 2: the next row's first chunk).
+//
+// The arithmetic is one chunk after another; the products take up to kBlockTokens of consecutive
+// chunks at once, which leaves every bit as it is: each product's output is one chain of sums over
+// k in order (AMX's steps of 32 along k fall on chunk boundaries), so a block's P.V is its chunks'
+// P.V one after the other, and each row's softmax still steps chunk by chunk. A row whose max would
+// move past a block's first chunk (rare: a probability 2^kLazyHeadroom above its max so far, or a
+// window's first token) takes the rest of the block one chunk at a time, alone. Blocks cut the
+// per-chunk cost of reading every row's queries and sums: at 256 rows on SmolLM2's heads those no
+// longer fit L1.
 template <typename Q, typename ChunkAt, typename SpanAt>
 void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, int h, bool resume, int n, ChunkAt chunk,
                         SpanAt span, Bf16Scratch& sc, bool amx, bool prefetch_next = false,
                         const NextChunkLines& ahead = NextChunkLines()) {
   const int Hq = p.q_heads, G = Hq / p.kv_heads, d = p.head_dim, C = p.chunk;
   const int dp = bf16::round_up(d, 32), Kn = bf16::round_up(C, 32);
+  // Chunks side by side need the products' steps along k to meet at their boundaries.
+  const int per_block = C % 32 == 0 ? std::clamp(kBlockTokens / C, 1, kMaxBlockChunks) : 1;
+  const int Nb = per_block * C, Kb = per_block * Kn;  // a block's columns of S, rows of V
   // The products' row blocks: AMX's tiles of 16; on dot products register blocks of 8 rows, or 4
   // for a row's own chunks in phase 2 (one sequence's query heads, 3 in a GQA group of 3: fewer
   // padding rows).
   const int R = (b1 - b0) * G, Rp = bf16::round_up(R, amx ? 16 : R <= 4 ? 4 : 8);
   const Gemm gemm = amx ? bf16::gemm_for(true) : R <= 4 ? bf16::gemm_dpbf16<4> : bf16::gemm_dpbf16<8>;
-  grow(sc.kp, packed_chunk_elems(p));  // one chunk's K^T and V, packed
+  grow(sc.kp, static_cast<size_t>(dp) * Nb + static_cast<size_t>(Kb) * d);  // a block's K^T, then its V
+  grow(sc.vp, packed_chunk_elems(p));                                        // one chunk's, for a row alone
   grow(sc.q, static_cast<size_t>(Rp) * dp);
   grow(sc.o, static_cast<size_t>(Rp) * d);
+  grow(sc.o1, static_cast<size_t>(16) * d);
   grow(sc.m, Rp);
   grow(sc.l, Rp);
-  grow(sc.s, static_cast<size_t>(kBf16Rows) * C);
-  grow(sc.p, static_cast<size_t>(kBf16Rows) * Kn);
+  grow(sc.s, static_cast<size_t>(kBf16Rows) * Nb);
+  grow(sc.p, static_cast<size_t>(kBf16Rows) * Kb);
   grow(sc.lv, static_cast<size_t>(Rp) * 16);
   pack_queries<Q>(p, b0, h, R, Rp, dp, sc);  // m = -inf, lv = 0
   std::fill_n(sc.o.data(), static_cast<size_t>(Rp) * d, 0.f);
@@ -376,44 +443,107 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
       std::memcpy(sc.lv.data() + static_cast<size_t>(r) * 16, ws.part_lv.data() + at * 16, sizeof(float) * 16);
       sc.m[r] = ws.part_m[at];
     }
-  Bf16Block blk;
+  Bf16Block blk;  // the softmax's view: one chunk
   blk.nc = 1;
   blk.N = C;
   blk.Kn = Kn;
   blk.first = false;  // the state is always continued (a fresh one is o = 0, m = -inf)
-  ChunkRef next = n > 0 ? chunk(0) : ChunkRef{};
-  if (prefetch_next) NextChunkLines(p, h, next).prefetch(0, 1);
-  for (int i = 0; i < n; ++i) {
-    const ChunkRef c = next;
-    if (i + 1 < n) next = chunk(i + 1);
-    if (c.len <= 0) continue;
-    blk.len[0] = c.len;
-    blk.pos[0] = c.pos;
-    pack_chunk(p, c.slot, h, c.len, sc.kp.data());
-    const uint16_t* kp = sc.kp.data();
-    const uint16_t* vp = kp + static_cast<size_t>(dp) * C;
-    const NextChunkLines next_lines = prefetch_next && i + 1 < n ? NextChunkLines(p, h, next) : NextChunkLines();
-    // Scores past cols.s are left as they were: the softmax masks them.
-    const ChunkCols cols = chunk_cols(c.len, C);
+  int asked = 0;      // chunks asked for so far, in order (phase 2's loads go with the asking)
+  auto gather = [&](ChunkBlock& b) {
+    b.nc = 0;
+    while (b.nc < per_block && asked < n) {
+      const int i = asked++;
+      const ChunkRef c = chunk(i);
+      if (c.len <= 0) continue;
+      b.at[b.nc] = i;
+      b.c[b.nc++] = c;
+      if (c.len < C) break;
+    }
+  };
+  const PoolView pool(p);
+  const uint16_t* K = static_cast<const uint16_t*>(p.k);
+  const uint16_t* V = static_cast<const uint16_t*>(p.v);
+  uint16_t* kp = sc.kp.data();
+  uint16_t* vp = kp + static_cast<size_t>(dp) * Nb;
+  // Row r (a declined one) over the block's chunks [from, nc), one at a time: the products of the
+  // smallest row group that holds it, of which only its row is kept.
+  const int group = amx ? 16 : 4;
+  const Gemm gemm_group = amx ? bf16::gemm_for(true) : bf16::gemm_dpbf16<4>;
+  auto alone = [&](const ChunkBlock& b, int r, int from) {
+    const int g0 = r - r % group;
+    for (int jc = from; jc < b.nc; ++jc) {
+      const ChunkRef& c = b.c[jc];
+      const ChunkCols cols = chunk_cols(c.len, C);
+      pack_chunk(p, c.slot, h, c.len, sc.vp.data());
+      gemm_group(sc.q.data() + static_cast<size_t>(g0) * dp, dp, sc.vp.data(), dp, cols.s, sc.s.data(), C, group,
+                 false);
+      uint16_t* pr = sc.p.data();
+      std::fill_n(pr, static_cast<size_t>(group) * Kn, uint16_t{0});
+      const std::pair<int, int> lo_len = span(b.at[jc], r);
+      blk.lo[0] = lo_len.first;
+      blk.len[0] = lo_len.second;
+      row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(r - g0) * C,
+                        pr + static_cast<size_t>(r - g0) * Kn);
+      float* o1 = sc.o1.data();
+      std::memcpy(o1, sc.o.data() + static_cast<size_t>(g0) * d, sizeof(float) * group * d);
+      gemm_group(pr, Kn, sc.vp.data() + static_cast<size_t>(dp) * C, cols.pv, d, o1, d, group, true);
+      std::memcpy(sc.o.data() + static_cast<size_t>(r) * d, o1 + static_cast<size_t>(r - g0) * d, sizeof(float) * d);
+    }
+  };
+  ChunkBlock cur, next;
+  gather(cur);
+  if (prefetch_next && cur.nc > 0) NextChunkLines(p, h, cur.c[0]).prefetch(0, 1);
+  for (bool first = true; cur.nc > 0; first = false) {
+    gather(next);
+    Bf16Block row;  // the softmax's view of a row's whole block (lazy_chunks)
+    row.nc = cur.nc;
+    NextChunkLines next_lines;
+    if (prefetch_next)
+      for (int j = 0; j < next.nc; ++j) next_lines.add(p, h, next.c[j]);
+    // The block packed: K^T [dp, Ns] with its chunks side by side, V [Kv, d] stacked.
+    const ChunkCols last = chunk_cols(cur.c[cur.nc - 1].len, C);
+    const int Ns = (cur.nc - 1) * C + last.s, Kv = (cur.nc - 1) * Kn + last.pv;
+    for (int j = 0; j < cur.nc; ++j) {
+      const ChunkRef& c = cur.c[j];
+      const bool full = j + 1 < cur.nc;
+      const size_t off = pool.at(c.slot, h);
+      bf16::pack_pairs(K + off, C, d, dp, full ? C : last.s, c.len, kp + 2 * j * C, Ns);
+      bf16::pack_pairs(V + off, d, c.len, full ? Kn : last.pv, d, d, vp + static_cast<size_t>(j) * Kn * d);
+    }
     for (int r0 = 0; r0 < Rp; r0 += kBf16Rows) {
       const int rows = std::min(kBf16Rows, Rp - r0);
-      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, kp, dp, cols.s, sc.s.data(), C, rows, false);
+      // Scores past Ns are left as they were: the softmax masks them.
+      gemm(sc.q.data() + static_cast<size_t>(r0) * dp, dp, kp, dp, Ns, sc.s.data(), Nb, rows, false);
+      int declined = 0, declined_row[kBf16Rows], declined_from[kBf16Rows];
       for (int rr = 0; rr < rows; ++rr) {
         const int r = r0 + rr;
-        uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kn;
+        uint16_t* pr = sc.p.data() + static_cast<size_t>(rr) * Kb;
         next_lines.prefetch(r, Rp);
-        if (i == 0) ahead.prefetch(r, Rp);
+        if (first) ahead.prefetch(r, Rp);
         if (r >= R) {  // padding rows carry no weight
-          std::fill_n(pr, Kn, uint16_t{0});
+          std::fill_n(pr, Kv, uint16_t{0});
           continue;
         }
-        const std::pair<int, int> lo_len = span(i, r);
-        blk.lo[0] = lo_len.first;
-        blk.len[0] = lo_len.second;
-        row_block_softmax(p, sc, blk, r, sc.s.data() + static_cast<size_t>(rr) * C, pr);
+        float* sr = sc.s.data() + static_cast<size_t>(rr) * Nb;
+        for (int jc = 0; jc < cur.nc; ++jc) {
+          const std::pair<int, int> lo_len = span(cur.at[jc], r);
+          row.lo[jc] = lo_len.first;
+          row.len[jc] = lo_len.second;
+        }
+        blk.lo[0] = row.lo[0];
+        blk.len[0] = row.len[0];
+        row_block_softmax(p, sc, blk, r, sr, pr);
+        const int jc = cur.nc > 1 ? lazy_chunks(p, sc, row, r, sr, pr, 1) : 1;
+        if (jc < cur.nc) {
+          std::fill(pr + jc * Kn, pr + Kv, uint16_t{0});  // this product takes its chunks before jc
+          declined_row[declined] = r;
+          declined_from[declined++] = jc;
+        }
       }
-      gemm(sc.p.data(), Kn, vp, cols.pv, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
+      gemm(sc.p.data(), Kb, vp, Kv, d, sc.o.data() + static_cast<size_t>(r0) * d, d, rows, true);
+      for (int k = 0; k < declined; ++k) alone(cur, declined_row[k], declined_from[k]);
     }
+    cur = next;
   }
 }
 
