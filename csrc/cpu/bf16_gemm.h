@@ -108,6 +108,46 @@ inline void gemm_dpbf16(const uint16_t* A, int lda, const uint16_t* B, int K, in
   }
 }
 
+// Columns [n, n + 16 NB) of gemm_dpbf16's product for RB rows: RB x NB accumulators, one chain over
+// k each, as gemm_dpbf16 sums them.
+template <int RB, int NB>
+inline void dpbf16_tile(const uint16_t* A, int lda, const uint16_t* B, int K, int N, int n, float* out, int ldo,
+                        bool accumulate) {
+  __m512 acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j)
+      acc[r][j] = accumulate ? _mm512_loadu_ps(out + static_cast<size_t>(r) * ldo + n + 16 * j) : _mm512_setzero_ps();
+  const uint16_t* bp = B + 2 * n;
+  for (int kp = 0; kp < K / 2; ++kp, bp += 2 * N) {
+    __m512bh b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(bp + 32 * j);
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, A + static_cast<size_t>(r) * lda + 2 * kp, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(out + static_cast<size_t>(r) * ldo + n + 16 * j, acc[r][j]);
+}
+
+// gemm_dpbf16's product for exactly R = RB rows, 1 to 3 (a sequence's query heads in a GQA group
+// of up to 3): no padding rows, and columns wide enough that the chains of dot products keep the
+// units busy. Each output is the same chain as gemm_dpbf16's, so the bits are its bits.
+template <int RB>
+inline void gemm_dpbf16_rows(const uint16_t* A, int lda, const uint16_t* B, int K, int N, float* out, int ldo, int R,
+                             bool accumulate) {
+  static_assert(RB >= 1 && RB <= 3, "one to three rows");
+  (void)R;
+  constexpr int NB = RB == 3 ? 4 : 8;  // RB NB accumulators, NB vectors of B
+  int n = 0;
+  for (; n + 16 * NB <= N; n += 16 * NB) dpbf16_tile<RB, NB>(A, lda, B, K, N, n, out, ldo, accumulate);
+  for (; n + 64 <= N; n += 64) dpbf16_tile<RB, 4>(A, lda, B, K, N, n, out, ldo, accumulate);
+  for (; n + 32 <= N; n += 32) dpbf16_tile<RB, 2>(A, lda, B, K, N, n, out, ldo, accumulate);
+  for (; n < N; n += 16) dpbf16_tile<RB, 1>(A, lda, B, K, N, n, out, ldo, accumulate);
+}
+
 // exp for softmax in fp32: 2^(x log2 e) as 2^n * p(f), p a degree-5 polynomial on [0, 1)
 // (relative error ~1e-7, far below bf16's rounding of P); inputs are <= 0 here.
 inline __m512 exp512(__m512 x) {

@@ -419,11 +419,16 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
   // Chunks side by side need the products' steps along k to meet at their boundaries.
   const int per_block = C % 32 == 0 ? std::clamp(kBlockTokens / C, 1, kMaxBlockChunks) : 1;
   const int Nb = per_block * C, Kb = per_block * Kn;  // a block's columns of S, rows of V
-  // The products' row blocks: AMX's tiles of 16; on dot products register blocks of 8 rows, or 4
-  // for a row's own chunks in phase 2 (one sequence's query heads, 3 in a GQA group of 3: fewer
-  // padding rows).
+  // The products' row blocks: AMX's tiles of 16; on dot products register blocks of 8 rows, or 4,
+  // or up to 3 rows exactly, for a row's own chunks in phase 2 (one sequence's query heads: 1 to
+  // 3 in most models' GQA groups; padding rows would be dot products for nothing).
   const int R = (b1 - b0) * G, Rp = bf16::round_up(R, amx ? 16 : R <= 4 ? 4 : 8);
-  const Gemm gemm = amx ? bf16::gemm_for(true) : R <= 4 ? bf16::gemm_dpbf16<4> : bf16::gemm_dpbf16<8>;
+  const Gemm gemm = amx      ? bf16::gemm_for(true)
+                    : R == 1 ? bf16::gemm_dpbf16_rows<1>
+                    : R == 2 ? bf16::gemm_dpbf16_rows<2>
+                    : R == 3 ? bf16::gemm_dpbf16_rows<3>
+                    : R <= 4 ? bf16::gemm_dpbf16<4>
+                             : bf16::gemm_dpbf16<8>;
   grow(sc.kp, static_cast<size_t>(dp) * Nb + static_cast<size_t>(Kb) * d);  // a block's K^T, then its V
   grow(sc.vp, packed_chunk_elems(p));                                        // one chunk's, for a row alone
   grow(sc.q, static_cast<size_t>(Rp) * dp);

@@ -40,17 +40,23 @@ def _decode(pool, tree, queries: dict, chunk_first: bool) -> dict:
     n_seqs=st.integers(2, 14),
     shared_len=st.integers(0, 300),
     chunk=st.sampled_from([16, 32, 64]),
-    heads=st.sampled_from([(4, 4), (9, 3), (6, 1)]),
+    heads=st.sampled_from([(4, 4), (8, 4), (9, 3), (6, 1)]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     q_dtype=st.sampled_from(["float32", "pool"]),
     decode_steps=st.integers(0, 3),
+    rising=st.booleans(),
 )
 def test_a_rows_decode_attention_is_the_same_in_any_batch(
-    seed, n_seqs, shared_len, chunk, heads, dtype, q_dtype, decode_steps
+    seed, n_seqs, shared_len, chunk, heads, dtype, q_dtype, decode_steps, rising
 ):
+    """With `rising`, keys grow from slot to slot, so that rows' maxima keep moving past a block's
+    first chunk (the bf16 products then take the rest of the block one chunk at a time)."""
     q_heads, kv_heads = heads
     d = 64
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, decode_steps=decode_steps)
+    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, max_private=200, decode_steps=decode_steps)
+    if rising:
+        n = pool.capacity
+        pool.k[0, :n] *= (torch.arange(n, dtype=torch.float32) * 1.5 + 0.5).to(dtype)[:, None, None, None]
     gen = torch.Generator().manual_seed(seed + 1)
     qd = torch.float32 if q_dtype == "float32" else dtype
     queries = {s: torch.randn(q_heads, d, generator=gen).to(qd) for s in range(n_seqs)}

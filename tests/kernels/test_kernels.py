@@ -180,10 +180,20 @@ def test_the_step_shape_long_shared_prompt(cpu_path, q_dtype):
 
 @pytest.mark.parametrize("cpu_path", PATHS)
 @pytest.mark.parametrize("keys", ["rising", "spike"])
-def test_later_blocks_far_above_the_first_rescale(cpu_path, keys):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_later_blocks_far_above_the_first_rescale(cpu_path, keys, batch_invariant):
     """The bf16 softmax takes a later block's probabilities against the row's max so far: keys that
     grow along the shared prompt (every block far above the last) or one late token with scores far
-    above all others must move that max, not overflow or lose the earlier blocks."""
+    above all others must move that max, not overflow or lose the earlier blocks (batch-invariant:
+    a row whose max moves inside a block takes the rest of it one chunk at a time)."""
+    invariant.set_enabled(batch_invariant)
+    try:
+        _later_blocks_far_above_the_first(cpu_path, keys)
+    finally:
+        invariant.set_enabled(False)
+
+
+def _later_blocks_far_above_the_first(cpu_path: str, keys: str) -> None:
     pool = ChunkPool(1, 3, 64, 64, torch.bfloat16, budget_bytes=1 << 26)
     tree = PrefixTree(pool)
     for s in range(8):
