@@ -430,7 +430,7 @@ void continue_rows_bf16(const DecodeProblem& p, Workspace& ws, int b0, int b1, i
                     : R <= 4 ? bf16::gemm_dpbf16<4>
                              : bf16::gemm_dpbf16<8>;
   grow(sc.kp, static_cast<size_t>(dp) * Nb + static_cast<size_t>(Kb) * d);  // a block's K^T, then its V
-  grow(sc.vp, packed_chunk_elems(p));                                        // one chunk's, for a row alone
+  grow(sc.vp, packed_chunk_elems(p));                                       // one chunk's, for a row alone
   grow(sc.q, static_cast<size_t>(Rp) * dp);
   grow(sc.o, static_cast<size_t>(Rp) * d);
   grow(sc.o1, static_cast<size_t>(16) * d);

@@ -53,7 +53,9 @@ def test_a_rows_decode_attention_is_the_same_in_any_batch(
     first chunk (the bf16 products then take the rest of the block one chunk at a time)."""
     q_heads, kv_heads = heads
     d = 64
-    pool, tree = build_tree(seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, max_private=200, decode_steps=decode_steps)
+    pool, tree = build_tree(
+        seed, n_seqs, shared_len, chunk, kv_heads, d, dtype, max_private=200, decode_steps=decode_steps
+    )
     if rising:
         n = pool.capacity
         pool.k[0, :n] *= (torch.arange(n, dtype=torch.float32) * 1.5 + 0.5).to(dtype)[:, None, None, None]
