@@ -191,7 +191,7 @@ void seq_item(const DecodeProblem& p, Workspace& ws, const SeqItem& w, Isa isa, 
       if (i + 1 < n) {
         const auto [next_lo, next_hi] = segment_chunks(ws, next_b, w.seg);
         if (next_lo < next_hi)
-          ahead = NextChunkLines(p, next_h, ChunkRef{ws.chunk_slot[next_lo], ws.chunk_len[next_lo], 0});
+          ahead = NextChunkLines(p, next_h, ChunkRef{ws.chunk_slot[next_lo], ws.chunk_len[next_lo]});
       }
       own_chunks_bf16_invariant<Q>(p, ws, b, h, resume, lo, hi, isa == Isa::Amx, bsc, ahead);
       continue;

@@ -315,7 +315,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 // from the workspace, left there again), phase 2 for a row's own chunks. Every row's arithmetic is
 // its own chain (the products' sums per row and column, the softmax per row, l's 16 lane sums
 // carried as they are), so a row's bits do not depend on the rows beside it or on where its path
-// is cut into shared groups. chunk(i) gives chunk i's (slot, valid tokens, first position), span(i,
+// is cut into shared groups. chunk(i) gives chunk i's (slot, valid tokens), span(i,
 // r) the tokens [lo, len) of it row r reads (its window's first token; a causal row's last). A
 // chunk a row reads none of leaves its state as it was, bit for bit. amx: the products on AMX tiles
 // (the caller has loaded bf16::TileConfig on this thread), rows padded to whole tiles of 16, else on
@@ -323,7 +323,7 @@ void shared_item_bf16(const DecodeProblem& p, Workspace& ws, const SharedItem& w
 // row of A), but the two are other orders of sums: every caller in a process takes the same one.
 struct ChunkRef {
   int64_t slot;
-  int len, pos;
+  int len;
 };
 
 // The columns of a chunk of len tokens that its products take: S's (K^T's columns, a multiple of
@@ -561,7 +561,7 @@ void shared_item_bf16_invariant(const DecodeProblem& p, Workspace& ws, const Sha
       p, ws, w.begin, w.end, w.head, w.level > 0, w.last - w.first,
       [&](int i) {
         const int c = ws.group_chunks[w.first + i];
-        return ChunkRef{p.shared_slot[c], p.shared_len[c], p.window > 0 ? ws.shared_pos[c] : 0};
+        return ChunkRef{p.shared_slot[c], p.shared_len[c]};
       },
       [&](int i, int r) {
         const int c = ws.group_chunks[w.first + i], n = p.shared_len[c];
@@ -589,7 +589,7 @@ void own_chunks_bf16_invariant(const DecodeProblem& p, Workspace& ws, int b, int
         // shape: the phase 112 -> 79 us a layer).
         if (i % kLoadChunks == 0)
           load_chunks<uint16_t>(p, ws, PoolView(p), lo + i, std::min(hi, lo + i + kLoadChunks), h);
-        return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i], 0};
+        return ChunkRef{ws.chunk_slot[lo + i], ws.chunk_len[lo + i]};
       },
       [&](int i, int) { return std::pair<int, int>(p.window > 0 ? ws.chunk_lo[lo + i] : 0, ws.chunk_len[lo + i]); }, sc,
       amx, false, ahead);

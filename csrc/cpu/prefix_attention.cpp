@@ -184,7 +184,7 @@ void attend_item_bf16(const Product<uint16_t, uint16_t>& pr, const Shape& sh, in
       p, unused, r0, r1, h, false, static_cast<int>(last / C + 1 - from),
       [&](int i) {
         const int64_t c = from + i;
-        return decode::ChunkRef{pr.slot[c], static_cast<int>(std::min<int64_t>(C, pr.n_tokens - c * C)), 0};
+        return decode::ChunkRef{pr.slot[c], static_cast<int>(std::min<int64_t>(C, pr.n_tokens - c * C))};
       },
       [&](int i, int r) {
         const int64_t c = from + i, pos = pr.first + r0 + r / G, n = std::min<int64_t>(C, pr.n_tokens - c * C);
