@@ -149,11 +149,26 @@ namespace {
 // The same product on AVX512_BF16 dot products (CPUs without AMX): R rows x 32 columns of fp32
 // sums in registers, each pair-row of the block (32 columns x 2 k, two vectors) read once per
 // row group.
+
+// The next block's pair-rows that this row group fetches: one in every `groups` from `phase`. The
+// first row group over a block reads it from memory at the rate of its dot products, faster than
+// one core's share of the memory's bandwidth, and the later groups read none: spread over every
+// group of the current block, the fetches keep ahead without a burst (as linear_fp32.cpp's).
+struct Prefetch {
+  const uint16_t* next;  // the next block (nullptr: none)
+  int phase, groups;
+};
+
 template <int R>
-inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t kp, float* c) {
+inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t kp, float* c, Prefetch pf) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 2) {
+  for (int64_t k = 0, turn = pf.phase; k < kp; k += 2) {
+    if (pf.next != nullptr && --turn < 0) {  // the next block's pair-row k: its two lines
+      turn = pf.groups - 1;
+      __builtin_prefetch(pf.next + k * 32, 0, 3);
+      __builtin_prefetch(pf.next + k * 32 + 32, 0, 3);
+    }
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wb + k * 32);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(wb + k * 32 + 32);
     for (int r = 0; r < R; ++r) {
@@ -195,15 +210,18 @@ void packed_linear_dpbf16(const uint16_t* x, int64_t ldx, int rows, const uint16
       int64_t ldr = ldx;
       const uint16_t* xr = spread ? spread_rows(x + p0 * ldx, ldx, panel, kp, ldr) : x + p0 * ldx;
       uint16_t* yp = y + static_cast<int64_t>(p0) * n;
+      const int groups = (panel + kGroup - 1) / kGroup;
       for (int64_t b = blocks * t / nt, end = blocks * (t + 1) / nt; b < end; ++b) {
         const uint16_t* wb = w + b * block_elems;
+        const uint16_t* next = b + 1 < end ? wb + block_elems : nullptr;
         const int64_t n0 = b * 32;
         for (int r = 0; r < panel; r += kGroup) {
           const int g = std::min(kGroup, panel - r);
+          const Prefetch pf{next, r / kGroup, groups};
           // clang-format off
           switch (g) {
 #define CHUNKGEN_ROWS(m) \
-  case m: dpbf16_rows<m>(xr + r * ldr, ldr, wb, kp, c); break;
+  case m: dpbf16_rows<m>(xr + r * ldr, ldr, wb, kp, c, pf); break;
             CHUNKGEN_ROWS(1) CHUNKGEN_ROWS(2) CHUNKGEN_ROWS(3) CHUNKGEN_ROWS(4) CHUNKGEN_ROWS(5)
             CHUNKGEN_ROWS(6) CHUNKGEN_ROWS(7) CHUNKGEN_ROWS(8) CHUNKGEN_ROWS(9) CHUNKGEN_ROWS(10)
             CHUNKGEN_ROWS(11) CHUNKGEN_ROWS(12) CHUNKGEN_ROWS(13) CHUNKGEN_ROWS(14)
