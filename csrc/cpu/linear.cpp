@@ -149,10 +149,6 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
 namespace {
 
-// The same product on AVX512_BF16 dot products (CPUs without AMX): R rows x 32 columns of fp32
-// sums in registers, each pair-row of the block (32 columns x 2 k, two vectors) read once per
-// row group.
-
 // The next block's pair-rows that this row group fetches: one in every `groups` from `phase`. The
 // first row group over a block reads it from memory at the rate of its dot products, faster than
 // one core's share of the memory's bandwidth, and the later groups read none: spread over every
@@ -162,6 +158,9 @@ struct Prefetch {
   int phase, groups;
 };
 
+// The same product on AVX512_BF16 dot products (CPUs without AMX): R rows x 32 columns of fp32
+// sums in registers, each pair-row of the block (32 columns x 2 k, two vectors) read once per
+// row group.
 template <int R>
 inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t kp, float* c, Prefetch pf) {
   __m512 acc0[R], acc1[R];
