@@ -20,6 +20,7 @@
 #include "bf16_gemm.h"
 #include "isa.h"
 #include "output_lines.h"
+#include "prefetch.h"
 #include "row_spread.h"
 
 namespace chunkgen {
@@ -149,14 +150,7 @@ void packed_linear_amx(const uint16_t* x, int64_t ldx, int rows, const uint16_t*
 #if defined(CHUNKGEN_HAVE_AVX512_BF16)
 namespace {
 
-// The next block's pair-rows that this row group fetches: one in every `groups` from `phase`. The
-// first row group over a block reads it from memory at the rate of its dot products, faster than
-// one core's share of the memory's bandwidth, and the later groups read none: spread over every
-// group of the current block, the fetches keep ahead without a burst (as linear_fp32.cpp's).
-struct Prefetch {
-  const uint16_t* next;  // the next block (nullptr: none)
-  int phase, groups;
-};
+using Prefetch = NextBlockPrefetch<uint16_t>;  // a pair-row of k (two lines) a turn
 
 // The same product on AVX512_BF16 dot products (CPUs without AMX): R rows x 32 columns of fp32
 // sums in registers, each pair-row of the block (32 columns x 2 k, two vectors) read once per
@@ -166,8 +160,7 @@ inline void dpbf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int6
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t k = 0, turn = pf.phase; k < kp; k += 2) {
-    if (pf.next != nullptr && --turn < 0) {  // the next block's pair-row k: its two lines
-      turn = pf.groups - 1;
+    if (pf.due(turn)) {
       __builtin_prefetch(pf.next + k * 32, 0, 3);
       __builtin_prefetch(pf.next + k * 32 + 32, 0, 3);
     }

@@ -12,6 +12,7 @@
 
 #include "../linear.h"
 #include "output_lines.h"
+#include "prefetch.h"
 #include "row_spread.h"
 #include "vec.h"
 
@@ -29,13 +30,7 @@ constexpr int kCols = 2 * W;  // output columns of a block
 // register file (16 vector registers below AVX-512, 32 with it).
 constexpr int kGroup = W == 16 ? 14 : 6;
 
-// The next block's k steps that this row group fetches: one in every `groups` from `phase`. The
-// block comes from memory; spread over all of the current block's row groups, the fetches keep
-// ahead of the first group without a burst.
-struct Prefetch {
-  const float* next;  // the next block (nullptr: none)
-  int phase, groups;
-};
+using Prefetch = NextBlockPrefetch<float>;  // a step of k (kCols floats) a turn
 
 template <int R>
 inline void fma_rows(const float* x, int64_t ldx, const float* wb, int64_t k, float* y, int64_t ldy, int cols,
@@ -43,8 +38,7 @@ inline void fma_rows(const float* x, int64_t ldx, const float* wb, int64_t k, fl
   vf acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = vf{};
   for (int64_t i = 0, turn = pf.phase; i < k; ++i) {
-    if (pf.next != nullptr && --turn < 0) {
-      turn = pf.groups - 1;
+    if (pf.due(turn)) {
       for (int line = 0; line < kCols; line += 16) __builtin_prefetch(pf.next + i * kCols + line, 0, 3);
     }
     const vf b0 = load(wb + i * kCols), b1 = load(wb + i * kCols + W);

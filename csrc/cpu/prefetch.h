@@ -8,7 +8,29 @@
 // slower, so it stays a builtin.
 #pragma once
 
+#include <cstdint>
+
 namespace chunkgen {
+
+// The share of the next weight block that one row group of a blocked linear product fetches: one
+// step of k in every `groups`, from its own `phase`. The first row group over a block would read it
+// from memory at the rate of its dot products, faster than one core's share of the bandwidth, and
+// the later groups would read none: spread over every group of the current block, the fetches keep
+// ahead without a burst. The products keep __builtin_prefetch (see above).
+template <typename T>
+struct NextBlockPrefetch {
+  const T* next;  // the next block (nullptr: none)
+  int phase, groups;
+
+  // Whether step k's share is due; turn starts at phase and counts down.
+  bool due(int64_t& turn) const {
+    if (next != nullptr && --turn < 0) {
+      turn = groups - 1;
+      return true;
+    }
+    return false;
+  }
+};
 
 // The line holding p, toward L2 (prefetcht1).
 inline void prefetch_l2(const void* p) {
