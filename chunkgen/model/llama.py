@@ -54,8 +54,11 @@ class UnsupportedModel(ValueError):
 # its faster kernel: at batch 32 and 256, one thread, weights of 64x64 to 64x2048 the two paths at
 # best tie.
 _ONEDNN_MIN_WEIGHT = 1 << 17
-# Rows chunkgen's decode product takes (csrc/linear.h), by weight dtype; more go to oneDNN.
-_DECODE_PACKED_ROWS = {torch.bfloat16: 32, torch.float32: 256}
+# Rows chunkgen's decode product takes (csrc/linear.h), by weight dtype; more go to oneDNN. In a
+# decode step it beats oneDNN at every batch up to 256 (bf16, `bench step --batch-invariant off`
+# against on: the default model's linear layers 22 against 36 ms at 64 rows, 84 against 93 at 256 on a
+# Zen 5; 62.6 against 69.7 at 256 on a Xeon's AMX).
+_DECODE_PACKED_ROWS = {torch.bfloat16: 256, torch.float32: 256}
 # Rows of a CPU forward whose MLP runs at once: a large prefill wave's runs in slices of them, so its
 # gate/up output is a slice's (a 7B model's 2,048-token wave held 0.09 GiB of it in bf16, 0.17 in
 # fp32); a slice is rows enough for every product's full speed (with batch-invariant numerics a row's
@@ -92,7 +95,7 @@ class Linear:
     build supports it for this dtype and the weight is not tiny: 1.4-2.1x faster than F.linear at
     decode batch sizes (measured at batch 32 on the default model's shapes).
     CHUNKGEN_ONEDNN=0 turns it off. A weight without bias is also packed for chunkgen's decode
-    product (csrc/linear.h), which takes calls of up to 32 rows in bf16, 256 in fp32: in bf16 on a CPU with AMX or
+    product (csrc/linear.h), which takes calls of up to 256 rows: in bf16 on a CPU with AMX or
     AVX512_BF16 (a decode step's product is bound by reading the weights, and its packing streams
     them from memory faster than oneDNN's does, with the same results); in fp32 on any CPU (FMA
     vectors of the build's width, where oneDNN's AVX2 kernels reach about half the FMA peak at

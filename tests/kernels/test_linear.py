@@ -136,7 +136,7 @@ def invariant_off():
 
 
 @needs_bf16
-def test_the_model_uses_it_for_up_to_32_rows(monkeypatch, invariant_off):
+def test_the_model_uses_it_for_up_to_256_rows(monkeypatch, invariant_off):
     w = torch.randn(600, 512).bfloat16()  # above the size oneDNN and the AMX product are used for
     lin = llama.Linear(w, None)
     assert lin.decode_packed is not None
@@ -145,12 +145,12 @@ def test_the_model_uses_it_for_up_to_32_rows(monkeypatch, invariant_off):
     monkeypatch.setattr(
         llama.torch.ops.chunkgen.packed_linear, "default", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
-    for rows in (1, 32, 33, 64):
+    for rows in (1, 32, 33, 256, 257):
         x = torch.randn(rows, 512).bfloat16()
         y = lin(x)
         want = x.double() @ w.double().t()
         assert y.shape == (rows, 600) and ((y.double() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
-    assert calls == [1, 32]
+    assert calls == [1, 32, 33, 256]
     assert not llama.Linear(w, torch.zeros(600).bfloat16()).decode_fast  # biased: oneDNN's path
     monkeypatch.setenv("CHUNKGEN_DECODE_LINEAR", "0")
     assert llama.Linear(w, None).decode_packed is None
