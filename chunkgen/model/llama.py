@@ -54,11 +54,11 @@ class UnsupportedModel(ValueError):
 # its faster kernel: at batch 32 and 256, one thread, weights of 64x64 to 64x2048 the two paths at
 # best tie.
 _ONEDNN_MIN_WEIGHT = 1 << 17
-# Rows chunkgen's decode product takes (csrc/linear.h), by weight dtype; more go to oneDNN. In a
-# decode step it beats oneDNN at every batch up to 256 (bf16, `bench step --batch-invariant off`
-# against on: the default model's linear layers 22 against 36 ms at 64 rows, 84 against 93 at 256 on a
-# Zen 5; 62.6 against 69.7 at 256 on a Xeon's AMX).
-_DECODE_PACKED_ROWS = {torch.bfloat16: 256, torch.float32: 256}
+# Rows chunkgen's decode product takes (csrc/linear.h) with batch-invariant numerics off; more go to
+# oneDNN. In a decode step it beats oneDNN at every batch up to 256 (bf16, `bench step
+# --batch-invariant off` against on: the default model's linear layers 22 against 36 ms at 64 rows,
+# 84 against 93 at 256 on a Zen 5; 62.6 against 69.7 at 256 on a Xeon's AMX; fp32 level at 256).
+_DECODE_PACKED_ROWS = 256
 # Rows of a CPU forward whose MLP runs at once: a large prefill wave's runs in slices of them, so its
 # gate/up output is a slice's (a 7B model's 2,048-token wave held 0.09 GiB of it in bf16, 0.17 in
 # fp32); a slice is rows enough for every product's full speed (with batch-invariant numerics a row's
@@ -169,7 +169,7 @@ class Linear:
                 or self.weight is None
                 and self.packed is None
                 or self.decode_fast
-                and x.shape[0] <= _DECODE_PACKED_ROWS[self.dtype]
+                and x.shape[0] <= _DECODE_PACKED_ROWS
             ):
                 y = torch.ops.chunkgen.packed_linear.default(x, self.decode_packed, self.out_features)
                 return y if self.bias is None else y.add_(self.bias)
